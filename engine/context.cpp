@@ -1,0 +1,51 @@
+#include "engine/context.h"
+
+#include <thread>
+
+#include "engine/cuda/cudart.h"
+#include "engine/error.h"
+#include "engine/ops.h"
+
+namespace replica {
+
+DeviceContext::DeviceContext(Device device, ContextOptions options)
+    : device_(device), options_(options) {
+  if (device.is_cpu()) {
+    int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    threads_ = options.threads > 0 ? options.threads : cores;
+    arena_ = std::make_unique<tbb::task_arena>(threads_);
+    allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
+    backend_ = make_cpu_backend();
+  } else {
+    REPLICA_USAGE_CHECK(cuda_backend_built(),
+                        "device {} requested but this build has no CUDA backend", device.str());
+    REPLICA_USAGE_CHECK(device.index < cuda_device_count(), "GPU {} does not exist",
+                        device.index);
+    threads_ = 1;
+    cudart::set_device(device.index);
+    allocator_ = std::make_unique<Allocator>(Allocator::Kind::CudaDevice, device);
+    cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
+        cudart::create_state(device, options.deterministic), cudart::destroy_state);
+    backend_ = make_cuda_backend();
+  }
+}
+
+DeviceContext::~DeviceContext() {
+  if (cuda_) {
+    try {
+      cudart::synchronize(cuda_.get());
+    } catch (...) {
+    }
+  }
+  backend_.reset();
+}
+
+void DeviceContext::activate() const {
+  if (device_.is_cuda()) cudart::set_device(device_.index);
+}
+
+void DeviceContext::synchronize() {
+  if (cuda_) cudart::synchronize(cuda_.get());
+}
+
+}  // namespace replica

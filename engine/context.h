@@ -1,0 +1,65 @@
+// DeviceContext: everything one device needs to run work — its allocator, its kernels (Backend),
+// on CPU a TBB arena with its share of the cores, on CUDA a stream, cuBLAS/cuDNN handles and a
+// workspace. One context per device (per logical/virtual device); used by one thread at a time.
+#pragma once
+#include <memory>
+#include <utility>
+
+#include <tbb/task_arena.h>
+
+#include "engine/allocator.h"
+#include "engine/device.h"
+#include "engine/tensor.h"
+
+namespace replica {
+
+class Backend;
+struct CudaState;  // stream, handles, workspace (engine/cuda/cuda_context.cu)
+
+struct ContextOptions {
+  int threads = 0;             // CPU: threads in this device's arena (0 = all cores)
+  bool deterministic = false;  // CUDA: deterministic algorithms only (CPU always is)
+};
+
+class DeviceContext {
+ public:
+  DeviceContext(Device device, ContextOptions options = {});
+  ~DeviceContext();
+  DeviceContext(const DeviceContext&) = delete;
+  DeviceContext& operator=(const DeviceContext&) = delete;
+
+  const Device& device() const { return device_; }
+  bool is_cuda() const { return device_.is_cuda(); }
+  Allocator& allocator() { return *allocator_; }
+  Backend& ops() { return *backend_; }
+  int threads() const { return threads_; }
+  bool deterministic() const { return options_.deterministic; }
+  CudaState* cuda() const { return cuda_.get(); }
+
+  Tensor alloc(const Shape& shape, DType dtype = DType::F32) {
+    return Tensor::empty(*allocator_, shape, dtype);
+  }
+  // Makes this device current for the calling thread (cudaSetDevice); a no-op on CPU.
+  void activate() const;
+  // Runs f inside this device's TBB arena on CPU, so parallel kernels use only its cores.
+  template <class F>
+  void run(F&& f) {
+    activate();
+    if (arena_) arena_->execute(std::forward<F>(f));
+    else f();
+  }
+  tbb::task_arena* arena() { return arena_.get(); }
+  // Waits for all work enqueued on this device (a host sync: never inside an iteration).
+  void synchronize();
+
+ private:
+  Device device_;
+  ContextOptions options_;
+  int threads_ = 1;
+  std::unique_ptr<Allocator> allocator_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<tbb::task_arena> arena_;
+  std::unique_ptr<CudaState, void (*)(CudaState*)> cuda_{nullptr, nullptr};
+};
+
+}  // namespace replica

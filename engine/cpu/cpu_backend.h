@@ -1,0 +1,94 @@
+// The CPU backend: OpenBLAS (serial, one call per worker thread) for GEMM and im2col
+// convolutions, TBB for everything else. All parallel loops run inside the calling device's
+// arena (DeviceContext::run), so virtual CPU devices do not oversubscribe cores.
+// Deterministic: every reduction is split into chunks fixed by the problem size (never by the
+// thread count or scheduling) and summed in a fixed order.
+#pragma once
+#include "engine/ops.h"
+
+namespace replica {
+
+class CpuBackend final : public Backend {
+ public:
+  void fill(DeviceContext& ctx, Tensor& t, float value) override;
+  void copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) override;
+  void add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) override;
+  void scale(DeviceContext& ctx, Tensor& t, float alpha) override;
+
+  void linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
+                      Tensor& y) override;
+  void linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                       Tensor& dx, Tensor& dw, Tensor& db) override;
+  void conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
+                      Tensor& y, const Conv2dParams& p) override;
+  void conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                       Tensor& dx, Tensor& dw, Tensor& db, const Conv2dParams& p) override;
+
+  void batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& beta, Tensor& running_mean, Tensor& running_var,
+                               float momentum, float eps, Tensor& y, Tensor& save_mean,
+                               Tensor& save_invstd) override;
+  void batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
+                              const Tensor& beta, const Tensor& running_mean,
+                              const Tensor& running_var, float eps, Tensor& y) override;
+  void batchnorm_backward(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
+                          const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dy,
+                          Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
+
+  void relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) override;
+  void relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy, Tensor& dx) override;
+  void maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y,
+                         const Pool2dParams& p) override;
+  void maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& y, const Tensor& dy,
+                          Tensor& dx, const Pool2dParams& p) override;
+  void adaptive_avgpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) override;
+  void adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& dy, Tensor& dx) override;
+  void dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask, float p,
+                       uint64_t seed) override;
+  void mul(DeviceContext& ctx, const Tensor& a, const Tensor& b, Tensor& out) override;
+
+  void cross_entropy_forward(DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
+                             Tensor& probs, Tensor& loss) override;
+  void cross_entropy_backward(DeviceContext& ctx, const Tensor& probs, const Tensor& labels,
+                              float scale, Tensor& dlogits) override;
+  void count_correct(DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
+                     Tensor& correct) override;
+
+  void sgd_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& momentum,
+                const SgdConfig& c, bool first_step) override;
+  void adam_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                 const AdamConfig& c, int64_t step) override;
+};
+
+namespace cpu {
+// Elementwise loops run in parallel in grains of this many elements (fixed, so results and
+// chunking never depend on the thread count).
+constexpr int64_t kGrain = 16384;
+
+template <class F>
+void parallel_range(int64_t n, int64_t grain, F&& f);  // f(begin, end)
+
+// Row-major single-precision GEMM through the serial OpenBLAS:
+// C[M,N] = alpha * op(A) op(B) + beta * C
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+           int64_t ldc);
+}  // namespace cpu
+
+}  // namespace replica
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
+
+template <class F>
+void replica::cpu::parallel_range(int64_t n, int64_t grain, F&& f) {
+  if (n <= 0) return;
+  if (n <= grain) {
+    f(int64_t(0), n);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, grain),
+                    [&](const tbb::blocked_range<int64_t>& r) { f(r.begin(), r.end()); },
+                    tbb::simple_partitioner());
+}

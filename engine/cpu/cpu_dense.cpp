@@ -1,0 +1,254 @@
+// CPU linear and convolution layers: im2col + serial OpenBLAS SGEMM, parallel over samples.
+// Weight gradients are accumulated per fixed chunk of samples, then the chunks are summed in
+// order, so the result does not depend on the number of threads.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "engine/context.h"
+#include "engine/cpu/cpu_backend.h"
+#include "engine/error.h"
+
+namespace replica {
+
+namespace cpu {
+
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+           int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.f ? 0.f : beta * C[i * ldc + j];
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A, int(lda), B,
+              int(ldb), beta, C, int(ldc));
+}
+
+}  // namespace cpu
+
+namespace {
+
+// Chunks a weight-gradient reduction is split into: fixed by the batch, not the machine.
+constexpr int64_t kMaxWeightChunks = 8;
+
+struct ConvGeometry {
+  int64_t n, c, h, w, k, r, p, q;
+  int stride, pad;
+  int64_t crr() const { return c * r * r; }
+  int64_t pq() const { return p * q; }
+  bool pointwise() const { return r == 1 && stride == 1 && pad == 0; }
+};
+
+ConvGeometry geometry(const Tensor& x, const Tensor& w, const Conv2dParams& prm) {
+  REPLICA_CHECK(x.ndim() == 4 && w.ndim() == 4, "conv2d expects 4-d input and weight");
+  REPLICA_CHECK(x.dim(1) == w.dim(1), "conv2d: input has {} channels, weight expects {}",
+                x.dim(1), w.dim(1));
+  REPLICA_CHECK(w.dim(2) == w.dim(3), "conv2d: only square kernels");
+  ConvGeometry g{x.dim(0), x.dim(1), x.dim(2), x.dim(3), w.dim(0), w.dim(2), 0, 0,
+                 prm.stride, prm.padding};
+  g.p = window_out(g.h, int(g.r), prm.stride, prm.padding);
+  g.q = window_out(g.w, int(g.r), prm.stride, prm.padding);
+  REPLICA_CHECK(g.p > 0 && g.q > 0, "conv2d: input {}x{} too small for kernel {}", g.h, g.w, g.r);
+  return g;
+}
+
+// cols[(c*r + i)*r + j][oy*q + ox] = x[c][oy*s - pad + i][ox*s - pad + j] (0 outside)
+void im2col(const float* x, const ConvGeometry& g, float* cols) {
+  for (int64_t c = 0; c < g.c; ++c)
+    for (int64_t i = 0; i < g.r; ++i)
+      for (int64_t j = 0; j < g.r; ++j) {
+        float* out = cols + ((c * g.r + i) * g.r + j) * g.pq();
+        const float* plane = x + c * g.h * g.w;
+        for (int64_t oy = 0; oy < g.p; ++oy) {
+          int64_t iy = oy * g.stride - g.pad + i;
+          float* orow = out + oy * g.q;
+          if (iy < 0 || iy >= g.h) {
+            std::fill(orow, orow + g.q, 0.f);
+            continue;
+          }
+          const float* irow = plane + iy * g.w;
+          for (int64_t ox = 0; ox < g.q; ++ox) {
+            int64_t ix = ox * g.stride - g.pad + j;
+            orow[ox] = (ix >= 0 && ix < g.w) ? irow[ix] : 0.f;
+          }
+        }
+      }
+}
+
+// The adjoint of im2col: dx (zeroed here) accumulates every column entry at its source pixel.
+void col2im(const float* cols, const ConvGeometry& g, float* dx) {
+  std::fill(dx, dx + g.c * g.h * g.w, 0.f);
+  for (int64_t c = 0; c < g.c; ++c)
+    for (int64_t i = 0; i < g.r; ++i)
+      for (int64_t j = 0; j < g.r; ++j) {
+        const float* in = cols + ((c * g.r + i) * g.r + j) * g.pq();
+        float* plane = dx + c * g.h * g.w;
+        for (int64_t oy = 0; oy < g.p; ++oy) {
+          int64_t iy = oy * g.stride - g.pad + i;
+          if (iy < 0 || iy >= g.h) continue;
+          float* drow = plane + iy * g.w;
+          const float* irow = in + oy * g.q;
+          for (int64_t ox = 0; ox < g.q; ++ox) {
+            int64_t ix = ox * g.stride - g.pad + j;
+            if (ix >= 0 && ix < g.w) drow[ix] += irow[ox];
+          }
+        }
+      }
+}
+
+// A per-task scratch buffer from the device's caching allocator.
+Tensor scratch(DeviceContext& ctx, int64_t n) { return ctx.alloc({std::max<int64_t>(n, 1)}); }
+
+// Sums `chunks` partial buffers of `n` floats (laid out one after another) into dst, in order.
+void sum_chunks_into(const float* partial, int64_t chunks, int64_t n, float* dst) {
+  cpu::parallel_range(n, cpu::kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* src = partial + c * n;
+      for (int64_t i = b; i < e; ++i) dst[i] += src[i];
+    }
+  });
+}
+
+}  // namespace
+
+void CpuBackend::linear_forward(DeviceContext&, const Tensor& x, const Tensor& w,
+                                const Tensor& b, Tensor& y) {
+  const int64_t n = x.dim(0), in = x.dim(1), out = w.dim(0);
+  REPLICA_CHECK(w.dim(1) == in, "linear: input has {} features, weight expects {}", in, w.dim(1));
+  const float* xp = x.f32();
+  const float* wp = w.f32();
+  const float* bp = b.defined() ? b.f32() : nullptr;
+  float* yp = y.f32();
+  cpu::parallel_range(n, 32, [&](int64_t r0, int64_t r1) {
+    if (bp)
+      for (int64_t i = r0; i < r1; ++i) std::memcpy(yp + i * out, bp, out * sizeof(float));
+    cpu::sgemm(false, true, r1 - r0, out, in, 1.f, xp + r0 * in, in, wp, in, bp ? 1.f : 0.f,
+               yp + r0 * out, out);
+  });
+}
+
+void CpuBackend::linear_backward(DeviceContext&, const Tensor& x, const Tensor& w,
+                                 const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db) {
+  const int64_t n = x.dim(0), in = x.dim(1), out = w.dim(0);
+  const float* xp = x.f32();
+  const float* wp = w.f32();
+  const float* g = dy.f32();
+  if (dx.defined()) {
+    float* d = dx.f32();
+    cpu::parallel_range(n, 32, [&](int64_t r0, int64_t r1) {
+      cpu::sgemm(false, false, r1 - r0, in, out, 1.f, g + r0 * out, out, wp, in, 0.f,
+                 d + r0 * in, in);
+    });
+  }
+  // dw[o, :] += sum_n dy[n, o] x[n, :], split over output rows (each row summed over n in order)
+  float* dwp = dw.f32();
+  cpu::parallel_range(out, 8, [&](int64_t o0, int64_t o1) {
+    cpu::sgemm(true, false, o1 - o0, in, n, 1.f, g + o0, out, xp, in, 1.f, dwp + o0 * in, in);
+  });
+  if (db.defined()) {
+    float* dbp = db.f32();
+    for (int64_t o = 0; o < out; ++o) {
+      float s = 0.f;
+      for (int64_t i = 0; i < n; ++i) s += g[i * out + o];
+      dbp[o] += s;
+    }
+  }
+}
+
+void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                const Tensor& b, Tensor& y, const Conv2dParams& prm) {
+  const ConvGeometry g = geometry(x, w, prm);
+  REPLICA_CHECK(y.numel() == g.n * g.k * g.pq(), "conv2d: output has the wrong size");
+  const float* xp = x.f32();
+  const float* wp = w.f32();
+  const float* bp = b.defined() ? b.f32() : nullptr;
+  float* yp = y.f32();
+  cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
+    Tensor cols = g.pointwise() ? Tensor() : scratch(ctx, g.crr() * g.pq());
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* xn = xp + n * g.c * g.h * g.w;
+      float* yn = yp + n * g.k * g.pq();
+      const float* src = xn;
+      if (!g.pointwise()) {
+        im2col(xn, g, cols.f32());
+        src = cols.f32();
+      }
+      if (bp)
+        for (int64_t k = 0; k < g.k; ++k) std::fill(yn + k * g.pq(), yn + (k + 1) * g.pq(), bp[k]);
+      cpu::sgemm(false, false, g.k, g.pq(), g.crr(), 1.f, wp, g.crr(), src, g.pq(),
+                 bp ? 1.f : 0.f, yn, g.pq());
+    }
+  });
+}
+
+void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                 const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
+                                 const Conv2dParams& prm) {
+  const ConvGeometry g = geometry(x, w, prm);
+  const float* xp = x.f32();
+  const float* wp = w.f32();
+  const float* gp = dy.f32();
+  const int64_t wsize = g.k * g.crr();
+  const int64_t chunks = std::min<int64_t>(g.n, kMaxWeightChunks);
+  const int64_t per_chunk = chunks ? (g.n + chunks - 1) / chunks : 0;
+  Tensor partial = scratch(ctx, chunks * wsize);
+  float* pw = partial.f32();
+  float* dxp = dx.defined() ? dx.f32() : nullptr;
+
+  // Each chunk of samples: its weight-gradient partial, and each sample's input gradient.
+  cpu::parallel_range(chunks, 1, [&](int64_t c0, int64_t c1) {
+    Tensor cols = g.pointwise() ? Tensor() : scratch(ctx, g.crr() * g.pq());
+    for (int64_t c = c0; c < c1; ++c) {
+      float* pc = pw + c * wsize;
+      std::fill(pc, pc + wsize, 0.f);
+      for (int64_t n = c * per_chunk; n < std::min(g.n, (c + 1) * per_chunk); ++n) {
+        const float* xn = xp + n * g.c * g.h * g.w;
+        const float* gn = gp + n * g.k * g.pq();
+        const float* src = xn;
+        if (!g.pointwise()) {
+          im2col(xn, g, cols.f32());
+          src = cols.f32();
+        }
+        // dW[k, crr] += dY_n[k, pq] * cols[crr, pq]^T
+        cpu::sgemm(false, true, g.k, g.crr(), g.pq(), 1.f, gn, g.pq(), src, g.pq(), 1.f, pc,
+                   g.crr());
+        if (dxp) {
+          float* dxn = dxp + n * g.c * g.h * g.w;
+          if (g.pointwise()) {
+            cpu::sgemm(true, false, g.crr(), g.pq(), g.k, 1.f, wp, g.crr(), gn, g.pq(), 0.f, dxn,
+                       g.pq());
+          } else {
+            // dcols = W^T dY_n, reusing the cols buffer after the weight gradient is done
+            cpu::sgemm(true, false, g.crr(), g.pq(), g.k, 1.f, wp, g.crr(), gn, g.pq(), 0.f,
+                       cols.f32(), g.pq());
+            col2im(cols.f32(), g, dxn);
+          }
+        }
+      }
+    }
+  });
+  sum_chunks_into(pw, chunks, wsize, dw.f32());
+
+  if (db.defined()) {
+    float* dbp = db.f32();
+    cpu::parallel_range(g.k, 1, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) {
+        double s = 0.0;
+        for (int64_t n = 0; n < g.n; ++n) {
+          const float* row = gp + (n * g.k + k) * g.pq();
+          float t = 0.f;
+          for (int64_t i = 0; i < g.pq(); ++i) t += row[i];
+          s += t;
+        }
+        dbp[k] += float(s);
+      }
+    });
+  }
+}
+
+}  // namespace replica

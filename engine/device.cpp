@@ -1,0 +1,136 @@
+#include "engine/device.h"
+
+#include <algorithm>
+#include <set>
+#include <thread>
+
+#include "engine/cuda/cudart.h"
+#include "engine/error.h"
+
+namespace replica {
+
+std::string Device::str() const {
+  if (type == DeviceType::CPU) return fmt::format("cpu:{}", index);
+  if (slot == 0) return fmt::format("cuda:{}", index);
+  return fmt::format("cuda:{}#{}", index, slot);
+}
+
+int cuda_device_count() { return cudart::device_count(); }
+
+bool cuda_backend_built() {
+#ifdef REPLICA_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+int parse_count(const std::string& text, const std::string& spec) {
+  REPLICA_USAGE_CHECK(!text.empty() && std::all_of(text.begin(), text.end(), ::isdigit) &&
+                          text.size() < 6,
+                      "invalid device string '{}': '{}' is not a number", spec, text);
+  return std::stoi(text);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    size_t pos = s.find(sep, start);
+    out.push_back(s.substr(start, pos - start));
+    if (pos == std::string::npos) break;
+    start = pos + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) {
+  std::string spec = spec_in;
+  spec.erase(std::remove_if(spec.begin(), spec.end(), ::isspace), spec.end());
+  REPLICA_USAGE_CHECK(!spec.empty(), "empty device string (try cpu, cpu*4, cuda, cuda:0,1)");
+  std::string base = spec;
+  int copies = 1;
+  bool starred = false;
+  if (auto star = spec.find('*'); star != std::string::npos) {
+    base = spec.substr(0, star);
+    copies = parse_count(spec.substr(star + 1), spec);
+    starred = true;
+    REPLICA_USAGE_CHECK(copies >= 1, "invalid device string '{}': the count after * must be >= 1",
+                        spec);
+    REPLICA_USAGE_CHECK(copies <= 1024, "invalid device string '{}': too many devices", spec);
+  }
+  std::vector<Device> devices;
+  if (base == "cpu") {
+    for (int i = 0; i < copies; ++i) devices.push_back({DeviceType::CPU, i, i});
+  } else if (base.rfind("cuda", 0) == 0) {
+    int count = cuda_device_count();
+    std::vector<int> ordinals;
+    if (base == "cuda") {
+      REPLICA_USAGE_CHECK(count > 0, "device '{}': no CUDA GPU found{}", spec,
+                          cuda_backend_built() ? "" : " (this build has no CUDA backend)");
+      for (int i = 0; i < count; ++i) ordinals.push_back(i);
+    } else {
+      REPLICA_USAGE_CHECK(base.size() > 5 && base[4] == ':',
+                          "unknown device '{}' (try cpu, cpu*4, cuda, cuda:0, cuda:0,1, cuda:0*2)",
+                          spec);
+      for (const auto& part : split(base.substr(5), ',')) ordinals.push_back(parse_count(part, spec));
+      for (int o : ordinals)
+        REPLICA_USAGE_CHECK(o < count, "device '{}': GPU {} does not exist ({} GPU{} found{})", spec,
+                            o, count, count == 1 ? "" : "s",
+                            cuda_backend_built() ? "" : "; this build has no CUDA backend");
+      std::set<int> seen;
+      for (int o : ordinals)
+        REPLICA_USAGE_CHECK(seen.insert(o).second,
+                            "device '{}': GPU {} is listed twice; to run several logical devices "
+                            "on one GPU write cuda:{}*N",
+                            spec, o, o);
+    }
+    REPLICA_USAGE_CHECK(!(starred && ordinals.size() > 1),
+                        "device '{}': '*N' applies to a single GPU (e.g. cuda:0*2)", spec);
+    for (int o : ordinals)
+      for (int c = 0; c < copies; ++c) devices.push_back({DeviceType::CUDA, o, c});
+  } else {
+    throw UsageError(fmt::format(
+        "unknown device '{}' (try cpu, cpu*4, cuda, cuda:0, cuda:0,1, cuda:0*2)", spec));
+  }
+  REPLICA_USAGE_CHECK(allow_multi || devices.size() == 1,
+                      "device '{}' names {} devices; this program uses one", spec, devices.size());
+  return devices;
+}
+
+std::string default_device_spec() { return cuda_device_count() > 0 ? "cuda" : "cpu"; }
+
+bool devices_share_hardware(const std::vector<Device>& devices) {
+  std::set<int> gpus;
+  size_t n_gpu = 0;
+  for (const auto& d : devices)
+    if (d.is_cuda()) {
+      gpus.insert(d.index);
+      ++n_gpu;
+    }
+  return gpus.size() != n_gpu;
+}
+
+std::vector<std::string> describe_devices() {
+  std::vector<std::string> lines;
+  unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  lines.push_back(fmt::format("cpu      {} core{} (virtual devices: cpu*N)", cores,
+                              cores == 1 ? "" : "s"));
+  if (!cuda_backend_built()) {
+    lines.push_back("cuda     not built (configure with nvcc available and -DREPLICA_CUDA=ON)");
+    return lines;
+  }
+  int n = cuda_device_count();
+  if (n == 0) lines.push_back("cuda     no GPU found (no driver or no device)");
+  for (int i = 0; i < n; ++i)
+    lines.push_back(fmt::format("cuda:{}   {}, {:.1f} GiB", i, cudart::device_name(i),
+                                cudart::device_total_memory(i) / double(1ull << 30)));
+  if (n > 0) lines.push_back("         " + cudart::versions());
+  return lines;
+}
+
+}  // namespace replica

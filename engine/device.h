@@ -1,0 +1,47 @@
+// Devices and the device strings users type.
+//   cpu           one CPU device
+//   cpu*4         four virtual CPU devices (each its own TBB arena and replica)
+//   cuda          every GPU found;   cuda:K   GPU K;   cuda:0,1,3   a list
+//   cuda:0*4      four logical devices sharing GPU 0 (correctness runs, not scaling)
+#pragma once
+#include <string>
+#include <vector>
+
+namespace replica {
+
+enum class DeviceType { CPU, CUDA };
+
+struct Device {
+  DeviceType type = DeviceType::CPU;
+  int index = 0;  // GPU ordinal for CUDA; virtual device number for CPU
+  int slot = 0;   // which logical device on the same GPU / which virtual CPU device
+
+  bool is_cuda() const { return type == DeviceType::CUDA; }
+  bool is_cpu() const { return type == DeviceType::CPU; }
+  std::string str() const;  // "cpu:1", "cuda:0", "cuda:0#1" for the 2nd logical device on GPU 0
+  bool operator==(const Device& o) const {
+    return type == o.type && index == o.index && slot == o.slot;
+  }
+  bool operator!=(const Device& o) const { return !(*this == o); }
+};
+
+// Number of usable GPUs. A missing driver or no GPU is zero, never an error.
+int cuda_device_count();
+
+// True when this build has the CUDA backend compiled in.
+bool cuda_backend_built();
+
+// Parses a device string. `allow_multi` false rejects lists and `*N` (single-device programs).
+// Errors (UsageError): unknown kind, GPU index out of range, cpu*0, a device listed twice.
+std::vector<Device> parse_devices(const std::string& spec, bool allow_multi = true);
+
+// The default when the user names none: all GPUs if any, else one CPU device.
+std::string default_device_spec();
+
+// Whether devices share hardware (logical devices on one GPU): reports label such runs.
+bool devices_share_hardware(const std::vector<Device>& devices);
+
+// Human-readable lines describing what is found (for --list-devices).
+std::vector<std::string> describe_devices();
+
+}  // namespace replica

@@ -1,0 +1,70 @@
+// Tensor: a contiguous, row-major view (shape, dtype, device) into a block from an Allocator.
+// Views share the block, so a model's parameters can all be views of one flat buffer.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/allocator.h"
+#include "engine/device.h"
+
+namespace replica {
+
+enum class DType { F32, I32 };
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);  // "F32", "I32" (safetensors spelling)
+
+using Shape = std::vector<int64_t>;
+int64_t shape_numel(const Shape& s);
+std::string shape_str(const Shape& s);
+
+// Owns memory obtained from an Allocator; returns it to the cache when the last view dies.
+struct Block {
+  Allocator* owner = nullptr;
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  Block(Allocator* a, size_t n);
+  ~Block();
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+};
+
+class Tensor {
+ public:
+  Tensor() = default;  // undefined tensor (an absent optional argument)
+  static Tensor empty(Allocator& alloc, const Shape& shape, DType dtype = DType::F32);
+
+  bool defined() const { return block_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  int64_t dim(int i) const;  // negative counts from the end
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const { return shape_numel(shape_); }
+  size_t bytes() const { return numel() * dtype_size(dtype_); }
+  DType dtype() const { return dtype_; }
+  const Device& device() const { return device_; }
+  bool on_cuda() const { return device_.is_cuda() && !host_; }
+  bool on_host() const { return host_; }
+
+  void* raw() const;
+  float* f32() const;
+  int32_t* i32() const;
+
+  // A view of `shape` starting `offset` elements in. Must fit inside this tensor.
+  Tensor view(int64_t offset, const Shape& shape) const;
+  Tensor reshape(const Shape& shape) const;  // same numel
+  // Rows [begin, end) of the first dimension.
+  Tensor slice_rows(int64_t begin, int64_t end) const;
+
+  const std::shared_ptr<Block>& block() const { return block_; }
+
+ private:
+  std::shared_ptr<Block> block_;
+  size_t offset_bytes_ = 0;
+  Shape shape_;
+  DType dtype_ = DType::F32;
+  Device device_;
+  bool host_ = true;  // memory is host-addressable (CPU device or pinned host)
+};
+
+}  // namespace replica

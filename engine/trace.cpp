@@ -1,0 +1,86 @@
+#include "engine/trace.h"
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/context.h"
+#include "engine/error.h"
+
+namespace replica {
+
+Tracer& Tracer::global() {
+  static Tracer t;
+  return t;
+}
+
+int64_t Tracer::now_us() {
+  using namespace std::chrono;
+  return duration_cast<microseconds>(steady_clock::now().time_since_epoch()).count();
+}
+
+void Tracer::record(const std::string& track, const std::string& phase, int64_t start_us,
+                    int64_t end_us) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  totals_[phase] += double(end_us - start_us);
+  if (recording_) events_.push_back({track, phase, start_us, end_us});
+}
+
+std::map<std::string, double> Tracer::phase_totals_us() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return totals_;
+}
+
+void Tracer::reset_totals() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  totals_.clear();
+}
+
+size_t Tracer::event_count() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return events_.size();
+}
+
+void Tracer::write_chrome_json(const std::string& path) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // One Chrome "thread" per track, named with metadata events.
+  std::map<std::string, int> tids;
+  for (const auto& e : events_) tids.emplace(e.track, 0);
+  int next = 1;
+  for (auto& [track, tid] : tids) tid = next++;
+  nlohmann::json events = nlohmann::json::array();
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 1},
+                    {"args", {{"name", "replica"}}}});
+  for (const auto& [track, tid] : tids)
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", tid},
+                      {"args", {{"name", track}}}});
+  for (const auto& e : events_)
+    events.push_back({{"name", e.phase}, {"cat", e.phase}, {"ph", "X"}, {"pid", 1},
+                      {"tid", tids[e.track]}, {"ts", e.start - origin_us_},
+                      {"dur", e.end - e.start}});
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    REPLICA_USAGE_CHECK(out.good(), "cannot write trace file '{}'", path);
+    out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+    REPLICA_USAGE_CHECK(out.good(), "error writing trace file '{}'", path);
+  }
+  REPLICA_USAGE_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot write trace file '{}'",
+                      path);
+}
+
+TraceSpan::TraceSpan(std::string track, std::string phase, DeviceContext* ctx)
+    : track_(std::move(track)), phase_(std::move(phase)), ctx_(ctx), start_(Tracer::now_us()) {}
+
+TraceSpan::~TraceSpan() {
+  Tracer& t = Tracer::global();
+  if (ctx_ && t.sync_device() && ctx_->is_cuda()) {
+    try {
+      ctx_->synchronize();
+    } catch (...) {
+    }
+  }
+  t.record(track_, phase_, start_, Tracer::now_us());
+}
+
+}  // namespace replica

@@ -1,0 +1,63 @@
+// Tracing: cheap spans (track, phase, start, end) collected in memory and written as Chrome
+// trace JSON (open in chrome://tracing or ui.perfetto.dev). Phase totals are kept even when
+// event recording is off, so every run can report where its time went.
+// On CUDA a span measures the host's view; when `sync_device` is set (with --trace), a span
+// waits for its device before closing, so spans show device time at the cost of overlap.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace replica {
+
+class DeviceContext;
+
+class Tracer {
+ public:
+  static Tracer& global();
+
+  void set_recording(bool on) { recording_ = on; }
+  bool recording() const { return recording_; }
+  void set_sync_device(bool on) { sync_device_ = on; }
+  bool sync_device() const { return sync_device_; }
+
+  static int64_t now_us();
+  void record(const std::string& track, const std::string& phase, int64_t start_us,
+              int64_t end_us);
+  // Totals per phase (microseconds), summed over tracks, since the last reset.
+  std::map<std::string, double> phase_totals_us() const;
+  void reset_totals();
+  // Writes every recorded span. Throws replica::Error if the file cannot be written.
+  void write_chrome_json(const std::string& path) const;
+  size_t event_count() const;
+
+ private:
+  struct Event {
+    std::string track, phase;
+    int64_t start, end;
+  };
+  mutable std::mutex mutex_;
+  bool recording_ = false, sync_device_ = false;
+  std::vector<Event> events_;
+  std::map<std::string, double> totals_;
+  int64_t origin_us_ = now_us();
+};
+
+// RAII span on the global tracer. `ctx` (optional) is synchronised first when sync_device().
+class TraceSpan {
+ public:
+  TraceSpan(std::string track, std::string phase, DeviceContext* ctx = nullptr);
+  ~TraceSpan();
+  TraceSpan(const TraceSpan&) = delete;
+  TraceSpan& operator=(const TraceSpan&) = delete;
+
+ private:
+  std::string track_, phase_;
+  DeviceContext* ctx_;
+  int64_t start_;
+};
+
+}  // namespace replica

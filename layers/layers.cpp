@@ -1,0 +1,219 @@
+#include "layers/layers.h"
+
+#include <cmath>
+
+#include "engine/error.h"
+
+namespace replica {
+
+namespace {
+float default_bound(int64_t fan_in) { return fan_in > 0 ? 1.f / std::sqrt(float(fan_in)) : 0.f; }
+}  // namespace
+
+// ---- Linear ---------------------------------------------------------------------------------
+
+Linear::Linear(int64_t in, int64_t out, bool bias) : in_(in), out_(out), has_bias_(bias) {
+  add_param("weight", {out, in}, Init::uniform(default_bound(in)));
+  if (bias) add_param("bias", {out}, Init::uniform(default_bound(in)));
+}
+
+Shape Linear::output_shape(const Shape& in) const {
+  REPLICA_CHECK(in.size() == 2 && in[1] == in_, "Linear({}, {}) got input {}", in_, out_,
+                shape_str(in));
+  return {in[0], out_};
+}
+
+Tensor Linear::forward(DeviceContext& ctx, const Tensor& x) {
+  x_ = x;
+  Tensor y = ctx.alloc(output_shape(x.shape()));
+  ctx.ops().linear_forward(ctx, x, params_[0]->value, has_bias_ ? params_[1]->value : Tensor(), y);
+  macs_ = double(x.dim(0)) * in_ * out_;
+  return y;
+}
+
+Tensor Linear::backward(DeviceContext& ctx, const Tensor& dy) {
+  Tensor dx = needs_input_grad_ ? ctx.alloc(x_.shape()) : Tensor();
+  Tensor db = has_bias_ ? params_[1]->grad : Tensor();
+  ctx.ops().linear_backward(ctx, x_, params_[0]->value, dy, dx, params_[0]->grad, db);
+  x_ = Tensor();
+  grads_ready();
+  return dx;
+}
+
+// ---- Conv2d ---------------------------------------------------------------------------------
+
+Conv2d::Conv2d(int64_t in, int64_t out, int kernel, int stride, int padding, bool bias)
+    : Conv2d(in, out, kernel, stride, padding, bias,
+             Init::uniform(default_bound(in * kernel * kernel))) {}
+
+Conv2d::Conv2d(int64_t in, int64_t out, int kernel, int stride, int padding, bool bias,
+               Init weight_init)
+    : in_(in), out_(out), kernel_(kernel), p_{stride, padding}, has_bias_(bias) {
+  REPLICA_CHECK(kernel >= 1 && stride >= 1 && padding >= 0, "Conv2d: bad kernel/stride/padding");
+  add_param("weight", {out, in, kernel, kernel}, weight_init);
+  if (bias) add_param("bias", {out}, Init::uniform(default_bound(in * kernel * kernel)));
+}
+
+Shape Conv2d::output_shape(const Shape& in) const {
+  REPLICA_CHECK(in.size() == 4 && in[1] == in_, "Conv2d({}, {}) got input {}", in_, out_,
+                shape_str(in));
+  int64_t p = window_out(in[2], kernel_, p_.stride, p_.padding);
+  int64_t q = window_out(in[3], kernel_, p_.stride, p_.padding);
+  REPLICA_CHECK(p > 0 && q > 0, "Conv2d: input {} is too small for a {}x{} kernel", shape_str(in),
+                kernel_, kernel_);
+  return {in[0], out_, p, q};
+}
+
+Tensor Conv2d::forward(DeviceContext& ctx, const Tensor& x) {
+  x_ = x;
+  Shape os = output_shape(x.shape());
+  Tensor y = ctx.alloc(os);
+  ctx.ops().conv2d_forward(ctx, x, params_[0]->value, has_bias_ ? params_[1]->value : Tensor(), y,
+                           p_);
+  macs_ = double(os[0]) * os[1] * os[2] * os[3] * in_ * kernel_ * kernel_;
+  return y;
+}
+
+Tensor Conv2d::backward(DeviceContext& ctx, const Tensor& dy) {
+  Tensor dx = needs_input_grad_ ? ctx.alloc(x_.shape()) : Tensor();
+  Tensor db = has_bias_ ? params_[1]->grad : Tensor();
+  ctx.ops().conv2d_backward(ctx, x_, params_[0]->value, dy, dx, params_[0]->grad, db, p_);
+  x_ = Tensor();
+  grads_ready();
+  return dx;
+}
+
+// ---- BatchNorm2d ----------------------------------------------------------------------------
+
+BatchNorm2d::BatchNorm2d(int64_t channels, float eps, float momentum)
+    : channels_(channels), eps_(eps), momentum_(momentum) {
+  add_param("weight", {channels}, Init::constant(1.f));
+  add_param("bias", {channels}, Init::constant(0.f));
+  add_buffer("running_mean", {channels}, 0.f);
+  add_buffer("running_var", {channels}, 1.f);
+}
+
+Tensor BatchNorm2d::forward(DeviceContext& ctx, const Tensor& x) {
+  REPLICA_CHECK(x.ndim() >= 2 && x.dim(1) == channels_, "BatchNorm2d({}) got input {}",
+                channels_, shape_str(x.shape()));
+  Tensor y = ctx.alloc(x.shape());
+  Tensor& gamma = params_[0]->value;
+  Tensor& beta = params_[1]->value;
+  if (training_) {
+    x_ = x;
+    save_mean_ = ctx.alloc({channels_});
+    save_invstd_ = ctx.alloc({channels_});
+    ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, buffers_[0]->value, buffers_[1]->value,
+                                      momentum_, eps_, y, save_mean_, save_invstd_);
+  } else {
+    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, buffers_[0]->value, buffers_[1]->value,
+                                     eps_, y);
+  }
+  return y;
+}
+
+Tensor BatchNorm2d::backward(DeviceContext& ctx, const Tensor& dy) {
+  REPLICA_CHECK(x_.defined(), "BatchNorm2d backward without a training-mode forward");
+  Tensor dx = ctx.alloc(x_.shape());
+  ctx.ops().batchnorm_backward(ctx, x_, params_[0]->value, save_mean_, save_invstd_, dy, dx,
+                               params_[0]->grad, params_[1]->grad);
+  x_ = save_mean_ = save_invstd_ = Tensor();
+  grads_ready();
+  return dx;
+}
+
+// ---- ReLU, pooling, flatten, dropout --------------------------------------------------------
+
+Tensor ReLU::forward(DeviceContext& ctx, const Tensor& x) {
+  y_ = ctx.alloc(x.shape());
+  ctx.ops().relu_forward(ctx, x, y_);
+  return y_;
+}
+
+Tensor ReLU::backward(DeviceContext& ctx, const Tensor& dy) {
+  Tensor dx = ctx.alloc(dy.shape());
+  ctx.ops().relu_backward(ctx, y_, dy, dx);
+  y_ = Tensor();
+  return dx;
+}
+
+MaxPool2d::MaxPool2d(int kernel, int stride, int padding) : p_{kernel, stride, padding} {}
+
+Shape MaxPool2d::output_shape(const Shape& in) const {
+  REPLICA_CHECK(in.size() == 4, "MaxPool2d expects NCHW input, got {}", shape_str(in));
+  int64_t p = window_out(in[2], p_.kernel, p_.stride, p_.padding);
+  int64_t q = window_out(in[3], p_.kernel, p_.stride, p_.padding);
+  REPLICA_CHECK(p > 0 && q > 0, "MaxPool2d: input {} too small", shape_str(in));
+  return {in[0], in[1], p, q};
+}
+
+Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
+  x_ = x;
+  y_ = ctx.alloc(output_shape(x.shape()));
+  ctx.ops().maxpool2d_forward(ctx, x, y_, p_);
+  return y_;
+}
+
+Tensor MaxPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
+  Tensor dx = ctx.alloc(x_.shape());
+  ctx.ops().maxpool2d_backward(ctx, x_, y_, dy, dx, p_);
+  x_ = y_ = Tensor();
+  return dx;
+}
+
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(int64_t out_h, int64_t out_w) : oh_(out_h), ow_(out_w) {}
+
+Shape AdaptiveAvgPool2d::output_shape(const Shape& in) const {
+  REPLICA_CHECK(in.size() == 4, "AdaptiveAvgPool2d expects NCHW input, got {}", shape_str(in));
+  return {in[0], in[1], oh_, ow_};
+}
+
+Tensor AdaptiveAvgPool2d::forward(DeviceContext& ctx, const Tensor& x) {
+  in_shape_ = x.shape();
+  Tensor y = ctx.alloc(output_shape(x.shape()));
+  ctx.ops().adaptive_avgpool2d_forward(ctx, x, y);
+  return y;
+}
+
+Tensor AdaptiveAvgPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
+  Tensor dx = ctx.alloc(in_shape_);
+  ctx.ops().adaptive_avgpool2d_backward(ctx, dy, dx);
+  return dx;
+}
+
+Shape Flatten::output_shape(const Shape& in) const {
+  REPLICA_CHECK(!in.empty(), "Flatten of a scalar");
+  return {in[0], in[0] ? shape_numel(in) / in[0] : 0};
+}
+
+Tensor Flatten::forward(DeviceContext&, const Tensor& x) {
+  in_shape_ = x.shape();
+  return x.reshape(output_shape(x.shape()));
+}
+
+Tensor Flatten::backward(DeviceContext&, const Tensor& dy) { return dy.reshape(in_shape_); }
+
+Dropout::Dropout(float p, uint64_t seed) : p_(p), seed_(seed) {
+  REPLICA_CHECK(p >= 0.f && p < 1.f, "Dropout probability must be in [0, 1), got {}", p);
+}
+
+Tensor Dropout::forward(DeviceContext& ctx, const Tensor& x) {
+  if (!training_ || p_ == 0.f) {
+    mask_ = Tensor();
+    return x;
+  }
+  Tensor y = ctx.alloc(x.shape());
+  mask_ = ctx.alloc(x.shape());
+  ctx.ops().dropout_forward(ctx, x, y, mask_, p_, seed_ * 0x100000001B3ull + calls_++);
+  return y;
+}
+
+Tensor Dropout::backward(DeviceContext& ctx, const Tensor& dy) {
+  if (!mask_.defined()) return dy;
+  Tensor dx = ctx.alloc(dy.shape());
+  ctx.ops().mul(ctx, dy, mask_, dx);
+  mask_ = Tensor();
+  return dx;
+}
+
+}  // namespace replica

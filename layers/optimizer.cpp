@@ -1,0 +1,88 @@
+#include "layers/optimizer.h"
+
+#include <cmath>
+
+#include "engine/error.h"
+
+namespace replica {
+
+void Optimizer::load_state(DeviceContext& ctx, int64_t numel, int64_t steps,
+                           const std::vector<std::pair<std::string, Tensor>>& host_state) {
+  steps_ = steps;
+  if (steps == 0) return;
+  allocate_state(ctx, numel);
+  for (auto& [name, dst] : state()) {
+    const Tensor* src = nullptr;
+    for (const auto& [n, t] : host_state)
+      if (n == name) src = &t;
+    REPLICA_CHECK(src != nullptr, "checkpoint lacks optimizer state '{}'", name);
+    REPLICA_CHECK(src->numel() == dst.numel(), "optimizer state '{}' has {} values, expected {}",
+                  name, src->numel(), dst.numel());
+    ctx.ops().copy(ctx, dst, *src);
+  }
+  ctx.synchronize();
+}
+
+Sgd::Sgd(SgdConfig c) : c_(c) {}
+
+void Sgd::allocate_state(DeviceContext& ctx, int64_t numel) {
+  if (c_.momentum != 0.f && !momentum_.defined()) momentum_ = ctx.alloc({numel});
+}
+
+void Sgd::step(DeviceContext& ctx, Tensor& params, const Tensor& grads) {
+  allocate_state(ctx, params.numel());
+  ctx.ops().sgd_step(ctx, params, grads, momentum_, c_, steps_ == 0);
+  ++steps_;
+}
+
+std::vector<std::pair<std::string, Tensor>> Sgd::state() {
+  if (!momentum_.defined()) return {};
+  return {{"momentum_buffer", momentum_}};
+}
+
+Adam::Adam(AdamConfig c) : c_(c) {}
+
+void Adam::allocate_state(DeviceContext& ctx, int64_t numel) {
+  if (m_.defined()) return;
+  m_ = ctx.alloc({numel});
+  v_ = ctx.alloc({numel});
+  ctx.ops().fill(ctx, m_, 0.f);
+  ctx.ops().fill(ctx, v_, 0.f);
+}
+
+void Adam::step(DeviceContext& ctx, Tensor& params, const Tensor& grads) {
+  allocate_state(ctx, params.numel());
+  ++steps_;
+  ctx.ops().adam_step(ctx, params, grads, m_, v_, c_, steps_);
+}
+
+std::vector<std::pair<std::string, Tensor>> Adam::state() {
+  if (!m_.defined()) return {};
+  return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& o) {
+  REPLICA_USAGE_CHECK(std::isfinite(o.lr) && o.lr > 0.f,
+                      "learning rate must be a positive number, got {}", o.lr);
+  REPLICA_USAGE_CHECK(o.momentum >= 0.f && o.momentum < 1.f, "momentum must be in [0, 1), got {}",
+                      o.momentum);
+  REPLICA_USAGE_CHECK(o.weight_decay >= 0.f, "weight decay must be >= 0, got {}", o.weight_decay);
+  if (o.name == "sgd") {
+    REPLICA_USAGE_CHECK(!o.nesterov || o.momentum > 0.f, "nesterov needs a momentum > 0");
+    SgdConfig c;
+    c.lr = o.lr;
+    c.momentum = o.momentum;
+    c.weight_decay = o.weight_decay;
+    c.nesterov = o.nesterov;
+    return std::make_unique<Sgd>(c);
+  }
+  if (o.name == "adam") {
+    AdamConfig c;
+    c.lr = o.lr;
+    c.weight_decay = o.weight_decay;
+    return std::make_unique<Adam>(c);
+  }
+  throw UsageError(fmt::format("unknown optimizer '{}' (sgd, adam)", o.name));
+}
+
+}  // namespace replica

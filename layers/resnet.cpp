@@ -1,0 +1,130 @@
+#include "layers/resnet.h"
+
+#include <cmath>
+
+#include "engine/error.h"
+
+namespace replica {
+
+namespace {
+
+// torchvision's ResNet init: kaiming_normal_(mode="fan_out", nonlinearity="relu").
+std::unique_ptr<Conv2d> resnet_conv(int64_t in, int64_t out, int k, int stride, int pad) {
+  float std = std::sqrt(2.f / float(out * k * k));
+  return std::make_unique<Conv2d>(in, out, k, stride, pad, false, Init::normal(std));
+}
+
+// The shared shape of both blocks: body(x) + shortcut(x), then ReLU.
+Tensor residual_forward(DeviceContext& ctx, Sequential& body, Sequential* downsample,
+                        ReLU& relu, const Tensor& x) {
+  Tensor out = body.forward(ctx, x);
+  Tensor shortcut = downsample ? downsample->forward(ctx, x) : x;
+  ctx.ops().add(ctx, out, shortcut, 1.f);
+  return relu.forward(ctx, out);
+}
+
+Tensor residual_backward(DeviceContext& ctx, Sequential& body, Sequential* downsample,
+                         ReLU& relu, const Tensor& dy) {
+  Tensor dsum = relu.backward(ctx, dy);
+  // The downsample branch runs last in forward, so its backward goes first (reverse order).
+  Tensor dshort = downsample ? downsample->backward(ctx, dsum) : dsum;
+  Tensor dx = body.backward(ctx, dsum);
+  ctx.ops().add(ctx, dx, dshort, 1.f);
+  return dx;
+}
+
+}  // namespace
+
+BasicBlock::BasicBlock(int64_t in, int64_t planes, int stride) {
+  // Children registered in torchvision's order: conv1, bn1, conv2, bn2, downsample.
+  body_ = &add_child("", std::make_unique<Sequential>());
+  body_->add("conv1", resnet_conv(in, planes, 3, stride, 1));
+  body_->add("bn1", std::make_unique<BatchNorm2d>(planes));
+  body_->add("relu", std::make_unique<ReLU>());
+  body_->add("conv2", resnet_conv(planes, planes, 3, 1, 1));
+  body_->add("bn2", std::make_unique<BatchNorm2d>(planes));
+  if (stride != 1 || in != planes * kExpansion) {
+    downsample_ = &add_child("downsample", std::make_unique<Sequential>());
+    downsample_->add("0", resnet_conv(in, planes * kExpansion, 1, stride, 0));
+    downsample_->add("1", std::make_unique<BatchNorm2d>(planes * kExpansion));
+  }
+  out_relu_ = &add_child("relu_out", std::make_unique<ReLU>());
+}
+
+Shape BasicBlock::output_shape(const Shape& in) const { return body_->output_shape(in); }
+Tensor BasicBlock::forward(DeviceContext& ctx, const Tensor& x) {
+  return residual_forward(ctx, *body_, downsample_, *out_relu_, x);
+}
+Tensor BasicBlock::backward(DeviceContext& ctx, const Tensor& dy) {
+  return residual_backward(ctx, *body_, downsample_, *out_relu_, dy);
+}
+
+Bottleneck::Bottleneck(int64_t in, int64_t planes, int stride) {
+  body_ = &add_child("", std::make_unique<Sequential>());
+  body_->add("conv1", resnet_conv(in, planes, 1, 1, 0));
+  body_->add("bn1", std::make_unique<BatchNorm2d>(planes));
+  body_->add("relu1", std::make_unique<ReLU>());
+  body_->add("conv2", resnet_conv(planes, planes, 3, stride, 1));
+  body_->add("bn2", std::make_unique<BatchNorm2d>(planes));
+  body_->add("relu2", std::make_unique<ReLU>());
+  body_->add("conv3", resnet_conv(planes, planes * kExpansion, 1, 1, 0));
+  body_->add("bn3", std::make_unique<BatchNorm2d>(planes * kExpansion));
+  if (stride != 1 || in != planes * kExpansion) {
+    downsample_ = &add_child("downsample", std::make_unique<Sequential>());
+    downsample_->add("0", resnet_conv(in, planes * kExpansion, 1, stride, 0));
+    downsample_->add("1", std::make_unique<BatchNorm2d>(planes * kExpansion));
+  }
+  out_relu_ = &add_child("relu_out", std::make_unique<ReLU>());
+}
+
+Shape Bottleneck::output_shape(const Shape& in) const { return body_->output_shape(in); }
+Tensor Bottleneck::forward(DeviceContext& ctx, const Tensor& x) {
+  return residual_forward(ctx, *body_, downsample_, *out_relu_, x);
+}
+Tensor Bottleneck::backward(DeviceContext& ctx, const Tensor& dy) {
+  return residual_backward(ctx, *body_, downsample_, *out_relu_, dy);
+}
+
+namespace {
+
+template <class Block>
+std::unique_ptr<Module> build_resnet(const int (&blocks)[4], int64_t in_channels,
+                                     int64_t num_classes) {
+  auto net = std::make_unique<Sequential>();
+  net->add("conv1", resnet_conv(in_channels, 64, 7, 2, 3));
+  net->add("bn1", std::make_unique<BatchNorm2d>(64));
+  net->add("relu", std::make_unique<ReLU>());
+  net->add("maxpool", std::make_unique<MaxPool2d>(3, 2, 1));
+  int64_t in = 64;
+  const int64_t planes[4] = {64, 128, 256, 512};
+  for (int stage = 0; stage < 4; ++stage) {
+    auto layer = std::make_unique<Sequential>();
+    for (int b = 0; b < blocks[stage]; ++b) {
+      int stride = (stage > 0 && b == 0) ? 2 : 1;
+      layer->add(std::to_string(b), std::make_unique<Block>(in, planes[stage], stride));
+      in = planes[stage] * Block::kExpansion;
+    }
+    net->add("layer" + std::to_string(stage + 1), std::move(layer));
+  }
+  net->add("avgpool", std::make_unique<AdaptiveAvgPool2d>(1, 1));
+  net->add("flatten", std::make_unique<Flatten>());
+  net->add("fc", std::make_unique<Linear>(in, num_classes));
+  return net;
+}
+
+}  // namespace
+
+std::unique_ptr<Module> make_resnet(int depth, int64_t in_channels, int64_t num_classes) {
+  static const int r18[4] = {2, 2, 2, 2}, r34[4] = {3, 4, 6, 3}, r50[4] = {3, 4, 6, 3},
+                   r101[4] = {3, 4, 23, 3}, r152[4] = {3, 8, 36, 3};
+  switch (depth) {
+    case 18: return build_resnet<BasicBlock>(r18, in_channels, num_classes);
+    case 34: return build_resnet<BasicBlock>(r34, in_channels, num_classes);
+    case 50: return build_resnet<Bottleneck>(r50, in_channels, num_classes);
+    case 101: return build_resnet<Bottleneck>(r101, in_channels, num_classes);
+    case 152: return build_resnet<Bottleneck>(r152, in_channels, num_classes);
+    default: throw UsageError(fmt::format("no ResNet of depth {} (18, 34, 50, 101, 152)", depth));
+  }
+}
+
+}  // namespace replica

@@ -1,0 +1,117 @@
+// The single-device engine: the reference every parallel engine is checked against.
+#include <algorithm>
+
+#include "engine/error.h"
+#include "engine/trace.h"
+#include "layers/loss.h"
+#include "parallel/train_engine.h"
+
+namespace replica {
+
+namespace {
+
+class SingleDeviceEngine final : public TrainEngine {
+ public:
+  SingleDeviceEngine(const Device& device, const EngineOptions& o)
+      : ctx_(device, ContextOptions{o.threads_per_device, o.deterministic}),
+        track_(device.str()) {
+    model_ = make_model(o.model, o.input_shape, o.num_classes);
+    ctx_.run([&] { model_->materialize(ctx_, o.seed); });
+    optimizer_ = make_optimizer(o.optimizer);
+    loss_ = ctx_.alloc({1});
+    ctx_.ops().fill(ctx_, loss_, 0.f);
+  }
+
+  std::string mode() const override { return "single"; }
+  std::vector<Device> devices() const override { return {ctx_.device()}; }
+
+  void train_step(const Batch& batch) override {
+    REPLICA_CHECK(batch.size() > 0, "empty batch");
+    ctx_.run([&] {
+      Tensor x, y;
+      {
+        TraceSpan span(track_, "h2d", &ctx_);
+        x = to_device(batch.images);
+        y = to_device(batch.labels);
+      }
+      {
+        TraceSpan span(track_, "forward", &ctx_);
+        model_->zero_grad(ctx_);
+        logits_ = model_->forward(ctx_, x);
+        loss_ = criterion_.forward(ctx_, logits_, y);
+      }
+      {
+        TraceSpan span(track_, "backward", &ctx_);
+        Tensor dlogits = criterion_.backward(ctx_);
+        logits_ = Tensor();
+        model_->backward(ctx_, dlogits);
+      }
+      {
+        TraceSpan span(track_, "step", &ctx_);
+        optimizer_->step(ctx_, model_->flat_params(), model_->flat_grads());
+      }
+    });
+    if (macs_per_sample_ == 0) macs_per_sample_ = model_->last_forward_macs() / batch.size();
+  }
+
+  float last_loss() override {
+    Tensor host = Tensor::empty(host_allocator(), {1});
+    ctx_.ops().copy(ctx_, host, loss_);
+    ctx_.synchronize();
+    return host.f32()[0];
+  }
+
+  void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
+    ctx_.run([&] {
+      Tensor x = to_device(batch.images), y = to_device(batch.labels);
+      Tensor logits = model_->forward(ctx_, x);
+      Tensor loss = criterion_.forward(ctx_, logits, y);
+      Tensor hits = ctx_.alloc({1}, DType::I32);
+      ctx_.ops().fill(ctx_, hits, 0.f);
+      ctx_.ops().count_correct(ctx_, logits, y, hits);
+      Tensor host_loss = Tensor::empty(host_allocator(), {1});
+      Tensor host_hits = Tensor::empty(host_allocator(), {1}, DType::I32);
+      ctx_.ops().copy(ctx_, host_loss, loss);
+      ctx_.ops().copy(ctx_, host_hits, hits);
+      ctx_.synchronize();
+      loss_sum += double(host_loss.f32()[0]) * batch.size();
+      correct += host_hits.i32()[0];
+    });
+  }
+
+  void set_training(bool training) override { model_->set_training(training); }
+  void synchronize() override { ctx_.synchronize(); }
+  Model& model() override { return *model_; }
+  DeviceContext& primary() override { return ctx_; }
+  Optimizer& optimizer() override { return *optimizer_; }
+  std::vector<size_t> peak_memory_bytes() const override {
+    return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
+  }
+  double forward_macs_per_sample() const override { return macs_per_sample_; }
+
+ private:
+  // Host batches are used in place on CPU (zero copy); copied on the stream for CUDA.
+  Tensor to_device(const Tensor& host) {
+    if (!ctx_.is_cuda()) return host;
+    Tensor t = ctx_.alloc(host.shape(), host.dtype());
+    ctx_.ops().copy(ctx_, t, host);
+    return t;
+  }
+
+  DeviceContext ctx_;
+  std::string track_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Optimizer> optimizer_;
+  CrossEntropyLoss criterion_;
+  Tensor loss_, logits_;
+  double macs_per_sample_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_single_device_engine(const Device& device,
+                                                       const EngineOptions& options) {
+  return std::make_unique<SingleDeviceEngine>(device, options);
+}
+
+}  // namespace replica

@@ -1,0 +1,58 @@
+// TrainEngine: how one optimizer step over a global batch is carried out. The single-device
+// engine is the reference; DP (threads over devices) and DDP (processes) implement the same
+// interface, so the training loop, checkpoints and reports are shared by all of them.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/context.h"
+#include "engine/data/loader.h"
+#include "layers/model.h"
+#include "layers/optimizer.h"
+
+namespace replica {
+
+struct EngineOptions {
+  std::string model = "cnn";
+  Shape input_shape = {1, 28, 28};
+  int64_t num_classes = 10;
+  OptimizerOptions optimizer;
+  uint64_t seed = 0;
+  int threads_per_device = 0;  // CPU: threads in each device's arena (0 = cores / devices)
+  bool deterministic = false;
+};
+
+class TrainEngine {
+ public:
+  virtual ~TrainEngine() = default;
+  virtual std::string mode() const = 0;  // "single", "dp", "ddp"
+  virtual std::vector<Device> devices() const = 0;
+
+  // One optimizer step over a batch in host memory. May return before the device finishes;
+  // the caller keeps `batch` alive until the next train_step or synchronize().
+  virtual void train_step(const Batch& batch) = 0;
+  // Mean training loss of the last step (reads it back: a host sync).
+  virtual float last_loss() = 0;
+  // Eval mode forward over one batch: adds the summed loss and the correct predictions.
+  virtual void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) = 0;
+  virtual void set_training(bool training) = 0;
+  virtual void synchronize() = 0;
+
+  // The primary replica (device 0) and its optimizer: what checkpoints save and restore.
+  virtual Model& model() = 0;
+  virtual DeviceContext& primary() = 0;
+  virtual Optimizer& optimizer() = 0;
+  // After parameters/buffers/optimizer state of the primary were overwritten (resume):
+  // bring every other replica in line.
+  virtual void state_loaded() {}
+
+  virtual std::vector<size_t> peak_memory_bytes() const = 0;
+  // Multiply-adds of one forward over one sample (for FLOP/s reports).
+  virtual double forward_macs_per_sample() const = 0;
+};
+
+std::unique_ptr<TrainEngine> make_single_device_engine(const Device& device,
+                                                       const EngineOptions& options);
+
+}  // namespace replica

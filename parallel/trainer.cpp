@@ -1,0 +1,253 @@
+#include "parallel/trainer.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "engine/data/dataset.h"
+#include "engine/error.h"
+#include "engine/trace.h"
+#include "parallel/checkpointing.h"
+
+namespace replica {
+
+namespace {
+
+std::string fmt_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
+  int64_t s = int64_t(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60);
+  return fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+struct Datasets {
+  std::unique_ptr<Dataset> train, test;
+};
+
+Datasets open_data(const TrainConfig& c) {
+  Datasets d;
+  const auto& in = c.engine.input_shape;
+  const int classes = int(c.engine.num_classes);
+  if (c.synthetic) {
+    d.train = make_synthetic(c.synthetic_size, in, classes, c.engine.seed);
+    d.test = make_synthetic(std::max<int64_t>(c.synthetic_size / 10, 1), in, classes,
+                            c.engine.seed + 0x7E57ull);
+  } else {
+    d.train = open_mnist(c.data_dir, true);
+    d.test = open_mnist(c.data_dir, false);
+    REPLICA_USAGE_CHECK(d.train->sample_shape() == in,
+                        "{}: samples are {}, the model expects {}", c.data_dir,
+                        shape_str(d.train->sample_shape()), shape_str(in));
+  }
+  return d;
+}
+
+struct EvalResult {
+  double loss = 0, accuracy = 0;
+};
+
+EvalResult evaluate(TrainEngine& engine, const Dataset& test, int64_t batch_size) {
+  TraceSpan span("host", "evaluate");
+  engine.set_training(false);
+  Loader loader(test, batch_size, false);
+  loader.start_epoch(epoch_order(test.size(), 0, 0, false), 0);
+  double loss_sum = 0;
+  int64_t correct = 0, seen = 0;
+  while (auto batch = loader.next()) {
+    engine.eval_batch(*batch, loss_sum, correct);
+    seen += batch->size();
+  }
+  engine.set_training(true);
+  return {seen ? loss_sum / seen : 0.0, seen ? double(correct) / seen : 0.0};
+}
+
+}  // namespace
+
+void validate(const TrainConfig& c) {
+  REPLICA_USAGE_CHECK(c.batch_size >= 1, "--batch-size must be at least 1, got {}", c.batch_size);
+  REPLICA_USAGE_CHECK(c.epochs >= 1, "--epochs must be at least 1, got {}", c.epochs);
+  REPLICA_USAGE_CHECK(c.max_steps >= 0, "--max-steps must be >= 0, got {}", c.max_steps);
+  REPLICA_USAGE_CHECK(c.log_every >= 1, "--log-every must be at least 1");
+  REPLICA_USAGE_CHECK(c.synthetic || !c.data_dir.empty(), "give --data DIR or --synthetic");
+  REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
+  REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
+  REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
+  REPLICA_USAGE_CHECK(c.mode == "single", "--mode {}: this build trains on one device only",
+                      c.mode);
+}
+
+nlohmann::json run_training(const TrainConfig& config) {
+  validate(config);
+  TrainConfig c = config;
+  Tracer& tracer = Tracer::global();
+  tracer.set_recording(!c.trace_file.empty());
+  tracer.set_sync_device(!c.trace_file.empty());
+
+  Datasets data = open_data(c);
+  c.engine.num_classes = std::max<int64_t>(c.engine.num_classes, data.train->num_classes());
+  const std::string device_spec = c.devices.empty() ? default_device_spec() : c.devices;
+  std::vector<Device> devices = parse_devices(device_spec, false);
+  auto engine = make_single_device_engine(devices[0], c.engine);
+  const bool tty = isatty(fileno(stdout));
+  auto say = [&](const std::string& line) {
+    if (!c.quiet) std::printf("%s\n", line.c_str());
+  };
+  say(fmt::format("replica: {} on {} ({} mode), {}", engine->model().summary(), device_spec,
+                  engine->mode(), data.train->describe()));
+
+  Loader loader(*data.train, c.batch_size, c.drop_last);
+  const int64_t per_epoch = loader.batches_per_epoch(data.train->size());
+  REPLICA_USAGE_CHECK(per_epoch > 0, "no complete batch of {} in {} samples with drop_last",
+                      c.batch_size, data.train->size());
+  const int64_t planned_steps =
+      c.max_steps > 0 ? std::min(c.max_steps, per_epoch * c.epochs) : per_epoch * c.epochs;
+
+  RunPosition pos;
+  if (c.resume) {
+    pos = load_training_checkpoint(c.checkpoint_dir, *engine, c.engine.seed, c.batch_size);
+    say(fmt::format("resumed from {} at epoch {}, step {}", checkpoint_path(c.checkpoint_dir),
+                    pos.epoch + 1, pos.global_step));
+  }
+
+  tracer.reset_totals();
+  int64_t samples = 0, steps_run = 0;
+  float final_loss = std::nanf("");
+  EvalResult eval;
+  nlohmann::json epochs_json = nlohmann::json::array();
+  const int64_t t_start = Tracer::now_us();
+  double train_seconds = 0;
+  bool stop = false;
+  for (int64_t epoch = pos.epoch; epoch < c.epochs && !stop; ++epoch) {
+    const int64_t first = epoch == pos.epoch ? pos.batch_in_epoch : 0;
+    loader.start_epoch(epoch_order(data.train->size(), c.engine.seed, epoch, c.shuffle), epoch,
+                       first);
+    const int64_t t_epoch = Tracer::now_us();
+    int64_t epoch_samples = 0;
+    std::shared_ptr<Batch> previous;  // kept alive while its copy may be in flight
+    int64_t b = first;
+    for (; b < per_epoch; ++b) {
+      if (c.max_steps > 0 && pos.global_step >= c.max_steps) {
+        stop = true;
+        break;
+      }
+      std::shared_ptr<Batch> batch;
+      {
+        TraceSpan span("host", "data_wait");
+        batch = loader.next();
+      }
+      if (!batch) break;
+      engine->train_step(*batch);
+      previous = batch;
+      ++pos.global_step;
+      ++steps_run;
+      samples += batch->size();
+      epoch_samples += batch->size();
+      const bool last_step = (b + 1 == per_epoch) || pos.global_step == c.max_steps;
+      if (pos.global_step % c.log_every == 0 || last_step) {
+        final_loss = engine->last_loss();
+        REPLICA_USAGE_CHECK(std::isfinite(final_loss),
+                            "training diverged: loss is {} at step {} (lower --lr?)", final_loss,
+                            pos.global_step);
+        const double elapsed = (Tracer::now_us() - t_start) / 1e6;
+        const double rate = samples / std::max(elapsed, 1e-9);
+        const double eta = (planned_steps - pos.global_step) * c.batch_size / rate;
+        std::string line = fmt::format(
+            "epoch {}/{}  step {:>5}/{}  loss {:.4f}  {:.0f} samples/s  ETA {}", epoch + 1,
+            c.epochs, b + 1, per_epoch, final_loss, rate, fmt_duration(eta));
+        if (!c.quiet) {
+          if (tty) std::printf("\r%s\033[K", line.c_str());
+          else std::printf("%s\n", line.c_str());
+          std::fflush(stdout);
+        }
+      }
+    }
+    engine->synchronize();
+    previous.reset();
+    if (!c.quiet && tty) std::printf("\n");
+    const double epoch_seconds = (Tracer::now_us() - t_epoch) / 1e6;
+    train_seconds += epoch_seconds;
+    pos.epoch = (b >= per_epoch) ? epoch + 1 : epoch;
+    pos.batch_in_epoch = (b >= per_epoch) ? 0 : b;
+    if (c.evaluate) eval = evaluate(*engine, *data.test, std::max<int64_t>(c.batch_size, 256));
+    if (!c.checkpoint_dir.empty()) {
+      TraceSpan span("host", "checkpoint");
+      save_training_checkpoint(c.checkpoint_dir, *engine, pos, c.engine.seed, c.batch_size);
+    }
+    nlohmann::json ej = {{"epoch", epoch + 1},
+                         {"train_loss", final_loss},
+                         {"samples", epoch_samples},
+                         {"seconds", epoch_seconds},
+                         {"samples_per_sec", epoch_samples / std::max(epoch_seconds, 1e-9)}};
+    if (c.evaluate) {
+      ej["test_loss"] = eval.loss;
+      ej["test_accuracy"] = eval.accuracy;
+    }
+    epochs_json.push_back(ej);
+    say(fmt::format("epoch {} done: train loss {:.4f}{}, {:.0f} samples/s, {}", epoch + 1,
+                    final_loss,
+                    c.evaluate ? fmt::format(", test loss {:.4f}, test accuracy {:.4f}",
+                                             eval.loss, eval.accuracy)
+                               : "",
+                    epoch_samples / std::max(epoch_seconds, 1e-9), fmt_duration(epoch_seconds)));
+  }
+
+  // Phase shares of the training time.
+  nlohmann::json phase_ms = nlohmann::json::object();
+  for (const auto& [phase, us] : tracer.phase_totals_us())
+    if (phase != "evaluate" && phase != "checkpoint")
+      phase_ms[phase] = steps_run ? us / 1e3 / steps_run : 0.0;
+  const double macs = engine->forward_macs_per_sample();
+  const double sps = samples / std::max(train_seconds, 1e-9);
+  nlohmann::json devices_json = nlohmann::json::array();
+  for (const auto& d : engine->devices()) devices_json.push_back(d.str());
+  nlohmann::json m = {
+      {"model", c.engine.model},
+      {"mode", engine->mode()},
+      {"devices", devices_json},
+      {"device_spec", device_spec},
+      {"threads_per_device", engine->primary().threads()},
+      {"batch_size", c.batch_size},
+      {"optimizer", c.engine.optimizer.name},
+      {"lr", c.engine.optimizer.lr},
+      {"seed", c.engine.seed},
+      {"steps", pos.global_step},
+      {"steps_this_run", steps_run},
+      {"epochs", epochs_json.size()},
+      {"epoch_summaries", epochs_json},
+      {"samples_per_sec", sps},
+      {"train_seconds", train_seconds},
+      {"final_loss", final_loss},
+      {"phase_ms_per_step", phase_ms},
+      {"forward_gflop_per_sample", 2 * macs / 1e9},
+      // Training = forward + backward (data and weight gradients): ~3x the forward FLOPs.
+      {"train_gflops", 3 * 2 * macs * sps / 1e9},
+      {"peak_memory_bytes", engine->peak_memory_bytes()},
+  };
+  if (c.evaluate) {
+    m["test_accuracy"] = eval.accuracy;
+    m["test_loss"] = eval.loss;
+  }
+  if (!c.trace_file.empty()) {
+    tracer.write_chrome_json(c.trace_file);
+    say(fmt::format("trace: {} ({} spans)", c.trace_file, tracer.event_count()));
+  }
+  if (!c.metrics_json.empty()) {
+    std::string tmp = c.metrics_json + ".tmp";
+    {
+      std::ofstream out(tmp);
+      REPLICA_USAGE_CHECK(out.good(), "cannot write metrics file '{}'", c.metrics_json);
+      out << m.dump(2) << "\n";
+    }
+    REPLICA_USAGE_CHECK(std::rename(tmp.c_str(), c.metrics_json.c_str()) == 0,
+                        "cannot write metrics file '{}'", c.metrics_json);
+  }
+  if (c.evaluate)
+    say(fmt::format("test accuracy {:.4f}  test loss {:.4f}  ({} steps, {:.0f} samples/s, "
+                    "{:.1f} GFLOP/s)",
+                    eval.accuracy, eval.loss, pos.global_step, sps, 3 * 2 * macs * sps / 1e9));
+  return m;
+}
+
+}  // namespace replica

@@ -1,0 +1,41 @@
+// The training loop shared by every engine: data, epochs, progress, evaluation, checkpoints,
+// resume, trace and the metrics JSON. Programs fill a TrainConfig and call run_training().
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "parallel/train_engine.h"
+
+namespace replica {
+
+struct TrainConfig {
+  EngineOptions engine;            // model, input shape, classes, optimizer, seed, threads
+  std::string mode = "single";     // single (one device); dp and ddp come with their engines
+  std::string devices;             // device string; empty = default_device_spec()
+  std::string data_dir;            // MNIST-format directory
+  bool synthetic = false;          // random images of engine.input_shape instead of data_dir
+  int64_t synthetic_size = 10000;  // samples in the synthetic training set
+  int64_t epochs = 1;
+  int64_t max_steps = 0;           // stop after this many optimizer steps in total (0 = none)
+  int64_t batch_size = 64;         // the GLOBAL batch
+  bool shuffle = true;
+  bool drop_last = false;
+  int log_every = 10;              // progress line (and loss readback) every N steps
+  bool quiet = false;
+  bool evaluate = true;            // test loss/accuracy after every epoch
+  std::string checkpoint_dir;      // save at every epoch end and at the end of the run
+  bool resume = false;             // continue from checkpoint_dir/checkpoint.safetensors
+  std::string trace_file;          // Chrome trace JSON
+  std::string metrics_json;        // metrics written here at the end
+};
+
+// Runs training; returns the metrics (also written to config.metrics_json if set).
+// Errors are thrown (replica::UsageError for bad input).
+nlohmann::json run_training(const TrainConfig& config);
+
+// Checks a config before any work starts (UsageError on the first problem).
+void validate(const TrainConfig& config);
+
+}  // namespace replica
