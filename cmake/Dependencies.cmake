@@ -1,5 +1,5 @@
 # Finds every dependency and makes one imported target per library.
-# Required: TBB, OpenBLAS (serial variant), zlib, CLI11, nlohmann-json, fmt, doctest.
+# Required: TBB, OpenBLAS (pthread variant, one thread per call), zlib, CLI11, nlohmann-json, fmt, doctest.
 # Optional: CUDA toolkit + cuBLAS + cuDNN (CUDA backend), NCCL, Gloo.
 
 find_package(Threads REQUIRED)
@@ -10,12 +10,17 @@ find_package(nlohmann_json REQUIRED)
 find_package(fmt REQUIRED)
 find_package(doctest REQUIRED)
 
-# The serial OpenBLAS: one BLAS call per device thread, parallelism comes from TBB.
-find_package(OpenBLAS CONFIG REQUIRED
-  HINTS /usr/lib/x86_64-linux-gnu/openblas-serial/cmake/openblas
-        /usr/lib/aarch64-linux-gnu/openblas-serial/cmake/openblas)
-if(NOT OpenBLAS_LIBRARIES MATCHES "serial")
-  message(WARNING "OpenBLAS found is not the serial variant: ${OpenBLAS_LIBRARIES}")
+# OpenBLAS, one thread per call: parallelism comes from TBB (one BLAS call per worker).
+# Debian's *serial* variant is built without USE_LOCKING, so concurrent sgemm calls from
+# several threads share internal buffers and return corrupted results (measured: ~1 call in
+# 130 under contention). The pthread variant locks its buffers; the CPU backend pins it to
+# one thread per call with openblas_set_num_threads(1).
+find_package(OpenBLAS CONFIG REQUIRED NO_DEFAULT_PATH
+  HINTS /usr/lib/x86_64-linux-gnu/openblas-pthread/cmake/openblas
+        /usr/lib/aarch64-linux-gnu/openblas-pthread/cmake/openblas)
+if(NOT OpenBLAS_LIBRARIES MATCHES "openblas-pthread")
+  message(FATAL_ERROR "OpenBLAS must be the pthread variant (thread-safe), found "
+                      "${OpenBLAS_LIBRARIES}: delete the build directory and reconfigure")
 endif()
 add_library(replica_openblas INTERFACE IMPORTED)
 target_include_directories(replica_openblas INTERFACE ${OpenBLAS_INCLUDE_DIRS})

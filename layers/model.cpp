@@ -131,12 +131,18 @@ std::vector<std::string> model_names() {
 std::unique_ptr<Model> make_model(const std::string& name, const Shape& input_shape,
                                   int64_t num_classes) {
   REPLICA_USAGE_CHECK(num_classes >= 2, "a classifier needs at least 2 classes");
+  REPLICA_USAGE_CHECK(input_shape.size() == 3 && input_shape[0] > 0 && input_shape[1] > 0 &&
+                          input_shape[2] > 0,
+                      "model input must be CxHxW, got {}", shape_str(input_shape));
   std::unique_ptr<Module> root;
   if (name == "cnn") {
     root = make_cnn(input_shape, num_classes);
   } else if (name.rfind("resnet", 0) == 0 && name.size() > 6 &&
              name.find_first_not_of("0123456789", 6) == std::string::npos && name.size() < 10) {
-    root = make_resnet(std::stoi(name.substr(6)), input_shape.at(0), num_classes);
+    const int depth = std::stoi(name.substr(6));
+    REPLICA_USAGE_CHECK(depth == 18 || depth == 34 || depth == 50 || depth == 101 || depth == 152,
+                        "unknown model '{}' (choose from: {})", name, fmt::join(model_names(), ", "));
+    root = make_resnet(depth, input_shape.at(0), num_classes);
   } else {
     throw UsageError(fmt::format("unknown model '{}' (choose from: {})", name,
                                  fmt::join(model_names(), ", ")));

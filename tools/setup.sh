@@ -10,7 +10,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 packages=(
   build-essential cmake ninja-build pkg-config zlib1g-dev
-  libtbb-dev libopenblas-serial-dev doctest-dev libcli11-dev nlohmann-json3-dev libfmt-dev
+  libtbb-dev libopenblas-pthread-dev doctest-dev libcli11-dev nlohmann-json3-dev libfmt-dev
   libgloo-dev dataset-fashion-mnist python3-matplotlib
 )
 missing=()

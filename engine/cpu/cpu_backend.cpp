@@ -10,7 +10,10 @@
 
 namespace replica {
 
-std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+std::unique_ptr<Backend> make_cpu_backend() {
+  cpu::pin_blas_to_one_thread();
+  return std::make_unique<CpuBackend>();
+}
 
 namespace {
 

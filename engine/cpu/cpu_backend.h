@@ -1,4 +1,4 @@
-// The CPU backend: OpenBLAS (serial, one call per worker thread) for GEMM and im2col
+// The CPU backend: OpenBLAS (one thread per call, one call per worker thread) for GEMM and im2col
 // convolutions, TBB for everything else. All parallel loops run inside the calling device's
 // arena (DeviceContext::run), so virtual CPU devices do not oversubscribe cores.
 // Deterministic: every reduction is split into chunks fixed by the problem size (never by the
@@ -68,7 +68,10 @@ constexpr int64_t kGrain = 16384;
 template <class F>
 void parallel_range(int64_t n, int64_t grain, F&& f);  // f(begin, end)
 
-// Row-major single-precision GEMM through the serial OpenBLAS:
+// OpenBLAS runs one thread per call (the TBB worker's); called once per process.
+void pin_blas_to_one_thread();
+
+// Row-major single-precision GEMM through OpenBLAS (one thread per call):
 // C[M,N] = alpha * op(A) op(B) + beta * C
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,

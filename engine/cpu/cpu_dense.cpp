@@ -1,10 +1,11 @@
-// CPU linear and convolution layers: im2col + serial OpenBLAS SGEMM, parallel over samples.
+// CPU linear and convolution layers: im2col + OpenBLAS SGEMM (one thread per call), parallel over samples.
 // Weight gradients are accumulated per fixed chunk of samples, then the chunks are summed in
 // order, so the result does not depend on the number of threads.
 #include <cblas.h>
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "engine/context.h"
@@ -14,6 +15,11 @@
 namespace replica {
 
 namespace cpu {
+
+void pin_blas_to_one_thread() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
 
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,

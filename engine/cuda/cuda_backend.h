@@ -1,0 +1,119 @@
+// The CUDA backend (private to engine/cuda): cuBLAS for GEMM, cuDNN for convolution and
+// batch-norm, own kernels for elementwise work, pooling, losses and fused optimiser updates.
+// Every op enqueues on the context's stream and never synchronises with the host. Member
+// definitions are split by topic over cuda_backend.cu, cuda_dense.cu, cuda_conv.cu,
+// cuda_norm.cu, cuda_pool_act.cu and cuda_loss_optim.cu.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include "engine/cuda/cuda_check.h"
+#include "engine/ops.h"
+
+namespace replica {
+
+namespace cuda {
+
+constexpr int kThreads = 256;
+
+// Blocks for a grid-stride loop over n elements (n > 0).
+inline int grid_for(int64_t n, int threads = kThreads) {
+  int64_t blocks = (n + threads - 1) / threads;
+  const int64_t cap = int64_t(1) << 20;  // grid-stride beyond ~268M threads
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+}
+
+// Shape checks shared by the op files: they throw replica::Error naming the op.
+void expect_device(const DeviceContext& ctx, const Tensor& t, const char* op, const char* what);
+void expect_numel(const Tensor& t, int64_t numel, const char* op, const char* what);
+void expect_shape(const Tensor& t, const Shape& shape, const char* op, const char* what);
+void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what);
+
+}  // namespace cuda
+
+// Descriptors and chosen algorithms for one convolution configuration.
+struct ConvPlan {
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+  cudnnFilterDescriptor_t w = nullptr;
+  cudnnConvolutionDescriptor_t conv = nullptr;
+  bool have_fwd = false, have_bwd_data = false, have_bwd_filter = false;
+  cudnnConvolutionFwdAlgo_t fwd_algo{};
+  cudnnConvolutionBwdDataAlgo_t bwd_data_algo{};
+  cudnnConvolutionBwdFilterAlgo_t bwd_filter_algo{};
+  size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
+};
+
+// (N, C, H, W, K, R, stride, padding)
+using ConvKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int>;
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() = default;
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  void fill(DeviceContext& ctx, Tensor& t, float value) override;
+  void copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) override;
+  void add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) override;
+  void scale(DeviceContext& ctx, Tensor& t, float alpha) override;
+
+  void linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
+                      Tensor& y) override;
+  void linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                       Tensor& dx, Tensor& dw, Tensor& db) override;
+  void conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
+                      Tensor& y, const Conv2dParams& p) override;
+  void conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                       Tensor& dx, Tensor& dw, Tensor& db, const Conv2dParams& p) override;
+
+  void batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& beta, Tensor& running_mean, Tensor& running_var,
+                               float momentum, float eps, Tensor& y, Tensor& save_mean,
+                               Tensor& save_invstd) override;
+  void batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
+                              const Tensor& beta, const Tensor& running_mean,
+                              const Tensor& running_var, float eps, Tensor& y) override;
+  void batchnorm_backward(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
+                          const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dy,
+                          Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
+
+  void relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) override;
+  void relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy, Tensor& dx) override;
+  void maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y,
+                         const Pool2dParams& p) override;
+  void maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& y, const Tensor& dy,
+                          Tensor& dx, const Pool2dParams& p) override;
+  void adaptive_avgpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) override;
+  void adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& dy, Tensor& dx) override;
+  void dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask, float p,
+                       uint64_t seed) override;
+  void mul(DeviceContext& ctx, const Tensor& a, const Tensor& b, Tensor& out) override;
+
+  void cross_entropy_forward(DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
+                             Tensor& probs, Tensor& loss) override;
+  void cross_entropy_backward(DeviceContext& ctx, const Tensor& probs, const Tensor& labels,
+                              float scale, Tensor& dlogits) override;
+  void count_correct(DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
+                     Tensor& correct) override;
+
+  void sgd_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& momentum,
+                const SgdConfig& c, bool first_step) override;
+  void adam_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
+                 const AdamConfig& c, int64_t step) override;
+
+ private:
+  // Per-shape convolution plans (cuda_conv.cu). Descriptors are destroyed with the backend.
+  ConvPlan& conv_plan(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Conv2dParams& p);
+  void destroy_conv_plans() noexcept;
+  std::map<ConvKey, ConvPlan> conv_plans_;
+
+  // Device scratch (F32 elements), grown on demand (cuda_backend.cu). Kept by the backend rather
+  // than allocated per call so no block is handed back to the allocator while a kernel using it
+  // may still be running.
+  float* scratch(DeviceContext& ctx, int64_t floats);
+  Tensor scratch_;
+};
+
+}  // namespace replica

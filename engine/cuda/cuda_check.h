@@ -1,0 +1,80 @@
+// CUDA-side internals: the per-context CudaState (stream, cuBLAS/cuDNN handles, workspace) and
+// the checking macros. Included only by .cu files of the CUDA backend; the rest of the engine sees
+// CudaState as an opaque type through engine/cuda/cudart.h.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include "engine/context.h"
+#include "engine/error.h"
+
+namespace replica {
+
+struct CudaState {
+  int ordinal = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  cudnnHandle_t cudnn = nullptr;
+  void* workspace = nullptr;  // scratch for cuDNN algorithms; grows, never shrinks
+  size_t workspace_bytes = 0;
+  bool deterministic = false;
+};
+
+namespace cuda_detail {
+const char* cublas_status_string(cublasStatus_t s);
+[[noreturn]] void throw_cuda(const char* call, int code, const char* what, const char* file,
+                             int line);
+}  // namespace cuda_detail
+
+// The CUDA state of a context; throws when the context is not a CUDA one.
+CudaState& cuda_state(const DeviceContext& ctx);
+
+// Returns the context's workspace, at least `bytes` large. Grows (after a stream synchronise, so
+// no in-flight kernel still uses the old one) only when a bigger size is needed: with algorithms
+// chosen per shape that happens in the first iteration only.
+void* cuda_workspace(CudaState& s, size_t bytes);
+
+}  // namespace replica
+
+#define REPLICA_CUDA_CHECK(call)                                                          \
+  do {                                                                                    \
+    cudaError_t replica_err_ = (call);                                                    \
+    if (replica_err_ != cudaSuccess) {                                                    \
+      (void)cudaGetLastError(); /* clear a non-sticky error */                            \
+      ::replica::cuda_detail::throw_cuda(#call, static_cast<int>(replica_err_),           \
+                                         cudaGetErrorString(replica_err_), __FILE__,      \
+                                         __LINE__);                                       \
+    }                                                                                     \
+  } while (0)
+
+#define REPLICA_CUBLAS_CHECK(call)                                                        \
+  do {                                                                                    \
+    cublasStatus_t replica_st_ = (call);                                                  \
+    if (replica_st_ != CUBLAS_STATUS_SUCCESS)                                             \
+      ::replica::cuda_detail::throw_cuda(                                                 \
+          #call, static_cast<int>(replica_st_),                                           \
+          ::replica::cuda_detail::cublas_status_string(replica_st_), __FILE__, __LINE__); \
+  } while (0)
+
+#define REPLICA_CUDNN_CHECK(call)                                                         \
+  do {                                                                                    \
+    cudnnStatus_t replica_st_ = (call);                                                   \
+    if (replica_st_ != CUDNN_STATUS_SUCCESS)                                              \
+      ::replica::cuda_detail::throw_cuda(#call, static_cast<int>(replica_st_),            \
+                                         cudnnGetErrorString(replica_st_), __FILE__,      \
+                                         __LINE__);                                       \
+  } while (0)
+
+// After a kernel launch: catches bad launch configurations (and earlier asynchronous errors).
+#define REPLICA_LAUNCH_CHECK()                                                            \
+  do {                                                                                    \
+    cudaError_t replica_err_ = cudaGetLastError();                                        \
+    if (replica_err_ != cudaSuccess)                                                      \
+      ::replica::cuda_detail::throw_cuda("kernel launch", static_cast<int>(replica_err_), \
+                                         cudaGetErrorString(replica_err_), __FILE__,      \
+                                         __LINE__);                                       \
+  } while (0)

@@ -1,0 +1,298 @@
+// CUDA backend: 2-D convolution through cuDNN (NCHW, FP32, cross-correlation as PyTorch).
+//
+// Descriptors are built once per configuration and cached in the backend; algorithms are chosen
+// once per configuration with cuDNN's *_v7 heuristics. The convolution math type is FMA (plain
+// FP32, no TF32) so results match the CPU backend; with ctx.deterministic() only algorithms that
+// cuDNN reports as deterministic are used. Bias forward/backward are own kernels (the bias
+// gradient is a fixed-order per-channel reduction, so it is deterministic in every mode).
+#include <algorithm>
+#include <vector>
+
+#include "engine/cuda/cuda_backend.h"
+
+namespace replica {
+
+namespace {
+
+// Largest workspace an algorithm may ask for (beyond it the heuristics' next choice is used).
+constexpr size_t kMaxConvWorkspace = size_t(512) << 20;
+
+int as_int(int64_t v, const char* what) {
+  REPLICA_CHECK(v >= 0 && v <= INT32_MAX, "conv2d: {} = {} is out of cuDNN's range", what, v);
+  return static_cast<int>(v);
+}
+
+// Picks the first algorithm in heuristic order that succeeded, fits the workspace cap, does not
+// use tensor-op (TF32) math, is deterministic when asked, and whose workspace query accepts it
+// under our FMA descriptor. `ws_query(algo, &bytes)` returns the cuDNN status of that query.
+template <class Perf, class Algo, class WsQuery>
+bool choose_algo(const std::vector<Perf>& perf, int returned, bool deterministic,
+                 WsQuery ws_query, Algo* algo, size_t* ws) {
+  for (int i = 0; i < returned; ++i) {
+    const Perf& r = perf[i];
+    if (r.status != CUDNN_STATUS_SUCCESS) continue;
+    if (r.mathType == CUDNN_TENSOR_OP_MATH || r.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION)
+      continue;
+    if (deterministic && r.determinism != CUDNN_DETERMINISTIC) continue;
+    if (r.memory > kMaxConvWorkspace) continue;
+    size_t bytes = 0;
+    if (ws_query(r.algo, &bytes) != CUDNN_STATUS_SUCCESS) continue;
+    if (bytes > kMaxConvWorkspace) continue;
+    *algo = r.algo;
+    *ws = bytes;
+    return true;
+  }
+  return false;
+}
+
+// y[((n*K + k)*PQ + pq)] += b[k]
+__global__ void add_channel_bias_kernel(float* y, const float* b, int64_t total, int64_t K,
+                                        int64_t PQ) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x)
+    y[i] += b[(i / PQ) % K];
+}
+
+// db[k] += sum over n, pq of dy[n, k, pq]. One block per channel; each thread sums a fixed
+// strided subset in order, then a fixed tree: deterministic.
+__global__ void channel_sum_accumulate_kernel(const float* dy, float* db, int64_t N, int64_t K,
+                                              int64_t PQ) {
+  __shared__ float partial[cuda::kThreads];
+  const int64_t k = blockIdx.x;
+  const int64_t count = N * PQ;
+  float s = 0.f;
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+    const int64_t n = j / PQ, pq = j - n * PQ;
+    s += dy[(n * K + k) * PQ + pq];
+  }
+  partial[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) db[k] += partial[0];
+}
+
+}  // namespace
+
+void CudaBackend::destroy_conv_plans() noexcept {
+  for (auto& [key, plan] : conv_plans_) {
+    if (plan.x) cudnnDestroyTensorDescriptor(plan.x);
+    if (plan.y) cudnnDestroyTensorDescriptor(plan.y);
+    if (plan.w) cudnnDestroyFilterDescriptor(plan.w);
+    if (plan.conv) cudnnDestroyConvolutionDescriptor(plan.conv);
+  }
+  conv_plans_.clear();
+}
+
+ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                 const Conv2dParams& p) {
+  const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3);
+  const int64_t K = w.dim(0), R = w.dim(2);
+  ConvKey key{N, C, H, W, K, R, p.stride, p.padding};
+  auto it = conv_plans_.find(key);
+  if (it != conv_plans_.end()) return it->second;
+
+  ConvPlan plan;
+  try {
+    REPLICA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan.x));
+    REPLICA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan.y));
+    REPLICA_CUDNN_CHECK(cudnnCreateFilterDescriptor(&plan.w));
+    REPLICA_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&plan.conv));
+    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+                                                   as_int(N, "N"), as_int(C, "C"),
+                                                   as_int(H, "H"), as_int(W, "W")));
+    REPLICA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
+                                                   as_int(K, "K"), as_int(C, "C"),
+                                                   as_int(R, "R"), as_int(R, "R")));
+    REPLICA_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(plan.conv, p.padding, p.padding,
+                                                        p.stride, p.stride, 1, 1,
+                                                        CUDNN_CROSS_CORRELATION,
+                                                        CUDNN_DATA_FLOAT));
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, CUDNN_FMA_MATH));
+    int on = 0, ok = 0, op = 0, oq = 0;
+    REPLICA_CUDNN_CHECK(
+        cudnnGetConvolution2dForwardOutputDim(plan.conv, plan.x, plan.w, &on, &ok, &op, &oq));
+    const int64_t P = window_out(H, static_cast<int>(R), p.stride, p.padding);
+    const int64_t Q = window_out(W, static_cast<int>(R), p.stride, p.padding);
+    REPLICA_CHECK(on == N && ok == K && op == P && oq == Q,
+                  "conv2d: cuDNN output [{}, {}, {}, {}] differs from expected [{}, {}, {}, {}]",
+                  on, ok, op, oq, N, K, P, Q);
+    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+                                                   on, ok, op, oq));
+  } catch (...) {
+    if (plan.x) cudnnDestroyTensorDescriptor(plan.x);
+    if (plan.y) cudnnDestroyTensorDescriptor(plan.y);
+    if (plan.w) cudnnDestroyFilterDescriptor(plan.w);
+    if (plan.conv) cudnnDestroyConvolutionDescriptor(plan.conv);
+    throw;
+  }
+  auto& stored = conv_plans_.emplace(key, plan).first->second;
+  (void)ctx;
+  return stored;
+}
+
+void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                 const Tensor& b, Tensor& y, const Conv2dParams& p) {
+  const char* op = "conv2d_forward";
+  cuda::expect_device(ctx, x, op, "x");
+  cuda::expect_device(ctx, w, op, "w");
+  cuda::expect_device(ctx, y, op, "y");
+  REPLICA_CHECK(x.ndim() == 4 && w.ndim() == 4 && w.dim(2) == w.dim(3) && w.dim(1) == x.dim(1),
+                "{}: x {} and w {} must be [N, C, H, W] and [K, C, R, R]", op,
+                shape_str(x.shape()), shape_str(w.shape()));
+  REPLICA_CHECK(p.stride >= 1 && p.padding >= 0, "{}: stride {} / padding {} invalid", op,
+                p.stride, p.padding);
+  const int64_t N = x.dim(0), K = w.dim(0), R = w.dim(2);
+  const int64_t P = window_out(x.dim(2), static_cast<int>(R), p.stride, p.padding);
+  const int64_t Q = window_out(x.dim(3), static_cast<int>(R), p.stride, p.padding);
+  REPLICA_CHECK(P >= 1 && Q >= 1, "{}: kernel {} does not fit input {} with padding {}", op, R,
+                shape_str(x.shape()), p.padding);
+  cuda::expect_shape(y, {N, K, P, Q}, op, "y");
+  if (b.defined()) {
+    cuda::expect_device(ctx, b, op, "b");
+    cuda::expect_numel(b, K, op, "b");
+  }
+  if (y.numel() == 0) return;
+  CudaState& s = cuda_state(ctx);
+  if (x.dim(1) == 0) {  // no input channels: the sum is empty
+    REPLICA_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.bytes(), s.stream));
+  } else {
+    ConvPlan& plan = conv_plan(ctx, x, w, p);
+    if (!plan.have_fwd) {
+      int max_count = 0;
+      REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(s.cudnn, &max_count));
+      std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(std::max(max_count, 1));
+      int returned = 0;
+      REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
+          s.cudnn, plan.x, plan.w, plan.conv, plan.y, static_cast<int>(perf.size()), &returned,
+          perf.data()));
+      auto query = [&](cudnnConvolutionFwdAlgo_t a, size_t* bytes) {
+        return cudnnGetConvolutionForwardWorkspaceSize(s.cudnn, plan.x, plan.w, plan.conv,
+                                                       plan.y, a, bytes);
+      };
+      if (!choose_algo(perf, returned, s.deterministic, query, &plan.fwd_algo, &plan.fwd_ws)) {
+        plan.fwd_algo = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM;  // deterministic, no workspace
+        REPLICA_CUDNN_CHECK(query(plan.fwd_algo, &plan.fwd_ws));
+      }
+      plan.have_fwd = true;
+    }
+    void* ws = plan.fwd_ws ? cuda_workspace(s, plan.fwd_ws) : nullptr;
+    const float one = 1.f, zero = 0.f;
+    REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, x.f32(), plan.w, w.f32(),
+                                                plan.conv, plan.fwd_algo, ws, plan.fwd_ws, &zero,
+                                                plan.y, y.f32()));
+  }
+  if (b.defined()) {
+    add_channel_bias_kernel<<<cuda::grid_for(y.numel()), cuda::kThreads, 0, s.stream>>>(
+        y.f32(), b.f32(), y.numel(), K, P * Q);
+    REPLICA_LAUNCH_CHECK();
+  }
+}
+
+void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                  const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
+                                  const Conv2dParams& p) {
+  const char* op = "conv2d_backward";
+  cuda::expect_device(ctx, x, op, "x");
+  cuda::expect_device(ctx, w, op, "w");
+  cuda::expect_device(ctx, dy, op, "dy");
+  REPLICA_CHECK(x.ndim() == 4 && w.ndim() == 4 && w.dim(2) == w.dim(3) && w.dim(1) == x.dim(1),
+                "{}: x {} and w {} must be [N, C, H, W] and [K, C, R, R]", op,
+                shape_str(x.shape()), shape_str(w.shape()));
+  REPLICA_CHECK(p.stride >= 1 && p.padding >= 0, "{}: stride {} / padding {} invalid", op,
+                p.stride, p.padding);
+  const int64_t N = x.dim(0), K = w.dim(0), R = w.dim(2);
+  const int64_t P = window_out(x.dim(2), static_cast<int>(R), p.stride, p.padding);
+  const int64_t Q = window_out(x.dim(3), static_cast<int>(R), p.stride, p.padding);
+  REPLICA_CHECK(P >= 1 && Q >= 1, "{}: kernel {} does not fit input {} with padding {}", op, R,
+                shape_str(x.shape()), p.padding);
+  cuda::expect_shape(dy, {N, K, P, Q}, op, "dy");
+  if (dx.defined()) {
+    cuda::expect_device(ctx, dx, op, "dx");
+    cuda::expect_shape(dx, x.shape(), op, "dx");
+  }
+  if (dw.defined()) {
+    cuda::expect_device(ctx, dw, op, "dw");
+    cuda::expect_shape(dw, w.shape(), op, "dw");
+  }
+  if (db.defined()) {
+    cuda::expect_device(ctx, db, op, "db");
+    cuda::expect_numel(db, K, op, "db");
+  }
+  if (N == 0 || K == 0) {  // nothing flows back; dx (overwritten) is all zero
+    if (dx.defined() && dx.numel() > 0)
+      REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
+    return;
+  }
+  CudaState& s = cuda_state(ctx);
+  const float one = 1.f, zero = 0.f;
+  const bool have_channels = x.dim(1) > 0;
+
+  if (dx.defined() && dx.numel() > 0 && have_channels) {
+    ConvPlan& plan = conv_plan(ctx, x, w, p);
+    if (!plan.have_bwd_data) {
+      int max_count = 0;
+      REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(s.cudnn, &max_count));
+      std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(std::max(max_count, 1));
+      int returned = 0;
+      REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
+          s.cudnn, plan.w, plan.y, plan.conv, plan.x, static_cast<int>(perf.size()), &returned,
+          perf.data()));
+      auto query = [&](cudnnConvolutionBwdDataAlgo_t a, size_t* bytes) {
+        return cudnnGetConvolutionBackwardDataWorkspaceSize(s.cudnn, plan.w, plan.y, plan.conv,
+                                                            plan.x, a, bytes);
+      };
+      if (!choose_algo(perf, returned, s.deterministic, query, &plan.bwd_data_algo,
+                       &plan.bwd_data_ws)) {
+        plan.bwd_data_algo = CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;  // deterministic
+        REPLICA_CUDNN_CHECK(query(plan.bwd_data_algo, &plan.bwd_data_ws));
+      }
+      plan.have_bwd_data = true;
+    }
+    void* ws = plan.bwd_data_ws ? cuda_workspace(s, plan.bwd_data_ws) : nullptr;
+    REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, w.f32(), plan.y,
+                                                     dy.f32(), plan.conv, plan.bwd_data_algo, ws,
+                                                     plan.bwd_data_ws, &zero, plan.x, dx.f32()));
+  } else if (dx.defined() && dx.numel() > 0) {
+    REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
+  }
+
+  if (dw.defined() && dw.numel() > 0 && have_channels) {
+    ConvPlan& plan = conv_plan(ctx, x, w, p);
+    if (!plan.have_bwd_filter) {
+      int max_count = 0;
+      REPLICA_CUDNN_CHECK(
+          cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(s.cudnn, &max_count));
+      std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(std::max(max_count, 1));
+      int returned = 0;
+      REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+          s.cudnn, plan.x, plan.y, plan.conv, plan.w, static_cast<int>(perf.size()), &returned,
+          perf.data()));
+      auto query = [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* bytes) {
+        return cudnnGetConvolutionBackwardFilterWorkspaceSize(s.cudnn, plan.x, plan.y, plan.conv,
+                                                              plan.w, a, bytes);
+      };
+      if (!choose_algo(perf, returned, s.deterministic, query, &plan.bwd_filter_algo,
+                       &plan.bwd_filter_ws)) {
+        plan.bwd_filter_algo = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;  // deterministic
+        REPLICA_CUDNN_CHECK(query(plan.bwd_filter_algo, &plan.bwd_filter_ws));
+      }
+      plan.have_bwd_filter = true;
+    }
+    void* ws = plan.bwd_filter_ws ? cuda_workspace(s, plan.bwd_filter_ws) : nullptr;
+    // beta = 1: dw accumulates.
+    REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+        s.cudnn, &one, plan.x, x.f32(), plan.y, dy.f32(), plan.conv, plan.bwd_filter_algo, ws,
+        plan.bwd_filter_ws, &one, plan.w, dw.f32()));
+  }
+
+  if (db.defined()) {
+    channel_sum_accumulate_kernel<<<static_cast<unsigned>(K), cuda::kThreads, 0, s.stream>>>(
+        dy.f32(), db.f32(), N, K, P * Q);
+    REPLICA_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace replica

@@ -1,0 +1,233 @@
+// CUDA backend: softmax cross-entropy, accuracy count and the fused optimiser updates.
+// The mean loss is reduced in a fixed order (per-row losses in double, then one block's tree):
+// no float atomics, so the loss is bit-identical run to run.
+#include <cmath>
+
+#include "engine/cuda/cuda_backend.h"
+
+namespace replica {
+
+namespace {
+
+constexpr int kRowThreads = 256;  // power of two: the tree reductions below rely on it
+
+__device__ __forceinline__ double block_max(double v, double* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) sh[threadIdx.x] = fmax(sh[threadIdx.x], sh[threadIdx.x + half]);
+    __syncthreads();
+  }
+  const double r = sh[0];
+  __syncthreads();  // sh may be reused right after
+  return r;
+}
+
+__device__ __forceinline__ double block_sum(double v, double* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) sh[threadIdx.x] += sh[threadIdx.x + half];
+    __syncthreads();
+  }
+  const double r = sh[0];
+  __syncthreads();
+  return r;
+}
+
+// One block per row: probs = softmax(row) (via log-sum-exp in double, as the CPU backend), and
+// row_loss[n] = lse - x[label] (NaN for a label outside [0, C)).
+__global__ void softmax_xent_rows_kernel(const float* logits, const int32_t* labels, float* probs,
+                                         double* row_loss, int64_t C) {
+  __shared__ double sh[kRowThreads];
+  const int64_t n = blockIdx.x;
+  const float* row = logits + n * C;
+  float* prow = probs + n * C;
+  double mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < C; j += blockDim.x) mx = fmax(mx, double(row[j]));
+  mx = block_max(mx, sh);
+  double s = 0.0;
+  for (int64_t j = threadIdx.x; j < C; j += blockDim.x) s += exp(double(row[j]) - mx);
+  s = block_sum(s, sh);
+  const double lse = mx + log(s);
+  for (int64_t j = threadIdx.x; j < C; j += blockDim.x) prow[j] = float(exp(double(row[j]) - lse));
+  if (threadIdx.x == 0) {
+    const int32_t label = labels[n];
+    row_loss[n] = (label >= 0 && label < C) ? lse - double(row[label]) : double(NAN);
+  }
+}
+
+// Single block: loss[0] = mean of row_loss, summed in a fixed order.
+__global__ void mean_kernel(const double* row_loss, int64_t N, float* loss) {
+  __shared__ double sh[kRowThreads];
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) s += row_loss[i];
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) loss[0] = float(s / double(N));
+}
+
+__global__ void xent_backward_kernel(const float* probs, const int32_t* labels, float scale,
+                                     float* dlogits, int64_t N, int64_t C) {
+  const int64_t total = N * C;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = i / C, c = i - n * C;
+    dlogits[i] = (probs[i] - (c == labels[n] ? 1.f : 0.f)) * scale;
+  }
+}
+
+// One thread per row (first maximum on ties, as the CPU backend); one atomic per block.
+__global__ void count_correct_kernel(const float* logits, const int32_t* labels, int64_t N,
+                                     int64_t C, int32_t* correct) {
+  const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  int hit = 0;
+  if (n < N) {
+    const float* row = logits + n * C;
+    int64_t best = 0;
+    for (int64_t j = 1; j < C; ++j)
+      if (row[j] > row[best]) best = j;
+    hit = best == labels[n];
+  }
+  const int hits = __syncthreads_count(hit);
+  if (threadIdx.x == 0 && hits > 0) atomicAdd(correct, hits);
+}
+
+__global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n, float lr,
+                           float momentum, float dampening, float wd, bool nesterov,
+                           bool first_step) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float d = g[i] + wd * p[i];
+    if (buf) {
+      const float b = first_step ? d : momentum * buf[i] + (1.f - dampening) * d;
+      buf[i] = b;
+      d = nesterov ? d + momentum * b : b;
+    }
+    p[i] -= lr * d;
+  }
+}
+
+__global__ void adam_kernel(float* p, const float* g, float* m, float* v, int64_t n, float b1,
+                            float b2, float eps, float wd, float step_size, float bc2_sqrt) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float grad = g[i] + wd * p[i];
+    const float mi = b1 * m[i] + (1.f - b1) * grad;
+    const float vi = b2 * v[i] + (1.f - b2) * grad * grad;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = sqrtf(vi) / bc2_sqrt + eps;
+    p[i] -= step_size * mi / denom;
+  }
+}
+
+void check_logits_labels(const DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
+                         const char* op) {
+  cuda::expect_device(ctx, logits, op, "logits");
+  cuda::expect_device(ctx, labels, op, "labels");
+  REPLICA_CHECK(logits.ndim() == 2, "{}: logits {} must be [N, C]", op,
+                shape_str(logits.shape()));
+  cuda::expect_dtype(labels, DType::I32, op, "labels");
+  cuda::expect_numel(labels, logits.dim(0), op, "labels");
+}
+
+}  // namespace
+
+void CudaBackend::cross_entropy_forward(DeviceContext& ctx, const Tensor& logits,
+                                        const Tensor& labels, Tensor& probs, Tensor& loss) {
+  const char* op = "cross_entropy_forward";
+  check_logits_labels(ctx, logits, labels, op);
+  cuda::expect_device(ctx, probs, op, "probs");
+  cuda::expect_numel(probs, logits.numel(), op, "probs");
+  cuda::expect_device(ctx, loss, op, "loss");
+  cuda::expect_numel(loss, 1, op, "loss");
+  const int64_t N = logits.dim(0), C = logits.dim(1);
+  CudaState& s = cuda_state(ctx);
+  if (N == 0) {  // mean over no rows: 0, as the CPU backend
+    REPLICA_CUDA_CHECK(cudaMemsetAsync(loss.raw(), 0, sizeof(float), s.stream));
+    return;
+  }
+  REPLICA_CHECK(N <= INT32_MAX, "{}: {} rows is too many", op, N);
+  // Per-row losses in double: 2 floats each of the (256-byte aligned) scratch.
+  double* row_loss = reinterpret_cast<double*>(scratch(ctx, 2 * N));
+  softmax_xent_rows_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, s.stream>>>(
+      logits.f32(), labels.i32(), probs.f32(), row_loss, C);
+  REPLICA_LAUNCH_CHECK();
+  mean_kernel<<<1, kRowThreads, 0, s.stream>>>(row_loss, N, loss.f32());
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::cross_entropy_backward(DeviceContext& ctx, const Tensor& probs,
+                                         const Tensor& labels, float scale, Tensor& dlogits) {
+  const char* op = "cross_entropy_backward";
+  check_logits_labels(ctx, probs, labels, op);
+  cuda::expect_device(ctx, dlogits, op, "dlogits");
+  cuda::expect_numel(dlogits, probs.numel(), op, "dlogits");
+  const int64_t N = probs.dim(0), C = probs.dim(1);
+  if (N * C == 0) return;
+  xent_backward_kernel<<<cuda::grid_for(N * C), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      probs.f32(), labels.i32(), scale, dlogits.f32(), N, C);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::count_correct(DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
+                                Tensor& correct) {
+  const char* op = "count_correct";
+  check_logits_labels(ctx, logits, labels, op);
+  cuda::expect_device(ctx, correct, op, "correct");
+  cuda::expect_dtype(correct, DType::I32, op, "correct");
+  cuda::expect_numel(correct, 1, op, "correct");
+  const int64_t N = logits.dim(0), C = logits.dim(1);
+  if (N == 0) return;
+  const int64_t blocks = (N + cuda::kThreads - 1) / cuda::kThreads;
+  REPLICA_CHECK(blocks <= INT32_MAX, "{}: {} rows is too many", op, N);
+  count_correct_kernel<<<static_cast<unsigned>(blocks), cuda::kThreads, 0,
+                         cuda_state(ctx).stream>>>(logits.f32(), labels.i32(), N, C,
+                                                   correct.i32());
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::sgd_step(DeviceContext& ctx, Tensor& params, const Tensor& grads,
+                           Tensor& momentum, const SgdConfig& c, bool first_step) {
+  const char* op = "sgd_step";
+  cuda::expect_device(ctx, params, op, "params");
+  cuda::expect_device(ctx, grads, op, "grads");
+  cuda::expect_numel(grads, params.numel(), op, "grads");
+  float* buf = nullptr;
+  if (c.momentum != 0.f) {
+    cuda::expect_device(ctx, momentum, op, "momentum buffer");
+    cuda::expect_numel(momentum, params.numel(), op, "momentum buffer");
+    buf = momentum.f32();
+  }
+  const int64_t n = params.numel();
+  if (n == 0) return;
+  sgd_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      params.f32(), grads.f32(), buf, n, c.lr, c.momentum, c.dampening, c.weight_decay,
+      c.nesterov, first_step);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::adam_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& m,
+                            Tensor& v, const AdamConfig& c, int64_t step) {
+  const char* op = "adam_step";
+  cuda::expect_device(ctx, params, op, "params");
+  cuda::expect_device(ctx, grads, op, "grads");
+  cuda::expect_device(ctx, m, op, "m");
+  cuda::expect_device(ctx, v, op, "v");
+  cuda::expect_numel(grads, params.numel(), op, "grads");
+  cuda::expect_numel(m, params.numel(), op, "m");
+  cuda::expect_numel(v, params.numel(), op, "v");
+  REPLICA_CHECK(step >= 1, "{}: step {} must count from 1", op, step);
+  const int64_t n = params.numel();
+  if (n == 0) return;
+  // Bias corrections on the host in double, rounded as the CPU backend rounds them.
+  const float bc1 = float(1.0 - std::pow(double(c.beta1), double(step)));
+  const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(double(c.beta2), double(step))));
+  const float step_size = c.lr / bc1;
+  adam_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      params.f32(), grads.f32(), m.f32(), v.f32(), n, c.beta1, c.beta2, c.eps, c.weight_decay,
+      step_size, bc2_sqrt);
+  REPLICA_LAUNCH_CHECK();
+}
+
+}  // namespace replica

@@ -1,0 +1,311 @@
+// CUDA backend: ReLU, max pooling, adaptive average pooling, dropout and elementwise product.
+// Own kernels throughout. The pooling backwards are gathers (one thread per input element sums
+// the outputs whose window covers it, in ascending output order): no atomics, deterministic, and
+// the same summation order as the CPU backend's scatter loops.
+#include "engine/cuda/cuda_backend.h"
+
+namespace replica {
+
+namespace {
+
+#define REPLICA_GRID_STRIDE(i, n)                                                        \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n);              \
+       i += int64_t(gridDim.x) * blockDim.x)
+
+__global__ void relu_forward_kernel(const float* x, float* y, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n) {
+    const float v = x[i];
+    y[i] = v > 0.f ? v : 0.f;
+  }
+}
+
+__global__ void relu_backward_kernel(const float* y, const float* dy, float* dx, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n) { dx[i] = y[i] > 0.f ? dy[i] : 0.f; }
+}
+
+__global__ void mul_kernel(const float* a, const float* b, float* out, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n) { out[i] = a[i] * b[i]; }
+}
+
+__global__ void dropout_kernel(const float* x, float* y, float* mask, int64_t n, float p,
+                               float keep_scale, uint64_t seed) {
+  REPLICA_GRID_STRIDE(i, n) {
+    const float m = dropout_uniform(seed, static_cast<uint64_t>(i)) >= p ? keep_scale : 0.f;
+    mask[i] = m;
+    y[i] = x[i] * m;
+  }
+}
+
+struct PoolDims {
+  int64_t planes, H, W, P, Q;  // planes = N*C; input H x W; output P x Q
+};
+
+// Index within the plane of the first maximum of window (oy, ox) in row-major window order;
+// padding is never chosen (counts as -inf); the first NaN wins (as max propagates NaN).
+// -1 when the window is all padding. Same rule as the CPU backend.
+__device__ __forceinline__ int64_t window_argmax(const float* plane, const PoolDims& d,
+                                                 int kernel, int stride, int padding, int64_t oy,
+                                                 int64_t ox) {
+  int64_t best = -1;
+  float best_v = -INFINITY;
+  for (int i = 0; i < kernel; ++i) {
+    const int64_t iy = oy * stride - padding + i;
+    if (iy < 0 || iy >= d.H) continue;
+    for (int j = 0; j < kernel; ++j) {
+      const int64_t ix = ox * stride - padding + j;
+      if (ix < 0 || ix >= d.W) continue;
+      const float v = plane[iy * d.W + ix];
+      if (best < 0 || v > best_v || isnan(v)) {
+        best = iy * d.W + ix;
+        best_v = v;
+        if (isnan(v)) return best;
+      }
+    }
+  }
+  return best;
+}
+
+__global__ void maxpool_forward_kernel(const float* x, float* y, PoolDims d, int kernel,
+                                       int stride, int padding) {
+  const int64_t total = d.planes * d.P * d.Q;
+  REPLICA_GRID_STRIDE(o, total) {
+    const int64_t ox = o % d.Q;
+    const int64_t oy = (o / d.Q) % d.P;
+    const int64_t plane = o / (d.P * d.Q);
+    const float* xp = x + plane * d.H * d.W;
+    const int64_t a = window_argmax(xp, d, kernel, stride, padding, oy, ox);
+    y[o] = a >= 0 ? xp[a] : -INFINITY;
+  }
+}
+
+// Output rows oy whose window [oy*stride - padding, oy*stride - padding + kernel) covers iy,
+// clamped to [0, P): oy in [lo, hi] (empty when lo > hi).
+__device__ __forceinline__ void covering_windows(int64_t i, int kernel, int stride, int padding,
+                                                 int64_t out, int64_t* lo, int64_t* hi) {
+  const int64_t a = i + padding - kernel + 1;  // oy*stride >= a
+  *lo = a <= 0 ? 0 : (a + stride - 1) / stride;
+  const int64_t b = i + padding;  // oy*stride <= b, b >= 0
+  int64_t h = b / stride;
+  *hi = h < out - 1 ? h : out - 1;
+}
+
+__global__ void maxpool_backward_kernel(const float* x, const float* dy, float* dx, PoolDims d,
+                                        int kernel, int stride, int padding) {
+  const int64_t total = d.planes * d.H * d.W;
+  REPLICA_GRID_STRIDE(i, total) {
+    const int64_t ix = i % d.W;
+    const int64_t iy = (i / d.W) % d.H;
+    const int64_t plane = i / (d.H * d.W);
+    const float* xp = x + plane * d.H * d.W;
+    const float* gp = dy + plane * d.P * d.Q;
+    const int64_t self = iy * d.W + ix;
+    int64_t y0, y1, x0, x1;
+    covering_windows(iy, kernel, stride, padding, d.P, &y0, &y1);
+    covering_windows(ix, kernel, stride, padding, d.Q, &x0, &x1);
+    float g = 0.f;
+    for (int64_t oy = y0; oy <= y1; ++oy)
+      for (int64_t ox = x0; ox <= x1; ++ox)
+        if (window_argmax(xp, d, kernel, stride, padding, oy, ox) == self) g += gp[oy * d.Q + ox];
+    dx[i] = g;
+  }
+}
+
+// PyTorch's adaptive windows along one axis: [floor(o*In/Out), ceil((o+1)*In/Out)).
+__device__ __forceinline__ int64_t adaptive_start(int64_t o, int64_t in, int64_t out) {
+  return (o * in) / out;
+}
+__device__ __forceinline__ int64_t adaptive_end(int64_t o, int64_t in, int64_t out) {
+  return ((o + 1) * in + out - 1) / out;
+}
+
+__global__ void adaptive_avgpool_forward_kernel(const float* x, float* y, PoolDims d) {
+  const int64_t total = d.planes * d.P * d.Q;
+  REPLICA_GRID_STRIDE(o, total) {
+    const int64_t ox = o % d.Q;
+    const int64_t oy = (o / d.Q) % d.P;
+    const int64_t plane = o / (d.P * d.Q);
+    const float* xp = x + plane * d.H * d.W;
+    const int64_t y0 = adaptive_start(oy, d.H, d.P), y1 = adaptive_end(oy, d.H, d.P);
+    const int64_t x0 = adaptive_start(ox, d.W, d.Q), x1 = adaptive_end(ox, d.W, d.Q);
+    float s = 0.f;
+    for (int64_t iy = y0; iy < y1; ++iy)
+      for (int64_t ix = x0; ix < x1; ++ix) s += xp[iy * d.W + ix];
+    y[o] = s / float((y1 - y0) * (x1 - x0));
+  }
+}
+
+// Outputs o along one axis whose adaptive window covers input i: o in [lo, hi]. Derived bounds
+// are widened by one each side and then tested exactly, so rounding can never drop a window.
+__device__ __forceinline__ void adaptive_covering(int64_t i, int64_t in, int64_t out, int64_t* lo,
+                                                  int64_t* hi) {
+  int64_t l = (i * out) / in - 1;
+  int64_t h = ((i + 1) * out + in - 1) / in;
+  if (l < 0) l = 0;
+  if (h > out - 1) h = out - 1;
+  while (l <= h && !(adaptive_start(l, in, out) <= i && i < adaptive_end(l, in, out))) ++l;
+  while (h >= l && !(adaptive_start(h, in, out) <= i && i < adaptive_end(h, in, out))) --h;
+  *lo = l;
+  *hi = h;
+}
+
+__global__ void adaptive_avgpool_backward_kernel(const float* dy, float* dx, PoolDims d) {
+  const int64_t total = d.planes * d.H * d.W;
+  REPLICA_GRID_STRIDE(i, total) {
+    const int64_t ix = i % d.W;
+    const int64_t iy = (i / d.W) % d.H;
+    const int64_t plane = i / (d.H * d.W);
+    const float* gp = dy + plane * d.P * d.Q;
+    int64_t oy0, oy1, ox0, ox1;
+    adaptive_covering(iy, d.H, d.P, &oy0, &oy1);
+    adaptive_covering(ix, d.W, d.Q, &ox0, &ox1);
+    float g = 0.f;
+    for (int64_t oy = oy0; oy <= oy1; ++oy) {
+      const int64_t y0 = adaptive_start(oy, d.H, d.P), y1 = adaptive_end(oy, d.H, d.P);
+      for (int64_t ox = ox0; ox <= ox1; ++ox) {
+        const int64_t x0 = adaptive_start(ox, d.W, d.Q), x1 = adaptive_end(ox, d.W, d.Q);
+        g += gp[oy * d.Q + ox] / float((y1 - y0) * (x1 - x0));
+      }
+    }
+    dx[i] = g;
+  }
+}
+
+#undef REPLICA_GRID_STRIDE
+
+PoolDims pool_dims(const Tensor& x, const Tensor& y, const char* op) {
+  REPLICA_CHECK(x.ndim() == 4 && y.ndim() == 4 && x.dim(0) == y.dim(0) && x.dim(1) == y.dim(1),
+                "{}: expected NCHW input and output with the same N and C, got {} and {}", op,
+                shape_str(x.shape()), shape_str(y.shape()));
+  return {x.dim(0) * x.dim(1), x.dim(2), x.dim(3), y.dim(2), y.dim(3)};
+}
+
+void check_maxpool(const Tensor& x, const Tensor& y, const Pool2dParams& p, const char* op) {
+  REPLICA_CHECK(p.kernel >= 1 && p.stride >= 1 && p.padding >= 0 && 2 * p.padding <= p.kernel,
+                "{}: kernel {}, stride {}, padding {} is invalid (padding may be at most half "
+                "the kernel)",
+                op, p.kernel, p.stride, p.padding);
+  const int64_t P = window_out(x.dim(2), p.kernel, p.stride, p.padding);
+  const int64_t Q = window_out(x.dim(3), p.kernel, p.stride, p.padding);
+  REPLICA_CHECK(y.dim(2) == P && y.dim(3) == Q, "{}: output {} should be [{}, {}, {}, {}]", op,
+                shape_str(y.shape()), x.dim(0), x.dim(1), P, Q);
+}
+
+}  // namespace
+
+void CudaBackend::relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
+  cuda::expect_device(ctx, x, "relu_forward", "x");
+  cuda::expect_device(ctx, y, "relu_forward", "y");
+  cuda::expect_numel(y, x.numel(), "relu_forward", "y");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  relu_forward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      x.f32(), y.f32(), n);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy,
+                                Tensor& dx) {
+  cuda::expect_device(ctx, y, "relu_backward", "y");
+  cuda::expect_device(ctx, dy, "relu_backward", "dy");
+  cuda::expect_device(ctx, dx, "relu_backward", "dx");
+  cuda::expect_numel(dy, y.numel(), "relu_backward", "dy");
+  cuda::expect_numel(dx, y.numel(), "relu_backward", "dx");
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  relu_backward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      y.f32(), dy.f32(), dx.f32(), n);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y,
+                                    const Pool2dParams& p) {
+  const char* op = "maxpool2d_forward";
+  cuda::expect_device(ctx, x, op, "x");
+  cuda::expect_device(ctx, y, op, "y");
+  const PoolDims d = pool_dims(x, y, op);
+  check_maxpool(x, y, p, op);
+  const int64_t total = d.planes * d.P * d.Q;
+  if (total == 0) return;
+  maxpool_forward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      x.f32(), y.f32(), d, p.kernel, p.stride, p.padding);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& y,
+                                     const Tensor& dy, Tensor& dx, const Pool2dParams& p) {
+  const char* op = "maxpool2d_backward";
+  cuda::expect_device(ctx, x, op, "x");
+  cuda::expect_device(ctx, dy, op, "dy");
+  cuda::expect_device(ctx, dx, op, "dx");
+  const PoolDims d = pool_dims(x, dy, op);
+  check_maxpool(x, dy, p, op);
+  if (y.defined()) cuda::expect_shape(y, dy.shape(), op, "y");
+  cuda::expect_shape(dx, x.shape(), op, "dx");
+  const int64_t total = d.planes * d.H * d.W;
+  if (total == 0) return;
+  // y is not needed: the argmax is recomputed from x with the forward's exact rule.
+  maxpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      x.f32(), dy.f32(), dx.f32(), d, p.kernel, p.stride, p.padding);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::adaptive_avgpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
+  const char* op = "adaptive_avgpool2d_forward";
+  cuda::expect_device(ctx, x, op, "x");
+  cuda::expect_device(ctx, y, op, "y");
+  const PoolDims d = pool_dims(x, y, op);
+  const int64_t total = d.planes * d.P * d.Q;
+  if (total == 0) return;
+  REPLICA_CHECK(d.H >= 1 && d.W >= 1, "{}: empty input plane {}", op, shape_str(x.shape()));
+  adaptive_avgpool_forward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
+                                    cuda_state(ctx).stream>>>(x.f32(), y.f32(), d);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& dy, Tensor& dx) {
+  const char* op = "adaptive_avgpool2d_backward";
+  cuda::expect_device(ctx, dy, op, "dy");
+  cuda::expect_device(ctx, dx, op, "dx");
+  const PoolDims d = pool_dims(dx, dy, op);
+  const int64_t total = d.planes * d.H * d.W;
+  if (total == 0) return;
+  if (d.P == 0 || d.Q == 0) {  // no outputs: no gradient
+    REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
+    return;
+  }
+  adaptive_avgpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
+                                     cuda_state(ctx).stream>>>(dy.f32(), dx.f32(), d);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask,
+                                  float p, uint64_t seed) {
+  const char* op = "dropout_forward";
+  cuda::expect_device(ctx, x, op, "x");
+  cuda::expect_device(ctx, y, op, "y");
+  cuda::expect_device(ctx, mask, op, "mask");
+  cuda::expect_numel(y, x.numel(), op, "y");
+  cuda::expect_numel(mask, x.numel(), op, "mask");
+  REPLICA_CHECK(p >= 0.f && p <= 1.f, "{}: p = {} is not in [0, 1]", op, p);
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const float keep_scale = p < 1.f ? 1.f / (1.f - p) : 0.f;  // as the CPU backend
+  dropout_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      x.f32(), y.f32(), mask.f32(), n, p, keep_scale, seed);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::mul(DeviceContext& ctx, const Tensor& a, const Tensor& b, Tensor& out) {
+  cuda::expect_device(ctx, a, "mul", "a");
+  cuda::expect_device(ctx, b, "mul", "b");
+  cuda::expect_device(ctx, out, "mul", "out");
+  cuda::expect_numel(b, a.numel(), "mul", "b");
+  cuda::expect_numel(out, a.numel(), "mul", "out");
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  mul_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(a.f32(), b.f32(),
+                                                                               out.f32(), n);
+  REPLICA_LAUNCH_CHECK();
+}
+
+}  // namespace replica

@@ -1,0 +1,228 @@
+// The CUDA runtime behind engine/cuda/cudart.h: device discovery, raw allocations, and the
+// per-context state (non-blocking stream, cuBLAS and cuDNN handles bound to it, workspace).
+// Runtime API only: the driver API (libcuda) is never linked.
+#include <fmt/format.h>
+
+#include <library_types.h>
+
+#include "engine/cuda/cuda_check.h"
+#include "engine/cuda/cudart.h"
+
+namespace replica {
+
+namespace cuda_detail {
+
+const char* cublas_status_string(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+    default: return "unknown cuBLAS status";
+  }
+}
+
+void throw_cuda(const char* call, int code, const char* what, const char* file, int line) {
+  throw Error(fmt::format("{} failed: {} (code {}) ({}:{})", call, what ? what : "?", code, file,
+                          line));
+}
+
+}  // namespace cuda_detail
+
+namespace {
+
+// Makes `ordinal` current for the scope and restores the previous device afterwards, so helper
+// calls (allocation from a releasing thread, say) never change the caller's current device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      previous_ = -1;
+    }
+    if (previous_ != ordinal) REPLICA_CUDA_CHECK(cudaSetDevice(ordinal));
+    else previous_ = -1;  // nothing to restore
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+int query_device_count() {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // e.g. 35 (insufficient driver) or 100 (no device): zero GPUs
+    return 0;
+  }
+  return n < 0 ? 0 : n;
+}
+
+}  // namespace
+
+CudaState& cuda_state(const DeviceContext& ctx) {
+  CudaState* s = ctx.cuda();
+  REPLICA_CHECK(s != nullptr, "CUDA backend called with a context for {}, which has no CUDA state",
+                ctx.device().str());
+  return *s;
+}
+
+void* cuda_workspace(CudaState& s, size_t bytes) {
+  if (bytes <= s.workspace_bytes) return s.workspace;
+  // Round up to 1 MiB so a run of slightly growing requests does not reallocate every time.
+  size_t want = (bytes + (size_t(1) << 20) - 1) & ~((size_t(1) << 20) - 1);
+  REPLICA_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the old workspace may still be in use
+  if (s.workspace) {
+    REPLICA_CUDA_CHECK(cudaFree(s.workspace));
+    s.workspace = nullptr;
+    s.workspace_bytes = 0;
+  }
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, want);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw Error(fmt::format("cudaMalloc of a {} MiB workspace on GPU {} failed: {} ({}:{})",
+                            want >> 20, s.ordinal, cudaGetErrorString(err), __FILE__, __LINE__));
+  }
+  s.workspace = p;
+  s.workspace_bytes = want;
+  return p;
+}
+
+namespace cudart {
+
+int device_count() {
+  static const int count = query_device_count();  // thread-safe, asked once per process
+  return count;
+}
+
+std::string device_name(int ordinal) {
+  cudaDeviceProp prop{};
+  REPLICA_CUDA_CHECK(cudaGetDeviceProperties(&prop, ordinal));
+  return std::string(prop.name);
+}
+
+size_t device_total_memory(int ordinal) {
+  cudaDeviceProp prop{};
+  REPLICA_CUDA_CHECK(cudaGetDeviceProperties(&prop, ordinal));
+  return prop.totalGlobalMem;
+}
+
+std::string versions() {
+  int runtime = 0, driver = 0;
+  if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) (void)cudaGetLastError();
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) (void)cudaGetLastError();
+  int bmaj = 0, bmin = 0, bpatch = 0;
+  cublasGetProperty(MAJOR_VERSION, &bmaj);
+  cublasGetProperty(MINOR_VERSION, &bmin);
+  cublasGetProperty(PATCH_LEVEL, &bpatch);
+  size_t dnn = cudnnGetVersion();  // major*10000 + minor*100 + patch since cuDNN 9
+  auto cuda_ver = [](int v) {
+    return v == 0 ? std::string("none") : fmt::format("{}.{}", v / 1000, (v % 1000) / 10);
+  };
+  return fmt::format("CUDA runtime {}, driver {}, cuBLAS {}.{}.{}, cuDNN {}.{}.{}",
+                     cuda_ver(runtime), cuda_ver(driver), bmaj, bmin, bpatch, dnn / 10000,
+                     (dnn % 10000) / 100, dnn % 100);
+}
+
+void set_device(int ordinal) { REPLICA_CUDA_CHECK(cudaSetDevice(ordinal)); }
+
+void* malloc_device(int ordinal, size_t bytes) {
+  DeviceGuard guard(ordinal);
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) (void)cudaGetLastError();
+    throw Error(fmt::format(
+        "out of GPU memory on cuda:{}: cudaMalloc of {:.1f} MiB failed ({}); {:.1f} MiB free of "
+        "{:.1f} MiB ({}:{})",
+        ordinal, bytes / 1048576.0, cudaGetErrorString(err), free_b / 1048576.0,
+        total_b / 1048576.0, __FILE__, __LINE__));
+  }
+  return p;
+}
+
+// Frees never throw: they run from destructors (allocator caches at exit), where an error (the
+// runtime already unloading, say) can only be ignored.
+void free_device(int ordinal, void* ptr) {
+  if (!ptr) return;
+  try {
+    DeviceGuard guard(ordinal);
+    if (cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
+  } catch (...) {
+  }
+}
+
+void* malloc_pinned(size_t bytes) {
+  void* p = nullptr;
+  cudaError_t err = cudaHostAlloc(&p, bytes == 0 ? 1 : bytes, cudaHostAllocPortable);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw Error(fmt::format("cudaHostAlloc of {:.1f} MiB pinned host memory failed: {} ({}:{})",
+                            bytes / 1048576.0, cudaGetErrorString(err), __FILE__, __LINE__));
+  }
+  return p;
+}
+
+void free_pinned(void* ptr) {
+  if (ptr && cudaFreeHost(ptr) != cudaSuccess) (void)cudaGetLastError();
+}
+
+namespace {
+void release_state(CudaState* s) {
+  if (!s) return;
+  if (cudaSetDevice(s->ordinal) != cudaSuccess) (void)cudaGetLastError();
+  if (s->stream && cudaStreamSynchronize(s->stream) != cudaSuccess) (void)cudaGetLastError();
+  if (s->cudnn) cudnnDestroy(s->cudnn);
+  if (s->cublas) cublasDestroy(s->cublas);
+  if (s->workspace && cudaFree(s->workspace) != cudaSuccess) (void)cudaGetLastError();
+  if (s->stream && cudaStreamDestroy(s->stream) != cudaSuccess) (void)cudaGetLastError();
+  delete s;
+}
+}  // namespace
+
+CudaState* create_state(const Device& device, bool deterministic) {
+  REPLICA_CHECK(device.is_cuda(), "create_state: {} is not a CUDA device", device.str());
+  auto* s = new CudaState();
+  s->ordinal = device.index;
+  s->deterministic = deterministic;
+  try {
+    REPLICA_CUDA_CHECK(cudaSetDevice(device.index));
+    REPLICA_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+    REPLICA_CUBLAS_CHECK(cublasCreate(&s->cublas));
+    REPLICA_CUBLAS_CHECK(cublasSetStream(s->cublas, s->stream));
+    // Plain FP32: no TF32 tensor-op math, so GEMMs match the CPU and PyTorch's default
+    // (torch.backends.cuda.matmul.allow_tf32 = False).
+    REPLICA_CUBLAS_CHECK(cublasSetMathMode(s->cublas, CUBLAS_DEFAULT_MATH));
+    REPLICA_CUDNN_CHECK(cudnnCreate(&s->cudnn));
+    REPLICA_CUDNN_CHECK(cudnnSetStream(s->cudnn, s->stream));
+    cuda_workspace(*s, size_t(64) << 20);
+  } catch (...) {
+    release_state(s);
+    throw;
+  }
+  return s;
+}
+
+void destroy_state(CudaState* state) { release_state(state); }
+
+void synchronize(CudaState* state) {
+  if (!state) return;
+  REPLICA_CUDA_CHECK(cudaStreamSynchronize(state->stream));
+}
+
+}  // namespace cudart
+}  // namespace replica

@@ -1,0 +1,204 @@
+#include "engine/data/loader.h"
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+
+#include "engine/allocator.h"
+#include "engine/error.h"
+
+namespace replica {
+
+struct Loader::State {
+  struct Slot {
+    Tensor images, labels;  // max-size buffers; batches are row slices of them
+  };
+  struct Ready {
+    int64_t index = 0, count = 0;
+    int slot = -1;             // -1 with `error` set: preparing batch `index` failed
+    std::exception_ptr error;
+  };
+
+  // Fixed at construction.
+  const Dataset* data = nullptr;
+  int64_t batch_size = 1;
+  size_t prefetch = 1;
+  std::vector<Slot> slots;
+
+  std::mutex mu;
+  std::condition_variable work_cv;   // the thread waits for work and free buffers
+  std::condition_variable ready_cv;  // next() waits for ready batches
+  bool stop = false;
+  std::vector<int> free;             // slot ids nobody uses
+  std::deque<Ready> ready;           // prepared, in batch order, not yet handed out
+  uint64_t generation = 0;           // bumped by start_epoch: work of older epochs is dropped
+  bool started = false;
+  std::shared_ptr<const std::vector<int64_t>> indices;
+  int64_t epoch = 0;
+  int64_t next_fill = 0;     // next batch the thread prepares
+  int64_t next_deliver = 0;  // next batch next() hands out
+  int64_t end = 0;           // batches in the epoch
+  std::exception_ptr failed;  // this epoch's error: re-thrown until start_epoch
+  std::exception_ptr dead;    // the thread itself died (should not happen): re-thrown forever
+
+  void release(int slot) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      free.push_back(slot);
+    }
+    work_cv.notify_one();
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mu);
+    try {
+      for (;;) {
+        work_cv.wait(lock, [&] {
+          return stop || (next_fill < end && !free.empty() && ready.size() < prefetch);
+        });
+        if (stop) return;
+        int slot = free.back();
+        free.pop_back();
+        const int64_t b = next_fill++;
+        const uint64_t gen = generation;
+        const auto idx = indices;  // keeps this epoch's indices alive if start_epoch replaces them
+        const int64_t begin = b * batch_size;
+        const int64_t count = std::min<int64_t>(batch_size, int64_t(idx->size()) - begin);
+        lock.unlock();
+        std::exception_ptr error;
+        try {
+          data->read(idx->data() + begin, count, slots[slot].images.f32(),
+                     slots[slot].labels.i32());
+        } catch (...) {
+          error = std::current_exception();
+        }
+        lock.lock();
+        if (gen != generation || stop) {  // restarted (or stopping) meanwhile: drop it
+          free.push_back(slot);
+          continue;
+        }
+        if (error) {
+          free.push_back(slot);
+          ready.push_back({b, count, -1, error});
+          next_fill = end;  // nothing more for this epoch
+        } else {
+          ready.push_back({b, count, slot, nullptr});
+        }
+        ready_cv.notify_all();
+      }
+    } catch (...) {
+      if (!lock.owns_lock()) lock.lock();
+      dead = std::current_exception();
+      ready_cv.notify_all();
+    }
+  }
+};
+
+Loader::Loader(const Dataset& data, int64_t batch_size, bool drop_last, int prefetch)
+    : data_(data), batch_size_(batch_size), drop_last_(drop_last) {
+  REPLICA_USAGE_CHECK(batch_size >= 1, "batch size must be at least 1 (got {})", batch_size);
+  REPLICA_USAGE_CHECK(prefetch >= 1, "loader prefetch must be at least 1 (got {})", prefetch);
+  auto s = std::make_shared<State>();
+  s->data = &data;
+  s->batch_size = batch_size;
+  s->prefetch = static_cast<size_t>(prefetch);
+  Shape image_shape = data.sample_shape();
+  image_shape.insert(image_shape.begin(), batch_size);
+  // prefetch ready + one the consumer works on + one it may still hold (e.g. an H2D copy in flight)
+  const int pool = prefetch + 2;
+  for (int i = 0; i < pool; ++i) {
+    s->slots.push_back({Tensor::empty(pinned_allocator(), image_shape, DType::F32),
+                        Tensor::empty(pinned_allocator(), {batch_size}, DType::I32)});
+    s->free.push_back(pool - 1 - i);
+  }
+  state_ = s;
+  thread_ = std::thread([s] { s->run(); });
+}
+
+Loader::~Loader() {
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stop = true;
+  }
+  state_->work_cv.notify_all();
+  state_->ready_cv.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+int Loader::pool_size() const { return static_cast<int>(state_->slots.size()); }
+
+int64_t Loader::batches_per_epoch(int64_t n_indices) const {
+  if (n_indices <= 0) return 0;
+  return drop_last_ ? n_indices / batch_size_ : (n_indices + batch_size_ - 1) / batch_size_;
+}
+
+void Loader::start_epoch(std::vector<int64_t> indices, int64_t epoch, int64_t first_batch) {
+  const int64_t size = data_.size();
+  for (size_t i = 0; i < indices.size(); ++i)
+    REPLICA_USAGE_CHECK(indices[i] >= 0 && indices[i] < size,
+                        "epoch {}: sample index {} (position {}) is outside the dataset of {} "
+                        "samples",
+                        epoch, indices[i], i, size);
+  const int64_t total = batches_per_epoch(static_cast<int64_t>(indices.size()));
+  REPLICA_USAGE_CHECK(first_batch >= 0 && first_batch <= total,
+                      "epoch {}: cannot start at batch {}: the epoch has {} batches", epoch,
+                      first_batch, total);
+  State& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    ++s.generation;
+    for (const auto& r : s.ready)
+      if (r.slot >= 0) s.free.push_back(r.slot);
+    s.ready.clear();
+    s.indices = std::make_shared<const std::vector<int64_t>>(std::move(indices));
+    s.epoch = epoch;
+    s.next_fill = s.next_deliver = first_batch;
+    s.end = total;
+    s.failed = nullptr;
+    s.started = true;
+  }
+  s.work_cv.notify_all();
+  s.ready_cv.notify_all();
+}
+
+std::shared_ptr<Batch> Loader::next() {
+  std::shared_ptr<State> s = state_;  // next() touches only the shared state (see ~Loader)
+  std::unique_lock<std::mutex> lock(s->mu);
+  if (!s->started) throw Error("Loader::next() called before start_epoch()");
+  for (;;) {
+    if (s->dead) std::rethrow_exception(s->dead);
+    if (s->failed) std::rethrow_exception(s->failed);
+    if (s->stop || s->next_deliver >= s->end) return nullptr;
+    if (!s->ready.empty()) break;
+    s->ready_cv.wait(lock);
+  }
+  State::Ready r = s->ready.front();
+  s->ready.pop_front();
+  s->work_cv.notify_one();  // room in the ready queue
+  if (r.error) {
+    s->failed = r.error;
+    std::rethrow_exception(r.error);
+  }
+  REPLICA_CHECK(r.index == s->next_deliver, "loader: batch {} ready, expected {}", r.index,
+                s->next_deliver);
+  ++s->next_deliver;
+  const State::Slot& slot = s->slots[r.slot];
+  const int id = r.slot;
+  std::unique_ptr<Batch> batch;
+  try {
+    batch.reset(new Batch{slot.images.slice_rows(0, r.count), slot.labels.slice_rows(0, r.count),
+                          s->epoch, r.index});
+  } catch (...) {
+    s->free.push_back(id);
+    throw;
+  }
+  lock.unlock();
+  // If the control block cannot be allocated, shared_ptr calls the deleter: the slot goes back.
+  return std::shared_ptr<Batch>(batch.release(), [s, id](Batch* b) {
+    delete b;
+    s->release(id);
+  });
+}
+
+}  // namespace replica

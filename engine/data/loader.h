@@ -1,0 +1,68 @@
+// Loader: a background thread that prepares the next batches in pinned host memory while the
+// devices compute. One mutex and two condition variables; batch buffers come from a fixed pool
+// allocated once (prefetch + 2 buffers of batch_size samples), so steady state allocates nothing.
+//
+// Life of a buffer: free -> filled by the thread -> ready queue -> handed out by next() inside a
+// shared_ptr<Batch> -> back to free when the consumer releases that shared_ptr. The consumer thus
+// decides when a pinned buffer may be overwritten (e.g. after its host->device copy finished).
+// Do not keep copies of a batch's tensors after releasing the Batch: the memory is reused.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "engine/data/dataset.h"
+#include "engine/tensor.h"
+
+namespace replica {
+
+struct Batch {
+  Tensor images;  // F32 [n, C, H, W] in pinned host memory (pinned_allocator())
+  Tensor labels;  // I32 [n]
+  int64_t epoch = 0, index = 0;  // batch index within the epoch
+  int64_t size() const { return labels.defined() ? labels.dim(0) : 0; }
+};
+
+class Loader {
+ public:
+  // batch_size >= 1 and prefetch >= 1 (UsageError otherwise); prefetch = batches prepared ahead.
+  // `data` must outlive the Loader.
+  Loader(const Dataset& data, int64_t batch_size, bool drop_last, int prefetch = 2);
+  // Stops and joins the thread (after the batch it may be filling). Never hangs, whatever the
+  // consumer holds; batches still held stay valid. A next() blocked on another thread returns
+  // nullptr, but calling next() after destruction has begun is, as for any object, an error.
+  ~Loader();
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+
+  // Starts (or restarts) an epoch over `indices` (already ordered: an epoch_order() permutation or
+  // a DistributedSampler's share), beginning at batch `first_batch` (to resume mid-epoch; may equal
+  // batches_per_epoch(), giving an empty epoch). Batches of a previous epoch not yet handed out
+  // are discarded; those the consumer holds stay valid until released. Indices must be in
+  // [0, data.size()) (UsageError otherwise).
+  void start_epoch(std::vector<int64_t> indices, int64_t epoch, int64_t first_batch = 0);
+
+  // The next batch of the epoch (consecutive chunks of `indices`; the last one partial unless
+  // drop_last), or nullptr at the end of the epoch. Blocks while the thread prepares it. An
+  // exception thrown while preparing a batch is re-thrown here (after the batches before it), and
+  // again by every later next() until start_epoch(). Error if no epoch was started.
+  // If the consumer holds every buffer (prefetch + 2 batches), next() waits until one is released.
+  std::shared_ptr<Batch> next();
+
+  // Batches in an epoch of n_indices samples: floor (drop_last) or ceil.
+  int64_t batches_per_epoch(int64_t n_indices) const;
+
+  int64_t batch_size() const { return batch_size_; }
+  int pool_size() const;  // buffers in the pool
+
+ private:
+  struct State;  // shared with the thread and with handed-out batches
+  const Dataset& data_;
+  int64_t batch_size_;
+  bool drop_last_;
+  std::shared_ptr<State> state_;
+  std::thread thread_;
+};
+
+}  // namespace replica

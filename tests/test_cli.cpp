@@ -1,0 +1,152 @@
+// replica-train as a user runs it: bad input gets one clear line and a non-zero exit (never a
+// crash or a hang), and a run resumed from its checkpoint continues bit-identically.
+#include <doctest/doctest.h>
+
+#include "cli_helpers.h"
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/checkpoint.h"
+
+using test::run;
+
+namespace {
+
+const std::string kTrain = test::bin("replica-train");
+
+// A bad invocation: exit code 2 (usage) or 1, exactly one output line naming the problem.
+void expect_clean_error(const std::string& args, const std::string& must_contain) {
+  test::RunResult r = run(kTrain + " " + args, 60);
+  INFO("args: " << args << "\noutput: " << r.output);
+  CHECK((r.exit_code == 1 || r.exit_code == 2));
+  CHECK(test::count_lines(r.output) == 1);
+  CHECK(r.output.rfind("replica-train: error: ", 0) == 0);
+  CHECK(r.output.find(must_contain) != std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("help and device listing succeed") {
+  auto help = run(kTrain + " --help");
+  CHECK(help.exit_code == 0);
+  CHECK(help.output.find("--batch-size") != std::string::npos);
+  auto list = run(kTrain + " --list-devices");
+  CHECK(list.exit_code == 0);
+  CHECK(list.output.find("cpu") != std::string::npos);
+}
+
+TEST_CASE("bad flags and values are one-line errors") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  const std::string data = "--data " + tmp.str("data") + " --max-steps 1 --quiet";
+  expect_clean_error("--no-such-flag", "--no-such-flag");
+  expect_clean_error(data + " --batch-size 0", "--batch-size");
+  expect_clean_error(data + " --lr -0.1", "learning rate");
+  expect_clean_error(data + " --lr nan", "learning rate");
+  expect_clean_error(data + " --model resnet7", "resnet7");
+  expect_clean_error(data + " --model transformer", "unknown model");
+  expect_clean_error(data + " --optimizer rmsprop", "rmsprop");
+  expect_clean_error(data + " --devices tpu", "unknown device");
+  expect_clean_error(data + " --devices cuda:7", "GPU 7 does not exist");
+  expect_clean_error(data + " --devices cpu*0", "must be >= 1");
+  expect_clean_error(data + " --threads-per-device 0", "--threads-per-device");
+  expect_clean_error(data + " --epochs 0", "--epochs");
+  expect_clean_error(data + " --resume", "--checkpoint");
+  expect_clean_error("--synthetic --input-shape 3x0x4 --max-steps 1", "--input-shape");
+  expect_clean_error("--synthetic --input-shape banana --max-steps 1", "--input-shape");
+}
+
+TEST_CASE("bad data directories are one-line errors") {
+  test::TempDir tmp;
+  expect_clean_error("--data " + tmp.str("missing") + " --max-steps 1", "does not exist");
+  test::fs::create_directories(tmp.path / "empty");
+  expect_clean_error("--data " + tmp.str("empty") + " --max-steps 1", "train-images-idx3-ubyte");
+
+  test::write_mnist_dir(tmp.path / "trunc", 64, 16);
+  const auto images = tmp.path / "trunc" / "train-images-idx3-ubyte";
+  test::fs::resize_file(images, 2000);
+  expect_clean_error("--data " + tmp.str("trunc") + " --max-steps 1", "truncated");
+
+  test::write_mnist_dir(tmp.path / "garbage", 64, 16);
+  {
+    std::ofstream g(tmp.path / "garbage" / "train-labels-idx1-ubyte", std::ios::binary);
+    g << "this is not an IDX file at all, just text";
+  }
+  expect_clean_error("--data " + tmp.str("garbage") + " --max-steps 1", "train-labels");
+}
+
+TEST_CASE("a short run writes metrics with the documented fields") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 256, 64);
+  auto r = run(kTrain + " --data " + tmp.str("data") + " --batch-size 32 --epochs 2 --quiet" +
+               " --threads-per-device 1 --metrics-json " + tmp.str("m.json") + " --trace " +
+               tmp.str("t.json"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  std::ifstream in(tmp.str("m.json"));
+  auto m = nlohmann::json::parse(in);
+  for (const char* key : {"model", "mode", "devices", "steps", "epochs", "samples_per_sec",
+                          "final_loss", "test_accuracy", "test_loss", "peak_memory_bytes"})
+    CHECK_MESSAGE(m.contains(key), key);
+  CHECK(m["steps"] == 16);
+  CHECK(m["epochs"] == 2);
+  CHECK(m["peak_memory_bytes"].size() == 1);
+  CHECK(m["peak_memory_bytes"][0].get<double>() > 0);
+  // The synthetic bands are easy: two epochs learn them.
+  CHECK(m["test_accuracy"].get<double>() > 0.5);
+  std::ifstream tin(tmp.str("t.json"));
+  auto trace = nlohmann::json::parse(tin);
+  CHECK(trace["traceEvents"].size() > 16 * 3);
+}
+
+TEST_CASE("a run resumed from its checkpoint continues bit-identically") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 320, 64);
+  // 320 samples / batch 32 = 10 steps per epoch; stop mid-epoch 2 and resume.
+  const std::string common = kTrain + " --data " + tmp.str("data") +
+                             " --batch-size 32 --epochs 3 --deterministic --quiet --no-eval"
+                             " --threads-per-device 2 --seed 7";
+  for (const char* optimizer : {"adam", "sgd --momentum 0.9"}) {
+    CAPTURE(optimizer);
+    const std::string opt = std::string(" --optimizer ") + optimizer;
+    auto full = run(common + opt + " --checkpoint " + tmp.str("full"));
+    REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+    auto part = run(common + opt + " --max-steps 13 --checkpoint " + tmp.str("part"));
+    REQUIRE_MESSAGE(part.exit_code == 0, part.output);
+    auto rest = run(common + opt + " --resume --checkpoint " + tmp.str("part"));
+    REQUIRE_MESSAGE(rest.exit_code == 0, rest.output);
+
+    auto a = replica::load_checkpoint(tmp.str("full/checkpoint.safetensors"));
+    auto b = replica::load_checkpoint(tmp.str("part/checkpoint.safetensors"));
+    CHECK(a.metadata.at("step") == "30");
+    CHECK(b.metadata.at("step") == "30");
+    REQUIRE(a.tensors.size() == b.tensors.size());
+    for (size_t i = 0; i < a.tensors.size(); ++i) {
+      CAPTURE(a.tensors[i].first);
+      REQUIRE(a.tensors[i].first == b.tensors[i].first);
+      const auto& ta = a.tensors[i].second;
+      const auto& tb = b.tensors[i].second;
+      REQUIRE(ta.bytes() == tb.bytes());
+      CHECK(std::memcmp(ta.raw(), tb.raw(), ta.bytes()) == 0);
+    }
+    test::fs::remove_all(tmp.path / "full");
+    test::fs::remove_all(tmp.path / "part");
+  }
+}
+
+TEST_CASE("resume refuses a checkpoint of another model or batch size") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 128, 32);
+  const std::string base = kTrain + " --data " + tmp.str("data") + " --quiet --no-eval --max-steps 2";
+  REQUIRE(run(base + " --batch-size 32 --checkpoint " + tmp.str("ck")).exit_code == 0);
+  expect_clean_error("--data " + tmp.str("data") +
+                         " --quiet --max-steps 3 --batch-size 16 --resume --checkpoint " +
+                         tmp.str("ck"),
+                     "batch size");
+  // A corrupt checkpoint is an error, not a crash.
+  test::fs::resize_file(tmp.path / "ck" / "checkpoint.safetensors", 100);
+  expect_clean_error("--data " + tmp.str("data") +
+                         " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
+                         tmp.str("ck"),
+                     "checkpoint");
+}

@@ -1,0 +1,415 @@
+// epoch_order, the synthetic dataset, and the background Loader (order, partial batches,
+// drop_last, resume, restart, shutdown with batches outstanding, error propagation).
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <set>
+#include <thread>
+
+#include "engine/allocator.h"
+#include "engine/data/dataset.h"
+#include "engine/data/loader.h"
+#include "engine/error.h"
+
+using namespace replica;
+
+namespace {
+
+bool is_permutation_of_n(const std::vector<int64_t>& v, int64_t n) {
+  if (int64_t(v.size()) != n) return false;
+  std::vector<char> seen(size_t(n), 0);
+  for (int64_t x : v) {
+    if (x < 0 || x >= n || seen[size_t(x)]) return false;
+    seen[size_t(x)] = 1;
+  }
+  return true;
+}
+
+// Sample i is an image filled with i and label i % classes; optional delay and a failing index.
+class CountingDataset : public Dataset {
+ public:
+  CountingDataset(int64_t n, Shape shape = {1, 2, 3}) : n_(n), shape_(std::move(shape)) {}
+  int64_t size() const override { return n_; }
+  Shape sample_shape() const override { return shape_; }
+  int num_classes() const override { return 7; }
+  void read(const int64_t* idx, int64_t n, float* images, int32_t* labels) const override {
+    reads++;
+    if (delay_ms) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    const int64_t per = shape_numel(shape_);
+    for (int64_t i = 0; i < n; ++i) {
+      if (idx[i] == fail_at) throw Error("sample " + std::to_string(idx[i]) + " is unreadable");
+      for (int64_t k = 0; k < per; ++k) images[i * per + k] = float(idx[i]);
+      labels[i] = int32_t(idx[i] % 7);
+    }
+  }
+  std::string describe() const override { return "counting"; }
+
+  int delay_ms = 0;
+  int64_t fail_at = -1;
+  mutable std::atomic<int> reads{0};
+
+ private:
+  int64_t n_;
+  Shape shape_;
+};
+
+// Checks a batch holds exactly `expect` (in order) and returns nothing.
+void check_batch(const Batch& b, const std::vector<int64_t>& expect, int64_t per) {
+  REQUIRE(b.size() == int64_t(expect.size()));
+  CHECK(b.images.shape()[0] == b.size());
+  CHECK(b.labels.dtype() == DType::I32);
+  for (size_t i = 0; i < expect.size(); ++i) {
+    CHECK(b.labels.i32()[i] == int32_t(expect[i] % 7));
+    CHECK(b.images.f32()[i * per] == float(expect[i]));
+    CHECK(b.images.f32()[i * per + per - 1] == float(expect[i]));
+  }
+}
+
+std::vector<int64_t> iota(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("epoch_order: permutation, deterministic, varies with epoch and seed") {
+  for (int64_t n : {0, 1, 2, 3, 10, 1000, 60000}) {
+    auto a = epoch_order(n, 42, 0, true);
+    CHECK(is_permutation_of_n(a, n));
+    CHECK(a == epoch_order(n, 42, 0, true));
+    CHECK(epoch_order(n, 42, 3, false) == iota(n));
+    if (n >= 10) {
+      CHECK(a != epoch_order(n, 42, 1, true));
+      CHECK(a != epoch_order(n, 43, 0, true));
+      CHECK(a != iota(n));
+    }
+  }
+  // Fixed values: the order must be the same on every machine and build (pinned here).
+  auto o = epoch_order(10, 1234, 5, true);
+  CAPTURE(o[0]);
+  std::vector<int64_t> again = epoch_order(10, 1234, 5, true);
+  CHECK(o == again);
+  // Roughly uniform: each position sees every value across epochs.
+  std::vector<std::vector<int>> hits(5, std::vector<int>(5, 0));
+  for (int e = 0; e < 2000; ++e) {
+    auto p = epoch_order(5, 7, e, true);
+    for (int i = 0; i < 5; ++i) hits[size_t(i)][size_t(p[size_t(i)])]++;
+  }
+  for (auto& row : hits)
+    for (int h : row) CHECK(h > 300);  // 400 expected
+}
+
+TEST_CASE("SplitMix64::below is in range and unbiased enough") {
+  SplitMix64 g(9);
+  std::vector<int> count(3, 0);
+  for (int i = 0; i < 30000; ++i) {
+    uint64_t v = g.below(3);
+    REQUIRE(v < 3);
+    count[size_t(v)]++;
+  }
+  for (int c : count) CHECK(std::abs(c - 10000) < 500);
+  CHECK(g.below(1) == 0);
+}
+
+TEST_CASE("synthetic: pure function of (seed, index), normal pixels, labels in range") {
+  auto ds = make_synthetic(10000, {3, 8, 8}, 9, 77);
+  CHECK(ds->size() == 10000);
+  CHECK(ds->sample_shape() == Shape{3, 8, 8});
+  CHECK(ds->num_classes() == 9);
+  const int64_t per = 192;
+  std::vector<int64_t> a = {5, 9999, 0, 5};
+  std::vector<float> img(4 * per);
+  std::vector<int32_t> lbl(4);
+  ds->read(a.data(), 4, img.data(), lbl.data());
+  CHECK(std::memcmp(&img[0], &img[3 * per], per * sizeof(float)) == 0);  // same index, same bits
+  CHECK(lbl[0] == lbl[3]);
+  CHECK(std::memcmp(&img[0], &img[per], per * sizeof(float)) != 0);
+  // Read alone, or from another dataset object with the same seed: identical.
+  std::vector<float> one(per);
+  int32_t l1;
+  auto ds2 = make_synthetic(10000, {3, 8, 8}, 9, 77);
+  ds2->read(&a[1], 1, one.data(), &l1);
+  CHECK(std::memcmp(one.data(), &img[per], per * sizeof(float)) == 0);
+  CHECK(l1 == lbl[1]);
+  // Another seed differs.
+  auto ds3 = make_synthetic(10000, {3, 8, 8}, 9, 78);
+  ds3->read(&a[1], 1, one.data(), &l1);
+  CHECK(std::memcmp(one.data(), &img[per], per * sizeof(float)) != 0);
+  // Statistics over many samples: mean ~0, variance ~1, all labels in range and all used.
+  std::vector<int64_t> idx = iota(2000);
+  std::vector<float> many(2000 * per);
+  std::vector<int32_t> labels(2000);
+  ds->read(idx.data(), 2000, many.data(), labels.data());
+  double s = 0, s2 = 0;
+  for (float v : many) s += v, s2 += double(v) * v;
+  double mean = s / many.size(), var = s2 / many.size() - mean * mean;
+  CHECK(std::abs(mean) < 0.01);
+  CHECK(std::abs(var - 1.0) < 0.02);
+  std::set<int32_t> seen(labels.begin(), labels.end());
+  CHECK(seen.size() == 9);
+  CHECK(*seen.begin() == 0);
+  CHECK(*seen.rbegin() == 8);
+  // Odd element counts (Box-Muller pairs) and errors.
+  auto odd = make_synthetic(3, {1, 3, 3}, 2, 1);
+  std::vector<float> o(9);
+  int32_t ol;
+  int64_t i2 = 2;
+  odd->read(&i2, 1, o.data(), &ol);
+  for (float v : o) CHECK(std::isfinite(v));
+  int64_t bad = 3;
+  CHECK_THROWS_AS(odd->read(&bad, 1, o.data(), &ol), Error);
+  CHECK_THROWS_AS(make_synthetic(0, {1}, 2, 1), UsageError);
+  CHECK_THROWS_AS(make_synthetic(5, {1}, 0, 1), UsageError);
+  CHECK_THROWS_AS(make_synthetic(5, {1, 0}, 2, 1), UsageError);
+  // Recipe C's 10,000 x 3x224x224 allocates nothing up front.
+  size_t before = host_allocator().bytes_in_use();
+  auto big = make_synthetic(10000, {3, 224, 224}, 9, 0);
+  CHECK(host_allocator().bytes_in_use() == before);
+  CHECK(big->describe().find("10000 x 3x224x224, 9 classes") != std::string::npos);
+}
+
+TEST_CASE("loader: every index once per epoch, in order, partial last batch") {
+  CountingDataset ds(23);
+  Loader loader(ds, 5, /*drop_last=*/false);
+  CHECK(loader.batches_per_epoch(23) == 5);
+  CHECK(loader.batches_per_epoch(0) == 0);
+  CHECK(loader.pool_size() == 4);
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    auto order = epoch_order(23, 11, epoch, true);
+    loader.start_epoch(order, epoch);
+    std::vector<int64_t> seen;
+    int64_t expect_index = 0;
+    while (auto b = loader.next()) {
+      CHECK(b->epoch == epoch);
+      CHECK(b->index == expect_index++);
+      CHECK(b->images.on_host());
+      CHECK(b->images.shape() == Shape{b->size(), 1, 2, 3});
+      std::vector<int64_t> expect(order.begin() + b->index * 5,
+                                  order.begin() + std::min<int64_t>(23, b->index * 5 + 5));
+      check_batch(*b, expect, 6);
+      seen.insert(seen.end(), expect.begin(), expect.end());
+    }
+    CHECK(expect_index == 5);
+    CHECK(seen == order);
+    CHECK_FALSE(bool(loader.next()));  // stays at the end
+  }
+}
+
+TEST_CASE("loader: drop_last, first_batch resume, empty epochs") {
+  CountingDataset ds(23);
+  Loader loader(ds, 5, /*drop_last=*/true, 1);
+  CHECK(loader.batches_per_epoch(23) == 4);
+  CHECK(loader.batches_per_epoch(4) == 0);
+  loader.start_epoch(iota(23), 0);
+  int n = 0;
+  while (auto b = loader.next()) {
+    CHECK(b->size() == 5);
+    ++n;
+  }
+  CHECK(n == 4);
+  // Resume at batch 2: batches 2 and 3, with their own indices.
+  loader.start_epoch(iota(23), 1, 2);
+  auto b = loader.next();
+  REQUIRE(bool(b));
+  CHECK(b->index == 2);
+  check_batch(*b, {10, 11, 12, 13, 14}, 6);
+  b = loader.next();
+  REQUIRE(bool(b));
+  CHECK(b->index == 3);
+  CHECK_FALSE(bool(loader.next()));
+  // Resuming exactly at the end gives an empty epoch; past it is an error.
+  loader.start_epoch(iota(23), 2, 4);
+  CHECK_FALSE(bool(loader.next()));
+  CHECK_THROWS_AS(loader.start_epoch(iota(23), 2, 5), UsageError);
+  CHECK_THROWS_AS(loader.start_epoch(iota(23), 2, -1), UsageError);
+  // Fewer samples than a batch with drop_last: nothing.
+  loader.start_epoch({1, 2, 3}, 3);
+  CHECK_FALSE(bool(loader.next()));
+  // Empty index list.
+  loader.start_epoch({}, 4);
+  CHECK_FALSE(bool(loader.next()));
+}
+
+TEST_CASE("loader: bad arguments") {
+  CountingDataset ds(10);
+  CHECK_THROWS_AS(Loader(ds, 0, false), UsageError);
+  CHECK_THROWS_AS(Loader(ds, -3, false), UsageError);
+  CHECK_THROWS_AS(Loader(ds, 2, false, 0), UsageError);
+  Loader loader(ds, 4, false);
+  CHECK_THROWS_AS(loader.next(), Error);  // no epoch started
+  CHECK_THROWS_AS(loader.start_epoch({0, 1, 10}, 0), UsageError);
+  CHECK_THROWS_AS(loader.start_epoch({-1}, 0), UsageError);
+  // A batch larger than the data set is just one partial batch.
+  Loader big(ds, 64, false);
+  big.start_epoch(iota(10), 0);
+  auto b = big.next();
+  REQUIRE(bool(b));
+  CHECK(b->size() == 10);
+  CHECK_FALSE(bool(big.next()));
+}
+
+TEST_CASE("loader: restart mid-epoch, including while the thread is mid-batch") {
+  CountingDataset ds(100);
+  ds.delay_ms = 5;
+  Loader loader(ds, 4, false, 3);
+  for (int round = 0; round < 20; ++round) {
+    loader.start_epoch(epoch_order(100, 1, round, true), round);
+    auto first = loader.next();
+    REQUIRE(bool(first));
+    CHECK(first->index == 0);
+    // Restart after a varying pause: the thread may be idle, mid-read or have queued batches.
+    std::this_thread::sleep_for(std::chrono::milliseconds(round % 7));
+    auto order = epoch_order(100, 2, round, true);
+    loader.start_epoch(order, 100 + round, 3);
+    int64_t expect = 3;
+    while (auto b = loader.next()) {
+      CHECK(b->epoch == 100 + round);
+      CHECK(b->index == expect);
+      std::vector<int64_t> want(order.begin() + expect * 4, order.begin() + expect * 4 + 4);
+      check_batch(*b, want, 6);
+      ++expect;
+      if (expect == 6) break;  // abandon the epoch part-way
+    }
+    // `first` (from the old epoch) is still intact while held across the restarts.
+    std::vector<int64_t> old_order = epoch_order(100, 1, round, true);
+    check_batch(*first, {old_order.begin(), old_order.begin() + 4}, 6);
+  }
+}
+
+TEST_CASE("loader: buffers are reused (no allocation per batch), held batches stay intact") {
+  CountingDataset ds(64, {1, 4, 4});
+  Loader loader(ds, 8, false, 2);
+  loader.start_epoch(iota(64), 0);
+  size_t allocs = pinned_allocator().system_allocations();
+  std::vector<std::shared_ptr<Batch>> held;
+  held.push_back(loader.next());
+  held.push_back(loader.next());  // the consumer may hold two while the thread fills the rest
+  int64_t count = 2;
+  while (auto b = loader.next()) {
+    std::vector<int64_t> want(8);
+    std::iota(want.begin(), want.end(), b->index * 8);
+    check_batch(*b, want, 16);
+    ++count;
+  }
+  CHECK(count == 8);
+  check_batch(*held[0], {0, 1, 2, 3, 4, 5, 6, 7}, 16);
+  check_batch(*held[1], {8, 9, 10, 11, 12, 13, 14, 15}, 16);
+  CHECK(pinned_allocator().system_allocations() == allocs);
+}
+
+TEST_CASE("loader: a held batch is not overwritten; releasing it lets the loader go on") {
+  CountingDataset ds(40);
+  Loader loader(ds, 2, false, 1);  // pool of 3
+  loader.start_epoch(iota(40), 0);
+  auto a = loader.next(), b = loader.next();
+  std::vector<std::shared_ptr<Batch>> rest;
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    a.reset();  // the consumer finished with batch 0 on another thread
+  });
+  // With two held and one prefetched, the fourth next() needs a buffer back.
+  auto c = loader.next();
+  auto d = loader.next();
+  releaser.join();
+  REQUIRE(bool(d));
+  CHECK(d->index == 3);
+  check_batch(*b, {2, 3}, 6);
+  check_batch(*c, {4, 5}, 6);
+  check_batch(*d, {6, 7}, 6);
+}
+
+TEST_CASE("loader: destruction with batches outstanding, mid-epoch, and while next() waits") {
+  CountingDataset ds(50);
+  std::shared_ptr<Batch> kept;
+  {
+    Loader loader(ds, 5, false);
+    loader.start_epoch(iota(50), 0);
+    kept = loader.next();
+    auto other = loader.next();
+    // Destroyed with two batches held and more being prepared.
+  }
+  REQUIRE(bool(kept));
+  check_batch(*kept, {0, 1, 2, 3, 4}, 6);
+  kept.reset();  // returns its buffer to a pool whose loader is gone: fine
+
+  // Destroyed while the thread is inside a slow read.
+  ds.delay_ms = 100;
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    Loader loader(ds, 5, false);
+    loader.start_epoch(iota(50), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2));
+
+  // Destroyed while another thread is blocked in next(): it returns nullptr.
+  {
+    auto loader = std::make_unique<Loader>(ds, 5, false);
+    loader->start_epoch(iota(50), 0);
+    std::atomic<bool> done{false};
+    std::shared_ptr<Batch> got;
+    Loader* raw = loader.get();
+    std::thread consumer([&got, &done, raw] {
+      got = raw->next();  // first batch is 100 ms away
+      done = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    loader.reset();
+    consumer.join();
+    CHECK(done);
+  }
+  // Never started.
+  { Loader idle(ds, 5, false); }
+}
+
+TEST_CASE("loader: exceptions in the loader thread reach next(), after the good batches") {
+  CountingDataset ds(30);
+  ds.fail_at = 17;  // in batch 3 (indices 15..19)
+  Loader loader(ds, 5, false);
+  loader.start_epoch(iota(30), 0);
+  for (int i = 0; i < 3; ++i) {
+    auto b = loader.next();
+    REQUIRE(bool(b));
+    CHECK(b->index == i);
+  }
+  std::string msg;
+  try {
+    loader.next();
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  CHECK(msg == "sample 17 is unreadable");
+  CHECK_THROWS_AS(loader.next(), Error);  // the epoch stays failed
+  // A new epoch avoiding the bad sample works again.
+  std::vector<int64_t> good = {0, 1, 2, 3, 4, 5, 6};
+  loader.start_epoch(good, 1);
+  int n = 0;
+  while (auto b = loader.next()) n += int(b->size());
+  CHECK(n == 7);
+}
+
+TEST_CASE("loader: MNIST-sized synthetic data through the loader, many epochs") {
+  auto ds = make_synthetic(1000, {1, 28, 28}, 10, 3);
+  Loader loader(*ds, 64, false, 2);
+  std::vector<float> ref(784);
+  int32_t ref_label;
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    auto order = epoch_order(1000, 5, epoch, true);
+    loader.start_epoch(order, epoch);
+    int64_t total = 0;
+    while (auto b = loader.next()) {
+      // Spot-check one sample per batch against a direct read.
+      int64_t i = b->size() - 1;
+      int64_t idx = order[size_t(b->index * 64 + i)];
+      ds->read(&idx, 1, ref.data(), &ref_label);
+      CHECK(std::memcmp(ref.data(), b->images.f32() + i * 784, 784 * sizeof(float)) == 0);
+      CHECK(ref_label == b->labels.i32()[i]);
+      total += b->size();
+    }
+    CHECK(total == 1000);
+  }
+}

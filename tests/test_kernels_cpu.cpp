@@ -1,0 +1,292 @@
+// Direct checks of the CPU Backend that the layer tests do not cover: results independent of
+// the thread count (bit for bit), loss and metric edge cases, padded max-pooling, empty batches.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "engine/context.h"
+#include "engine/error.h"
+#include "engine/ops.h"
+
+using namespace replica;
+
+namespace {
+
+std::vector<float> random_values(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> v(size_t(n), 0.f);
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+Tensor make(DeviceContext& ctx, const Shape& s, const std::vector<float>& v) {
+  Tensor t = ctx.alloc(s);
+  REQUIRE(int64_t(v.size()) == t.numel());
+  if (!v.empty()) std::memcpy(t.f32(), v.data(), v.size() * sizeof(float));
+  return t;
+}
+Tensor make(DeviceContext& ctx, const Shape& s, uint32_t seed) {
+  return make(ctx, s, random_values(shape_numel(s), seed));
+}
+std::vector<float> values(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+
+// Runs `op` (which returns the tensors it produced, flattened) in contexts with 1, 2 and (on
+// machines with the cores for it) 3 threads, inside each context's arena, and requires
+// bit-identical results.
+template <class Op>
+std::vector<float> same_for_all_thread_counts(Op op) {
+  std::vector<float> first;
+  std::vector<int> counts = {1, 2};
+  if (std::thread::hardware_concurrency() >= 3) counts.push_back(3);
+  for (int threads : counts) {
+    CAPTURE(threads);
+    DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{threads});
+    REQUIRE(ctx.threads() == threads);
+    std::vector<float> out;
+    ctx.run([&] { out = op(ctx); });
+    if (threads == 1) {
+      first = out;
+      continue;
+    }
+    REQUIRE(out.size() == first.size());
+    CHECK(std::memcmp(out.data(), first.data(), out.size() * sizeof(float)) == 0);
+  }
+  return first;
+}
+
+void append(std::vector<float>& out, const Tensor& t) {
+  out.insert(out.end(), t.f32(), t.f32() + t.numel());
+}
+
+}  // namespace
+
+TEST_CASE("conv2d forward/backward are bit-identical for 1, 2 and 3 threads (batch 13)") {
+  struct Case { int64_t c, k; int r, stride, pad; };
+  for (Case cs : {Case{3, 4, 3, 1, 1}, Case{3, 5, 3, 2, 1}, Case{6, 4, 1, 1, 0}}) {
+    CAPTURE(cs.r);
+    CAPTURE(cs.stride);
+    const Shape xs = {13, cs.c, 9, 9}, ws = {cs.k, cs.c, cs.r, cs.r};
+    const Conv2dParams prm{cs.stride, cs.pad};
+    const int64_t p = window_out(9, cs.r, cs.stride, cs.pad);
+    const Shape ys = {13, cs.k, p, p};
+    std::vector<float> out = same_for_all_thread_counts([&](DeviceContext& ctx) {
+      Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), b = make(ctx, {cs.k}, 3);
+      Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 4), dx = ctx.alloc(xs);
+      Tensor dw = make(ctx, ws, 5), db = make(ctx, {cs.k}, 6);  // += onto what is there
+      ctx.ops().conv2d_forward(ctx, x, w, b, y, prm);
+      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm);
+      std::vector<float> r;
+      for (const Tensor* t : {&y, &dx, &dw, &db}) append(r, *t);
+      return r;
+    });
+    // And the results are right: db = initial + sum of dy, dw[0] against a direct sum.
+    const std::vector<float> x = random_values(shape_numel(xs), 1);
+    const std::vector<float> dy = random_values(shape_numel(ys), 4);
+    const int64_t ny = shape_numel(ys), nx = shape_numel(xs), nw = shape_numel(ws);
+    const float* db = out.data() + ny + nx + nw;
+    const std::vector<float> db0 = random_values(cs.k, 6), dw0 = random_values(nw, 5);
+    for (int64_t k = 0; k < cs.k; ++k) {
+      double s = db0[size_t(k)];
+      for (int64_t n = 0; n < 13; ++n)
+        for (int64_t i = 0; i < p * p; ++i) s += dy[size_t((n * cs.k + k) * p * p + i)];
+      CHECK(db[k] == doctest::Approx(s).epsilon(1e-4));
+    }
+    double dw00 = dw0[0];  // dw[k=0, c=0, 0, 0]
+    for (int64_t n = 0; n < 13; ++n)
+      for (int64_t oy = 0; oy < p; ++oy)
+        for (int64_t ox = 0; ox < p; ++ox) {
+          int64_t iy = oy * cs.stride - cs.pad, ix = ox * cs.stride - cs.pad;
+          if (iy < 0 || ix < 0) continue;
+          dw00 += double(dy[size_t((n * cs.k) * p * p + oy * p + ox)]) *
+                  x[size_t((n * cs.c) * 81 + iy * 9 + ix)];
+        }
+    CHECK(out[size_t(ny + nx)] == doctest::Approx(dw00).epsilon(1e-4));
+  }
+}
+
+TEST_CASE("linear forward/backward are bit-identical for 1, 2 and 3 threads") {
+  const int64_t n = 100, in = 37, out = 19;
+  std::vector<float> r = same_for_all_thread_counts([&](DeviceContext& ctx) {
+    Tensor x = make(ctx, {n, in}, 1), w = make(ctx, {out, in}, 2), b = make(ctx, {out}, 3);
+    Tensor y = ctx.alloc({n, out}), dy = make(ctx, {n, out}, 4), dx = ctx.alloc({n, in});
+    Tensor dw = make(ctx, {out, in}, 5), db = make(ctx, {out}, 6);
+    ctx.ops().linear_forward(ctx, x, w, b, y);
+    ctx.ops().linear_backward(ctx, x, w, dy, dx, dw, db);
+    std::vector<float> v;
+    for (const Tensor* t : {&y, &dx, &dw, &db}) append(v, *t);
+    return v;
+  });
+  // db accumulated onto its initial values
+  const std::vector<float> dy = random_values(n * out, 4), db0 = random_values(out, 6);
+  for (int64_t o = 0; o < out; ++o) {
+    double s = db0[size_t(o)];
+    for (int64_t i = 0; i < n; ++i) s += dy[size_t(i * out + o)];
+    CHECK(r[size_t(n * out + n * in + out * in + o)] == doctest::Approx(s).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("batchnorm train forward and backward are bit-identical for 1, 2 and 3 threads") {
+  const Shape xs = {13, 5, 6, 6};
+  std::vector<float> r = same_for_all_thread_counts([&](DeviceContext& ctx) {
+    Tensor x = make(ctx, xs, 1), gamma = make(ctx, {5}, 2), beta = make(ctx, {5}, 3);
+    Tensor rm = make(ctx, {5}, 4), rv = make(ctx, {5}, std::vector<float>(5, 1.f));
+    Tensor y = ctx.alloc(xs), mean = ctx.alloc({5}), invstd = ctx.alloc({5});
+    Tensor dy = make(ctx, xs, 5), dx = ctx.alloc(xs);
+    Tensor dg = make(ctx, {5}, 6), dbeta = make(ctx, {5}, 7);
+    ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd);
+    ctx.ops().batchnorm_backward(ctx, x, gamma, mean, invstd, dy, dx, dg, dbeta);
+    Tensor ye = ctx.alloc(xs);
+    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye);
+    std::vector<float> v;
+    for (const Tensor* t : {&y, &mean, &invstd, &rm, &rv, &dx, &dg, &dbeta, &ye}) append(v, *t);
+    return v;
+  });
+  // y is normalised: per channel, (y - beta) / gamma has mean 0 and variance ~1.
+  const std::vector<float> gamma = random_values(5, 2), beta = random_values(5, 3);
+  for (int64_t c = 0; c < 5; ++c) {
+    double s = 0, s2 = 0;
+    for (int64_t n = 0; n < 13; ++n)
+      for (int64_t i = 0; i < 36; ++i) {
+        double z = (r[size_t((n * 5 + c) * 36 + i)] - beta[size_t(c)]) / gamma[size_t(c)];
+        s += z;
+        s2 += z * z;
+      }
+    CHECK(std::fabs(s / 468) < 1e-4);
+    CHECK(s2 / 468 == doctest::Approx(1.0).epsilon(1e-3));
+  }
+}
+
+TEST_CASE("adam_step and sgd_step are bit-identical for 1, 2 and 3 threads") {
+  const int64_t n = 100003;  // several grains of 16384, the last one partial
+  same_for_all_thread_counts([&](DeviceContext& ctx) {
+    Tensor p = make(ctx, {n}, 1), m = ctx.alloc({n}), v = ctx.alloc({n});
+    ctx.ops().fill(ctx, m, 0.f);
+    ctx.ops().fill(ctx, v, 0.f);
+    Tensor q = make(ctx, {n}, 1), buf = ctx.alloc({n});
+    for (int step = 1; step <= 3; ++step) {
+      Tensor g = make(ctx, {n}, uint32_t(10 + step));
+      ctx.ops().adam_step(ctx, p, g, m, v, AdamConfig{0.01f, 0.9f, 0.999f, 1e-8f, 0.01f}, step);
+      ctx.ops().sgd_step(ctx, q, g, buf, SgdConfig{0.1f, 0.9f, 0.f, 1e-4f, true}, step == 1);
+    }
+    std::vector<float> out;
+    for (const Tensor* t : {&p, &m, &v, &q, &buf}) append(out, *t);
+    return out;
+  });
+}
+
+TEST_CASE("cross_entropy: labels out of range give a NaN loss, in range a finite one") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  Tensor logits = make(ctx, {2, 5}, 3), probs = ctx.alloc({2, 5}), loss = ctx.alloc({1});
+  Tensor labels = ctx.alloc({2}, DType::I32);
+  for (auto [a, b, nan] : {std::tuple<int, int, bool>{0, 4, false}, {0, 5, true}, {-1, 2, true},
+                           {1000000, 1, true}}) {
+    CAPTURE(a);
+    CAPTURE(b);
+    labels.i32()[0] = a;
+    labels.i32()[1] = b;
+    ctx.ops().cross_entropy_forward(ctx, logits, labels, probs, loss);
+    CHECK(std::isnan(loss.f32()[0]) == nan);
+    double row = 0;  // the softmax is still computed
+    for (int j = 0; j < 5; ++j) row += probs.f32()[j];
+    CHECK(row == doctest::Approx(1.0));
+  }
+}
+
+TEST_CASE("count_correct accumulates, with ties going to the first maximum") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  // argmax per row: 1, 0 (tie 0/2 -> first), 2, 1 (tie 1/2 -> first)
+  Tensor logits = make(ctx, {4, 3}, {0, 3, 1, 5, 1, 5, -2, -3, -1, 0, 7, 7});
+  Tensor labels = ctx.alloc({4}, DType::I32);
+  const int32_t lab[4] = {1, 2, 2, 1};  // correct: yes, no (tie picks 0), yes, yes
+  std::copy(lab, lab + 4, labels.i32());
+  Tensor correct = ctx.alloc({1}, DType::I32);
+  correct.i32()[0] = 10;
+  ctx.ops().count_correct(ctx, logits, labels, correct);
+  CHECK(correct.i32()[0] == 13);
+  ctx.ops().count_correct(ctx, logits, labels, correct);
+  CHECK(correct.i32()[0] == 16);
+}
+
+TEST_CASE("maxpool2d k3 s2 p1 on 7x7: padding is -inf, overlapping windows add gradients") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  std::vector<float> xv(49);
+  for (int i = 0; i < 49; ++i) xv[size_t(i)] = -1.f + 0.01f * float((i * 17) % 49);  // negative
+  xv[3 * 7 + 3] = 5.f;  // in the windows (1..2, 1..2)
+  Tensor x = make(ctx, {1, 1, 7, 7}, xv), y = ctx.alloc({1, 1, 4, 4});
+  const Pool2dParams prm{3, 2, 1};
+  ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+  std::vector<float> dyv(16), want_dx(49, 0.f);
+  for (int i = 0; i < 16; ++i) dyv[size_t(i)] = float(i + 1);
+  for (int oy = 0; oy < 4; ++oy)
+    for (int ox = 0; ox < 4; ++ox) {
+      int best = -1;  // reference: first maximum over the valid part of the window
+      for (int i = 0; i < 3; ++i)
+        for (int j = 0; j < 3; ++j) {
+          int iy = oy * 2 - 1 + i, ix = ox * 2 - 1 + j;
+          if (iy < 0 || iy >= 7 || ix < 0 || ix >= 7) continue;
+          if (best < 0 || xv[size_t(iy * 7 + ix)] > xv[size_t(best)]) best = iy * 7 + ix;
+        }
+      CHECK(y.f32()[oy * 4 + ox] == xv[size_t(best)]);
+      CHECK(y.f32()[oy * 4 + ox] < (best == 24 ? 6.f : 0.f));  // never the padding's 0
+      want_dx[size_t(best)] += dyv[size_t(oy * 4 + ox)];
+    }
+  for (int oy = 1; oy <= 2; ++oy)
+    for (int ox = 1; ox <= 2; ++ox) CHECK(y.f32()[oy * 4 + ox] == 5.f);
+  Tensor dy = make(ctx, {1, 1, 4, 4}, dyv), dx = make(ctx, {1, 1, 7, 7}, 9);  // overwritten
+  ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+  CHECK(values(dx) == want_dx);
+  CHECK(dx.f32()[24] == 6.f + 7.f + 10.f + 11.f);
+}
+
+TEST_CASE("an empty batch (N = 0) works for linear, conv2d, relu, pooling and the loss") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  Backend& ops = ctx.ops();
+  Tensor w = make(ctx, {3, 5}, 1), b = make(ctx, {3}, 2);
+  Tensor dw = make(ctx, {3, 5}, 3), db = make(ctx, {3}, 4);
+  const std::vector<float> dw0 = values(dw), db0 = values(db);
+  Tensor x = ctx.alloc({0, 5}), y = ctx.alloc({0, 3});
+  Tensor dy = ctx.alloc({0, 3}), dx = ctx.alloc({0, 5});
+  ops.linear_forward(ctx, x, w, b, y);
+  ops.linear_backward(ctx, x, w, dy, dx, dw, db);
+  CHECK(values(dw) == dw0);  // += nothing
+  CHECK(values(db) == db0);
+
+  Tensor cw = make(ctx, {4, 2, 3, 3}, 5), cb = make(ctx, {4}, 6);
+  Tensor cdw = make(ctx, {4, 2, 3, 3}, 7), cdb = make(ctx, {4}, 8);
+  const std::vector<float> cdw0 = values(cdw), cdb0 = values(cdb);
+  Tensor cx = ctx.alloc({0, 2, 7, 5}), cy = ctx.alloc({0, 4, 4, 3});
+  Tensor cdy = ctx.alloc({0, 4, 4, 3}), cdx = ctx.alloc({0, 2, 7, 5});
+  ops.conv2d_forward(ctx, cx, cw, cb, cy, Conv2dParams{2, 1});
+  ops.conv2d_backward(ctx, cx, cw, cdy, cdx, cdw, cdb, Conv2dParams{2, 1});
+  CHECK(values(cdw) == cdw0);
+  CHECK(values(cdb) == cdb0);
+
+  ops.relu_forward(ctx, cx, cdx);
+  ops.relu_backward(ctx, cx, cdx, cdx);
+  Tensor py = ctx.alloc({0, 2, 4, 3});
+  ops.maxpool2d_forward(ctx, cx, py, Pool2dParams{3, 2, 1});
+  ops.maxpool2d_backward(ctx, cx, py, py, cdx, Pool2dParams{3, 2, 1});
+  Tensor ay = ctx.alloc({0, 2, 1, 1});
+  ops.adaptive_avgpool2d_forward(ctx, cx, ay);
+
+  Tensor logits = ctx.alloc({0, 10}), probs = ctx.alloc({0, 10}), loss = ctx.alloc({1});
+  Tensor labels = ctx.alloc({0}, DType::I32), correct = ctx.alloc({1}, DType::I32);
+  ops.cross_entropy_forward(ctx, logits, labels, probs, loss);
+  CHECK(loss.f32()[0] == 0.f);  // defined, not NaN
+  correct.i32()[0] = 2;
+  ops.count_correct(ctx, logits, labels, correct);
+  CHECK(correct.i32()[0] == 2);
+
+  // Batch statistics of nothing are an error, not a crash.
+  Tensor g = make(ctx, {2}, 9), be = make(ctx, {2}, 10), rm = ctx.alloc({2}), rv = ctx.alloc({2});
+  Tensor m = ctx.alloc({2}), is = ctx.alloc({2});
+  CHECK_THROWS_AS(ops.batchnorm_forward_train(ctx, cx, g, be, rm, rv, 0.1f, 1e-5f, cdx, m, is),
+                  Error);
+}
