@@ -48,7 +48,7 @@ void compare_training(const std::string& model, const Shape& shape, const std::s
   loader.start_epoch(epoch_order(data->size(), 1, 0, true), 0);
   for (int s = 0; s < steps; ++s) {
     auto batch = loader.next();
-    REQUIRE(batch != nullptr);
+    REQUIRE(bool(batch));
     cpu->train_step(*batch);
     gpu->train_step(*batch);
     gpu->synchronize();
