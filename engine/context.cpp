@@ -44,6 +44,20 @@ void DeviceContext::activate() const {
   if (device_.is_cuda()) cudart::set_device(device_.index);
 }
 
+StreamEvent::~StreamEvent() { cudart::event_destroy(event_); }
+
+void StreamEvent::record(DeviceContext& ctx) {
+  if (!ctx.is_cuda()) return;
+  if (!event_) event_ = cudart::event_create();
+  cudart::event_record(ctx.cuda(), event_);
+  recorded_ = true;
+}
+
+void StreamEvent::wait(DeviceContext& other) {
+  if (!other.is_cuda() || !recorded_) return;
+  cudart::stream_wait_event(other.cuda(), event_);
+}
+
 void DeviceContext::synchronize() {
   if (cuda_) cudart::synchronize(cuda_.get());
 }

@@ -62,4 +62,21 @@ class DeviceContext {
   std::unique_ptr<CudaState, void (*)(CudaState*)> cuda_{nullptr, nullptr};
 };
 
+// An ordering point on a device's stream: work enqueued on another context after wait() runs
+// after everything enqueued on the recording context before record(). CPU work is synchronous,
+// so on CPU both are no-ops.
+class StreamEvent {
+ public:
+  StreamEvent() = default;
+  ~StreamEvent();
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+  void record(DeviceContext& ctx);
+  void wait(DeviceContext& other);
+
+ private:
+  void* event_ = nullptr;
+  bool recorded_ = false;
+};
+
 }  // namespace replica

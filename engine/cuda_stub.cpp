@@ -23,6 +23,10 @@ void free_pinned(void*) {}
 CudaState* create_state(const Device&, bool) { no_cuda(); }
 void destroy_state(CudaState*) {}
 void synchronize(CudaState*) {}
+void* event_create() { no_cuda(); }
+void event_destroy(void*) {}
+void event_record(CudaState*, void*) { no_cuda(); }
+void stream_wait_event(CudaState*, void*) { no_cuda(); }
 
 }  // namespace cudart
 

@@ -5,11 +5,13 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <thread>
 
 #include "engine/data/dataset.h"
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "parallel/checkpointing.h"
+#include "parallel/dp_engine.h"
 
 namespace replica {
 
@@ -74,8 +76,32 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
   REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
-  REPLICA_USAGE_CHECK(c.mode == "single", "--mode {}: this build trains on one device only",
-                      c.mode);
+  REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp",
+                      "unknown --mode '{}' (dp, single)", c.mode);
+  REPLICA_USAGE_CHECK(c.reduce == "root" || c.reduce == "tree",
+                      "unknown --reduce '{}' (root, tree)", c.reduce);
+  REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
+                      "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
+  resolve_devices(c);
+}
+
+std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out) {
+  std::string spec = c.devices;
+  if (spec.empty()) {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    if (cuda_device_count() > 0) spec = "cuda";
+    else spec = (c.mode == "dp" && cores > 1) ? fmt::format("cpu*{}", cores) : "cpu";
+  }
+  if (spec_out) *spec_out = spec;
+  auto devices = parse_devices(spec, c.mode != "single");
+  if (c.mode == "dp" && devices.size() > 1 && c.engine.threads_per_device > 0) {
+    const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+    REPLICA_USAGE_CHECK(devices[0].is_cuda() ||
+                            int(devices.size()) * c.engine.threads_per_device <= 4 * cores,
+                        "{} devices x {} threads is far more than the {} cores here",
+                        devices.size(), c.engine.threads_per_device, cores);
+  }
+  return devices;
 }
 
 nlohmann::json run_training(const TrainConfig& config) {
@@ -87,9 +113,18 @@ nlohmann::json run_training(const TrainConfig& config) {
 
   Datasets data = open_data(c);
   c.engine.num_classes = std::max<int64_t>(c.engine.num_classes, data.train->num_classes());
-  const std::string device_spec = c.devices.empty() ? default_device_spec() : c.devices;
-  std::vector<Device> devices = parse_devices(device_spec, false);
-  auto engine = make_single_device_engine(devices[0], c.engine);
+  std::string device_spec;
+  std::vector<Device> devices = resolve_devices(c, &device_spec);
+  std::unique_ptr<TrainEngine> engine;
+  if (c.mode == "single") {
+    engine = make_single_device_engine(devices[0], c.engine);
+  } else {
+    DpOptions dp;
+    dp.strategy = parse_reduce_strategy(c.reduce);
+    dp.bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
+    dp.first_bucket_bytes = std::min(dp.bucket_bytes, size_t(1) << 20);
+    engine = make_dp_engine(devices, c.engine, dp);
+  }
   const bool tty = isatty(fileno(stdout));
   auto say = [&](const std::string& line) {
     if (!c.quiet) std::printf("%s\n", line.c_str());

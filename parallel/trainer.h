@@ -8,11 +8,15 @@
 
 #include "parallel/train_engine.h"
 
+#include <vector>
+
 namespace replica {
 
 struct TrainConfig {
   EngineOptions engine;            // model, input shape, classes, optimizer, seed, threads
-  std::string mode = "single";     // single (one device); dp and ddp come with their engines
+  std::string mode = "dp";         // dp (one process, thread per device) | single (reference)
+  std::string reduce = "root";     // DP gradient reduction: root | tree
+  double bucket_cap_mb = 25;       // gradient bucket cap (the first bucket is 1 MB)
   std::string devices;             // device string; empty = default_device_spec()
   std::string data_dir;            // MNIST-format directory
   bool synthetic = false;          // random images of engine.input_shape instead of data_dir
@@ -37,5 +41,9 @@ nlohmann::json run_training(const TrainConfig& config);
 
 // Checks a config before any work starts (UsageError on the first problem).
 void validate(const TrainConfig& config);
+
+// The devices a run uses: config.devices, or all GPUs if any, else one virtual CPU device per
+// core (DP) / one CPU device (single).
+std::vector<Device> resolve_devices(const TrainConfig& config, std::string* spec = nullptr);
 
 }  // namespace replica

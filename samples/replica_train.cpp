@@ -1,4 +1,4 @@
-// replica-train: trains a model on one device (DP/DDP modes build on the same loop).
+// replica-train: trains a model with DP (one process, a thread per device) or on one device.
 //   replica-train                              the CNN on Fashion-MNIST, default device
 //   replica-train --model resnet18 --epochs 3  ResNet-18 (1-channel 28x28 variant)
 //   replica-train --synthetic --model resnet50 --devices cuda:0 --max-steps 50
@@ -43,7 +43,7 @@ int run(int argc, char** argv) {
   int threads = 0;
   c.data_dir = kDefaultData;
 
-  CLI::App app{"replica-train: train a model with replica (one device; DP/DDP build on it)"};
+  CLI::App app{"replica-train: data-parallel training (DP: one process, a thread per device)"};
   app.set_help_flag("-h,--help", "Print this help and exit");
   app.add_option("--model", c.engine.model, "cnn | resnet18 | resnet34 | resnet50 | resnet101")
       ->capture_default_str();
@@ -65,10 +65,16 @@ int run(int argc, char** argv) {
   app.add_option("--momentum", momentum, "SGD momentum")->capture_default_str();
   app.add_option("--weight-decay", weight_decay, "L2 weight decay")->capture_default_str();
   app.add_flag("--nesterov", nesterov, "Nesterov momentum (SGD)");
-  app.add_option("--devices", c.devices, "cpu | cuda | cuda:K (default: cuda if a GPU, else cpu)");
-  app.add_option("--mode", c.mode, "single (DP and DDP modes build on this loop)")
+  app.add_option("--devices", c.devices,
+                 "cpu, cpu*N (virtual devices), cuda, cuda:0,1, cuda:0*N (logical devices on one "
+                 "GPU); default: all GPUs, else one CPU device per core");
+  app.add_option("--mode", c.mode, "dp (one process, a thread per device) | single (reference)")
       ->capture_default_str();
-  app.add_option("--threads-per-device", threads, "CPU threads per device (default: all cores)");
+  app.add_option("--reduce", c.reduce, "DP gradient reduction: root | tree")->capture_default_str();
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "gradient bucket size cap")
+      ->capture_default_str();
+  app.add_option("--threads-per-device", threads,
+                 "CPU threads per device (default: cores / devices)");
   app.add_option("--seed", c.engine.seed, "seed for initialisation and data order")
       ->capture_default_str();
   app.add_flag("--deterministic", c.engine.deterministic,
@@ -124,8 +130,7 @@ int run(int argc, char** argv) {
                             ? " (run tools/setup.sh, which installs dataset-fashion-mnist)"
                             : "");
   }
-  // Validate the device string before loading anything.
-  parse_devices(c.devices.empty() ? default_device_spec() : c.devices, false);
+  validate(c);  // flags and the device string, before any data is read
   run_training(c);
   return 0;
 }

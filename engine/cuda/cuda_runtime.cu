@@ -226,3 +226,27 @@ void synchronize(CudaState* state) {
 
 }  // namespace cudart
 }  // namespace replica
+
+namespace replica {
+namespace cudart {
+
+void* event_create() {
+  cudaEvent_t e = nullptr;
+  REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+void event_destroy(void* event) {
+  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+void event_record(CudaState* state, void* event) {
+  REPLICA_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), state->stream));
+}
+
+void stream_wait_event(CudaState* state, void* event) {
+  REPLICA_CUDA_CHECK(cudaStreamWaitEvent(state->stream, static_cast<cudaEvent_t>(event), 0));
+}
+
+}  // namespace cudart
+}  // namespace replica

@@ -29,5 +29,11 @@ CudaState* create_state(const Device& device, bool deterministic);
 void destroy_state(CudaState* state);
 void synchronize(CudaState* state);  // cudaStreamSynchronize on the context's stream
 
+// Events order work across streams (and devices) without a host sync.
+void* event_create();              // timing disabled
+void event_destroy(void* event);   // never throws
+void event_record(CudaState* state, void* event);       // on the state's stream
+void stream_wait_event(CudaState* state, void* event);  // the state's stream waits for it
+
 }  // namespace cudart
 }  // namespace replica

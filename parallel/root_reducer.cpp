@@ -1,0 +1,166 @@
+#include "parallel/root_reducer.h"
+
+#include "engine/error.h"
+#include "engine/trace.h"
+
+namespace replica {
+
+ReduceStrategy parse_reduce_strategy(const std::string& name) {
+  if (name == "root") return ReduceStrategy::ToRoot;
+  if (name == "tree") return ReduceStrategy::Tree;
+  throw UsageError(fmt::format("unknown reduction '{}' (root, tree)", name));
+}
+
+const char* reduce_strategy_name(ReduceStrategy s) {
+  return s == ReduceStrategy::ToRoot ? "root" : "tree";
+}
+
+RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model*> models,
+                         ReduceStrategy strategy, size_t first_bucket_bytes, size_t bucket_bytes)
+    : ctx_(std::move(contexts)), models_(std::move(models)), strategy_(strategy) {
+  const auto& params = models_[0]->params();
+  buckets_ = make_buckets(params, first_bucket_bytes, bucket_bytes);
+  bucket_of_param_.assign(params.size(), 0);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (int p : buckets_[b].params) bucket_of_param_[p] = static_cast<int>(b);
+  index_.resize(models_.size());
+  for (size_t r = 0; r < models_.size(); ++r)
+    for (size_t i = 0; i < models_[r]->params().size(); ++i)
+      index_[r][models_[r]->params()[i]] = static_cast<int>(i);
+  cuda_ = ctx_[0]->is_cuda();
+  remaining_.assign(models_.size(), std::vector<int>(buckets_.size(), 0));
+  ready_replicas_.assign(buckets_.size(), 0);
+  queued_.assign(buckets_.size(), false);
+  if (cuda_) {
+    for (size_t r = 0; r < ctx_.size(); ++r) grads_written_.push_back(std::make_unique<StreamEvent>());
+    bool other_gpu = false;
+    for (auto* c : ctx_) other_gpu |= c->device().index != ctx_[0]->device().index;
+    if (other_gpu) staging_ = ctx_[0]->alloc({models_[0]->num_params()});
+  } else if (ctx_.size() > 1) {
+    comm_ = std::thread([this] { comm_loop(); });
+  }
+}
+
+RootReducer::~RootReducer() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  queue_cv_.notify_all();
+  if (comm_.joinable()) comm_.join();
+}
+
+int64_t RootReducer::bytes_per_step(int active) const {
+  return int64_t(active - 1) * models_[0]->num_params() * int64_t(sizeof(float));
+}
+
+void RootReducer::begin(int active) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  active_ = active;
+  for (int r = 0; r < active; ++r)
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      remaining_[r][b] = static_cast<int>(buckets_[b].params.size());
+  std::fill(ready_replicas_.begin(), ready_replicas_.end(), 0);
+  std::fill(queued_.begin(), queued_.end(), false);
+  queue_.clear();
+  reduced_ = 0;
+}
+
+void RootReducer::on_ready(int replica, const std::vector<Param*>& params) {
+  if (active_ <= 1 || cuda_) return;
+  std::vector<int> complete;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const Param* p : params) {
+      const int b = bucket_of_param_[index_[replica].at(p)];
+      if (--remaining_[replica][b] == 0 && ++ready_replicas_[b] == active_ && !queued_[b]) {
+        queued_[b] = true;
+        queue_.push_back(b);
+        complete.push_back(b);
+      }
+    }
+  }
+  if (!complete.empty()) queue_cv_.notify_one();
+}
+
+void RootReducer::backward_done(int replica) {
+  if (cuda_) grads_written_[replica]->record(*ctx_[replica]);
+}
+
+void RootReducer::comm_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    queue_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+    const int b = queue_.front();
+    queue_.pop_front();
+    lock.unlock();
+    {
+      TraceSpan span("comm", "reduce");
+      reduce_bucket_cpu(buckets_[b]);
+    }
+    lock.lock();
+    ++reduced_;
+    done_cv_.notify_all();
+  }
+}
+
+void RootReducer::reduce_bucket_cpu(const Bucket& b) {
+  auto range = [&](int r) { return models_[r]->flat_grads().view(b.offset, {b.numel}); };
+  auto add_into = [&](int dst, int src) {
+    Tensor d = range(dst);
+    ctx_[dst]->ops().add(*ctx_[dst], d, range(src), 1.f);
+  };
+  if (strategy_ == ReduceStrategy::ToRoot) {
+    for (int r = 1; r < active_; ++r) add_into(0, r);
+  } else {
+    for (int stride = 1; stride < active_; stride *= 2)
+      for (int r = 0; r + stride < active_; r += 2 * stride) add_into(r, r + stride);
+  }
+}
+
+void RootReducer::reduce_all_cuda() {
+  DeviceContext& root = *ctx_[0];
+  for (int r = 1; r < active_; ++r) grads_written_[r]->wait(root);
+  // Logical devices share the GPU's memory: add in place. Other GPUs: stage, then add.
+  auto add_from = [&](int dst, int src) {
+    Tensor d = models_[dst]->flat_grads();
+    Tensor s = models_[src]->flat_grads();
+    if (ctx_[src]->device().index != root.device().index) {
+      root.ops().copy(root, staging_, s);
+      s = staging_;
+    }
+    root.ops().add(root, d, s, 1.f);
+  };
+  // The tree adds between non-root replicas, which needs them on the root's GPU.
+  if (strategy_ == ReduceStrategy::ToRoot || active_ <= 2 || staging_.defined()) {
+    for (int r = 1; r < active_; ++r) add_from(0, r);
+  } else {
+    for (int stride = 1; stride < active_; stride *= 2)
+      for (int r = 0; r + stride < active_; r += 2 * stride) add_from(r, r + stride);
+  }
+}
+
+void RootReducer::finish() {
+  if (active_ <= 1) return;
+  if (cuda_) {
+    TraceSpan span(ctx_[0]->device().str(), "reduce", ctx_[0]);
+    reduce_all_cuda();
+    return;
+  }
+  // Buckets some replica never reported (unused parameters) are reduced now.
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      if (!queued_[b]) {
+        queued_[b] = true;
+        queue_.push_back(static_cast<int>(b));
+      }
+  }
+  queue_cv_.notify_one();
+  TraceSpan span("host", "wait_reduce");
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait(lock, [&] { return reduced_ == static_cast<int>(buckets_.size()); });
+}
+
+}  // namespace replica

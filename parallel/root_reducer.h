@@ -1,0 +1,78 @@
+// RootReducer: DP's gradient reduction. Each replica's grad hook reports finished parameters;
+// once every active replica has finished a bucket, that bucket is summed into replica 0's
+// gradients while the rest of backward still runs (on CPU devices, by a communication thread).
+// Strategies: to-root (PyTorch's: replica 0 adds every other replica's bucket in turn) and tree
+// (Caffe's: pairs add in log2(N) rounds). Both sum in a fixed order, so results are
+// reproducible; they differ from each other only by floating-point association.
+// On CUDA devices the buckets are reduced after backward on device 0's stream, ordered by
+// events (no host sync); peers on other GPUs are staged through a buffer on device 0.
+#pragma once
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "layers/model.h"
+#include "parallel/buckets.h"
+
+namespace replica {
+
+enum class ReduceStrategy { ToRoot, Tree };
+ReduceStrategy parse_reduce_strategy(const std::string& name);  // "root" | "tree"
+const char* reduce_strategy_name(ReduceStrategy s);
+
+class RootReducer {
+ public:
+  RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model*> models,
+              ReduceStrategy strategy, size_t first_bucket_bytes, size_t bucket_bytes);
+  ~RootReducer();
+  RootReducer(const RootReducer&) = delete;
+  RootReducer& operator=(const RootReducer&) = delete;
+
+  // Starts a step in which replicas [0, active) run backward.
+  void begin(int active);
+  // From replica r's grad hook, on r's worker thread.
+  void on_ready(int replica, const std::vector<Param*>& params);
+  // Called on replica r's worker thread after its backward was enqueued (CUDA: records r's
+  // "gradients written" event).
+  void backward_done(int replica);
+  // After every backward returned: blocks until replica 0 holds the summed gradients (CPU),
+  // or enqueues the remaining reductions on device 0's stream (CUDA).
+  void finish();
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  int64_t bytes_per_step(int active) const;  // gradient bytes moved to device 0 in one step
+
+ private:
+  void reduce_bucket_cpu(const Bucket& b);
+  void reduce_all_cuda();
+  void comm_loop();
+
+  std::vector<DeviceContext*> ctx_;
+  std::vector<Model*> models_;
+  ReduceStrategy strategy_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_param_;  // param index -> bucket
+  std::vector<std::unordered_map<const Param*, int>> index_;  // per replica: Param* -> index
+  bool cuda_ = false;
+
+  std::mutex mutex_;
+  std::condition_variable queue_cv_, done_cv_;
+  int active_ = 0;
+  std::vector<std::vector<int>> remaining_;  // [replica][bucket] params still to come
+  std::vector<int> ready_replicas_;          // [bucket]
+  std::vector<bool> queued_;                 // [bucket]
+  std::deque<int> queue_;
+  int reduced_ = 0;
+  bool stop_ = false;
+  std::thread comm_;
+
+  std::vector<std::unique_ptr<StreamEvent>> grads_written_;  // CUDA: per replica
+  Tensor staging_;  // CUDA: peers on other GPUs land here before the add
+};
+
+}  // namespace replica

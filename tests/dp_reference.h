@@ -1,0 +1,109 @@
+// Shared by the DP tests: run K optimizer steps of an engine over fixed batches, and the
+// one-device reference that does DP's math on a single replica.
+#pragma once
+#include <cmath>
+#include <vector>
+
+#include "engine/data/dataset.h"
+#include "layers/loss.h"
+#include "parallel/scatter.h"
+#include "parallel/train_engine.h"
+
+namespace test {
+
+using namespace replica;
+
+// Batches of `batch` samples from a synthetic set, as host tensors.
+inline std::vector<Batch> make_batches(const Shape& shape, int64_t batch, int steps,
+                                       uint64_t seed) {
+  auto data = make_synthetic(batch * steps, shape, 10, seed);
+  std::vector<Batch> out;
+  for (int s = 0; s < steps; ++s) {
+    Batch b;
+    Shape is = shape;
+    is.insert(is.begin(), batch);
+    b.images = Tensor::empty(host_allocator(), is);
+    b.labels = Tensor::empty(host_allocator(), {batch}, DType::I32);
+    std::vector<int64_t> idx(batch);
+    for (int64_t i = 0; i < batch; ++i) idx[i] = s * batch + i;
+    data->read(idx.data(), batch, b.images.f32(), b.labels.i32());
+    out.push_back(b);
+  }
+  return out;
+}
+
+inline std::vector<float> params_of(TrainEngine& e) {
+  Tensor& p = e.model().flat_params();
+  Tensor h = Tensor::empty(host_allocator(), p.shape());
+  e.primary().run([&] {
+    e.primary().ops().copy(e.primary(), h, p);
+    e.primary().synchronize();
+  });
+  return std::vector<float>(h.f32(), h.f32() + h.numel());
+}
+
+// The one-device equivalent of DP on `devices` devices. Every step, each chunk DP would send to
+// a device runs forward/backward on ONE replica (loss gradient scaled by 1/B, as DP's loss over
+// the gathered batch does) into its own zeroed gradient buffer; the chunk gradients are then
+// summed in the order DP's reduction sums them (to-root: 0+1+2+...; tree: pairs in rounds) and
+// one optimizer step is taken. This is DP's arithmetic, association included, so agreement is
+// exact; BatchNorm normalises per chunk, as in PyTorch's DataParallel.
+inline std::vector<float> reference_params(const EngineOptions& o, const std::vector<Batch>& batches,
+                                           int devices, bool tree = false) {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{1, true});
+  auto model = make_model(o.model, o.input_shape, o.num_classes);
+  model->materialize(ctx, o.seed);
+  auto opt = make_optimizer(o.optimizer);
+  CrossEntropyLoss ce;
+  const int64_t n = model->num_params();
+  for (const Batch& b : batches) {
+    const int64_t total = b.size();
+    std::vector<Tensor> grads;
+    for (const Chunk& c : scatter_chunks(total, devices)) {
+      if (c.count == 0) continue;
+      model->zero_grad(ctx);
+      Tensor x = b.images.slice_rows(c.begin, c.begin + c.count);
+      Tensor y = b.labels.slice_rows(c.begin, c.begin + c.count);
+      Tensor logits = model->forward(ctx, x);
+      ce.forward(ctx, logits, y);
+      model->backward(ctx, ce.backward(ctx, total));
+      Tensor g = ctx.alloc({n});
+      ctx.ops().copy(ctx, g, model->flat_grads());
+      grads.push_back(g);
+    }
+    const int active = static_cast<int>(grads.size());
+    if (!tree) {
+      for (int r = 1; r < active; ++r) ctx.ops().add(ctx, grads[0], grads[r], 1.f);
+    } else {
+      for (int stride = 1; stride < active; stride *= 2)
+        for (int r = 0; r + stride < active; r += 2 * stride)
+          ctx.ops().add(ctx, grads[r], grads[r + stride], 1.f);
+    }
+    ctx.ops().copy(ctx, model->flat_grads(), grads[0]);
+    opt->step(ctx, model->flat_params(), model->flat_grads());
+  }
+  return std::vector<float>(model->flat_params().f32(),
+                            model->flat_params().f32() + model->num_params());
+}
+
+// ||a-b|| / ||a||: the relative error of a whole parameter vector.
+inline double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += double(a[i] - b[i]) * double(a[i] - b[i]);
+    den += double(a[i]) * a[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// max |a-b| / max |a|: a relative error over the whole parameter vector.
+inline double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
+    scale = std::max(scale, double(std::fabs(a[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+}  // namespace test
