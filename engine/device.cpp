@@ -78,19 +78,19 @@ std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) 
                           "unknown device '{}' (try cpu, cpu*4, cuda, cuda:0, cuda:0,1, cuda:0*2)",
                           spec);
       for (const auto& part : split(base.substr(5), ',')) ordinals.push_back(parse_count(part, spec));
-      for (int o : ordinals)
-        REPLICA_USAGE_CHECK(o < count, "device '{}': GPU {} does not exist ({} GPU{} found{})", spec,
-                            o, count, count == 1 ? "" : "s",
-                            cuda_backend_built() ? "" : "; this build has no CUDA backend");
+      REPLICA_USAGE_CHECK(!(starred && ordinals.size() > 1),
+                          "device '{}': '*N' applies to a single GPU (e.g. cuda:0*2)", spec);
       std::set<int> seen;
       for (int o : ordinals)
         REPLICA_USAGE_CHECK(seen.insert(o).second,
                             "device '{}': GPU {} is listed twice; to run several logical devices "
                             "on one GPU write cuda:{}*N",
                             spec, o, o);
+      for (int o : ordinals)
+        REPLICA_USAGE_CHECK(o < count, "device '{}': GPU {} does not exist ({} GPU{} found{})", spec,
+                            o, count, count == 1 ? "" : "s",
+                            cuda_backend_built() ? "" : "; this build has no CUDA backend");
     }
-    REPLICA_USAGE_CHECK(!(starred && ordinals.size() > 1),
-                        "device '{}': '*N' applies to a single GPU (e.g. cuda:0*2)", spec);
     for (int o : ordinals)
       for (int c = 0; c < copies; ++c) devices.push_back({DeviceType::CUDA, o, c});
   } else {
