@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs the DP tests (and the loader/worker tests) under ThreadSanitizer.
+#   tools/tsan.sh            build into build-tsan (CPU only, RelWithDebInfo) and run
+# TBB and OpenBLAS are not instrumented; tools/tsan.supp silences what happens inside them.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${REPLICA_TSAN_BUILD_DIR:-$here/build-tsan}"
+REPLICA_SKIP_BUILD=1 "$here/tools/setup.sh"
+if [ ! -f "$build/build.ninja" ]; then
+  cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREPLICA_CUDA=OFF \
+        -DREPLICA_TSAN=ON >/dev/null
+fi
+cmake --build "$build" -j "$(nproc)" --target test_dp_equivalence test_data
+export TSAN_OPTIONS="suppressions=$here/tools/tsan.supp halt_on_error=1 second_deadlock_stack=1"
+"$build/bin/test_data"
+# The full DP matrix is slow under TSAN; the CNN cases and the strategy test exercise every
+# thread (workers, communication thread, loader) the same way.
+"$build/bin/test_dp_equivalence" -tc="scatter*,DP cnn*,tree*"
+echo "tsan: no data races reported"
