@@ -45,8 +45,12 @@ class DeviceContext {
   template <class F>
   void run(F&& f) {
     activate();
+#ifdef REPLICA_SERIAL_KERNELS
+    f();
+#else
     if (arena_) arena_->execute(std::forward<F>(f));
     else f();
+#endif
   }
   tbb::task_arena* arena() { return arena_.get(); }
   // Waits for all work enqueued on this device (a host sync: never inside an iteration).

@@ -71,6 +71,7 @@ class DataParallelEngine final : public TrainEngine {
     const auto chunks = scatter_chunks(total, n);
     int active = 0;
     while (active < n && chunks[active].count > 0) ++active;
+    last_active_ = active;
     DeviceContext& c0 = primary();
 
     // Scatter + forward: each worker takes its own chunk of the host batch.
@@ -201,6 +202,7 @@ class DataParallelEngine final : public TrainEngine {
     return out;
   }
   double forward_macs_per_sample() const override { return macs_per_sample_; }
+  int64_t comm_bytes_per_step() const override { return reducer_->bytes_per_step(last_active_); }
 
  private:
   struct Replica {
@@ -242,6 +244,7 @@ class DataParallelEngine final : public TrainEngine {
   Tensor loss_;
   StreamEvent loss_done_, step_done_;
   double macs_per_sample_ = 0;
+  int last_active_ = 1;
 };
 
 }  // namespace

@@ -48,6 +48,13 @@ class TrainEngine {
   virtual void state_loaded() {}
 
   virtual std::vector<size_t> peak_memory_bytes() const = 0;
+  // This process's place in a multi-process job (DDP); one process otherwise.
+  virtual int rank() const { return 0; }
+  virtual int world_size() const { return 1; }
+  // Sums per-process evaluation totals across processes (DDP); the identity otherwise.
+  virtual void reduce_metrics(std::vector<double>& values) {}
+  // Gradient bytes each device sends per step (0 for one device).
+  virtual int64_t comm_bytes_per_step() const { return 0; }
   // Multiply-adds of one forward over one sample (for FLOP/s reports).
   virtual double forward_macs_per_sample() const = 0;
 };

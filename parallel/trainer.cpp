@@ -11,7 +11,10 @@
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "parallel/checkpointing.h"
+#include "parallel/ddp_engine.h"
+#include "parallel/distributed_sampler.h"
 #include "parallel/dp_engine.h"
+#include "parallel/store.h"
 
 namespace replica {
 
@@ -50,19 +53,44 @@ struct EvalResult {
   double loss = 0, accuracy = 0;
 };
 
+// Each process evaluates its interleaved shard (rank, rank+R, ...: no padding, so nothing is
+// counted twice); the totals are summed across processes, so every rank reports the same.
 EvalResult evaluate(TrainEngine& engine, const Dataset& test, int64_t batch_size) {
   TraceSpan span("host", "evaluate");
   engine.set_training(false);
   Loader loader(test, batch_size, false);
-  loader.start_epoch(epoch_order(test.size(), 0, 0, false), 0);
+  std::vector<int64_t> shard;
+  for (int64_t i = engine.rank(); i < test.size(); i += engine.world_size()) shard.push_back(i);
   double loss_sum = 0;
   int64_t correct = 0, seen = 0;
-  while (auto batch = loader.next()) {
-    engine.eval_batch(*batch, loss_sum, correct);
-    seen += batch->size();
+  if (!shard.empty()) {
+    loader.start_epoch(std::move(shard), 0);
+    while (auto batch = loader.next()) {
+      engine.eval_batch(*batch, loss_sum, correct);
+      seen += batch->size();
+    }
   }
+  std::vector<double> totals = {loss_sum, double(correct), double(seen)};
+  engine.reduce_metrics(totals);
   engine.set_training(true);
-  return {seen ? loss_sum / seen : 0.0, seen ? double(correct) / seen : 0.0};
+  return {totals[2] ? totals[0] / totals[2] : 0.0, totals[2] ? totals[1] / totals[2] : 0.0};
+}
+
+// This process's training indices for an epoch: the whole epoch order, or the
+// DistributedSampler's share (DDP).
+std::vector<int64_t> epoch_indices(const TrainConfig& c, const TrainEngine& engine, int64_t n,
+                                   int64_t epoch) {
+  if (engine.world_size() <= 1) return epoch_order(n, c.engine.seed, epoch, c.shuffle);
+  SamplerOptions so;
+  so.dataset_size = n;
+  so.num_replicas = engine.world_size();
+  so.rank = engine.rank();
+  so.shuffle = c.shuffle;
+  so.seed = c.engine.seed;
+  so.drop_last = c.drop_last;
+  DistributedSampler sampler(so);
+  sampler.set_epoch(epoch);
+  return sampler.indices();
 }
 
 }  // namespace
@@ -76,8 +104,11 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
   REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
-  REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp",
-                      "unknown --mode '{}' (dp, single)", c.mode);
+  REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp" || c.mode == "ddp",
+                      "unknown --mode '{}' (dp, ddp, single)", c.mode);
+  REPLICA_USAGE_CHECK(c.backend == "auto" || c.backend == "gloo" || c.backend == "nccl",
+                      "unknown --backend '{}' (auto, gloo, nccl)", c.backend);
+  REPLICA_USAGE_CHECK(c.timeout_s > 0, "--timeout must be positive, got {}", c.timeout_s);
   REPLICA_USAGE_CHECK(c.reduce == "root" || c.reduce == "tree",
                       "unknown --reduce '{}' (root, tree)", c.reduce);
   REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
@@ -94,6 +125,14 @@ std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out)
   }
   if (spec_out) *spec_out = spec;
   auto devices = parse_devices(spec, c.mode != "single");
+  if (c.mode == "ddp") {
+    // One device per process: the LOCAL_RANK-th of the list (torchrun's convention).
+    const Rendezvous env = rendezvous_env_ranks();
+    if (c.devices.empty() && cuda_device_count() > 0)
+      return {Device{DeviceType::CUDA, env.local_rank % cuda_device_count(), 0}};
+    if (c.devices.empty()) return {Device{DeviceType::CPU, env.local_rank, 0}};
+    return {devices[env.local_rank % devices.size()]};
+  }
   if (c.mode == "dp" && devices.size() > 1 && c.engine.threads_per_device > 0) {
     const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
     REPLICA_USAGE_CHECK(devices[0].is_cuda() ||
@@ -118,6 +157,32 @@ nlohmann::json run_training(const TrainConfig& config) {
   std::unique_ptr<TrainEngine> engine;
   if (c.mode == "single") {
     engine = make_single_device_engine(devices[0], c.engine);
+  } else if (c.mode == "ddp") {
+    Rendezvous rv = rendezvous_env_ranks();
+    DdpOptions ddp;
+    ddp.timeout = std::chrono::milliseconds(int64_t(c.timeout_s * 1000));
+    if (rv.world_size > 1) {
+      RendezvousOptions ro;
+      ro.init_method = c.init_method;
+      ro.timeout = ddp.timeout;
+      rv = rendezvous(ro);
+    }
+    REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
+                        "--batch-size {} is the global batch: it must divide by the {} ranks",
+                        c.batch_size, rv.world_size);
+    ddp.rank = rv.rank;
+    ddp.world_size = rv.world_size;
+    ddp.store = rv.store;
+    if (const char* addr = std::getenv("MASTER_ADDR")) ddp.host = addr;
+    ddp.bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
+    ddp.first_bucket_bytes = std::min(ddp.bucket_bytes, size_t(1) << 20);
+    const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
+    ddp.backend = c.backend != "auto" ? c.backend : (own_gpu ? "nccl" : "gloo");
+    if (devices[0].is_cpu() && c.engine.threads_per_device == 0) {
+      const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+      c.engine.threads_per_device = std::max(1, cores / std::max(1, rv.local_world_size));
+    }
+    engine = make_ddp_engine(devices[0], c.engine, ddp);
   } else {
     DpOptions dp;
     dp.strategy = parse_reduce_strategy(c.reduce);
@@ -125,15 +190,22 @@ nlohmann::json run_training(const TrainConfig& config) {
     dp.first_bucket_bytes = std::min(dp.bucket_bytes, size_t(1) << 20);
     engine = make_dp_engine(devices, c.engine, dp);
   }
+  const bool lead = engine->rank() == 0;  // only rank 0 prints and writes files
+  const int world = engine->world_size();
+  const int64_t local_batch = c.batch_size / world;
+  if (!lead) c.quiet = true;
   const bool tty = isatty(fileno(stdout));
   auto say = [&](const std::string& line) {
     if (!c.quiet) std::printf("%s\n", line.c_str());
   };
-  say(fmt::format("replica: {} on {} ({} mode), {}", engine->model().summary(), device_spec,
-                  engine->mode(), data.train->describe()));
+  say(fmt::format("replica: {} on {} ({} mode{}), {}", engine->model().summary(),
+                  world > 1 ? fmt::format("{} ranks", world) : device_spec, engine->mode(),
+                  world > 1 ? fmt::format(", {} per rank", local_batch) : "",
+                  data.train->describe()));
 
-  Loader loader(*data.train, c.batch_size, c.drop_last);
-  const int64_t per_epoch = loader.batches_per_epoch(data.train->size());
+  Loader loader(*data.train, local_batch, c.drop_last);
+  const int64_t per_epoch =
+      loader.batches_per_epoch(int64_t(epoch_indices(c, *engine, data.train->size(), 0).size()));
   REPLICA_USAGE_CHECK(per_epoch > 0, "no complete batch of {} in {} samples with drop_last",
                       c.batch_size, data.train->size());
   const int64_t planned_steps =
@@ -156,8 +228,7 @@ nlohmann::json run_training(const TrainConfig& config) {
   bool stop = false;
   for (int64_t epoch = pos.epoch; epoch < c.epochs && !stop; ++epoch) {
     const int64_t first = epoch == pos.epoch ? pos.batch_in_epoch : 0;
-    loader.start_epoch(epoch_order(data.train->size(), c.engine.seed, epoch, c.shuffle), epoch,
-                       first);
+    loader.start_epoch(epoch_indices(c, *engine, data.train->size(), epoch), epoch, first);
     const int64_t t_epoch = Tracer::now_us();
     int64_t epoch_samples = 0;
     std::shared_ptr<Batch> previous;  // kept alive while its copy may be in flight
@@ -177,8 +248,8 @@ nlohmann::json run_training(const TrainConfig& config) {
       previous = batch;
       ++pos.global_step;
       ++steps_run;
-      samples += batch->size();
-      epoch_samples += batch->size();
+      samples += batch->size() * world;  // every rank trains a batch of the same size
+      epoch_samples += batch->size() * world;
       const bool last_step = (b + 1 == per_epoch) || pos.global_step == c.max_steps;
       if (pos.global_step % c.log_every == 0 || last_step) {
         final_loss = engine->last_loss();
@@ -206,7 +277,7 @@ nlohmann::json run_training(const TrainConfig& config) {
     pos.epoch = (b >= per_epoch) ? epoch + 1 : epoch;
     pos.batch_in_epoch = (b >= per_epoch) ? 0 : b;
     if (c.evaluate) eval = evaluate(*engine, *data.test, std::max<int64_t>(c.batch_size, 256));
-    if (!c.checkpoint_dir.empty()) {
+    if (!c.checkpoint_dir.empty() && lead) {
       TraceSpan span("host", "checkpoint");
       save_training_checkpoint(c.checkpoint_dir, *engine, pos, c.engine.seed, c.batch_size);
     }
@@ -241,6 +312,8 @@ nlohmann::json run_training(const TrainConfig& config) {
       {"model", c.engine.model},
       {"mode", engine->mode()},
       {"devices", devices_json},
+      {"world_size", world},
+      {"comm_bytes_per_step", engine->comm_bytes_per_step()},
       {"device_spec", device_spec},
       {"threads_per_device", engine->primary().threads()},
       {"batch_size", c.batch_size},
@@ -265,10 +338,11 @@ nlohmann::json run_training(const TrainConfig& config) {
     m["test_loss"] = eval.loss;
   }
   if (!c.trace_file.empty()) {
+    if (!lead) c.trace_file += fmt::format(".rank{}", engine->rank());
     tracer.write_chrome_json(c.trace_file);
     say(fmt::format("trace: {} ({} spans)", c.trace_file, tracer.event_count()));
   }
-  if (!c.metrics_json.empty()) {
+  if (!c.metrics_json.empty() && lead) {
     std::string tmp = c.metrics_json + ".tmp";
     {
       std::ofstream out(tmp);
@@ -277,6 +351,19 @@ nlohmann::json run_training(const TrainConfig& config) {
     }
     REPLICA_USAGE_CHECK(std::rename(tmp.c_str(), c.metrics_json.c_str()) == 0,
                         "cannot write metrics file '{}'", c.metrics_json);
+  }
+  {
+    double sum = 0;
+    for (auto& [phase, ms] : phase_ms.items()) sum += ms.get<double>();
+    std::string phases, memory;
+    for (auto& [phase, ms] : phase_ms.items())
+      phases += fmt::format("  {} {:.1f} ms ({:.0f}%)", phase, ms.get<double>(),
+                            sum > 0 ? 100 * ms.get<double>() / sum : 0.0);
+    const auto peaks = engine->peak_memory_bytes();
+    for (size_t i = 0; i < peaks.size(); ++i)
+      memory += fmt::format("  {} {:.1f} MB", engine->devices()[i].str(), peaks[i] / 1e6);
+    say("time per step by phase (summed over devices):" + phases);
+    say("peak memory per device:" + memory);
   }
   if (c.evaluate)
     say(fmt::format("test accuracy {:.4f}  test loss {:.4f}  ({} steps, {:.0f} samples/s, "

@@ -14,7 +14,10 @@ namespace replica {
 
 struct TrainConfig {
   EngineOptions engine;            // model, input shape, classes, optimizer, seed, threads
-  std::string mode = "dp";         // dp (one process, thread per device) | single (reference)
+  std::string mode = "dp";         // dp | ddp (under replica-launch) | single (reference)
+  std::string backend = "auto";    // DDP: gloo | nccl | auto (nccl when each rank has its GPU)
+  std::string init_method = "env://";  // DDP rendezvous: env:// | tcp://host:port | file://DIR
+  double timeout_s = 300;          // DDP: rendezvous and collective timeout
   std::string reduce = "root";     // DP gradient reduction: root | tree
   double bucket_cap_mb = 25;       // gradient bucket cap (the first bucket is 1 MB)
   std::string devices;             // device string; empty = default_device_spec()

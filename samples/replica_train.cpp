@@ -68,7 +68,15 @@ int run(int argc, char** argv) {
   app.add_option("--devices", c.devices,
                  "cpu, cpu*N (virtual devices), cuda, cuda:0,1, cuda:0*N (logical devices on one "
                  "GPU); default: all GPUs, else one CPU device per core");
-  app.add_option("--mode", c.mode, "dp (one process, a thread per device) | single (reference)")
+  app.add_option("--mode", c.mode,
+                 "dp (one process, a thread per device) | ddp (a process per device, under "
+                 "replica-launch) | single (reference)")
+      ->capture_default_str();
+  app.add_option("--backend", c.backend, "DDP collectives: auto | gloo | nccl")
+      ->capture_default_str();
+  app.add_option("--init-method", c.init_method, "DDP rendezvous: env:// | tcp://H:P | file://DIR")
+      ->capture_default_str();
+  app.add_option("--timeout", c.timeout_s, "DDP rendezvous/collective timeout, seconds")
       ->capture_default_str();
   app.add_option("--reduce", c.reduce, "DP gradient reduction: root | tree")->capture_default_str();
   app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "gradient bucket size cap")

@@ -87,6 +87,9 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
 template <class F>
 void replica::cpu::parallel_range(int64_t n, int64_t grain, F&& f) {
   if (n <= 0) return;
+#ifdef REPLICA_SERIAL_KERNELS
+  grain = n;
+#endif
   if (n <= grain) {
     f(int64_t(0), n);
     return;

@@ -1,0 +1,205 @@
+// DDP: forward and loss on the local batch, backward with bucketed all-reduce launched from the
+// grad hook, finalize (wait + average), local optimizer step. BatchNorm buffers are broadcast
+// from rank 0 before each forward (PyTorch's broadcast_buffers=True), so every rank normalises
+// with the same running statistics in eval mode.
+#include "parallel/ddp_engine.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "engine/error.h"
+#include "engine/trace.h"
+#include "layers/loss.h"
+#include "parallel/ddp_reducer.h"
+#include "parallel/process_group.h"
+
+namespace replica {
+
+namespace {
+
+class DdpEngine final : public TrainEngine {
+ public:
+  DdpEngine(const Device& device, const EngineOptions& o, const DdpOptions& d)
+      : ctx_(device, ContextOptions{o.threads_per_device, o.deterministic}),
+        track_(fmt::format("rank{} {}", d.rank, device.str())),
+        check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr) {
+    ctx_.activate();
+    model_ = make_model(o.model, o.input_shape, o.num_classes);
+    ctx_.run([&] { model_->materialize(ctx_, o.seed); });
+    if (d.world_size <= 1) group_ = make_single_process_group();
+    else if (d.backend == "nccl") group_ = make_nccl_group(d.rank, d.world_size, *d.store, ctx_, d.timeout);
+    else if (d.backend == "gloo")
+      group_ = make_gloo_group(d.rank, d.world_size, *d.store, d.host, d.timeout);
+    else throw UsageError(fmt::format("unknown --backend '{}' (gloo, nccl)", d.backend));
+    reducer_ = std::make_unique<DdpReducer>(ctx_, *model_, *group_, d.first_bucket_bytes,
+                                            d.bucket_bytes);
+    model_->set_grad_hook([this](const std::vector<Param*>& ready) { reducer_->on_ready(ready); });
+    optimizer_ = make_optimizer(o.optimizer);
+    ctx_.run([&] {
+      loss_ = ctx_.alloc({1});
+      ctx_.ops().fill(ctx_, loss_, 0.f);
+    });
+    sync_from_rank0();  // identical starting point on every rank
+  }
+
+  std::string mode() const override { return "ddp"; }
+  std::vector<Device> devices() const override { return {ctx_.device()}; }
+  int rank() const override { return group_->rank(); }
+  int world_size() const override { return group_->size(); }
+
+  void train_step(const Batch& batch) override {
+    REPLICA_CHECK(batch.size() > 0, "empty batch");
+    ctx_.run([&] {
+      Tensor x, y;
+      {
+        TraceSpan span(track_, "h2d", &ctx_);
+        x = to_device(batch.images);
+        y = to_device(batch.labels);
+      }
+      if (model_->num_buffer_elements() > 0 && group_->size() > 1) {
+        TraceSpan span(track_, "broadcast_buffers", &ctx_);
+        group_->broadcast(ctx_, model_->flat_buffers(), 0);
+      }
+      {
+        TraceSpan span(track_, "forward", &ctx_);
+        model_->zero_grad(ctx_);
+        Tensor logits = model_->forward(ctx_, x);
+        loss_ = criterion_.forward(ctx_, logits, y);
+      }
+      reducer_->begin(true);
+      {
+        TraceSpan span(track_, "backward", &ctx_);
+        model_->backward(ctx_, criterion_.backward(ctx_));
+      }
+      {
+        TraceSpan span(track_, "finalize", &ctx_);
+        reducer_->finalize();
+      }
+      {
+        TraceSpan span(track_, "step", &ctx_);
+        optimizer_->step(ctx_, model_->flat_params(), model_->flat_grads());
+      }
+      if (check_sync_) verify_in_sync();
+    });
+    if (macs_per_sample_ == 0) macs_per_sample_ = model_->last_forward_macs() / batch.size();
+  }
+
+  float last_loss() override {
+    Tensor host = Tensor::empty(host_allocator(), {1});
+    ctx_.run([&] {
+      ctx_.ops().copy(ctx_, host, loss_);
+      group_->synchronize(ctx_);
+      ctx_.synchronize();
+    });
+    return host.f32()[0];
+  }
+
+  void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
+    ctx_.run([&] {
+      Tensor x = to_device(batch.images), y = to_device(batch.labels);
+      Tensor logits = model_->forward(ctx_, x);
+      Tensor loss = criterion_.forward(ctx_, logits, y);
+      Tensor hits = ctx_.alloc({1}, DType::I32);
+      ctx_.ops().fill(ctx_, hits, 0.f);
+      ctx_.ops().count_correct(ctx_, logits, y, hits);
+      Tensor hl = Tensor::empty(host_allocator(), {1});
+      Tensor hh = Tensor::empty(host_allocator(), {1}, DType::I32);
+      ctx_.ops().copy(ctx_, hl, loss);
+      ctx_.ops().copy(ctx_, hh, hits);
+      ctx_.synchronize();
+      loss_sum += double(hl.f32()[0]) * batch.size();
+      correct += hh.i32()[0];
+    });
+  }
+
+  // Sums each rank's evaluation totals, so every rank reports the same metrics.
+  void reduce_metrics(std::vector<double>& values) override {
+    if (group_->size() <= 1 || values.empty()) return;
+    ctx_.run([&] {
+      Tensor host = Tensor::empty(host_allocator(), {int64_t(values.size())});
+      for (size_t i = 0; i < values.size(); ++i) host.f32()[i] = float(values[i]);
+      Tensor dev = to_device(host);
+      group_->allreduce_sum(ctx_, dev);
+      ctx_.ops().copy(ctx_, host, dev);
+      group_->synchronize(ctx_);
+      ctx_.synchronize();
+      for (size_t i = 0; i < values.size(); ++i) values[i] = host.f32()[i];
+    });
+  }
+
+  void set_training(bool training) override { model_->set_training(training); }
+  void synchronize() override {
+    ctx_.run([&] {
+      group_->synchronize(ctx_);
+      ctx_.synchronize();
+    });
+  }
+  Model& model() override { return *model_; }
+  DeviceContext& primary() override { return ctx_; }
+  Optimizer& optimizer() override { return *optimizer_; }
+  void state_loaded() override { sync_from_rank0(); }
+  std::vector<size_t> peak_memory_bytes() const override {
+    return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
+  }
+  double forward_macs_per_sample() const override { return macs_per_sample_; }
+  int64_t comm_bytes_per_step() const override {
+    return group_->size() > 1 ? reducer_->bytes_per_step() : 0;
+  }
+
+ private:
+  // Debug check (REPLICA_DDP_CHECK_SYNC=1): rank 0's parameters, broadcast, must equal this
+  // rank's bit for bit after every step.
+  void verify_in_sync() {
+    if (group_->size() <= 1) return;
+    Tensor mine = Tensor::empty(host_allocator(), {model_->num_params()});
+    Tensor theirs = ctx_.alloc({model_->num_params()});
+    ctx_.ops().copy(ctx_, theirs, model_->flat_params());
+    group_->broadcast(ctx_, theirs, 0);
+    Tensor host = Tensor::empty(host_allocator(), {model_->num_params()});
+    ctx_.ops().copy(ctx_, mine, model_->flat_params());
+    ctx_.ops().copy(ctx_, host, theirs);
+    group_->synchronize(ctx_);
+    ctx_.synchronize();
+    REPLICA_CHECK(std::memcmp(mine.raw(), host.raw(), mine.bytes()) == 0,
+                  "rank {}: parameters differ from rank 0's after step {}", group_->rank(),
+                  optimizer_->steps());
+  }
+
+  void sync_from_rank0() {
+    if (group_->size() <= 1) return;
+    ctx_.run([&] {
+      group_->broadcast(ctx_, model_->flat_params(), 0);
+      if (model_->num_buffer_elements() > 0) group_->broadcast(ctx_, model_->flat_buffers(), 0);
+      group_->synchronize(ctx_);
+    });
+  }
+
+  Tensor to_device(const Tensor& host) {
+    if (!ctx_.is_cuda()) return host;
+    Tensor t = ctx_.alloc(host.shape(), host.dtype());
+    ctx_.ops().copy(ctx_, t, host);
+    return t;
+  }
+
+  DeviceContext ctx_;
+  std::string track_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<ProcessGroup> group_;
+  std::unique_ptr<DdpReducer> reducer_;
+  std::unique_ptr<Optimizer> optimizer_;
+  CrossEntropyLoss criterion_;
+  Tensor loss_;
+  double macs_per_sample_ = 0;
+  bool check_sync_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_ddp_engine(const Device& device, const EngineOptions& options,
+                                             const DdpOptions& ddp) {
+  REPLICA_USAGE_CHECK(ddp.world_size == 1 || ddp.store != nullptr,
+                      "DDP with {} ranks needs a rendezvous store", ddp.world_size);
+  return std::make_unique<DdpEngine>(device, options, ddp);
+}
+
+}  // namespace replica

@@ -1,0 +1,57 @@
+// DdpReducer: DDP's gradient synchronisation. Parameters are grouped into buckets (reverse
+// order, first bucket small); when backward has finished every parameter of a bucket, the
+// bucket's all-reduce is launched — strictly in bucket order, identical on every rank, so
+// collectives always pair up — on a communication thread while backward continues.
+// finalize() waits for every bucket and divides by the world size (the average gradient).
+// begin(false) is no_sync: gradients accumulate locally and nothing is communicated.
+#pragma once
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "layers/model.h"
+#include "parallel/buckets.h"
+#include "parallel/process_group.h"
+
+namespace replica {
+
+class DdpReducer {
+ public:
+  DdpReducer(DeviceContext& ctx, Model& model, ProcessGroup& group, size_t first_bucket_bytes,
+             size_t bucket_bytes);
+  ~DdpReducer();
+  DdpReducer(const DdpReducer&) = delete;
+  DdpReducer& operator=(const DdpReducer&) = delete;
+
+  void begin(bool sync);
+  void on_ready(const std::vector<Param*>& params);  // from the grad hook
+  void finalize();
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  int64_t bytes_per_step() const { return model_.num_params() * int64_t(sizeof(float)); }
+
+ private:
+  void launch_ready_locked();  // queue completed buckets in order
+  void comm_loop();
+
+  DeviceContext& ctx_;
+  Model& model_;
+  ProcessGroup& group_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_param_;
+  std::unordered_map<const Param*, int> index_;
+
+  std::mutex mutex_;
+  std::condition_variable queue_cv_, done_cv_;
+  bool sync_ = true, stop_ = false;
+  std::vector<int> remaining_;
+  int next_launch_ = 0, done_ = 0;
+  std::deque<int> queue_;
+  std::exception_ptr error_;
+  std::thread comm_;
+};
+
+}  // namespace replica

@@ -1,0 +1,168 @@
+// DDP across real processes under replica-launch (Gloo on CPU): collectives in closed form,
+// DDP over N ranks equal to one process on the same global batch (every parameter its own
+// bucket, and one bucket), identical parameters on every rank, and faults that must end in a
+// clear error instead of a hang.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "cli_helpers.h"
+#include "engine/checkpoint.h"
+#include "parallel/process_group.h"
+
+using test::run;
+
+namespace {
+
+const std::string kLaunch = test::bin("replica-launch");
+const std::string kTrain = test::bin("replica-train");
+
+// A port per test run, away from the default 29500 (other jobs on the machine).
+int next_port() {
+  static int port = 29600 + (getpid() % 200) * 10;
+  return port++;
+}
+
+std::string launch(int ranks) {
+  return kLaunch + " --nproc-per-node " + std::to_string(ranks) + " --master-port " +
+         std::to_string(next_port()) + " -- ";
+}
+
+std::vector<float> params(const std::string& checkpoint) {
+  auto c = replica::load_checkpoint(checkpoint);
+  std::vector<float> out;
+  for (const auto& [name, t] : c.tensors)
+    if (name.rfind("model.", 0) == 0) out.insert(out.end(), t.f32(), t.f32() + t.numel());
+  return out;
+}
+
+double max_relative(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
+    scale = std::max(scale, double(std::fabs(a[i])));
+  }
+  return diff / scale;
+}
+
+}  // namespace
+
+TEST_CASE("collectives in closed form on 2, 3 and 4 ranks") {
+  if (!replica::gloo_available()) {
+    MESSAGE("SKIPPED: this build has no Gloo");
+    return;
+  }
+  for (int n : {2, 3, 4}) {
+    auto r = run(launch(n) + test::bin("replica-collectives") + " --check --timeout 60", 120);
+    CAPTURE(n);
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+    size_t oks = 0;
+    for (size_t p = r.output.find(": ok"); p != std::string::npos; p = r.output.find(": ok", p + 1))
+      ++oks;
+    CHECK(oks == size_t(n));
+  }
+}
+
+TEST_CASE("DDP on N ranks equals one process on the same global batch") {
+  if (!replica::gloo_available()) {
+    MESSAGE("SKIPPED: this build has no Gloo");
+    return;
+  }
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 320, 32);
+  const std::string common = " --data " + tmp.str("data") +
+                             " --model cnn --batch-size 16 --max-steps 5 --optimizer sgd"
+                             " --momentum 0.9 --lr 0.05 --seed 5 --no-eval --quiet"
+                             " --deterministic --threads-per-device 1";
+  auto single = run(kTrain + " --mode single --devices cpu" + common + " --checkpoint " +
+                    tmp.str("single"));
+  REQUIRE_MESSAGE(single.exit_code == 0, single.output);
+  const auto reference = params(tmp.str("single/checkpoint.safetensors"));
+  for (int n : {2, 4}) {
+    // 0.0001 MB: every parameter its own bucket; 1000 MB: one bucket (the CNN is 0.44 MB).
+    for (const char* cap : {"0.0001", "1000"}) {
+      CAPTURE(n);
+      CAPTURE(cap);
+      const std::string dir = tmp.str(std::string("ddp") + std::to_string(n) + "-" + cap);
+      auto r = run(launch(n) + kTrain + " --mode ddp --bucket-cap-mb " + cap + common +
+                       " --checkpoint " + dir,
+                   180);
+      REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+      CHECK(max_relative(reference, params(dir + "/checkpoint.safetensors")) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("every rank holds identical parameters after every step") {
+  if (!replica::gloo_available()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 256, 32);
+  // REPLICA_DDP_CHECK_SYNC makes every rank compare its parameters bit for bit with rank 0's
+  // after each step (an error, and a non-zero exit, on the first difference).
+  auto r = run("env REPLICA_DDP_CHECK_SYNC=1 " + launch(3) + kTrain +
+                   " --mode ddp --data " + tmp.str("data") +
+                   " --batch-size 12 --max-steps 6 --optimizer adam --no-eval --quiet"
+                   " --threads-per-device 1",
+               180);
+  CHECK_MESSAGE(r.exit_code == 0, r.output);
+}
+
+TEST_CASE("a global batch that does not divide by the ranks is a clear error") {
+  if (!replica::gloo_available()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  auto r = run(launch(2) + kTrain + " --mode ddp --data " + tmp.str("data") +
+                   " --batch-size 15 --max-steps 1 --quiet",
+               120);
+  CHECK(r.exit_code != 0);
+  CHECK(r.output.find("must divide by the 2 ranks") != std::string::npos);
+}
+
+TEST_CASE("a rank killed mid-training ends the job within 30 s, naming the rank") {
+  if (!replica::gloo_available()) return;
+  test::TempDir tmp;
+  const std::string marker = tmp.str("marker");  // unique text in the ranks' command line
+  // "[-]-trace M" matches the ranks' "--trace M" but not this pattern's own command line.
+  const std::string pattern = "'[-]-trace " + marker + "'";
+  const std::string job = launch(2) + kTrain + " --mode ddp --synthetic --synthetic-size 100000" +
+                          " --model cnn --batch-size 8 --epochs 1 --quiet --no-eval" +
+                          " --threads-per-device 1 --timeout 20 --trace " + marker;
+  // Kill rank 1 after 4 s: find it by the marker and RANK=1 in its environment.
+  {
+    std::ofstream script(tmp.path / "job.sh");
+    script << "( sleep 4; for p in $(pgrep -f " << pattern << "); do\n"
+           << "  if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx RANK=1; then "
+              "kill -9 $p; fi\n"
+           << "done ) &\n"
+           << job << "\nrc=$?\nwait\nexit $rc\n";
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run("sh " + tmp.str("job.sh"), 120);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  INFO(r.output);
+  CHECK(r.exit_code != 0);
+  CHECK(r.output.find("rank 1") != std::string::npos);
+  CHECK(seconds < 4 + 30);
+  // Nothing left running.
+  auto left = run("pgrep -f " + pattern + " || true");
+  CHECK(left.output.empty());
+}
+
+TEST_CASE("a rendezvous with a missing rank times out with an error naming it") {
+  if (!replica::gloo_available()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  // Rank 0 of a 2-rank job, alone: rank 1 never comes.
+  auto r = run("env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+               "MASTER_PORT=" + std::to_string(next_port()) + " " + kTrain +
+                   " --mode ddp --data " + tmp.str("data") + " --batch-size 8 --max-steps 1"
+                   " --quiet --timeout 3",
+               60);
+  CHECK(r.exit_code != 0);
+  CHECK_MESSAGE(r.output.find("rank 1") != std::string::npos, r.output);
+  CHECK(test::count_lines(r.output) == 1);
+}

@@ -1,0 +1,141 @@
+// replica-collectives: checks and measures the process group's collectives across the ranks
+// of a launched job (nccl-tests style, for Gloo on CPU and NCCL on GPUs).
+//   replica-launch --nproc-per-node 4 -- replica-collectives --check
+//   replica-launch --nproc-per-node 2 -- replica-collectives --bench --min-bytes 1K --max-bytes 64M
+// --check: every rank fills a tensor with its rank; all-reduce must give n(n-1)/2 everywhere;
+// broadcast from every root; barriers. --bench: all-reduce time, algbw = bytes / time and
+// busbw = algbw x 2(n-1)/n (the bytes each link carries in a ring), a #wrong column.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "engine/error.h"
+#include "engine/ops.h"
+#include "parallel/process_group.h"
+#include "parallel/store.h"
+
+using namespace replica;
+
+namespace {
+
+int64_t parse_bytes(const std::string& s) {
+  REPLICA_USAGE_CHECK(!s.empty(), "empty size");
+  int64_t mult = 1;
+  std::string num = s;
+  switch (s.back()) {
+    case 'K': mult = 1 << 10; num.pop_back(); break;
+    case 'M': mult = 1 << 20; num.pop_back(); break;
+    case 'G': mult = int64_t(1) << 30; num.pop_back(); break;
+    default: break;
+  }
+  REPLICA_USAGE_CHECK(!num.empty() && num.find_first_not_of("0123456789") == std::string::npos,
+                      "bad size '{}' (e.g. 1K, 64M)", s);
+  return std::stoll(num) * mult;
+}
+
+int check(ProcessGroup& pg, DeviceContext& ctx) {
+  const int n = pg.size(), r = pg.rank();
+  int wrong = 0;
+  for (int64_t count : {int64_t(1), int64_t(1000), int64_t(1) << 20}) {
+    Tensor t = ctx.alloc({count});
+    ctx.ops().fill(ctx, t, float(r));
+    pg.allreduce_sum(ctx, t);
+    pg.synchronize(ctx);
+    const float expect = float(n * (n - 1) / 2);
+    for (int64_t i = 0; i < count; ++i) wrong += t.f32()[i] != expect;
+  }
+  for (int root = 0; root < n; ++root) {
+    Tensor t = ctx.alloc({4097});
+    ctx.ops().fill(ctx, t, float(r == root ? 100 + root : -1));
+    pg.broadcast(ctx, t, root);
+    pg.synchronize(ctx);
+    for (int64_t i = 0; i < t.numel(); ++i) wrong += t.f32()[i] != float(100 + root);
+  }
+  for (int i = 0; i < 3; ++i) pg.barrier();
+  std::printf("rank %d of %d: all-reduce, broadcast, barrier: %s (%d wrong)\n", r, n,
+              wrong ? "FAILED" : "ok", wrong);
+  return wrong ? 1 : 0;
+}
+
+void bench(ProcessGroup& pg, DeviceContext& ctx, int64_t min_bytes, int64_t max_bytes, int iters) {
+  const int n = pg.size();
+  if (pg.rank() == 0)
+    std::printf("%12s %12s %10s %10s %10s %7s\n", "bytes", "floats", "time_us", "algbw_GBs",
+                "busbw_GBs", "#wrong");
+  for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
+    const int64_t count = std::max<int64_t>(1, bytes / 4);
+    Tensor t = ctx.alloc({count});
+    ctx.ops().fill(ctx, t, 1.f);
+    pg.allreduce_sum(ctx, t);  // warm-up (connections, algorithm objects)
+    pg.synchronize(ctx);
+    pg.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) pg.allreduce_sum(ctx, t);
+    pg.synchronize(ctx);
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
+        iters;
+    // After warm-up + iters sums of all-ones: n^(iters+1).
+    const double expect = std::pow(double(n), iters + 1);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < count; ++i)
+      wrong += std::fabs(t.f32()[i] - expect) > 1e-3 * expect;
+    const double algbw = count * 4.0 / us / 1e3;  // GB/s
+    const double busbw = algbw * 2.0 * (n - 1) / n;
+    if (pg.rank() == 0)
+      std::printf("%12ld %12ld %10.1f %10.3f %10.3f %7ld\n", long(count * 4), long(count), us,
+                  algbw, busbw, long(wrong));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool do_check = false, do_bench = false;
+  std::string min_s = "1K", max_s = "64M";
+  int iters = 5;
+  double timeout_s = 60;
+  CLI::App app{"replica-collectives: check and measure collectives across launched ranks"};
+  app.add_flag("--check", do_check, "closed-form checks of all-reduce, broadcast, barrier");
+  app.add_flag("--bench", do_bench, "all-reduce algbw/busbw over a size range");
+  app.add_option("--min-bytes", min_s, "smallest message")->capture_default_str();
+  app.add_option("--max-bytes", max_s, "largest message")->capture_default_str();
+  app.add_option("--iters", iters, "timed iterations per size")->capture_default_str();
+  app.add_option("--timeout", timeout_s, "seconds")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::printf("%s", app.help().c_str());
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "replica-collectives: error: %s\n", e.what());
+    return 2;
+  }
+  try {
+    REPLICA_USAGE_CHECK(do_check || do_bench, "give --check and/or --bench");
+    REPLICA_USAGE_CHECK(iters >= 1, "--iters must be at least 1");
+    RendezvousOptions ro;
+    ro.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
+    Rendezvous rv = rendezvous(ro);
+    DeviceContext ctx(Device{DeviceType::CPU, rv.local_rank, 0}, ContextOptions{1, true});
+    const char* addr = std::getenv("MASTER_ADDR");
+    auto pg = rv.world_size > 1
+                  ? make_gloo_group(rv.rank, rv.world_size, *rv.store, addr ? addr : "127.0.0.1",
+                                    ro.timeout)
+                  : make_single_process_group();
+    int rc = 0;
+    if (do_check) rc = check(*pg, ctx);
+    if (do_bench) bench(*pg, ctx, parse_bytes(min_s), parse_bytes(max_s), iters);
+    pg->barrier();
+    return rc;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "replica-collectives: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "replica-collectives: error: %s\n", e.what());
+    return 1;
+  }
+}
