@@ -11,6 +11,7 @@
 
 #include "engine/cuda/cuda_check.h"
 #include "engine/error.h"
+#include "engine/ops.h"
 #include "parallel/process_group.h"
 #include "parallel/store.h"
 
@@ -71,7 +72,7 @@ class NcclGroup final : public ProcessGroup {
   // Every rank must arrive: an all-reduce of one float, then wait (with the timeout).
   void barrier() override {
     ctx_->activate();
-    allreduce_sum(*ctx_, token_);
+    allreduce_sum(*ctx_, token_, false);
     wait_idle(*ctx_, "barrier");
   }
 

@@ -40,9 +40,7 @@ std::string format_keys(const std::vector<std::string>& keys) {
   return out;
 }
 
-std::string format_duration(milliseconds d) {
-  return fmt::format("{:.1f} s", d.count() / 1000.0);
-}
+std::string format_duration(milliseconds d) { return fmt::format("{:.1f} s", d.count() / 1000.0); }
 
 void Store::wait(const std::vector<std::string>& keys, milliseconds timeout) {
   std::vector<std::string> missing = wait_for(keys, timeout);
@@ -65,8 +63,8 @@ bool poll_until(Clock::time_point deadline, F ready) {
   for (;;) {
     if (ready()) return true;
     if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::min(nap, std::chrono::duration_cast<milliseconds>(
-                                                  deadline - Clock::now()) + milliseconds(1)));
+    std::this_thread::sleep_for(std::min(
+        nap, std::chrono::duration_cast<milliseconds>(deadline - Clock::now()) + milliseconds(1)));
     nap = std::min(nap * 2, milliseconds(50));
   }
 }
@@ -131,8 +129,10 @@ FileStore::FileStore(const std::string& dir, milliseconds timeout) : Store(timeo
 std::string FileStore::path_for(const std::string& key) const {
   std::string name = "k-";
   for (unsigned char c : key) {
-    if (std::isalnum(c) || c == '.' || c == '_' || c == '-') name += static_cast<char>(c);
-    else name += fmt::format("%{:02X}", c);
+    if (std::isalnum(c) || c == '.' || c == '_' || c == '-')
+      name += static_cast<char>(c);
+    else
+      name += fmt::format("%{:02X}", c);
   }
   if (name.size() > 200)
     name = fmt::format("h-{:016x}{:016x}", fnv1a(key, 14695981039346656037ull),
@@ -256,8 +256,8 @@ int slurm_tasks_on_node(const char* spec, int node) {
 void validate(const Rendezvous& r, const std::string& source) {
   REPLICA_USAGE_CHECK(r.world_size >= 1, "{}: world size {} must be at least 1", source,
                       r.world_size);
-  REPLICA_USAGE_CHECK(r.rank < r.world_size, "{}: rank {} is not below the world size {}",
-                      source, r.rank, r.world_size);
+  REPLICA_USAGE_CHECK(r.rank < r.world_size, "{}: rank {} is not below the world size {}", source,
+                      r.rank, r.world_size);
   REPLICA_USAGE_CHECK(r.local_world_size >= 1 && r.local_world_size <= r.world_size,
                       "{}: local world size {} must be between 1 and the world size {}", source,
                       r.local_world_size, r.world_size);
@@ -356,8 +356,9 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   Store& s = *r.store;
   bool file = method.rfind("file://", 0) == 0;
   int64_t seen = s.add(fmt::format("rank/{}", r.rank), 1);
-  REPLICA_USAGE_CHECK(seen == 1, "rank {} joined the rendezvous twice: two processes have rank {}{}",
-                      r.rank, r.rank, file ? ", or the file:// directory is left from an earlier run" : "");
+  REPLICA_USAGE_CHECK(seen == 1,
+                      "rank {} joined the rendezvous twice: two processes have rank {}{}", r.rank,
+                      r.rank, file ? ", or the file:// directory is left from an earlier run" : "");
   int64_t joined = s.add("join", 1);
   REPLICA_USAGE_CHECK(joined <= r.world_size,
                       "{} ranks joined the rendezvous but the world size is {}: do all ranks have "

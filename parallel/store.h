@@ -65,10 +65,11 @@ std::string format_keys(const std::vector<std::string>& keys);
 std::string format_duration(std::chrono::milliseconds d);
 
 // A TCP key-value server: one thread, poll()-based, waits resolved server-side. Binds host:port
-// (host "": every interface; port 0: any free port, see port()); throws UsageError when the port is in use. A malformed or
-// oversized message closes that connection only. The destructor stops the thread promptly: it
-// answers pending waits with "shut down" (naming their missing keys) and delivers the replies
-// already decided (for up to a second), so a rank waiting on rank 0 learns what was missing.
+// (host "": every interface; port 0: any free port, see port()); throws UsageError when the port is
+// in use. A malformed or oversized message closes that connection only. The destructor stops the
+// thread promptly: it answers pending waits with "shut down" (naming their missing keys) and
+// delivers the replies already decided (for up to a second), so a rank waiting on rank 0 learns
+// what was missing.
 class TcpStoreServer {
  public:
   TcpStoreServer(const std::string& host, int port);

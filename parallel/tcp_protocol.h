@@ -64,10 +64,16 @@ inline std::string encode(const Frame& f) {
 // Limits of field i of a request with this op (the server side of the size checks).
 inline bool request_header_ok(uint8_t op, uint32_t n) {
   switch (op) {
-    case kSet: case kGet: case kAdd: return n == 2;
-    case kWait: return n >= 2 && n <= Store::kMaxKeysPerRequest + 1;
-    case kCheck: return n >= 1 && n <= Store::kMaxKeysPerRequest;
-    default: return false;
+    case kSet:
+    case kGet:
+    case kAdd:
+      return n == 2;
+    case kWait:
+      return n >= 2 && n <= Store::kMaxKeysPerRequest + 1;
+    case kCheck:
+      return n >= 1 && n <= Store::kMaxKeysPerRequest;
+    default:
+      return false;
   }
 }
 inline size_t request_field_limit(uint8_t op, uint32_t i) {
@@ -110,7 +116,9 @@ inline std::string errno_text(int err) {
 
 struct AddrList {
   addrinfo* head = nullptr;
-  ~AddrList() { if (head) freeaddrinfo(head); }
+  ~AddrList() {
+    if (head) freeaddrinfo(head);
+  }
 };
 
 inline void resolve(const std::string& host, int port, bool passive, AddrList* out) {

@@ -31,15 +31,30 @@ struct TcpStoreClient::Impl {
   // One non-blocking connect attempt bounded by `limit`; returns the fd or -1 (errno in *err).
   static int connect_once(const addrinfo* a, milliseconds limit, int* err) {
     int s = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
-    if (s < 0) { *err = errno; return -1; }
+    if (s < 0) {
+      *err = errno;
+      return -1;
+    }
     if (connect(s, a->ai_addr, a->ai_addrlen) != 0) {
-      if (errno != EINPROGRESS) { *err = errno; close(s); return -1; }
+      if (errno != EINPROGRESS) {
+        *err = errno;
+        close(s);
+        return -1;
+      }
       pollfd p{s, POLLOUT, 0};
       int soerr = 0;
       socklen_t len = sizeof soerr;
-      if (poll(&p, 1, static_cast<int>(limit.count())) <= 0) { *err = ETIMEDOUT; close(s); return -1; }
+      if (poll(&p, 1, static_cast<int>(limit.count())) <= 0) {
+        *err = ETIMEDOUT;
+        close(s);
+        return -1;
+      }
       getsockopt(s, SOL_SOCKET, SO_ERROR, &soerr, &len);
-      if (soerr != 0) { *err = soerr; close(s); return -1; }
+      if (soerr != 0) {
+        *err = soerr;
+        close(s);
+        return -1;
+      }
     }
     int one = 1;
     setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -90,7 +105,10 @@ struct TcpStoreClient::Impl {
     };
     for (size_t off = 0; off < bytes.size();) {
       ssize_t n = send(fd, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n > 0) { off += static_cast<size_t>(n); continue; }
+      if (n > 0) {
+        off += static_cast<size_t>(n);
+        continue;
+      }
       if (n < 0 && errno != EAGAIN && errno != EINTR) lost(op, errno_text(errno));
       wait_for(POLLOUT);
     }
@@ -103,7 +121,10 @@ struct TcpStoreClient::Impl {
       if (r == Parse::kDone) return reply;
       if (r == Parse::kInvalid) lost(op, "malformed reply");
       ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-      if (n > 0) { in.append(buf, static_cast<size_t>(n)); continue; }
+      if (n > 0) {
+        in.append(buf, static_cast<size_t>(n));
+        continue;
+      }
       if (n == 0) lost(op, "the server closed the connection");
       if (errno != EAGAIN && errno != EINTR) lost(op, errno_text(errno));
       wait_for(POLLIN);
@@ -151,14 +172,16 @@ Bytes TcpStoreClient::get(const std::string& key) {
     throw Error(fmt::format("store get('{}') timed out after {}: the key was never set (store {})",
                             key, format_duration(timeout_), describe()));
   if (r.code == kShutdown)
-    throw Error(fmt::format("store get('{}'): the store at {} shut down before the key was set: "
-                            "did rank 0 exit?", key, describe()));
+    throw Error(
+        fmt::format("store get('{}'): the store at {} shut down before the key was set: "
+                    "did rank 0 exit?",
+                    key, describe()));
   if (r.code != kOk || r.fields.size() != 1) impl_->lost(op, "unexpected reply");
   return Bytes(r.fields[0].begin(), r.fields[0].end());
 }
 
 std::vector<std::string> TcpStoreClient::wait_for(const std::vector<std::string>& keys,
-                                                   milliseconds timeout) {
+                                                  milliseconds timeout) {
   if (keys.empty()) return {};
   REPLICA_CHECK(keys.size() <= kMaxKeysPerRequest, "store wait: {} keys, at most {}", keys.size(),
                 kMaxKeysPerRequest);
@@ -169,9 +192,10 @@ std::vector<std::string> TcpStoreClient::wait_for(const std::vector<std::string>
   std::string op = "wait(" + format_keys(keys) + ")";
   Frame r = impl_->request(op, req, timeout + std::chrono::seconds(10), timeout_);
   if (r.code == kShutdown)
-    throw Error(fmt::format("store wait: the store at {} shut down while {} of {} keys were not "
-                            "set: {}: did rank 0 exit?",
-                            describe(), r.fields.size(), keys.size(), format_keys(r.fields)));
+    throw Error(
+        fmt::format("store wait: the store at {} shut down while {} of {} keys were not "
+                    "set: {}: did rank 0 exit?",
+                    describe(), r.fields.size(), keys.size(), format_keys(r.fields)));
   if (r.code == kTimeout) return r.fields;
   if (r.code != kOk) impl_->lost(op, "unexpected reply");
   return {};
@@ -192,8 +216,8 @@ int64_t TcpStoreClient::add(const std::string& key, int64_t delta) {
 
 bool TcpStoreClient::check(const std::vector<std::string>& keys) {
   if (keys.empty()) return true;
-  REPLICA_CHECK(keys.size() <= kMaxKeysPerRequest, "store check: {} keys, at most {}",
-                keys.size(), kMaxKeysPerRequest);
+  REPLICA_CHECK(keys.size() <= kMaxKeysPerRequest, "store check: {} keys, at most {}", keys.size(),
+                kMaxKeysPerRequest);
   for (const auto& k : keys) check_key(k, "check");
   std::lock_guard<std::mutex> lock(impl_->mu);
   std::string op = "check(" + format_keys(keys) + ")";

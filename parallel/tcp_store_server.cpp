@@ -46,8 +46,10 @@ struct ServerState {
     for (size_t i = 1; i < f.fields.size(); ++i)
       if (!data.count(f.fields[i])) missing.push_back(f.fields[i]);
     if (missing.empty()) {
-      if (f.code == kGet) reply(c, kOk, {data[f.fields[1]]});
-      else reply(c, kOk);
+      if (f.code == kGet)
+        reply(c, kOk, {data[f.fields[1]]});
+      else
+        reply(c, kOk);
     } else if (now >= c.deadline || shutdown) {
       reply(c, shutdown ? kShutdown : kTimeout, std::move(missing));
     } else {
@@ -65,7 +67,10 @@ struct ServerState {
         reply(c, kOk);
         return;
       case kAdd: {
-        if (f.fields[1].size() != 8) { c.closed = true; return; }
+        if (f.fields[1].size() != 8) {
+          c.closed = true;
+          return;
+        }
         int64_t value = 0;
         auto it = data.find(f.fields[0]);
         if (it != data.end()) {
@@ -90,7 +95,10 @@ struct ServerState {
         return;
       }
       default: {  // kGet, kWait: [timeout_ms, keys...]
-        if (f.fields[0].size() != 8) { c.closed = true; return; }
+        if (f.fields[0].size() != 8) {
+          c.closed = true;
+          return;
+        }
         int64_t ms = static_cast<int64_t>(get_le(f.fields[0].data(), 8));
         c.deadline = now + milliseconds(std::clamp<int64_t>(ms, 0, int64_t(1) << 40));
         c.pending = std::move(f);
@@ -107,7 +115,10 @@ struct ServerState {
       size_t used = 0;
       Parse r = parse_frame(c.in.data() + c.in_off, c.in.size() - c.in_off, true, &f, &used);
       if (r == Parse::kIncomplete) break;
-      if (r == Parse::kInvalid) { c.closed = true; break; }
+      if (r == Parse::kInvalid) {
+        c.closed = true;
+        break;
+      }
       c.in_off += used;
       handle(c, std::move(f), now);
     }
@@ -131,14 +142,16 @@ struct ServerState {
 }  // namespace
 
 TcpStoreServer::TcpStoreServer(const std::string& host, int port) : host_(host) {
-  REPLICA_USAGE_CHECK(port >= 0 && port <= 65535, "store port {} is out of range (0-65535)",
-                      port);
+  REPLICA_USAGE_CHECK(port >= 0 && port <= 65535, "store port {} is out of range (0-65535)", port);
   AddrList addrs;
   resolve(host, port, true, &addrs);
   int last_err = 0;
   for (addrinfo* a = addrs.head; a; a = a->ai_next) {
     int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) { last_err = errno; continue; }
+    if (fd < 0) {
+      last_err = errno;
+      continue;
+    }
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 1024) == 0) {
@@ -200,7 +213,8 @@ void TcpStoreServer::loop() {
     if (fds[0].revents) break;  // shutdown
     now = Clock::now();
     if (fds[1].revents & POLLIN) {
-      for (int fd; (fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0;) {
+      for (int fd;
+           (fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0;) {
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         s.conns.emplace_back().fd = fd;
@@ -211,15 +225,22 @@ void TcpStoreServer::loop() {
       short re = fds[i + 2].revents;
       if (re & (POLLIN | POLLHUP | POLLERR)) {
         ssize_t got = recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
-        if (got > 0) c.in.append(buf, static_cast<size_t>(got));
-        else if (got == 0 || (errno != EAGAIN && errno != EINTR)) c.closed = true;
+        if (got > 0)
+          c.in.append(buf, static_cast<size_t>(got));
+        else if (got == 0 || (errno != EAGAIN && errno != EINTR))
+          c.closed = true;
       }
       if (!c.closed && (re & POLLOUT)) {
         ssize_t sent = send(c.fd, c.out.data() + c.out_off, c.out.size() - c.out_off,
                             MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (sent > 0) c.out_off += static_cast<size_t>(sent);
-        else if (errno != EAGAIN && errno != EINTR) c.closed = true;
-        if (c.out_off == c.out.size()) { c.out.clear(); c.out_off = 0; }
+        if (sent > 0)
+          c.out_off += static_cast<size_t>(sent);
+        else if (errno != EAGAIN && errno != EINTR)
+          c.closed = true;
+        if (c.out_off == c.out.size()) {
+          c.out.clear();
+          c.out_off = 0;
+        }
       }
     }
     s.settle(now);
@@ -242,8 +263,10 @@ void TcpStoreServer::loop() {
       if (poll(&p, 1, 50) <= 0) continue;
       ssize_t sent = send(c.fd, c.out.data() + c.out_off, c.out.size() - c.out_off,
                           MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (sent > 0) c.out_off += static_cast<size_t>(sent);
-      else if (errno != EAGAIN && errno != EINTR) c.closed = true;
+      if (sent > 0)
+        c.out_off += static_cast<size_t>(sent);
+      else if (errno != EAGAIN && errno != EINTR)
+        c.closed = true;
     }
     close(c.fd);
   }

@@ -299,6 +299,10 @@ nlohmann::json run_training(const TrainConfig& config) {
                     epoch_samples / std::max(epoch_seconds, 1e-9), fmt_duration(epoch_seconds)));
   }
 
+  // Every rank reaches this point before rank 0 (which hosts the rendezvous store) may leave.
+  std::vector<double> arrived = {1.0};
+  engine->reduce_metrics(arrived);
+
   // Phase shares of the training time.
   nlohmann::json phase_ms = nlohmann::json::object();
   for (const auto& [phase, us] : tracer.phase_totals_us())

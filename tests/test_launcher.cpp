@@ -126,8 +126,11 @@ TEST_CASE("replica-launch: every rank gets torchrun's environment") {
 }
 
 TEST_CASE("replica-launch: the second of two nodes gets ranks 4..7; flags in both spellings") {
-  auto r = test::run(kLaunch + " --nnodes 2 --node_rank 1 --nproc_per_node 4 --master-addr "
-                               "127.0.0.1 --master_port 29611" + kEcho, 60);
+  auto r = test::run(kLaunch +
+                         " --nnodes 2 --node_rank 1 --nproc_per_node 4 --master-addr "
+                         "127.0.0.1 --master_port 29611" +
+                         kEcho,
+                     60);
   INFO(r.output);
   CHECK(r.exit_code == 0);
   std::vector<std::string> expected;
@@ -137,8 +140,8 @@ TEST_CASE("replica-launch: the second of two nodes gets ranks 4..7; flags in bot
   CHECK(rank_lines(r.output) == expected);
 
   r = test::run("env OMP_NUM_THREADS=3 " + kLaunch + " --nproc-per-node 2" + kEcho, 60);
-  CHECK(rank_lines(r.output) == std::vector<std::string>{"R 0 0 2 2 127.0.0.1 29500 3",
-                                                        "R 1 1 2 2 127.0.0.1 29500 3"});
+  CHECK(rank_lines(r.output) ==
+        std::vector<std::string>{"R 0 0 2 2 127.0.0.1 29500 3", "R 1 1 2 2 127.0.0.1 29500 3"});
   // Arguments reach the program unchanged.
   r = test::run(kLaunch + " -- /bin/echo --nproc-per-node 'a b'", 60);
   CHECK(r.exit_code == 0);
@@ -149,10 +152,9 @@ TEST_CASE("replica-launch: a rank that exits 3 ends the job; the others are kill
   test::TempDir tmp;
   // Rank 0 records its pid and the pid of a background child, then sleeps; rank 1 fails once
   // both are written.
-  std::string script =
-      "if [ $RANK = 0 ]; then sleep 60 & echo $! > " + tmp.str("grandchild") + "; echo $$ > " +
-      tmp.str("pid0") + "; wait; exit 0; fi; while [ ! -s " + tmp.str("pid0") +
-      " ]; do sleep 0.05; done; exit 3";
+  std::string script = "if [ $RANK = 0 ]; then sleep 60 & echo $! > " + tmp.str("grandchild") +
+                       "; echo $$ > " + tmp.str("pid0") + "; wait; exit 0; fi; while [ ! -s " +
+                       tmp.str("pid0") + " ]; do sleep 0.05; done; exit 3";
   auto t0 = Clock::now();
   auto r = test::run(kLaunch + " --nproc-per-node 2 -- /bin/sh -c '" + script + "'", 60);
   double took = seconds_since(t0);
@@ -200,8 +202,10 @@ TEST_CASE("replica-launch: SIGTERM and Ctrl-C reach every rank exactly once") {
     REQUIRE(wait_for_file(tmp.str("pid1")));
     auto t0 = Clock::now();
     // SIGTERM to the launcher alone; SIGINT to its whole process group, as a terminal's Ctrl-C.
-    if (sig == SIGTERM) kill(launcher, SIGTERM);
-    else kill(-launcher, SIGINT);
+    if (sig == SIGTERM)
+      kill(launcher, SIGTERM);
+    else
+      kill(-launcher, SIGINT);
     int code = wait_launcher(launcher, 30s);
     std::string out = read(tmp.str("out"));
     INFO(out);

@@ -80,9 +80,7 @@ int wait_child(pid_t pid, std::chrono::seconds limit = 60s) {
 std::string error_of(const std::function<void()>& f) {
   try {
     f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
+  } catch (const std::exception& e) { return e.what(); }
   return "";
 }
 
@@ -115,15 +113,27 @@ struct EnvGuard {
     }
   }
   ~EnvGuard() {
-    for (auto& [n, v] : saved) v ? (void)setenv(n.c_str(), v->c_str(), 1) : (void)unsetenv(n.c_str());
+    for (auto& [n, v] : saved)
+      v ? (void)setenv(n.c_str(), v->c_str(), 1) : (void)unsetenv(n.c_str());
   }
 };
 
-const std::vector<std::string> kRankVars = {
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-    "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_NNODES"};
+const std::vector<std::string> kRankVars = {"RANK",
+                                            "WORLD_SIZE",
+                                            "LOCAL_RANK",
+                                            "LOCAL_WORLD_SIZE",
+                                            "MASTER_ADDR",
+                                            "MASTER_PORT",
+                                            "OMPI_COMM_WORLD_RANK",
+                                            "OMPI_COMM_WORLD_SIZE",
+                                            "OMPI_COMM_WORLD_LOCAL_RANK",
+                                            "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                            "SLURM_PROCID",
+                                            "SLURM_NTASKS",
+                                            "SLURM_LOCALID",
+                                            "SLURM_TASKS_PER_NODE",
+                                            "SLURM_NODEID",
+                                            "SLURM_NNODES"};
 
 // The same store semantics for both kinds.
 void exercise_basics(Store& s) {
@@ -248,11 +258,12 @@ TEST_CASE("tcp store: oversized or malformed messages close that connection only
     return got;  // 0: the server closed the connection
   };
   // SET whose value claims 100 MiB: refused from the header, before any of it arrives.
-  std::string huge_set = std::string("\x01\x02\x00\x00\x00", 5) + std::string("\x01\x00\x00\x00", 4) +
-                         "k" + std::string("\x00\x00\x40\x06", 4);
+  std::string huge_set = std::string("\x01\x02\x00\x00\x00", 5) +
+                         std::string("\x01\x00\x00\x00", 4) + "k" +
+                         std::string("\x00\x00\x40\x06", 4);
   CHECK(raw(huge_set) == 0);
-  CHECK(raw(std::string("\x09\x01\x00\x00\x00", 5)) == 0);               // unknown op
-  CHECK(raw(std::string("\x01\x07\x00\x00\x00", 5)) == 0);               // SET with 7 fields
+  CHECK(raw(std::string("\x09\x01\x00\x00\x00", 5)) == 0);                  // unknown op
+  CHECK(raw(std::string("\x01\x07\x00\x00\x00", 5)) == 0);                  // SET with 7 fields
   CHECK(raw(std::string("\x05\x01\x00\x00\x00\x00\x20\x00\x00", 9)) == 0);  // 8 KiB key
   TcpStoreClient client("127.0.0.1", server.port(), 5s);  // the server still serves
   client.set("fine", to_bytes("yes"));
@@ -267,9 +278,7 @@ TEST_CASE("tcp store: a port in use is a usage error that says what to do") {
   try {
     TcpStoreServer second("127.0.0.1", first.port());
     FAIL("no error for a port in use");
-  } catch (const UsageError& e) {
-    CHECK(std::string(e.what()) == expected);
-  }
+  } catch (const UsageError& e) { CHECK(std::string(e.what()) == expected); }
 }
 
 TEST_CASE("tcp store: the client retries until the server appears, and gives up in time") {
@@ -289,7 +298,8 @@ TEST_CASE("tcp store: the client retries until the server appears, and gives up 
   std::string e = error_of([&] { TcpStoreClient c("127.0.0.1", nobody, 400ms); });
   CHECK(seconds_since(t0) < 3.0);
   CHECK_MESSAGE(contains(e, "cannot connect to the store at 127.0.0.1:" + std::to_string(nobody) +
-                                " within 0.4 s (connection refused)"), e);
+                                " within 0.4 s (connection refused)"),
+                e);
 }
 
 TEST_CASE("tcp store: the server shuts down promptly under a waiting client") {
@@ -352,7 +362,8 @@ TEST_CASE("rank environment: torchrun, OpenMPI and Slurm variables") {
   setenv("LOCAL_WORLD_SIZE", "4", 1);
   r = rendezvous_env_ranks();
   CHECK((r.rank == 5 && r.world_size == 8 && r.local_rank == 1 && r.local_world_size == 4));
-  for (const char* n : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"})
+  for (const char* n :
+       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"})
     unsetenv(n);
   setenv("SLURM_PROCID", "5", 1);
   setenv("SLURM_NTASKS", "6", 1);
@@ -427,8 +438,10 @@ TEST_CASE("rendezvous with a missing rank times out naming it") {
   CHECK(seconds_since(t0) < 2 + 5);
   INFO(read_file(dir + "/error1"));
   std::string message = read_file(dir + "/error0");
-  CHECK_MESSAGE(contains(message, "rendezvous timed out after 2.0 s: 2 of 3 ranks joined, "
-                                  "missing rank 2 (store 127.0.0.1:" + std::to_string(port) + ")"),
+  CHECK_MESSAGE(contains(message,
+                         "rendezvous timed out after 2.0 s: 2 of 3 ranks joined, "
+                         "missing rank 2 (store 127.0.0.1:" +
+                             std::to_string(port) + ")"),
                 message);
 }
 
@@ -436,7 +449,8 @@ TEST_CASE("rendezvous file:// and tcp:// with explicit ranks; a rank joining twi
   EnvGuard guard(kRankVars);
   test::TempDir tmp;
   int port = free_port();
-  for (std::string method : {"file://" + tmp.str("rdzv"), "tcp://127.0.0.1:" + std::to_string(port)}) {
+  for (std::string method :
+       {"file://" + tmp.str("rdzv"), "tcp://127.0.0.1:" + std::to_string(port)}) {
     CAPTURE(method);
     std::vector<std::thread> ranks;
     std::atomic<int> ok{0};

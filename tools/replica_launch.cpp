@@ -46,32 +46,51 @@ struct Child {
 
 const char* signal_name(int sig) {
   switch (sig) {
-    case SIGHUP: return "SIGHUP";
-    case SIGINT: return "SIGINT";
-    case SIGQUIT: return "SIGQUIT";
-    case SIGILL: return "SIGILL";
-    case SIGTRAP: return "SIGTRAP";
-    case SIGABRT: return "SIGABRT";
-    case SIGBUS: return "SIGBUS";
-    case SIGFPE: return "SIGFPE";
-    case SIGKILL: return "SIGKILL";
-    case SIGUSR1: return "SIGUSR1";
-    case SIGSEGV: return "SIGSEGV";
-    case SIGUSR2: return "SIGUSR2";
-    case SIGPIPE: return "SIGPIPE";
-    case SIGALRM: return "SIGALRM";
-    case SIGTERM: return "SIGTERM";
-    case SIGXCPU: return "SIGXCPU";
-    case SIGXFSZ: return "SIGXFSZ";
-    case SIGSYS: return "SIGSYS";
-    default: return "unknown signal";
+    case SIGHUP:
+      return "SIGHUP";
+    case SIGINT:
+      return "SIGINT";
+    case SIGQUIT:
+      return "SIGQUIT";
+    case SIGILL:
+      return "SIGILL";
+    case SIGTRAP:
+      return "SIGTRAP";
+    case SIGABRT:
+      return "SIGABRT";
+    case SIGBUS:
+      return "SIGBUS";
+    case SIGFPE:
+      return "SIGFPE";
+    case SIGKILL:
+      return "SIGKILL";
+    case SIGUSR1:
+      return "SIGUSR1";
+    case SIGSEGV:
+      return "SIGSEGV";
+    case SIGUSR2:
+      return "SIGUSR2";
+    case SIGPIPE:
+      return "SIGPIPE";
+    case SIGALRM:
+      return "SIGALRM";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGXCPU:
+      return "SIGXCPU";
+    case SIGXFSZ:
+      return "SIGXFSZ";
+    case SIGSYS:
+      return "SIGSYS";
+    default:
+      return "unknown signal";
   }
 }
 
 // The executable for `program`: as given when it holds a '/', else searched in PATH.
 std::string resolve_program(const std::string& program) {
   auto runnable = [](const std::string& p) {
-    struct stat st{};
+    struct stat st {};
     return stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(p.c_str(), X_OK) == 0;
   };
   if (program.find('/') != std::string::npos) {
@@ -93,14 +112,16 @@ std::string resolve_program(const std::string& program) {
   throw UsageError(fmt::format("program '{}' not found in PATH", program));
 }
 
-std::vector<std::string> child_environment(const std::vector<std::pair<std::string, std::string>>& set) {
+std::vector<std::string> child_environment(
+    const std::vector<std::pair<std::string, std::string>>& set) {
   std::vector<std::string> env;
   bool have_omp = false;
   for (char** e = environ; *e; ++e) {
     std::string entry = *e;
     std::string name = entry.substr(0, entry.find('='));
     have_omp |= name == "OMP_NUM_THREADS";
-    bool replaced = std::any_of(set.begin(), set.end(), [&](const auto& kv) { return kv.first == name; });
+    bool replaced =
+        std::any_of(set.begin(), set.end(), [&](const auto& kv) { return kv.first == name; });
     if (!replaced) env.push_back(entry);
   }
   for (const auto& [k, v] : set) env.push_back(k + "=" + v);
@@ -116,8 +137,10 @@ void signal_groups(const std::vector<Child>& children, int sig, bool running_onl
 int run(int argc, char** argv) {
   int nproc = 1, nnodes = 1, node_rank = 0, master_port = 29500;
   std::string master_addr = "127.0.0.1";
-  CLI::App app{"replica-launch: starts one process per rank for DDP and watches them.\n"
-               "usage: replica-launch [OPTIONS] -- PROGRAM [ARGS...]", "replica-launch"};
+  CLI::App app{
+      "replica-launch: starts one process per rank for DDP and watches them.\n"
+      "usage: replica-launch [OPTIONS] -- PROGRAM [ARGS...]",
+      "replica-launch"};
   app.set_help_flag("-h,--help", "Print this help and exit");
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "processes (ranks) on this node")
       ->capture_default_str();
@@ -129,9 +152,10 @@ int run(int argc, char** argv) {
   app.add_option("--master-port,--master_port", master_port, "free port on rank 0's node")
       ->capture_default_str();
   app.prefix_command();
-  app.footer("Children get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
-             "MASTER_PORT and OMP_NUM_THREADS=1 (unless set). When one exits non-zero or by a "
-             "signal, the others get SIGTERM, then SIGKILL after 5 s.");
+  app.footer(
+      "Children get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+      "MASTER_PORT and OMP_NUM_THREADS=1 (unless set). When one exits non-zero or by a "
+      "signal, the others get SIGTERM, then SIGKILL after 5 s.");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -145,16 +169,18 @@ int run(int argc, char** argv) {
   }
   std::vector<std::string> command = app.remaining();
   if (!command.empty() && command.front() == "--") command.erase(command.begin());
-  REPLICA_USAGE_CHECK(!command.empty(), "no program to run: replica-launch [OPTIONS] -- PROGRAM [ARGS...]");
+  REPLICA_USAGE_CHECK(!command.empty(),
+                      "no program to run: replica-launch [OPTIONS] -- PROGRAM [ARGS...]");
   REPLICA_USAGE_CHECK(command.front().empty() || command.front()[0] != '-',
                       "unknown option '{}' (options go before -- PROGRAM; see --help)",
                       command.front());
   REPLICA_USAGE_CHECK(nproc >= 1 && nproc <= 4096, "--nproc-per-node {} must be 1..4096", nproc);
   REPLICA_USAGE_CHECK(nnodes >= 1 && nnodes <= 65536, "--nnodes {} must be 1..65536", nnodes);
   REPLICA_USAGE_CHECK(node_rank >= 0 && node_rank < nnodes,
-                      "--node-rank {} must be in 0..{} (--nnodes {})", node_rank, nnodes - 1, nnodes);
-  REPLICA_USAGE_CHECK(master_port >= 1 && master_port <= 65535,
-                      "--master-port {} must be 1..65535", master_port);
+                      "--node-rank {} must be in 0..{} (--nnodes {})", node_rank, nnodes - 1,
+                      nnodes);
+  REPLICA_USAGE_CHECK(master_port >= 1 && master_port <= 65535, "--master-port {} must be 1..65535",
+                      master_port);
   REPLICA_USAGE_CHECK(!master_addr.empty(), "--master-addr must not be empty");
   std::string program = resolve_program(command.front());
 
@@ -170,11 +196,14 @@ int run(int argc, char** argv) {
   for (int local = 0; local < nproc; ++local) {
     Child c;
     c.rank = node_rank * nproc + local;
-    std::vector<std::string> env = child_environment({
-        {"RANK", std::to_string(c.rank)}, {"LOCAL_RANK", std::to_string(local)},
-        {"WORLD_SIZE", std::to_string(nproc * nnodes)}, {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-        {"GROUP_RANK", std::to_string(node_rank)}, {"MASTER_ADDR", master_addr},
-        {"MASTER_PORT", std::to_string(master_port)}});
+    std::vector<std::string> env =
+        child_environment({{"RANK", std::to_string(c.rank)},
+                           {"LOCAL_RANK", std::to_string(local)},
+                           {"WORLD_SIZE", std::to_string(nproc * nnodes)},
+                           {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+                           {"GROUP_RANK", std::to_string(node_rank)},
+                           {"MASTER_ADDR", master_addr},
+                           {"MASTER_PORT", std::to_string(master_port)}});
     std::vector<char*> envp, args;
     for (auto& e : env) envp.push_back(e.data());
     for (auto& a : command) args.push_back(a.data());
@@ -203,7 +232,8 @@ int run(int argc, char** argv) {
       int err = errno;
       close(report[0]);
       signal_groups(children, SIGKILL, false);
-      throw Error(fmt::format("cannot start rank {}: fork failed ({})", c.rank, std::strerror(err)));
+      throw Error(
+          fmt::format("cannot start rank {}: fork failed ({})", c.rank, std::strerror(err)));
     }
     setpgid(c.pid, c.pid);  // also here: no window where a signal to the group misses it
     int exec_err = 0;
@@ -219,13 +249,14 @@ int run(int argc, char** argv) {
     }
   }
 
-  int forwarded = 0;        // the signal the launcher got and passed on
+  int forwarded = 0;  // the signal the launcher got and passed on
   const Child* failed = nullptr;
   int failed_status = 0;
   bool stopping = false, killed = false;
   Clock::time_point deadline, give_up;
   auto running = [&] {
-    return std::count_if(children.begin(), children.end(), [](const Child& c) { return c.running; });
+    return std::count_if(children.begin(), children.end(),
+                         [](const Child& c) { return c.running; });
   };
   while (running() > 0) {
     auto now = Clock::now();
@@ -274,8 +305,8 @@ int run(int argc, char** argv) {
   if (stopping) signal_groups(children, SIGKILL, false);  // leftovers of the ranks' groups
 
   if (forwarded) {
-    std::fprintf(stderr, "replica-launch: received %s: stopped %zu rank%s\n", signal_name(forwarded),
-                 children.size(), children.size() == 1 ? "" : "s");
+    std::fprintf(stderr, "replica-launch: received %s: stopped %zu rank%s\n",
+                 signal_name(forwarded), children.size(), children.size() == 1 ? "" : "s");
     return 128 + forwarded;
   }
   if (failed) {
