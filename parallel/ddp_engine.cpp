@@ -12,6 +12,7 @@
 #include "layers/loss.h"
 #include "parallel/ddp_reducer.h"
 #include "parallel/process_group.h"
+#include "parallel/scatter.h"
 
 namespace replica {
 
@@ -22,7 +23,9 @@ class DdpEngine final : public TrainEngine {
   DdpEngine(const Device& device, const EngineOptions& o, const DdpOptions& d)
       : ctx_(device, ContextOptions{o.threads_per_device, o.deterministic}),
         track_(fmt::format("rank{} {}", d.rank, device.str())),
-        check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr) {
+        check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),
+        accumulate_(d.accumulate) {
+    REPLICA_USAGE_CHECK(d.accumulate >= 1, "--accumulate must be at least 1, got {}", d.accumulate);
     ctx_.activate();
     model_ = make_model(o.model, o.input_shape, o.num_classes);
     ctx_.run([&] { model_->materialize(ctx_, o.seed); });
@@ -36,7 +39,7 @@ class DdpEngine final : public TrainEngine {
     model_->set_grad_hook([this](const std::vector<Param*>& ready) { reducer_->on_ready(ready); });
     optimizer_ = make_optimizer(o.optimizer);
     ctx_.run([&] {
-      loss_ = ctx_.alloc({1});
+      loss_ = ctx_.alloc({1});  // a buffer of its own: micro-batch losses are summed into it
       ctx_.ops().fill(ctx_, loss_, 0.f);
     });
     sync_from_rank0();  // identical starting point on every rank
@@ -60,16 +63,32 @@ class DdpEngine final : public TrainEngine {
         TraceSpan span(track_, "broadcast_buffers", &ctx_);
         group_->broadcast(ctx_, model_->flat_buffers(), 0);
       }
-      {
-        TraceSpan span(track_, "forward", &ctx_);
-        model_->zero_grad(ctx_);
-        Tensor logits = model_->forward(ctx_, x);
-        loss_ = criterion_.forward(ctx_, logits, y);
-      }
-      reducer_->begin(true);
-      {
-        TraceSpan span(track_, "backward", &ctx_);
-        model_->backward(ctx_, criterion_.backward(ctx_));
+      model_->zero_grad(ctx_);
+      // K micro-batches (torch.chunk sizes); the loss gradient of each is scaled by
+      // 1/(local batch), so the accumulated gradient is that of the whole local batch.
+      const auto micro = scatter_chunks(batch.size(), accumulate_);
+      int last = 0;
+      for (int k = 0; k < accumulate_; ++k)
+        if (micro[k].count > 0) last = k;
+      for (int k = 0; k <= last; ++k) {
+        Tensor xk = x.slice_rows(micro[k].begin, micro[k].begin + micro[k].count);
+        Tensor yk = y.slice_rows(micro[k].begin, micro[k].begin + micro[k].count);
+        {
+          TraceSpan span(track_, "forward", &ctx_);
+          Tensor logits = model_->forward(ctx_, xk);
+          Tensor loss = criterion_.forward(ctx_, logits, yk);
+          if (last == 0) {
+            loss_ = loss;
+          } else {
+            if (k == 0) ctx_.ops().fill(ctx_, loss_, 0.f);
+            ctx_.ops().add(ctx_, loss_, loss, float(micro[k].count) / float(batch.size()));
+          }
+        }
+        reducer_->begin(/*sync=*/k == last);  // no_sync for all but the last micro-batch
+        {
+          TraceSpan span(track_, "backward", &ctx_);
+          model_->backward(ctx_, criterion_.backward(ctx_, batch.size()));
+        }
       }
       {
         TraceSpan span(track_, "finalize", &ctx_);
@@ -191,6 +210,7 @@ class DdpEngine final : public TrainEngine {
   Tensor loss_;
   double macs_per_sample_ = 0;
   bool check_sync_;
+  int accumulate_;
 };
 
 }  // namespace

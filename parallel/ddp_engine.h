@@ -18,6 +18,9 @@ struct DdpOptions {
   size_t first_bucket_bytes = size_t(1) << 20;
   size_t bucket_bytes = size_t(25) << 20;
   std::chrono::milliseconds timeout{300000};
+  // Gradient accumulation: each local batch runs as K micro-batches; the first K-1 backward
+  // passes run under no_sync (nothing communicated), the last all-reduces the accumulated sum.
+  int accumulate = 1;
 };
 
 // Parameters and buffers are broadcast from rank 0 when the engine is built; every train_step

@@ -109,6 +109,8 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.backend == "auto" || c.backend == "gloo" || c.backend == "nccl",
                       "unknown --backend '{}' (auto, gloo, nccl)", c.backend);
   REPLICA_USAGE_CHECK(c.timeout_s > 0, "--timeout must be positive, got {}", c.timeout_s);
+  REPLICA_USAGE_CHECK(c.accumulate >= 1, "--accumulate must be at least 1, got {}", c.accumulate);
+  REPLICA_USAGE_CHECK(c.accumulate == 1 || c.mode == "ddp", "--accumulate applies to --mode ddp");
   REPLICA_USAGE_CHECK(c.reduce == "root" || c.reduce == "tree",
                       "unknown --reduce '{}' (root, tree)", c.reduce);
   REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
@@ -170,6 +172,9 @@ nlohmann::json run_training(const TrainConfig& config) {
     REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
                         "--batch-size {} is the global batch: it must divide by the {} ranks",
                         c.batch_size, rv.world_size);
+    REPLICA_USAGE_CHECK(c.accumulate >= 1, "--accumulate must be at least 1, got {}",
+                        c.accumulate);
+    ddp.accumulate = c.accumulate;
     ddp.rank = rv.rank;
     ddp.world_size = rv.world_size;
     ddp.store = rv.store;

@@ -78,6 +78,9 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--timeout", c.timeout_s, "DDP rendezvous/collective timeout, seconds")
       ->capture_default_str();
+  app.add_option("--accumulate", c.accumulate,
+                 "DDP: split each rank's batch into K micro-batches, all-reduce once (no_sync)")
+      ->capture_default_str();
   app.add_option("--reduce", c.reduce, "DP gradient reduction: root | tree")->capture_default_str();
   app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "gradient bucket size cap")
       ->capture_default_str();

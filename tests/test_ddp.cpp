@@ -6,7 +6,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <sstream>
 
 #include "cli_helpers.h"
 #include "engine/checkpoint.h"
@@ -94,6 +96,12 @@ TEST_CASE("DDP on N ranks equals one process on the same global batch") {
       CHECK(max_relative(reference, params(dir + "/checkpoint.safetensors")) <= 1e-5);
     }
   }
+  // Gradient accumulation: 2 ranks x 2 micro-batches (no_sync on the first) is the same math.
+  const std::string dir = tmp.str("ddp-accumulate");
+  auto r = run(launch(2) + kTrain + " --mode ddp --accumulate 2" + common + " --checkpoint " + dir,
+               180);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(max_relative(reference, params(dir + "/checkpoint.safetensors")) <= 1e-5);
 }
 
 TEST_CASE("every rank holds identical parameters after every step") {
@@ -165,4 +173,29 @@ TEST_CASE("a rendezvous with a missing rank times out with an error naming it") 
   CHECK(r.exit_code != 0);
   CHECK_MESSAGE(r.output.find("rank 1") != std::string::npos, r.output);
   CHECK(test::count_lines(r.output) == 1);
+}
+
+TEST_CASE("grad-sync experiment: losses differ per rank, the all-reduced gradient is the mean") {
+  if (!replica::gloo_available()) return;
+  auto r = run(launch(3) + test::bin("replica-grad-sync") + " --image-size 64", 180);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  std::vector<double> losses, locals, synced;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    int rank;
+    double loss, local, after;
+    if (std::sscanf(line.c_str(),
+                    "rank %d: loss %lf fc.weight.grad[0][0]: local %lf, after all-reduce %lf",
+                    &rank, &loss, &local, &after) == 4) {
+      losses.push_back(loss);
+      locals.push_back(local);
+      synced.push_back(after);
+    }
+  }
+  REQUIRE(synced.size() == 3);
+  CHECK(synced[0] == synced[1]);
+  CHECK(synced[1] == synced[2]);
+  CHECK((losses[0] != losses[1] || losses[1] != losses[2]));
+  const double mean = (locals[0] + locals[1] + locals[2]) / 3;
+  CHECK(std::fabs(mean - synced[0]) <= 1e-5 + 1e-3 * std::fabs(mean));
 }
