@@ -11,6 +11,7 @@
 #include "engine/trace.h"
 #include "layers/loss.h"
 #include "parallel/ddp_reducer.h"
+#include "parallel/engine_steps.h"
 #include "parallel/process_group.h"
 #include "parallel/scatter.h"
 
@@ -114,21 +115,7 @@ class DdpEngine final : public TrainEngine {
   }
 
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    ctx_.run([&] {
-      Tensor x = to_device(batch.images), y = to_device(batch.labels);
-      Tensor logits = model_->forward(ctx_, x);
-      Tensor loss = criterion_.forward(ctx_, logits, y);
-      Tensor hits = ctx_.alloc({1}, DType::I32);
-      ctx_.ops().fill(ctx_, hits, 0.f);
-      ctx_.ops().count_correct(ctx_, logits, y, hits);
-      Tensor hl = Tensor::empty(host_allocator(), {1});
-      Tensor hh = Tensor::empty(host_allocator(), {1}, DType::I32);
-      ctx_.ops().copy(ctx_, hl, loss);
-      ctx_.ops().copy(ctx_, hh, hits);
-      ctx_.synchronize();
-      loss_sum += double(hl.f32()[0]) * batch.size();
-      correct += hh.i32()[0];
-    });
+    evaluate_batch(ctx_, *model_, criterion_, batch.images, batch.labels, loss_sum, correct);
   }
 
   // Sums each rank's evaluation totals, so every rank reports the same metrics.
@@ -193,12 +180,7 @@ class DdpEngine final : public TrainEngine {
     });
   }
 
-  Tensor to_device(const Tensor& host) {
-    if (!ctx_.is_cuda()) return host;
-    Tensor t = ctx_.alloc(host.shape(), host.dtype());
-    ctx_.ops().copy(ctx_, t, host);
-    return t;
-  }
+  Tensor to_device(const Tensor& host) { return batch_to_device(ctx_, host); }
 
   DeviceContext ctx_;
   std::string track_;

@@ -10,6 +10,7 @@
 #include "engine/trace.h"
 #include "layers/loss.h"
 #include "parallel/dp_engine.h"
+#include "parallel/engine_steps.h"
 #include "parallel/root_reducer.h"
 #include "parallel/scatter.h"
 #include "parallel/worker_pool.h"
@@ -164,23 +165,8 @@ class DataParallelEngine final : public TrainEngine {
 
   // Evaluation runs on device 0's replica (every replica holds the same parameters).
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    DeviceContext& c0 = primary();
-    Model& m = *replicas_[0].model;
-    c0.run([&] {
-      Tensor x = to_device(c0, batch.images), y = to_device(c0, batch.labels);
-      Tensor logits = m.forward(c0, x);
-      Tensor loss = criterion_.forward(c0, logits, y);
-      Tensor hits = c0.alloc({1}, DType::I32);
-      c0.ops().fill(c0, hits, 0.f);
-      c0.ops().count_correct(c0, logits, y, hits);
-      Tensor hl = Tensor::empty(host_allocator(), {1});
-      Tensor hh = Tensor::empty(host_allocator(), {1}, DType::I32);
-      c0.ops().copy(c0, hl, loss);
-      c0.ops().copy(c0, hh, hits);
-      c0.synchronize();
-      loss_sum += double(hl.f32()[0]) * batch.size();
-      correct += hh.i32()[0];
-    });
+    evaluate_batch(primary(), *replicas_[0].model, criterion_, batch.images, batch.labels,
+                   loss_sum, correct);
   }
 
   void set_training(bool training) override {
@@ -230,10 +216,7 @@ class DataParallelEngine final : public TrainEngine {
   }
 
   static Tensor to_device(DeviceContext& ctx, const Tensor& host) {
-    if (!ctx.is_cuda()) return host;
-    Tensor t = ctx.alloc(host.shape(), host.dtype());
-    ctx.ops().copy(ctx, t, host);
-    return t;
+    return batch_to_device(ctx, host);
   }
 
   WorkerPool pool_;

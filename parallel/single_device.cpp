@@ -4,6 +4,7 @@
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "layers/loss.h"
+#include "parallel/engine_steps.h"
 #include "parallel/train_engine.h"
 
 namespace replica {
@@ -62,21 +63,7 @@ class SingleDeviceEngine final : public TrainEngine {
   }
 
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    ctx_.run([&] {
-      Tensor x = to_device(batch.images), y = to_device(batch.labels);
-      Tensor logits = model_->forward(ctx_, x);
-      Tensor loss = criterion_.forward(ctx_, logits, y);
-      Tensor hits = ctx_.alloc({1}, DType::I32);
-      ctx_.ops().fill(ctx_, hits, 0.f);
-      ctx_.ops().count_correct(ctx_, logits, y, hits);
-      Tensor host_loss = Tensor::empty(host_allocator(), {1});
-      Tensor host_hits = Tensor::empty(host_allocator(), {1}, DType::I32);
-      ctx_.ops().copy(ctx_, host_loss, loss);
-      ctx_.ops().copy(ctx_, host_hits, hits);
-      ctx_.synchronize();
-      loss_sum += double(host_loss.f32()[0]) * batch.size();
-      correct += host_hits.i32()[0];
-    });
+    evaluate_batch(ctx_, *model_, criterion_, batch.images, batch.labels, loss_sum, correct);
   }
 
   void set_training(bool training) override { model_->set_training(training); }
@@ -90,13 +77,7 @@ class SingleDeviceEngine final : public TrainEngine {
   double forward_macs_per_sample() const override { return macs_per_sample_; }
 
  private:
-  // Host batches are used in place on CPU (zero copy); copied on the stream for CUDA.
-  Tensor to_device(const Tensor& host) {
-    if (!ctx_.is_cuda()) return host;
-    Tensor t = ctx_.alloc(host.shape(), host.dtype());
-    ctx_.ops().copy(ctx_, t, host);
-    return t;
-  }
+  Tensor to_device(const Tensor& host) { return batch_to_device(ctx_, host); }
 
   DeviceContext ctx_;
   std::string track_;

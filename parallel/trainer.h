@@ -27,7 +27,7 @@ struct TrainConfig {
   int64_t synthetic_size = 10000;  // samples in the synthetic training set
   int64_t epochs = 1;
   int64_t max_steps = 0;           // stop after this many optimizer steps in total (0 = none)
-  int64_t batch_size = 64;         // the GLOBAL batch
+  int64_t batch_size = 32;         // the GLOBAL batch (32: 0.875 after one CNN epoch vs 0.862 at 64)
   bool shuffle = true;
   bool drop_last = false;
   int log_every = 10;              // progress line (and loss readback) every N steps

@@ -10,6 +10,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "tools/program.h"
+
 #include "engine/data/dataset.h"
 #include "engine/error.h"
 #include "parallel/ddp_engine.h"
@@ -44,15 +46,7 @@ int run(int argc, char** argv) {
   app.add_option("--num-classes", classes, "classes")->capture_default_str();
   app.add_option("--dataset-size", size, "random images in the data set")->capture_default_str();
   app.add_option("--seed", seed, "initialisation and data seed")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "replica-grad-sync: error: %s (see --help)\n", e.what());
-    return 2;
-  }
+  if (auto code = parse_cli(app, "replica-grad-sync", argc, argv)) return *code;
   REPLICA_USAGE_CHECK(per_rank >= 1 && image >= 32 && classes >= 2 && size >= 1,
                       "batch, image size (>= 32), classes (>= 2) and dataset size must be positive");
   Rendezvous rv = rendezvous();
@@ -106,13 +100,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "replica-grad-sync: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "replica-grad-sync: error: %s\n", e.what());
-    return 1;
-  }
+  return replica::run_program("replica-grad-sync", [&] { return run(argc, argv); });
 }

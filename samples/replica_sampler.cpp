@@ -8,6 +8,8 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+
+#include "tools/program.h"
 #include <fmt/format.h>
 
 #include "engine/data/dataset.h"
@@ -152,17 +154,7 @@ int run(int argc, char** argv) {
   app.add_flag("--json", json, "print {\"0\": [...], \"1\": [...]} (rank -> indices), one line");
   app.footer(kFooter);
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::fprintf(stderr, "replica-sampler: error: %s (see --help)\n", msg.c_str());
-    return 2;
-  }
+  if (auto code = parse_cli(app, "replica-sampler", argc, argv)) return *code;
   REPLICA_USAGE_CHECK(size >= 0, "--size must be >= 0, got {}", size);
   REPLICA_USAGE_CHECK(size <= kMaxSize, "--size must be at most {}, got {}", kMaxSize, size);
   REPLICA_USAGE_CHECK(replicas >= 1, "--replicas must be >= 1, got {}", replicas);
@@ -189,13 +181,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "replica-sampler: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "replica-sampler: error: %s\n", e.what());
-    return 1;
-  }
+  return replica::run_program("replica-sampler", [&] { return run(argc, argv); });
 }

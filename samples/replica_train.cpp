@@ -8,6 +8,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "tools/program.h"
+
 #include "engine/device.h"
 #include "engine/error.h"
 #include "parallel/trainer.h"
@@ -101,17 +103,7 @@ int run(int argc, char** argv) {
   app.add_flag("--drop-last", c.drop_last, "drop the last partial batch of each epoch");
   app.add_flag("--list-devices", list_devices, "print the devices found and exit");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::fprintf(stderr, "replica-train: error: %s (see --help)\n", msg.c_str());
-    return 2;
-  }
+  if (auto code = parse_cli(app, "replica-train", argc, argv)) return *code;
   if (list_devices) {
     for (const auto& line : describe_devices()) std::printf("%s\n", line.c_str());
     return 0;
@@ -149,13 +141,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "replica-train: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "replica-train: error: %s\n", e.what());
-    return 1;
-  }
+  return replica::run_program("replica-train", [&] { return run(argc, argv); });
 }

@@ -24,6 +24,8 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+
+#include "tools/program.h"
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <tbb/parallel_for.h>
@@ -335,13 +337,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "replica-bench: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "replica-bench: error: %s\n", e.what());
-    return 1;
-  }
+  return replica::run_program("replica-bench", [&] { return run(argc, argv); });
 }

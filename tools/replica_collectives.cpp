@@ -12,6 +12,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "tools/program.h"
+
 #include "engine/error.h"
 #include "engine/ops.h"
 #include "parallel/process_group.h"
@@ -105,16 +107,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-bytes", max_s, "largest message")->capture_default_str();
   app.add_option("--iters", iters, "timed iterations per size")->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "replica-collectives: error: %s\n", e.what());
-    return 2;
-  }
-  try {
+  if (auto code = parse_cli(app, "replica-collectives", argc, argv)) return *code;
+  return run_program("replica-collectives", [&] {
     REPLICA_USAGE_CHECK(do_check || do_bench, "give --check and/or --bench");
     REPLICA_USAGE_CHECK(iters >= 1, "--iters must be at least 1");
     RendezvousOptions ro;
@@ -131,11 +125,5 @@ int main(int argc, char** argv) {
     if (do_bench) bench(*pg, ctx, parse_bytes(min_s), parse_bytes(max_s), iters);
     pg->barrier();
     return rc;
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "replica-collectives: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "replica-collectives: error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -27,6 +27,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "tools/program.h"
+
 #include "engine/error.h"
 
 extern char** environ;
@@ -156,17 +158,7 @@ int run(int argc, char** argv) {
       "Children get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
       "MASTER_PORT and OMP_NUM_THREADS=1 (unless set). When one exits non-zero or by a "
       "signal, the others get SIGTERM, then SIGKILL after 5 s.");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::fprintf(stderr, "replica-launch: error: %s (see --help)\n", msg.c_str());
-    return 2;
-  }
+  if (auto code = parse_cli(app, "replica-launch", argc, argv)) return *code;
   std::vector<std::string> command = app.remaining();
   if (!command.empty() && command.front() == "--") command.erase(command.begin());
   REPLICA_USAGE_CHECK(!command.empty(),
@@ -325,13 +317,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "replica-launch: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "replica-launch: error: %s\n", e.what());
-    return 1;
-  }
+  return replica::run_program("replica-launch", [&] { return run(argc, argv); });
 }
