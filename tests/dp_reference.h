@@ -49,8 +49,9 @@ inline std::vector<float> params_of(TrainEngine& e) {
 // one optimizer step is taken. This is DP's arithmetic, association included, so agreement is
 // exact; BatchNorm normalises per chunk, as in PyTorch's DataParallel.
 inline std::vector<float> reference_params(const EngineOptions& o, const std::vector<Batch>& batches,
-                                           int devices, bool tree = false) {
-  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{1, true});
+                                           int devices, bool tree = false,
+                                           Device device = Device{DeviceType::CPU, 0, 0}) {
+  DeviceContext ctx(device, ContextOptions{1, true});
   auto model = make_model(o.model, o.input_shape, o.num_classes);
   model->materialize(ctx, o.seed);
   auto opt = make_optimizer(o.optimizer);
@@ -64,6 +65,13 @@ inline std::vector<float> reference_params(const EngineOptions& o, const std::ve
       model->zero_grad(ctx);
       Tensor x = b.images.slice_rows(c.begin, c.begin + c.count);
       Tensor y = b.labels.slice_rows(c.begin, c.begin + c.count);
+      if (ctx.is_cuda()) {
+        Tensor dx = ctx.alloc(x.shape()), dy = ctx.alloc(y.shape(), DType::I32);
+        ctx.ops().copy(ctx, dx, x);
+        ctx.ops().copy(ctx, dy, y);
+        x = dx;
+        y = dy;
+      }
       Tensor logits = model->forward(ctx, x);
       ce.forward(ctx, logits, y);
       model->backward(ctx, ce.backward(ctx, total));
@@ -82,8 +90,10 @@ inline std::vector<float> reference_params(const EngineOptions& o, const std::ve
     ctx.ops().copy(ctx, model->flat_grads(), grads[0]);
     opt->step(ctx, model->flat_params(), model->flat_grads());
   }
-  return std::vector<float>(model->flat_params().f32(),
-                            model->flat_params().f32() + model->num_params());
+  Tensor host = Tensor::empty(host_allocator(), {model->num_params()});
+  ctx.ops().copy(ctx, host, model->flat_params());
+  ctx.synchronize();
+  return std::vector<float>(host.f32(), host.f32() + host.numel());
 }
 
 // ||a-b|| / ||a||: the relative error of a whole parameter vector.
