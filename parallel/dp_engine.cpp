@@ -78,7 +78,11 @@ class DataParallelEngine final : public TrainEngine {
     // Scatter + forward: each worker takes its own chunk of the host batch.
     pool_.run([&](int i) {
       Replica& r = replicas_[i];
-      if (i >= active) return;
+      if (i >= active) {
+        // Idle this step (small batch): zero gradients, which a NCCL reduce still includes.
+        r.ctx->run([&] { r.model->zero_grad(*r.ctx); });
+        return;
+      }
       r.ctx->run([&] {
         {
           TraceSpan span(r.track, "scatter", r.ctx.get());
@@ -202,6 +206,17 @@ class DataParallelEngine final : public TrainEngine {
   // Parameters and buffers of replica 0 to every other replica, each on its own worker.
   void broadcast() {
     Model& m0 = *replicas_[0].model;
+    if (LocalNccl* nccl = reducer_->nccl()) {
+      TraceSpan span(replicas_[0].track, "broadcast");
+      std::vector<Tensor> params, buffers;
+      for (auto& r : replicas_) {
+        params.push_back(r.model->flat_params());
+        buffers.push_back(r.model->flat_buffers());
+      }
+      nccl->broadcast_from_root(params);
+      if (m0.num_buffer_elements() > 0) nccl->broadcast_from_root(buffers);
+      return;
+    }
     pool_.run([&](int i) {
       if (i == 0) return;
       Replica& r = replicas_[i];

@@ -27,7 +27,8 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
   for (size_t r = 0; r < models_.size(); ++r)
     for (size_t i = 0; i < models_[r]->params().size(); ++i)
       index_[r][models_[r]->params()[i]] = static_cast<int>(i);
-  cuda_ = ctx_[0]->is_cuda();
+  if (LocalNccl::usable(ctx_)) nccl_ = std::make_unique<LocalNccl>(ctx_);
+  cuda_ = ctx_[0]->is_cuda() && !nccl_;
   remaining_.assign(models_.size(), std::vector<int>(buckets_.size(), 0));
   ready_replicas_.assign(buckets_.size(), 0);
   queued_.assign(buckets_.size(), false);
@@ -37,7 +38,7 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
     for (auto* c : ctx_) other_gpu |= c->device().index != ctx_[0]->device().index;
     if (other_gpu) staging_ = ctx_[0]->alloc({models_[0]->num_params()});
   } else if (ctx_.size() > 1) {
-    comm_ = std::thread([this] { comm_loop(); });
+    comm_ = std::thread([this] { comm_loop(); });  // CPU devices and NCCL buckets
   }
 }
 
@@ -97,7 +98,14 @@ void RootReducer::comm_loop() {
     lock.unlock();
     {
       TraceSpan span("comm", "reduce");
-      reduce_bucket_cpu(buckets_[b]);
+      if (nccl_) {
+        std::vector<Tensor> views;
+        for (auto* m : models_)
+          views.push_back(m->flat_grads().view(buckets_[b].offset, {buckets_[b].numel}));
+        nccl_->reduce_to_root(views, active_);
+      } else {
+        reduce_bucket_cpu(buckets_[b]);
+      }
     }
     lock.lock();
     ++reduced_;

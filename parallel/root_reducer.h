@@ -4,8 +4,9 @@
 // Strategies: to-root (PyTorch's: replica 0 adds every other replica's bucket in turn) and tree
 // (Caffe's: pairs add in log2(N) rounds). Both sum in a fixed order, so results are
 // reproducible; they differ from each other only by floating-point association.
-// On CUDA devices the buckets are reduced after backward on device 0's stream, ordered by
-// events (no host sync); peers on other GPUs are staged through a buffer on device 0.
+// On distinct GPUs, buckets are reduced with NCCL in single-process mode (LocalNccl) as they
+// complete, each device's part on its own stream. Logical devices sharing a GPU reduce after
+// backward on device 0's stream, ordered by events (no host sync).
 #pragma once
 #include <condition_variable>
 #include <deque>
@@ -18,6 +19,7 @@
 
 #include "layers/model.h"
 #include "parallel/buckets.h"
+#include "parallel/local_nccl.h"
 
 namespace replica {
 
@@ -46,6 +48,8 @@ class RootReducer {
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   int64_t bytes_per_step(int active) const;  // gradient bytes moved to device 0 in one step
+  // NCCL's broadcast for distinct GPUs, or null (then the engine copies).
+  LocalNccl* nccl() { return nccl_.get(); }
 
  private:
   void reduce_bucket_cpu(const Bucket& b);
@@ -58,7 +62,8 @@ class RootReducer {
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_param_;  // param index -> bucket
   std::vector<std::unordered_map<const Param*, int>> index_;  // per replica: Param* -> index
-  bool cuda_ = false;
+  bool cuda_ = false;                 // CUDA devices, reduced by copies on device 0's stream
+  std::unique_ptr<LocalNccl> nccl_;   // distinct GPUs: NCCL group reduce per bucket
 
   std::mutex mutex_;
   std::condition_variable queue_cv_, done_cv_;
