@@ -61,6 +61,15 @@ std::vector<std::pair<std::string, Tensor>> Adam::state() {
   return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
 }
 
+float scheduled_lr(const std::string& schedule, float lr0, int64_t step, int64_t total) {
+  if (schedule == "constant") return lr0;
+  if (schedule == "cosine") {
+    const double t = total > 0 ? std::min(1.0, double(step) / double(total)) : 0.0;
+    return float(lr0 * 0.5 * (1.0 + std::cos(3.141592653589793 * t)));
+  }
+  throw UsageError(fmt::format("unknown --lr-schedule '{}' (constant, cosine)", schedule));
+}
+
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& o) {
   REPLICA_USAGE_CHECK(std::isfinite(o.lr) && o.lr > 0.f,
                       "learning rate must be a positive number, got {}", o.lr);

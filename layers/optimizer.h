@@ -24,6 +24,8 @@ class Optimizer {
   void load_state(DeviceContext& ctx, int64_t numel, int64_t steps,
                   const std::vector<std::pair<std::string, Tensor>>& host_state);
   virtual float lr() const = 0;
+  // Changes the learning rate from the next step on (schedules).
+  virtual void set_lr(float lr) = 0;
 
  protected:
   virtual void allocate_state(DeviceContext& ctx, int64_t numel) = 0;
@@ -37,6 +39,7 @@ class Sgd : public Optimizer {
   void step(DeviceContext& ctx, Tensor& params, const Tensor& grads) override;
   std::vector<std::pair<std::string, Tensor>> state() override;
   float lr() const override { return c_.lr; }
+  void set_lr(float lr) override { c_.lr = lr; }
 
  protected:
   void allocate_state(DeviceContext& ctx, int64_t numel) override;
@@ -53,6 +56,7 @@ class Adam : public Optimizer {
   void step(DeviceContext& ctx, Tensor& params, const Tensor& grads) override;
   std::vector<std::pair<std::string, Tensor>> state() override;
   float lr() const override { return c_.lr; }
+  void set_lr(float lr) override { c_.lr = lr; }
 
  protected:
   void allocate_state(DeviceContext& ctx, int64_t numel) override;
@@ -68,6 +72,10 @@ struct OptimizerOptions {
   float momentum = 0.f, weight_decay = 0.f;
   bool nesterov = false;
 };
+// The learning rate at optimizer step `step` (0-based) of `total`: "constant", or "cosine"
+// (lr0 * (1 + cos(pi * step / total)) / 2, from lr0 down towards 0 at the end of the run).
+float scheduled_lr(const std::string& schedule, float lr0, int64_t step, int64_t total);
+
 // Validates (UsageError): unknown name, lr <= 0 or not finite, momentum outside [0, 1),
 // negative weight decay, nesterov without momentum.
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& o);

@@ -100,6 +100,7 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.epochs >= 1, "--epochs must be at least 1, got {}", c.epochs);
   REPLICA_USAGE_CHECK(c.max_steps >= 0, "--max-steps must be >= 0, got {}", c.max_steps);
   REPLICA_USAGE_CHECK(c.log_every >= 1, "--log-every must be at least 1");
+  scheduled_lr(c.lr_schedule, 1.f, 0, 1);  // validates the name
   REPLICA_USAGE_CHECK(c.synthetic || !c.data_dir.empty(), "give --data DIR or --synthetic");
   REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
   REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
@@ -215,6 +216,7 @@ nlohmann::json run_training(const TrainConfig& config) {
                       c.batch_size, data.train->size());
   const int64_t planned_steps =
       c.max_steps > 0 ? std::min(c.max_steps, per_epoch * c.epochs) : per_epoch * c.epochs;
+  const int64_t planned_total = planned_steps;  // the schedule's horizon (resume keeps it)
 
   RunPosition pos;
   if (c.resume) {
@@ -243,6 +245,8 @@ nlohmann::json run_training(const TrainConfig& config) {
         stop = true;
         break;
       }
+      engine->optimizer().set_lr(
+          scheduled_lr(c.lr_schedule, c.engine.optimizer.lr, pos.global_step, planned_total));
       std::shared_ptr<Batch> batch;
       {
         TraceSpan span("host", "data_wait");

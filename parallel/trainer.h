@@ -26,6 +26,7 @@ struct TrainConfig {
   bool synthetic = false;          // random images of engine.input_shape instead of data_dir
   int64_t synthetic_size = 10000;  // samples in the synthetic training set
   int64_t epochs = 1;
+  std::string lr_schedule = "constant";  // constant | cosine (decays over the planned steps)
   int64_t max_steps = 0;           // stop after this many optimizer steps in total (0 = none)
   int64_t batch_size = 32;         // the GLOBAL batch (32: 0.875 after one CNN epoch vs 0.862 at 64)
   bool shuffle = true;

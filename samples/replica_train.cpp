@@ -64,6 +64,9 @@ int run(int argc, char** argv) {
   app.add_option("--batch-size", c.batch_size, "global batch size")->capture_default_str();
   app.add_option("--optimizer", optimizer, "sgd | adam")->capture_default_str();
   app.add_option("--lr", lr, "learning rate")->capture_default_str();
+  app.add_option("--lr-schedule", c.lr_schedule,
+                 "constant | cosine (decays to 0 over the run's steps)")
+      ->capture_default_str();
   app.add_option("--momentum", momentum, "SGD momentum")->capture_default_str();
   app.add_option("--weight-decay", weight_decay, "L2 weight decay")->capture_default_str();
   app.add_flag("--nesterov", nesterov, "Nesterov momentum (SGD)");

@@ -56,7 +56,8 @@ TEST_CASE("cnn on Fashion-MNIST: >= 0.85 after 1 epoch, >= 0.88 after 2") {
 
 TEST_CASE("resnet18 (28x28 variant) on Fashion-MNIST: >= 0.90 after 3 epochs") {
   if (!have_data()) return;
-  const auto m = train("--model resnet18 --epochs 3 --batch-size 64 --lr 1e-3 --seed 0", 3600);
+  const auto m = train(
+      "--model resnet18 --epochs 3 --batch-size 64 --lr 1e-3 --lr-schedule cosine --seed 0", 3600);
   std::ostringstream per_epoch;
   for (const auto& e : m["epoch_summaries"])
     per_epoch << " " << e["test_accuracy"].get<double>() << " (" << e["seconds"].get<double>()

@@ -275,3 +275,13 @@ TEST_CASE("load_state rejects missing or mis-sized state") {
   CHECK_NOTHROW(sgd->load_state(cpu(), kN, 0, {}));
   CHECK(sgd->steps() == 0);
 }
+
+TEST_CASE("learning-rate schedules") {
+  CHECK(replica::scheduled_lr("constant", 0.1f, 500, 1000) == doctest::Approx(0.1f));
+  CHECK(replica::scheduled_lr("cosine", 0.1f, 0, 1000) == doctest::Approx(0.1f));
+  CHECK(replica::scheduled_lr("cosine", 0.1f, 500, 1000) == doctest::Approx(0.05f));
+  CHECK(replica::scheduled_lr("cosine", 0.1f, 1000, 1000) == doctest::Approx(0.0f));
+  CHECK(replica::scheduled_lr("cosine", 0.1f, 250, 1000) ==
+        doctest::Approx(0.1 * 0.5 * (1 + std::cos(3.141592653589793 / 4))));
+  CHECK_THROWS_AS(replica::scheduled_lr("linear", 0.1f, 0, 10), replica::UsageError);
+}
