@@ -1,9 +1,15 @@
 // Accuracy on the real Fashion-MNIST, through the real program (ctest -L slow).
 //   cnn       >= 0.85 test accuracy after 1 epoch, >= 0.88 after 2 (one 2-epoch run)
-//   resnet18  (1-channel 28x28 variant) >= 0.90 after 3 epochs
-// Measured on a 2-core CPU (bench/results/2026-11-21-cpu-single-device.md): the cnn run takes
-// about 1 minute, resnet18 about 15 minutes; the timeouts leave room for a loaded machine.
-// Skipped, with a visible message, when the data set is not installed.
+//   resnet18  (1-channel 28x28 variant) >= kResnetTarget after 3 epochs
+// Measured on a 2-core CPU shared with other builds (load 4-5), bench/results/
+// 2026-11-21-cpu-single-device.md:
+//   cnn, batch 32, Adam 1e-3, seeds 0/1/2: epoch 1 0.8748/0.8757/0.8730, epoch 2
+//     0.8912/0.8923/0.8906; 64-98 s per 2-epoch run. (Batch 64 reached only 0.8826 at epoch 2
+//     with seed 1: too thin a margin over 0.88.)
+//   resnet18, batch 64, CONSTANT Adam 1e-3, seed 0: 0.8537, 0.8890, 0.8904; 1713 s for 3
+//     epochs. The test runs it with --lr-schedule cosine, which that session did not measure.
+// The timeouts leave about 2x room for a loaded machine. Skipped, with a visible message, when
+// the data set is not installed.
 #include <doctest/doctest.h>
 
 #include <fstream>
@@ -16,6 +22,9 @@
 namespace {
 
 const std::string kData = "/usr/share/datasets/fashion-mnist";
+// At a constant rate one run reached 0.8904 (a coin toss against 0.90); the cosine schedule is
+// meant to give the margin. If it proves not to, this is the number to revisit.
+constexpr double kResnetTarget = 0.90;
 
 bool have_data() {
   if (test::fs::is_directory(kData)) return true;
@@ -46,7 +55,7 @@ double epoch_accuracy(const nlohmann::json& m, size_t epoch) {
 
 TEST_CASE("cnn on Fashion-MNIST: >= 0.85 after 1 epoch, >= 0.88 after 2") {
   if (!have_data()) return;
-  const auto m = train("--model cnn --epochs 2 --batch-size 32 --lr 1e-3 --seed 0", 1200);
+  const auto m = train("--model cnn --epochs 2 --batch-size 32 --lr 1e-3 --seed 0", 900);
   const double a1 = epoch_accuracy(m, 0), a2 = epoch_accuracy(m, 1);
   MESSAGE("cnn test accuracy: epoch 1 " << a1 << ", epoch 2 " << a2 << " ("
                                         << m["train_seconds"].get<double>() << " s training)");
@@ -63,5 +72,5 @@ TEST_CASE("resnet18 (28x28 variant) on Fashion-MNIST: >= 0.90 after 3 epochs") {
     per_epoch << " " << e["test_accuracy"].get<double>() << " (" << e["seconds"].get<double>()
               << " s)";
   MESSAGE("resnet18 test accuracy per epoch:" << per_epoch.str());
-  CHECK(epoch_accuracy(m, 2) >= 0.90);
+  CHECK(epoch_accuracy(m, 2) >= kResnetTarget);
 }
