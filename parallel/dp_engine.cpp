@@ -167,10 +167,25 @@ class DataParallelEngine final : public TrainEngine {
     return host.f32()[0];
   }
 
-  // Evaluation runs on device 0's replica (every replica holds the same parameters).
+  // Evaluation: each replica takes its chunk of the batch (every replica holds the same
+  // parameters); the per-chunk loss sums and hit counts are added up.
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    evaluate_batch(primary(), *replicas_[0].model, criterion_, batch.images, batch.labels,
-                   loss_sum, correct);
+    const int n = static_cast<int>(replicas_.size());
+    const auto chunks = scatter_chunks(batch.size(), n);
+    std::vector<double> losses(n, 0.0);
+    std::vector<int64_t> hits(n, 0);
+    pool_.run([&](int i) {
+      if (chunks[i].count == 0) return;
+      Replica& r = replicas_[i];
+      const int64_t b = chunks[i].begin, e = b + chunks[i].count;
+      CrossEntropyLoss criterion;  // per worker: the criterion keeps state between calls
+      evaluate_batch(*r.ctx, *r.model, criterion, batch.images.slice_rows(b, e),
+                     batch.labels.slice_rows(b, e), losses[i], hits[i]);
+    });
+    for (int i = 0; i < n; ++i) {
+      loss_sum += losses[i];
+      correct += hits[i];
+    }
   }
 
   void set_training(bool training) override {
