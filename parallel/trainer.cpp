@@ -317,6 +317,13 @@ nlohmann::json run_training(const TrainConfig& config) {
   for (const auto& [phase, us] : tracer.phase_totals_us())
     if (phase != "evaluate" && phase != "checkpoint")
       phase_ms[phase] = steps_run ? us / 1e3 / steps_run : 0.0;
+  nlohmann::json phase_share = nlohmann::json::object();
+  {
+    double sum = 0;
+    for (auto& [phase, ms] : phase_ms.items()) sum += ms.get<double>();
+    for (auto& [phase, ms] : phase_ms.items())
+      phase_share[phase] = sum > 0 ? ms.get<double>() / sum : 0.0;
+  }
   const double macs = engine->forward_macs_per_sample();
   const double sps = samples / std::max(train_seconds, 1e-9);
   nlohmann::json devices_json = nlohmann::json::array();
@@ -340,7 +347,8 @@ nlohmann::json run_training(const TrainConfig& config) {
       {"samples_per_sec", sps},
       {"train_seconds", train_seconds},
       {"final_loss", final_loss},
-      {"phase_ms_per_step", phase_ms},
+      {"phase_ms_per_step", phase_ms},  // summed over devices (and the communication thread)
+      {"phase_share", phase_share},
       {"forward_gflop_per_sample", 2 * macs / 1e9},
       // Training = forward + backward (data and weight gradients): ~3x the forward FLOPs.
       {"train_gflops", 3 * 2 * macs * sps / 1e9},
