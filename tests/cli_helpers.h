@@ -27,7 +27,14 @@ struct TempDir {
     fs::remove_all(path, ec);
   }
   std::string str(const std::string& name = "") const { return (path / name).string(); }
+  std::string file(const std::string& name) const { return str(name); }
+  size_t entries() const { return size_t(std::distance(fs::directory_iterator(path), {})); }
 };
+
+inline std::vector<uint8_t> file_bytes(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
+}
 
 inline void write_be32(std::ofstream& out, uint32_t v) {
   unsigned char b[4] = {static_cast<unsigned char>(v >> 24), static_cast<unsigned char>(v >> 16),

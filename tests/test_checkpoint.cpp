@@ -13,6 +13,7 @@
 
 #include "engine/allocator.h"
 #include "engine/checkpoint.h"
+#include "cli_helpers.h"
 #include "engine/error.h"
 
 namespace fs = std::filesystem;
@@ -20,26 +21,8 @@ using namespace replica;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() / ("replica-test-ckpt-" + std::to_string(::getpid()) + "-" +
-                                        std::to_string(counter++));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-  size_t entries() const { return size_t(std::distance(fs::directory_iterator(path), {})); }
-};
-
-std::vector<uint8_t> file_bytes(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
-}
+using test::file_bytes;
+using test::TempDir;
 void put_bytes(const std::string& p, const std::vector<uint8_t>& b) {
   std::ofstream f(p, std::ios::binary | std::ios::trunc);
   f.write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));

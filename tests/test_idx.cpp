@@ -12,6 +12,7 @@
 
 #include "engine/data/dataset.h"
 #include "engine/data/idx.h"
+#include "cli_helpers.h"
 #include "engine/error.h"
 
 namespace fs = std::filesystem;
@@ -19,25 +20,8 @@ using namespace replica;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("replica-test-idx-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-std::vector<uint8_t> file_bytes(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
-}
+using test::file_bytes;
+using test::TempDir;
 void put_bytes(const std::string& p, const std::vector<uint8_t>& b) {
   std::ofstream f(p, std::ios::binary | std::ios::trunc);
   f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
