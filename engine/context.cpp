@@ -11,8 +11,7 @@ namespace replica {
 DeviceContext::DeviceContext(Device device, ContextOptions options)
     : device_(device), options_(options) {
   if (device.is_cpu()) {
-    int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    threads_ = options.threads > 0 ? options.threads : cores;
+    threads_ = options.threads > 0 ? options.threads : cpu_cores();
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
     backend_ = make_cpu_backend();

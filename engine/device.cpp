@@ -15,6 +15,8 @@ std::string Device::str() const {
   return fmt::format("cuda:{}#{}", index, slot);
 }
 
+int cpu_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
 int cuda_device_count() { return cudart::device_count(); }
 
 bool cuda_backend_built() {
@@ -117,7 +119,7 @@ bool devices_share_hardware(const std::vector<Device>& devices) {
 
 std::vector<std::string> describe_devices() {
   std::vector<std::string> lines;
-  unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const int cores = cpu_cores();
   lines.push_back(fmt::format("cpu      {} core{} (virtual devices: cpu*N)", cores,
                               cores == 1 ? "" : "s"));
   if (!cuda_backend_built()) {

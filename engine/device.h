@@ -25,6 +25,9 @@ struct Device {
   bool operator!=(const Device& o) const { return !(*this == o); }
 };
 
+// Cores of this machine (at least 1): virtual CPU devices share them.
+int cpu_cores();
+
 // Number of usable GPUs. A missing driver or no GPU is zero, never an error.
 int cuda_device_count();
 

@@ -5,15 +5,14 @@
 // finalize() waits for every bucket and divides by the world size (the average gradient).
 // begin(false) is no_sync: gradients accumulate locally and nothing is communicated.
 #pragma once
-#include <condition_variable>
-#include <deque>
+#include <memory>
 #include <mutex>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "layers/model.h"
 #include "parallel/buckets.h"
+#include "parallel/comm_queue.h"
 #include "parallel/process_group.h"
 
 namespace replica {
@@ -35,7 +34,6 @@ class DdpReducer {
 
  private:
   void launch_ready_locked();  // queue completed buckets in order
-  void comm_loop();
 
   DeviceContext& ctx_;
   Model& model_;
@@ -44,14 +42,11 @@ class DdpReducer {
   std::vector<int> bucket_of_param_;
   std::unordered_map<const Param*, int> index_;
 
-  std::mutex mutex_;
-  std::condition_variable queue_cv_, done_cv_;
-  bool sync_ = true, stop_ = false;
+  std::mutex mutex_;  // guards the readiness bookkeeping below
+  bool sync_ = true;
   std::vector<int> remaining_;
-  int next_launch_ = 0, done_ = 0;
-  std::deque<int> queue_;
-  std::exception_ptr error_;
-  std::thread comm_;
+  int next_launch_ = 0;
+  std::unique_ptr<CommQueue> comm_;  // all-reduces buckets (world size > 1)
 };
 
 }  // namespace replica

@@ -27,8 +27,7 @@ class DataParallelEngine final : public TrainEngine {
     const int n = static_cast<int>(devices.size());
     int threads = o.threads_per_device;
     if (threads == 0) {
-      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-      threads = std::max(1, cores / n);
+      threads = std::max(1, cpu_cores() / n);
     }
     replicas_.resize(n);
     // Contexts and replicas are created on their own worker threads (CUDA: current device).

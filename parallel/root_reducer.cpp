@@ -38,18 +38,21 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
     for (auto* c : ctx_) other_gpu |= c->device().index != ctx_[0]->device().index;
     if (other_gpu) staging_ = ctx_[0]->alloc({models_[0]->num_params()});
   } else if (ctx_.size() > 1) {
-    comm_ = std::thread([this] { comm_loop(); });  // CPU devices and NCCL buckets
+    comm_ = std::make_unique<CommQueue>([this](int b) {
+      TraceSpan span("comm", "reduce");
+      if (nccl_) {
+        std::vector<Tensor> views;
+        for (auto* m : models_)
+          views.push_back(m->flat_grads().view(buckets_[b].offset, {buckets_[b].numel}));
+        nccl_->reduce_to_root(views, active_);
+      } else {
+        reduce_bucket_cpu(buckets_[b]);
+      }
+    });
   }
 }
 
-RootReducer::~RootReducer() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
-  queue_cv_.notify_all();
-  if (comm_.joinable()) comm_.join();
-}
+RootReducer::~RootReducer() = default;
 
 int64_t RootReducer::bytes_per_step(int active) const {
   return int64_t(active - 1) * models_[0]->num_params() * int64_t(sizeof(float));
@@ -63,54 +66,23 @@ void RootReducer::begin(int active) {
       remaining_[r][b] = static_cast<int>(buckets_[b].params.size());
   std::fill(ready_replicas_.begin(), ready_replicas_.end(), 0);
   std::fill(queued_.begin(), queued_.end(), false);
-  queue_.clear();
-  reduced_ = 0;
+  if (comm_) comm_->reset();
 }
 
 void RootReducer::on_ready(int replica, const std::vector<Param*>& params) {
   if (active_ <= 1 || cuda_) return;
-  std::vector<int> complete;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const Param* p : params) {
-      const int b = bucket_of_param_[index_[replica].at(p)];
-      if (--remaining_[replica][b] == 0 && ++ready_replicas_[b] == active_ && !queued_[b]) {
-        queued_[b] = true;
-        queue_.push_back(b);
-        complete.push_back(b);
-      }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const Param* p : params) {
+    const int b = bucket_of_param_[index_[replica].at(p)];
+    if (--remaining_[replica][b] == 0 && ++ready_replicas_[b] == active_ && !queued_[b]) {
+      queued_[b] = true;
+      comm_->push(b);
     }
   }
-  if (!complete.empty()) queue_cv_.notify_one();
 }
 
 void RootReducer::backward_done(int replica) {
   if (cuda_) grads_written_[replica]->record(*ctx_[replica]);
-}
-
-void RootReducer::comm_loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  for (;;) {
-    queue_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-    if (stop_) return;
-    const int b = queue_.front();
-    queue_.pop_front();
-    lock.unlock();
-    {
-      TraceSpan span("comm", "reduce");
-      if (nccl_) {
-        std::vector<Tensor> views;
-        for (auto* m : models_)
-          views.push_back(m->flat_grads().view(buckets_[b].offset, {buckets_[b].numel}));
-        nccl_->reduce_to_root(views, active_);
-      } else {
-        reduce_bucket_cpu(buckets_[b]);
-      }
-    }
-    lock.lock();
-    ++reduced_;
-    done_cv_.notify_all();
-  }
 }
 
 void RootReducer::reduce_bucket_cpu(const Bucket& b) {
@@ -162,13 +134,11 @@ void RootReducer::finish() {
     for (size_t b = 0; b < buckets_.size(); ++b)
       if (!queued_[b]) {
         queued_[b] = true;
-        queue_.push_back(static_cast<int>(b));
+        comm_->push(static_cast<int>(b));
       }
   }
-  queue_cv_.notify_one();
   TraceSpan span("host", "wait_reduce");
-  std::unique_lock<std::mutex> lock(mutex_);
-  done_cv_.wait(lock, [&] { return reduced_ == static_cast<int>(buckets_.size()); });
+  comm_->wait(static_cast<int>(buckets_.size()));  // rethrows a failed reduction
 }
 
 }  // namespace replica

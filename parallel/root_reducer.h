@@ -8,17 +8,15 @@
 // complete, each device's part on its own stream. Logical devices sharing a GPU reduce after
 // backward on device 0's stream, ordered by events (no host sync).
 #pragma once
-#include <condition_variable>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "layers/model.h"
 #include "parallel/buckets.h"
+#include "parallel/comm_queue.h"
 #include "parallel/local_nccl.h"
 
 namespace replica {
@@ -54,7 +52,6 @@ class RootReducer {
  private:
   void reduce_bucket_cpu(const Bucket& b);
   void reduce_all_cuda();
-  void comm_loop();
 
   std::vector<DeviceContext*> ctx_;
   std::vector<Model*> models_;
@@ -65,16 +62,12 @@ class RootReducer {
   bool cuda_ = false;                 // CUDA devices, reduced by copies on device 0's stream
   std::unique_ptr<LocalNccl> nccl_;   // distinct GPUs: NCCL group reduce per bucket
 
-  std::mutex mutex_;
-  std::condition_variable queue_cv_, done_cv_;
+  std::mutex mutex_;  // guards the readiness bookkeeping below
   int active_ = 0;
   std::vector<std::vector<int>> remaining_;  // [replica][bucket] params still to come
   std::vector<int> ready_replicas_;          // [bucket]
   std::vector<bool> queued_;                 // [bucket]
-  std::deque<int> queue_;
-  int reduced_ = 0;
-  bool stop_ = false;
-  std::thread comm_;
+  std::unique_ptr<CommQueue> comm_;          // CPU devices and NCCL buckets
 
   std::vector<std::unique_ptr<StreamEvent>> grads_written_;  // CUDA: per replica
   Tensor staging_;  // CUDA: peers on other GPUs land here before the add

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <thread>
 
 #include "engine/data/dataset.h"
 #include "engine/error.h"
@@ -122,9 +121,8 @@ void validate(const TrainConfig& c) {
 std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out) {
   std::string spec = c.devices;
   if (spec.empty()) {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     if (cuda_device_count() > 0) spec = "cuda";
-    else spec = (c.mode == "dp" && cores > 1) ? fmt::format("cpu*{}", cores) : "cpu";
+    else spec = (c.mode == "dp" && cpu_cores() > 1) ? fmt::format("cpu*{}", cpu_cores()) : "cpu";
   }
   if (spec_out) *spec_out = spec;
   auto devices = parse_devices(spec, c.mode != "single");
@@ -137,11 +135,10 @@ std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out)
     return {devices[env.local_rank % devices.size()]};
   }
   if (c.mode == "dp" && devices.size() > 1 && c.engine.threads_per_device > 0) {
-    const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
     REPLICA_USAGE_CHECK(devices[0].is_cuda() ||
-                            int(devices.size()) * c.engine.threads_per_device <= 4 * cores,
+                            int(devices.size()) * c.engine.threads_per_device <= 4 * cpu_cores(),
                         "{} devices x {} threads is far more than the {} cores here",
-                        devices.size(), c.engine.threads_per_device, cores);
+                        devices.size(), c.engine.threads_per_device, cpu_cores());
   }
   return devices;
 }
@@ -157,6 +154,9 @@ nlohmann::json run_training(const TrainConfig& config) {
   c.engine.num_classes = std::max<int64_t>(c.engine.num_classes, data.train->num_classes());
   std::string device_spec;
   std::vector<Device> devices = resolve_devices(c, &device_spec);
+  // Gradient buckets (DP and DDP): 1 MB first, so communication starts early, then the cap.
+  const size_t bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
+  const size_t first_bucket_bytes = std::min(bucket_bytes, size_t(1) << 20);
   std::unique_ptr<TrainEngine> engine;
   if (c.mode == "single") {
     engine = make_single_device_engine(devices[0], c.engine);
@@ -173,27 +173,23 @@ nlohmann::json run_training(const TrainConfig& config) {
     REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
                         "--batch-size {} is the global batch: it must divide by the {} ranks",
                         c.batch_size, rv.world_size);
-    REPLICA_USAGE_CHECK(c.accumulate >= 1, "--accumulate must be at least 1, got {}",
-                        c.accumulate);
     ddp.accumulate = c.accumulate;
     ddp.rank = rv.rank;
     ddp.world_size = rv.world_size;
     ddp.store = rv.store;
     if (const char* addr = std::getenv("MASTER_ADDR")) ddp.host = addr;
-    ddp.bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
-    ddp.first_bucket_bytes = std::min(ddp.bucket_bytes, size_t(1) << 20);
+    ddp.bucket_bytes = bucket_bytes;
+    ddp.first_bucket_bytes = first_bucket_bytes;
     const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
     ddp.backend = c.backend != "auto" ? c.backend : (own_gpu ? "nccl" : "gloo");
-    if (devices[0].is_cpu() && c.engine.threads_per_device == 0) {
-      const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-      c.engine.threads_per_device = std::max(1, cores / std::max(1, rv.local_world_size));
-    }
+    if (devices[0].is_cpu() && c.engine.threads_per_device == 0)
+      c.engine.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
     engine = make_ddp_engine(devices[0], c.engine, ddp);
   } else {
     DpOptions dp;
     dp.strategy = parse_reduce_strategy(c.reduce);
-    dp.bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
-    dp.first_bucket_bytes = std::min(dp.bucket_bytes, size_t(1) << 20);
+    dp.bucket_bytes = bucket_bytes;
+    dp.first_bucket_bytes = first_bucket_bytes;
     engine = make_dp_engine(devices, c.engine, dp);
   }
   const bool lead = engine->rank() == 0;  // only rank 0 prints and writes files
@@ -216,7 +212,6 @@ nlohmann::json run_training(const TrainConfig& config) {
                       c.batch_size, data.train->size());
   const int64_t planned_steps =
       c.max_steps > 0 ? std::min(c.max_steps, per_epoch * c.epochs) : per_epoch * c.epochs;
-  const int64_t planned_total = planned_steps;  // the schedule's horizon (resume keeps it)
 
   RunPosition pos;
   if (c.resume) {
@@ -246,7 +241,7 @@ nlohmann::json run_training(const TrainConfig& config) {
         break;
       }
       engine->optimizer().set_lr(
-          scheduled_lr(c.lr_schedule, c.engine.optimizer.lr, pos.global_step, planned_total));
+          scheduled_lr(c.lr_schedule, c.engine.optimizer.lr, pos.global_step, planned_steps));
       std::shared_ptr<Batch> batch;
       {
         TraceSpan span("host", "data_wait");

@@ -57,8 +57,7 @@ int run(int argc, char** argv) {
   o.seed = uint64_t(seed);
   o.optimizer.name = "sgd";
   o.optimizer.lr = 0.1f;
-  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  o.threads_per_device = std::max(1, cores / std::max(1, rv.local_world_size));
+  o.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
 
   auto data = make_synthetic(size, o.input_shape, int(classes), uint64_t(seed));
   SamplerOptions so;

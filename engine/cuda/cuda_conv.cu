@@ -74,6 +74,25 @@ __global__ void channel_sum_accumulate_kernel(const float* dy, float* db, int64_
   if (threadIdx.x == 0) db[k] += partial[0];
 }
 
+// Checks a convolution's shapes and returns its sizes (the same checks for every pass).
+struct ConvDims {
+  int64_t N, K, R, P, Q;
+};
+
+ConvDims conv_dims(const Tensor& x, const Tensor& w, const Conv2dParams& p, const char* op) {
+  REPLICA_CHECK(x.ndim() == 4 && w.ndim() == 4 && w.dim(2) == w.dim(3) && w.dim(1) == x.dim(1),
+                "{}: x {} and w {} must be [N, C, H, W] and [K, C, R, R]", op,
+                shape_str(x.shape()), shape_str(w.shape()));
+  REPLICA_CHECK(p.stride >= 1 && p.padding >= 0, "{}: stride {} / padding {} invalid", op,
+                p.stride, p.padding);
+  const int64_t R = w.dim(2);
+  const int64_t P = window_out(x.dim(2), static_cast<int>(R), p.stride, p.padding);
+  const int64_t Q = window_out(x.dim(3), static_cast<int>(R), p.stride, p.padding);
+  REPLICA_CHECK(P >= 1 && Q >= 1, "{}: kernel {} does not fit input {} with padding {}", op, R,
+                shape_str(x.shape()), p.padding);
+  return {x.dim(0), w.dim(0), R, P, Q};
+}
+
 }  // namespace
 
 void CudaBackend::destroy_conv_plans() noexcept {
@@ -128,9 +147,7 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
     if (plan.conv) cudnnDestroyConvolutionDescriptor(plan.conv);
     throw;
   }
-  auto& stored = conv_plans_.emplace(key, plan).first->second;
-  (void)ctx;
-  return stored;
+  return conv_plans_.emplace(key, plan).first->second;
 }
 
 void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -139,16 +156,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, w, op, "w");
   cuda::expect_device(ctx, y, op, "y");
-  REPLICA_CHECK(x.ndim() == 4 && w.ndim() == 4 && w.dim(2) == w.dim(3) && w.dim(1) == x.dim(1),
-                "{}: x {} and w {} must be [N, C, H, W] and [K, C, R, R]", op,
-                shape_str(x.shape()), shape_str(w.shape()));
-  REPLICA_CHECK(p.stride >= 1 && p.padding >= 0, "{}: stride {} / padding {} invalid", op,
-                p.stride, p.padding);
-  const int64_t N = x.dim(0), K = w.dim(0), R = w.dim(2);
-  const int64_t P = window_out(x.dim(2), static_cast<int>(R), p.stride, p.padding);
-  const int64_t Q = window_out(x.dim(3), static_cast<int>(R), p.stride, p.padding);
-  REPLICA_CHECK(P >= 1 && Q >= 1, "{}: kernel {} does not fit input {} with padding {}", op, R,
-                shape_str(x.shape()), p.padding);
+  const auto [N, K, R, P, Q] = conv_dims(x, w, p, op);
   cuda::expect_shape(y, {N, K, P, Q}, op, "y");
   if (b.defined()) {
     cuda::expect_device(ctx, b, op, "b");
@@ -198,16 +206,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, w, op, "w");
   cuda::expect_device(ctx, dy, op, "dy");
-  REPLICA_CHECK(x.ndim() == 4 && w.ndim() == 4 && w.dim(2) == w.dim(3) && w.dim(1) == x.dim(1),
-                "{}: x {} and w {} must be [N, C, H, W] and [K, C, R, R]", op,
-                shape_str(x.shape()), shape_str(w.shape()));
-  REPLICA_CHECK(p.stride >= 1 && p.padding >= 0, "{}: stride {} / padding {} invalid", op,
-                p.stride, p.padding);
-  const int64_t N = x.dim(0), K = w.dim(0), R = w.dim(2);
-  const int64_t P = window_out(x.dim(2), static_cast<int>(R), p.stride, p.padding);
-  const int64_t Q = window_out(x.dim(3), static_cast<int>(R), p.stride, p.padding);
-  REPLICA_CHECK(P >= 1 && Q >= 1, "{}: kernel {} does not fit input {} with padding {}", op, R,
-                shape_str(x.shape()), p.padding);
+  const auto [N, K, R, P, Q] = conv_dims(x, w, p, op);
   cuda::expect_shape(dy, {N, K, P, Q}, op, "dy");
   if (dx.defined()) {
     cuda::expect_device(ctx, dx, op, "dx");

@@ -7,6 +7,8 @@
 //    (betaDataDiff = 0) and accumulates dgamma/dbeta (betaParamDiff = 1).
 // Inputs may be [N, C] (BatchNorm1d), [N, C, L] or [N, C, H, W]; they are described to cuDNN as
 // [N, C, H*W..., 1], which gives the same per-channel statistics.
+#include <utility>
+
 #include "engine/cuda/cuda_backend.h"
 
 namespace replica {
@@ -68,6 +70,28 @@ void fill_async(float* p, int64_t n, float v, cudaStream_t stream) {
   REPLICA_LAUNCH_CHECK();
 }
 
+// cuDNN needs both affine parameters: undefined ones become gamma = 1 / beta = 0 in scratch
+// (2C floats, taken only when needed).
+template <class Scratch>
+std::pair<const float*, const float*> affine_or_default(const Tensor& gamma, const Tensor& beta,
+                                                        int64_t C, cudaStream_t stream,
+                                                        Scratch&& scratch) {
+  const float* g = gamma.defined() ? gamma.f32() : nullptr;
+  const float* b = beta.defined() ? beta.f32() : nullptr;
+  if (!g || !b) {
+    float* tmp = scratch();
+    if (!g) {
+      fill_async(tmp, C, 1.f, stream);
+      g = tmp;
+    }
+    if (!b) {
+      fill_async(tmp + C, C, 0.f, stream);
+      b = tmp + C;
+    }
+  }
+  return {g, b};
+}
+
 }  // namespace
 
 void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
@@ -100,20 +124,8 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
                 shape_str(x.shape()));
   CudaState& s = cuda_state(ctx);
 
-  // Without affine parameters: gamma = 1, beta = 0 from scratch.
-  const float* g = gamma.defined() ? gamma.f32() : nullptr;
-  const float* b = beta.defined() ? beta.f32() : nullptr;
-  if (!g || !b) {
-    float* tmp = scratch(ctx, 2 * sh.C);
-    if (!g) {
-      fill_async(tmp, sh.C, 1.f, s.stream);
-      g = tmp;
-    }
-    if (!b) {
-      fill_async(tmp + sh.C, sh.C, 0.f, s.stream);
-      b = tmp + sh.C;
-    }
-  }
+  const auto [g, b] =
+      affine_or_default(gamma, beta, sh.C, s.stream, [&] { return scratch(ctx, 2 * sh.C); });
   TensorDesc xd, pd;
   describe(sh, xd, pd);
   const float one = 1.f, zero = 0.f;
@@ -141,19 +153,8 @@ void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, co
                 CUDNN_BN_MIN_EPSILON);
   if (x.numel() == 0) return;
   CudaState& s = cuda_state(ctx);
-  const float* g = gamma.defined() ? gamma.f32() : nullptr;
-  const float* b = beta.defined() ? beta.f32() : nullptr;
-  if (!g || !b) {
-    float* tmp = scratch(ctx, 2 * sh.C);
-    if (!g) {
-      fill_async(tmp, sh.C, 1.f, s.stream);
-      g = tmp;
-    }
-    if (!b) {
-      fill_async(tmp + sh.C, sh.C, 0.f, s.stream);
-      b = tmp + sh.C;
-    }
-  }
+  const auto [g, b] =
+      affine_or_default(gamma, beta, sh.C, s.stream, [&] { return scratch(ctx, 2 * sh.C); });
   TensorDesc xd, pd;
   describe(sh, xd, pd);
   const float one = 1.f, zero = 0.f;
