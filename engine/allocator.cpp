@@ -66,15 +66,9 @@ void* Allocator::allocate(size_t bytes) {
       p = system_alloc(size);
     } catch (const Error&) {
       // Out of memory: give the cache back and try once more before failing.
-      for (auto& [sz, blocks] : free_)
-        for (void* b : blocks) {
-          system_free(b);
-          reserved_ -= sz;
-        }
-      free_.clear();
+      free_cached_locked();
       p = system_alloc(size);
     }
-    reserved_ += size;
   }
   in_use_ += size;
   peak_ = std::max(peak_, in_use_);
@@ -89,14 +83,15 @@ void Allocator::release(void* ptr, size_t bytes) {
   free_[size].push_back(ptr);
 }
 
+void Allocator::free_cached_locked() {
+  for (auto& [size, blocks] : free_)
+    for (void* b : blocks) system_free(b);
+  free_.clear();
+}
+
 void Allocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& [size, blocks] : free_)
-    for (void* b : blocks) {
-      system_free(b);
-      reserved_ -= size;
-    }
-  free_.clear();
+  free_cached_locked();
 }
 
 size_t Allocator::bytes_in_use() const {
@@ -107,17 +102,9 @@ size_t Allocator::peak_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return peak_;
 }
-size_t Allocator::bytes_reserved() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return reserved_;
-}
 size_t Allocator::system_allocations() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return system_allocs_;
-}
-void Allocator::reset_peak() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  peak_ = in_use_;
 }
 
 Allocator& host_allocator() {

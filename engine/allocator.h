@@ -28,21 +28,20 @@ class Allocator {
   const Device& device() const { return device_; }
   size_t bytes_in_use() const;
   size_t peak_bytes() const;      // high-water mark of bytes_in_use
-  size_t bytes_reserved() const;  // in use + cached
   size_t system_allocations() const;  // calls to the underlying allocator so far
-  void reset_peak();
 
   static size_t round_size(size_t bytes);
 
  private:
   void* system_alloc(size_t bytes);
   void system_free(void* ptr);
+  void free_cached_locked();  // every cached block back to the system; mutex_ held
 
   Kind kind_;
   Device device_;
   mutable std::mutex mutex_;
   std::map<size_t, std::vector<void*>> free_;  // rounded size -> cached blocks
-  size_t in_use_ = 0, peak_ = 0, reserved_ = 0, system_allocs_ = 0;
+  size_t in_use_ = 0, peak_ = 0, system_allocs_ = 0;
 };
 
 // Process-wide host allocators (pinned is page-locked when a GPU is present, else plain host).

@@ -104,8 +104,6 @@ std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) 
   return devices;
 }
 
-std::string default_device_spec() { return cuda_device_count() > 0 ? "cuda" : "cpu"; }
-
 bool devices_share_hardware(const std::vector<Device>& devices) {
   std::set<int> gpus;
   size_t n_gpu = 0;

@@ -38,9 +38,6 @@ bool cuda_backend_built();
 // Errors (UsageError): unknown kind, GPU index out of range, cpu*0, a device listed twice.
 std::vector<Device> parse_devices(const std::string& spec, bool allow_multi = true);
 
-// The default when the user names none: all GPUs if any, else one CPU device.
-std::string default_device_spec();
-
 // Whether devices share hardware (logical devices on one GPU): reports label such runs.
 bool devices_share_hardware(const std::vector<Device>& devices);
 

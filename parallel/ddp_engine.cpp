@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "engine/error.h"
 #include "engine/trace.h"
@@ -14,6 +15,7 @@
 #include "parallel/engine_steps.h"
 #include "parallel/process_group.h"
 #include "parallel/scatter.h"
+#include "parallel/store.h"
 
 namespace replica {
 
@@ -23,6 +25,7 @@ class DdpEngine final : public TrainEngine {
  public:
   DdpEngine(const Device& device, const EngineOptions& o, const DdpOptions& d)
       : ctx_(device, ContextOptions{o.threads_per_device, o.deterministic}),
+        store_(d.store),
         track_(fmt::format("rank{} {}", d.rank, device.str())),
         check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),
         accumulate_(d.accumulate) {
@@ -148,6 +151,30 @@ class DdpEngine final : public TrainEngine {
     return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
   }
   double forward_macs_per_sample() const override { return macs_per_sample_; }
+  // Two phases through the rendezvous store: "done" (every rank has returned from its last
+  // collective, so no connection is still in use — a rank that exits while a peer is inside a
+  // collective resets their TCP connection), then "left", which rank 0 waits for because it
+  // hosts the store the others are still reading.
+  void finish() override {
+    if (group_->size() <= 1) return;
+    synchronize();
+    const int n = group_->size();
+    const auto deadline = std::chrono::steady_clock::now() + store_->timeout();
+    auto wait_for_all = [&](const char* key) {
+      int64_t count;
+      while ((count = store_->add(key, 0)) < n) {
+        REPLICA_CHECK(std::chrono::steady_clock::now() < deadline,
+                      "rank {}: only {} of {} ranks reached the end of training ({})",
+                      group_->rank(), count, n, key);
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    };
+    store_->add("end/done", 1);
+    wait_for_all("end/done");
+    store_->add("end/left", 1);
+    if (group_->rank() == 0) wait_for_all("end/left");
+  }
+
   int64_t comm_bytes_per_step() const override {
     return group_->size() > 1 ? reducer_->bytes_per_step() : 0;
   }
@@ -183,6 +210,7 @@ class DdpEngine final : public TrainEngine {
   Tensor to_device(const Tensor& host) { return batch_to_device(ctx_, host); }
 
   DeviceContext ctx_;
+  std::shared_ptr<Store> store_;  // the rendezvous store (null for one process)
   std::string track_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<ProcessGroup> group_;

@@ -11,10 +11,6 @@ ReduceStrategy parse_reduce_strategy(const std::string& name) {
   throw UsageError(fmt::format("unknown reduction '{}' (root, tree)", name));
 }
 
-const char* reduce_strategy_name(ReduceStrategy s) {
-  return s == ReduceStrategy::ToRoot ? "root" : "tree";
-}
-
 RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model*> models,
                          ReduceStrategy strategy, size_t first_bucket_bytes, size_t bucket_bytes)
     : ctx_(std::move(contexts)), models_(std::move(models)), strategy_(strategy) {

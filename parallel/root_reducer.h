@@ -23,7 +23,6 @@ namespace replica {
 
 enum class ReduceStrategy { ToRoot, Tree };
 ReduceStrategy parse_reduce_strategy(const std::string& name);  // "root" | "tree"
-const char* reduce_strategy_name(ReduceStrategy s);
 
 class RootReducer {
  public:

@@ -53,6 +53,9 @@ class TrainEngine {
   virtual int world_size() const { return 1; }
   // Sums per-process evaluation totals across processes (DDP); the identity otherwise.
   virtual void reduce_metrics(std::vector<double>& values) {}
+  // Ends a multi-process job in order: returns once every process has finished its last
+  // collective, so none leaves while a peer still talks to it. The identity otherwise.
+  virtual void finish() {}
   // Gradient bytes each device sends per step (0 for one device).
   virtual int64_t comm_bytes_per_step() const { return 0; }
   // Multiply-adds of one forward over one sample (for FLOP/s reports).

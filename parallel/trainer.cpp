@@ -303,9 +303,7 @@ nlohmann::json run_training(const TrainConfig& config) {
                     epoch_samples / std::max(epoch_seconds, 1e-9), fmt_duration(epoch_seconds)));
   }
 
-  // Every rank reaches this point before rank 0 (which hosts the rendezvous store) may leave.
-  std::vector<double> arrived = {1.0};
-  engine->reduce_metrics(arrived);
+  engine->finish();  // DDP: every rank done with its collectives before any leaves
 
   // Phase shares of the training time.
   nlohmann::json phase_ms = nlohmann::json::object();
@@ -328,6 +326,9 @@ nlohmann::json run_training(const TrainConfig& config) {
       {"mode", engine->mode()},
       {"devices", devices_json},
       {"world_size", world},
+      // Logical devices on one GPU: a correctness run, not a scaling measurement.
+      {"devices_share_gpu", devices_share_hardware(engine->devices())},
+      {"reduce", c.mode == "dp" ? nlohmann::json(c.reduce) : nlohmann::json(nullptr)},
       {"comm_bytes_per_step", engine->comm_bytes_per_step()},
       {"device_spec", device_spec},
       {"threads_per_device", engine->primary().threads()},

@@ -21,7 +21,7 @@ struct TrainConfig {
   int accumulate = 1;              // DDP: micro-batches per rank and step (no_sync for K-1)
   std::string reduce = "root";     // DP gradient reduction: root | tree
   double bucket_cap_mb = 25;       // gradient bucket cap (the first bucket is 1 MB)
-  std::string devices;             // device string; empty = default_device_spec()
+  std::string devices;             // device string; empty = resolve_devices() default
   std::string data_dir;            // MNIST-format directory
   bool synthetic = false;          // random images of engine.input_shape instead of data_dir
   int64_t synthetic_size = 10000;  // samples in the synthetic training set

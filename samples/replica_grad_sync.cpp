@@ -91,8 +91,7 @@ int run(int argc, char** argv) {
   std::printf("rank %d: loss %.4f   fc.weight.grad[0][0]: local %+.6f, after all-reduce %+.6f\n",
               rv.rank, loss, before, after);
   std::fflush(stdout);
-  std::vector<double> done = {1.0};
-  ddp->reduce_metrics(done);  // every rank has printed before rank 0 (the store) leaves
+  ddp->finish();  // every rank is done with the collectives before any leaves
   return 0;
 }
 
