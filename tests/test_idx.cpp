@@ -290,17 +290,21 @@ TEST_CASE("mnist: directory and file errors") {
   TempDir partial;
   write_split(partial, "t10k", 5, 2, 2, true);
   put_bytes(partial.file("README"), {'x'});
-  // The train split is missing entirely: both files are listed.
-  std::string e = error_of([&] { open_mnist(partial.path.string(), true); });
-  CHECK(throws_usage([&] { open_mnist(partial.path.string(), true); }));
-  CHECK(contains(e, "missing files"));
-  CHECK(contains(e, "train-images-idx3-ubyte"));
-  CHECK(contains(e, "train-labels-idx1-ubyte"));
+  // The train split is missing entirely: both its files are listed, whichever split is opened.
+  for (bool train : {true, false}) {
+    std::string e = error_of([&] { open_mnist(partial.path.string(), train); });
+    CHECK(throws_usage([&] { open_mnist(partial.path.string(), train); }));
+    CHECK(contains(e, "missing 2 of the 4 MNIST-format files: train-images-idx3-ubyte[.gz], "
+                      "train-labels-idx1-ubyte[.gz]"));
+    CHECK_FALSE(contains(e, "t10k"));
+  }
+  write_split(partial, "train", 7, 2, 2, false);
   CHECK(open_mnist(partial.path.string(), false)->size() == 5);
-  // Only the labels are missing: only they are listed.
+  CHECK(open_mnist(partial.path.string(), true)->size() == 7);
+  // Only one file is missing: only it is listed.
   fs::remove(partial.file("t10k-labels-idx1-ubyte.gz"));
-  e = error_of([&] { open_mnist(partial.path.string(), false); });
-  CHECK(contains(e, "missing file for the test split: t10k-labels-idx1-ubyte"));
+  std::string e = error_of([&] { open_mnist(partial.path.string(), true); });
+  CHECK(contains(e, "missing 1 of the 4 MNIST-format files: t10k-labels-idx1-ubyte[.gz]"));
   CHECK_FALSE(contains(e, "images"));
 
   // A file passed where the directory should be.
@@ -308,6 +312,7 @@ TEST_CASE("mnist: directory and file errors") {
 
   // Count mismatch.
   TempDir mism;
+  write_split(mism, "t10k", 3, 2, 2, false);  // the other split, present and fine
   write_idx(mism.file("train-images-idx3-ubyte"), {6, 2, 2}, pattern(24), false);
   write_idx(mism.file("train-labels-idx1-ubyte.gz"), {5}, pattern(5, 1), true);
   e = error_of([&] { open_mnist(mism.path.string(), true); });
@@ -316,6 +321,7 @@ TEST_CASE("mnist: directory and file errors") {
 
   // Swapped files (labels where images belong).
   TempDir swapped;
+  write_split(swapped, "t10k", 3, 2, 2, false);  // the other split, present and fine
   write_idx(swapped.file("train-images-idx3-ubyte"), {6}, pattern(6), false);
   write_idx(swapped.file("train-labels-idx1-ubyte"), {6, 2, 2}, pattern(24), false);
   CHECK(contains(error_of([&] { open_mnist(swapped.path.string(), true); }),
@@ -323,6 +329,7 @@ TEST_CASE("mnist: directory and file errors") {
 
   // A truncated file inside a dataset directory names that file.
   TempDir trunc;
+  write_split(trunc, "t10k", 3, 2, 2, false);  // the other split, present and fine
   write_split(trunc, "train", 20, 3, 3, false);
   auto img = file_bytes(trunc.file("train-images-idx3-ubyte"));
   put_bytes(trunc.file("train-images-idx3-ubyte"), {img.begin(), img.begin() + 50});
@@ -331,11 +338,13 @@ TEST_CASE("mnist: directory and file errors") {
 
   // Labels beyond 9 widen num_classes instead of reading out of range later.
   TempDir wide;
+  write_split(wide, "t10k", 3, 2, 2, false);  // the other split, present and fine
   write_split(wide, "train", 40, 2, 2, false, 26);
   CHECK(open_mnist(wide.path.string(), true)->num_classes() == 26);
 
   // A bad normalisation.
   TempDir ok;
+  write_split(ok, "t10k", 3, 2, 2, false);  // the other split, present and fine
   write_split(ok, "train", 3, 2, 2, false);
   CHECK(throws_usage([&] { open_mnist(ok.path.string(), true, 0.5f, 0.0f); }));
 }

@@ -169,17 +169,17 @@ std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float me
                       "normalisation mean {} / std {}: std must be positive and both finite",
                       mean, stddev);
 
-  const std::string split = train ? "train" : "t10k";
-  const std::string img_name = split + "-images-idx3-ubyte";
-  const std::string lbl_name = split + "-labels-idx1-ubyte";
-  std::string img_path = find_idx(dir, img_name), lbl_path = find_idx(dir, lbl_name);
+  // All four files are checked at once, so a half-copied directory is reported in one go.
   std::vector<std::string> missing;
-  if (img_path.empty()) missing.push_back(img_name + "[.gz]");
-  if (lbl_path.empty()) missing.push_back(lbl_name + "[.gz]");
+  for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                           "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"})
+    if (find_idx(dir, name).empty()) missing.push_back(std::string(name) + "[.gz]");
   if (!missing.empty())
-    throw UsageError(fmt::format("{}: missing {} for the {} split: {}", dir,
-                                 missing.size() == 1 ? "file" : "files",
-                                 train ? "train" : "test", fmt::join(missing, ", ")));
+    throw UsageError(fmt::format("{}: missing {} of the 4 MNIST-format files: {}", dir,
+                                 missing.size(), fmt::join(missing, ", ")));
+  const std::string split = train ? "train" : "t10k";
+  const std::string img_path = find_idx(dir, split + "-images-idx3-ubyte");
+  const std::string lbl_path = find_idx(dir, split + "-labels-idx1-ubyte");
 
   IdxArray images = read_idx(img_path);
   IdxArray labels = read_idx(lbl_path);
