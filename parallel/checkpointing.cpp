@@ -58,6 +58,29 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
   save_checkpoint(checkpoint_path(dir), c);
 }
 
+void save_model_weights(const std::string& path, TrainEngine& engine) {
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(parent, ec);
+    REPLICA_USAGE_CHECK(!ec, "cannot create directory '{}' for --save-model: {}", parent.string(),
+                        ec.message());
+  }
+  DeviceContext& ctx = engine.primary();
+  Model& model = engine.model();
+  Checkpoint c;
+  ctx.run([&] {
+    for (Param* p : model.params()) c.tensors.emplace_back(p->name, to_host(ctx, p->value));
+    for (Buffer* b : model.buffers()) c.tensors.emplace_back(b->name, to_host(ctx, b->value));
+    ctx.synchronize();
+  });
+  c.metadata = {{"format", "replica-model-v1"},
+                {"model", model.spec().name},
+                {"input_shape", shape_str(model.spec().input_shape)},
+                {"num_classes", std::to_string(model.spec().num_classes)}};
+  save_checkpoint(path, c);
+}
+
 RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine, uint64_t seed,
                                      int64_t batch_size) {
   const std::string path = checkpoint_path(dir);

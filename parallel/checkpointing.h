@@ -25,4 +25,9 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
 RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine, uint64_t seed,
                                      int64_t batch_size);
 
+// The trained model alone, as PyTorch's state_dict would hold it: parameters and buffers under
+// their torchvision names (e.g. "layer1.0.conv1.weight"), written atomically. Loads with
+// safetensors.torch.load_file() into model.load_state_dict().
+void save_model_weights(const std::string& path, TrainEngine& engine);
+
 }  // namespace replica

@@ -1,10 +1,14 @@
 #include "parallel/trainer.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+
+#include <fmt/ranges.h>
 
 #include "engine/data/dataset.h"
 #include "engine/error.h"
@@ -13,18 +17,13 @@
 #include "parallel/ddp_engine.h"
 #include "parallel/distributed_sampler.h"
 #include "parallel/dp_engine.h"
+#include "parallel/run_summary.h"
+#include "parallel/stop_request.h"
 #include "parallel/store.h"
 
 namespace replica {
 
 namespace {
-
-std::string fmt_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
-  int64_t s = int64_t(seconds + 0.5);
-  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60);
-  return fmt::format("{}:{:02}", s / 60, s % 60);
-}
 
 struct Datasets {
   std::unique_ptr<Dataset> train, test;
@@ -41,9 +40,9 @@ Datasets open_data(const TrainConfig& c) {
   } else {
     d.train = open_mnist(c.data_dir, true);
     d.test = open_mnist(c.data_dir, false);
-    REPLICA_USAGE_CHECK(d.train->sample_shape() == in,
-                        "{}: samples are {}, the model expects {}", c.data_dir,
-                        shape_str(d.train->sample_shape()), shape_str(in));
+    REPLICA_USAGE_CHECK(d.test->sample_shape() == d.train->sample_shape(),
+                        "{}: train images are {}, test images {}", c.data_dir,
+                        shape_str(d.train->sample_shape()), shape_str(d.test->sample_shape()));
   }
   return d;
 }
@@ -94,8 +93,45 @@ std::vector<int64_t> epoch_indices(const TrainConfig& c, const TrainEngine& engi
 
 }  // namespace
 
+nlohmann::json config_json(const TrainConfig& c) {
+  const OptimizerOptions& o = c.engine.optimizer;
+  // Floats as typed (0.001, not 0.0010000000474974513).
+  auto decimal = [](float v) { return std::stod(fmt::format("{}", v)); };
+  return {{"model", c.engine.model},
+          {"input_shape", fmt::format("{}", fmt::join(c.engine.input_shape, "x"))},
+          {"num_classes", c.engine.num_classes},
+          {"mode", c.mode},
+          {"devices", c.devices.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.devices)},
+          {"threads_per_device", c.engine.threads_per_device},
+          {"data", c.synthetic ? nlohmann::json(nullptr) : nlohmann::json(c.data_dir)},
+          {"synthetic", c.synthetic},
+          {"synthetic_size", c.synthetic_size},
+          {"epochs", c.epochs},
+          {"max_steps", c.max_steps},
+          // The global batch, once known (with --batch-per-device, after devices are counted).
+          {"batch_size", c.batch_per_device > 0 ? nlohmann::json(nullptr) : nlohmann::json(c.batch_size)},
+          {"batch_per_device", c.batch_per_device},
+          {"optimizer", o.name},
+          {"lr", decimal(o.lr)},
+          {"lr_schedule", c.lr_schedule},
+          {"momentum", decimal(o.momentum)},
+          {"weight_decay", decimal(o.weight_decay)},
+          {"nesterov", o.nesterov},
+          {"seed", c.engine.seed},
+          {"deterministic", c.engine.deterministic},
+          {"reduce", c.reduce},
+          {"bucket_cap_mb", c.bucket_cap_mb},
+          {"backend", c.backend},
+          {"accumulate", c.accumulate},
+          {"log_every", c.log_every},
+          {"checkpoint", c.checkpoint_dir},
+          {"save_model", c.save_model}};
+}
+
 void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.batch_size >= 1, "--batch-size must be at least 1, got {}", c.batch_size);
+  REPLICA_USAGE_CHECK(c.batch_per_device >= 0, "--batch-per-device must be at least 1, got {}",
+                      c.batch_per_device);
   REPLICA_USAGE_CHECK(c.epochs >= 1, "--epochs must be at least 1, got {}", c.epochs);
   REPLICA_USAGE_CHECK(c.max_steps >= 0, "--max-steps must be >= 0, got {}", c.max_steps);
   REPLICA_USAGE_CHECK(c.log_every >= 1, "--log-every must be at least 1");
@@ -143,66 +179,126 @@ std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out)
   return devices;
 }
 
+namespace {
+
+// The engine a config asks for. Sets c.batch_size from --batch-per-device once the number of
+// devices (DP) or ranks (DDP) is known.
+std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Device>& devices) {
+  // Gradient buckets (DP and DDP): 1 MB first, so communication starts early, then the cap.
+  const size_t bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
+  const size_t first_bucket_bytes = std::min(bucket_bytes, size_t(1) << 20);
+  if (c.mode == "single") {
+    if (c.batch_per_device > 0) c.batch_size = c.batch_per_device;
+    return make_single_device_engine(devices[0], c.engine);
+  }
+  if (c.mode == "dp") {
+    if (c.batch_per_device > 0) c.batch_size = c.batch_per_device * int64_t(devices.size());
+    DpOptions dp;
+    dp.strategy = parse_reduce_strategy(c.reduce);
+    dp.bucket_bytes = bucket_bytes;
+    dp.first_bucket_bytes = first_bucket_bytes;
+    return make_dp_engine(devices, c.engine, dp);
+  }
+  Rendezvous rv = rendezvous_env_ranks();
+  DdpOptions ddp;
+  ddp.timeout = std::chrono::milliseconds(int64_t(c.timeout_s * 1000));
+  if (rv.world_size > 1) {
+    RendezvousOptions ro;
+    ro.init_method = c.init_method;
+    ro.timeout = ddp.timeout;
+    rv = rendezvous(ro);
+  }
+  if (c.batch_per_device > 0) c.batch_size = c.batch_per_device * rv.world_size;
+  REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
+                      "--batch-size {} is the global batch: it must divide by the {} ranks",
+                      c.batch_size, rv.world_size);
+  ddp.accumulate = c.accumulate;
+  ddp.rank = rv.rank;
+  ddp.world_size = rv.world_size;
+  ddp.store = rv.store;
+  if (const char* addr = std::getenv("MASTER_ADDR")) ddp.host = addr;
+  ddp.bucket_bytes = bucket_bytes;
+  ddp.first_bucket_bytes = first_bucket_bytes;
+  const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
+  ddp.backend = c.backend != "auto" ? c.backend : (own_gpu ? "nccl" : "gloo");
+  if (devices[0].is_cpu() && c.engine.threads_per_device == 0)
+    c.engine.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
+  return make_ddp_engine(devices[0], c.engine, ddp);
+}
+
+// Whether to stop after this step: this process got SIGINT/SIGTERM, or (DDP) any rank did.
+// The ranks must stop after the same step (the checkpoint holds a position every rank reached),
+// so they agree through a small all-reduce. That all-reduce is a synchronisation point: every
+// step it cost 12% of a 2-rank CNN step on 2 cores. So the ranks agree every step only for the
+// first steps, time them, and then every K steps with K (rank 0's choice, shared through the
+// same all-reduce) making the interval about kStopCheckSeconds: < 1% of the time, and a stop
+// that lands within a fraction of a second.
+class StopAgreement {
+ public:
+  static constexpr double kStopCheckSeconds = 0.25;
+  static constexpr int64_t kCalibrationSteps = 10;
+
+  bool after_step(TrainEngine& engine, int64_t steps_run) {
+    if (engine.world_size() <= 1) return StopRequest::requested();
+    if (steps_run == 1) t_first_ = Tracer::now_us();
+    const bool calibrate = steps_run == kCalibrationSteps;
+    if (!calibrate && steps_run % every_ != 0) return false;
+    std::vector<double> v = {StopRequest::requested() ? 1.0 : 0.0, 0.0};
+    if (calibrate && engine.rank() == 0) {
+      const double step_s = (Tracer::now_us() - t_first_) / 1e6 / double(kCalibrationSteps - 1);
+      v[1] = double(std::clamp<int64_t>(int64_t(std::ceil(kStopCheckSeconds / step_s)), 1, 1000));
+    }
+    engine.reduce_metrics(v);
+    if (calibrate) every_ = std::max<int64_t>(1, int64_t(v[1]));
+    return v[0] > 0;
+  }
+
+ private:
+  int64_t every_ = 1;
+  int64_t t_first_ = 0;
+};
+
+// Restores the signal handlers however run_training ends.
+struct StopHandlers {
+  explicit StopHandlers(bool on) : on_(on) {
+    if (on_) StopRequest::install();
+  }
+  ~StopHandlers() {
+    if (on_) StopRequest::uninstall();
+  }
+  bool on_;
+};
+
+}  // namespace
+
 nlohmann::json run_training(const TrainConfig& config) {
   validate(config);
   TrainConfig c = config;
   Tracer& tracer = Tracer::global();
   tracer.set_recording(!c.trace_file.empty());
   tracer.set_sync_device(!c.trace_file.empty());
+  StopHandlers handlers(c.stop_on_signal);
 
   Datasets data = open_data(c);
+  if (!c.synthetic) c.engine.input_shape = data.train->sample_shape();  // the model fits the data
   c.engine.num_classes = std::max<int64_t>(c.engine.num_classes, data.train->num_classes());
   std::string device_spec;
   std::vector<Device> devices = resolve_devices(c, &device_spec);
-  // Gradient buckets (DP and DDP): 1 MB first, so communication starts early, then the cap.
-  const size_t bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
-  const size_t first_bucket_bytes = std::min(bucket_bytes, size_t(1) << 20);
-  std::unique_ptr<TrainEngine> engine;
-  if (c.mode == "single") {
-    engine = make_single_device_engine(devices[0], c.engine);
-  } else if (c.mode == "ddp") {
-    Rendezvous rv = rendezvous_env_ranks();
-    DdpOptions ddp;
-    ddp.timeout = std::chrono::milliseconds(int64_t(c.timeout_s * 1000));
-    if (rv.world_size > 1) {
-      RendezvousOptions ro;
-      ro.init_method = c.init_method;
-      ro.timeout = ddp.timeout;
-      rv = rendezvous(ro);
-    }
-    REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
-                        "--batch-size {} is the global batch: it must divide by the {} ranks",
-                        c.batch_size, rv.world_size);
-    ddp.accumulate = c.accumulate;
-    ddp.rank = rv.rank;
-    ddp.world_size = rv.world_size;
-    ddp.store = rv.store;
-    if (const char* addr = std::getenv("MASTER_ADDR")) ddp.host = addr;
-    ddp.bucket_bytes = bucket_bytes;
-    ddp.first_bucket_bytes = first_bucket_bytes;
-    const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
-    ddp.backend = c.backend != "auto" ? c.backend : (own_gpu ? "nccl" : "gloo");
-    if (devices[0].is_cpu() && c.engine.threads_per_device == 0)
-      c.engine.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
-    engine = make_ddp_engine(devices[0], c.engine, ddp);
-  } else {
-    DpOptions dp;
-    dp.strategy = parse_reduce_strategy(c.reduce);
-    dp.bucket_bytes = bucket_bytes;
-    dp.first_bucket_bytes = first_bucket_bytes;
-    engine = make_dp_engine(devices, c.engine, dp);
-  }
+  std::unique_ptr<TrainEngine> engine = make_engine(c, devices);
   const bool lead = engine->rank() == 0;  // only rank 0 prints and writes files
   const int world = engine->world_size();
   const int64_t local_batch = c.batch_size / world;
   if (!lead) c.quiet = true;
   const bool tty = isatty(fileno(stdout));
   auto say = [&](const std::string& line) {
-    if (!c.quiet) std::printf("%s\n", line.c_str());
+    if (!c.quiet) {
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    }
   };
-  say(fmt::format("replica: {} on {} ({} mode{}), {}", engine->model().summary(),
+  say(fmt::format("replica: {} on {} ({} mode{}), batch {}, {}", engine->model().summary(),
                   world > 1 ? fmt::format("{} ranks", world) : device_spec, engine->mode(),
-                  world > 1 ? fmt::format(", {} per rank", local_batch) : "",
+                  world > 1 ? fmt::format(", {} per rank", local_batch) : "", c.batch_size,
                   data.train->describe()));
 
   Loader loader(*data.train, local_batch, c.drop_last);
@@ -227,12 +323,15 @@ nlohmann::json run_training(const TrainConfig& config) {
   nlohmann::json epochs_json = nlohmann::json::array();
   const int64_t t_start = Tracer::now_us();
   double train_seconds = 0;
-  bool stop = false;
+  bool stop = false, evaluated = false;
+  StopAgreement stop_agreement;
+  int stop_signal = 0;
   for (int64_t epoch = pos.epoch; epoch < c.epochs && !stop; ++epoch) {
     const int64_t first = epoch == pos.epoch ? pos.batch_in_epoch : 0;
     loader.start_epoch(epoch_indices(c, *engine, data.train->size(), epoch), epoch, first);
     const int64_t t_epoch = Tracer::now_us();
-    int64_t epoch_samples = 0;
+    const PhaseTotals phases_before = tracer.phase_totals_us();
+    int64_t epoch_samples = 0, epoch_steps = 0;
     std::shared_ptr<Batch> previous;  // kept alive while its copy may be in flight
     int64_t b = first;
     for (; b < per_epoch; ++b) {
@@ -252,9 +351,12 @@ nlohmann::json run_training(const TrainConfig& config) {
       previous = batch;
       ++pos.global_step;
       ++steps_run;
+      ++epoch_steps;
       samples += batch->size() * world;  // every rank trains a batch of the same size
       epoch_samples += batch->size() * world;
-      const bool last_step = (b + 1 == per_epoch) || pos.global_step == c.max_steps;
+      const bool interrupted = c.stop_on_signal && stop_agreement.after_step(*engine, steps_run);
+      const bool last_step =
+          (b + 1 == per_epoch) || pos.global_step == c.max_steps || interrupted;
       if (pos.global_step % c.log_every == 0 || last_step) {
         final_loss = engine->last_loss();
         REPLICA_USAGE_CHECK(std::isfinite(final_loss),
@@ -272,51 +374,56 @@ nlohmann::json run_training(const TrainConfig& config) {
           std::fflush(stdout);
         }
       }
+      if (interrupted) {
+        stop = true;
+        stop_signal = StopRequest::signal() ? StopRequest::signal() : SIGINT;  // a peer's
+        ++b;  // this batch is done
+        break;
+      }
     }
     engine->synchronize();
     previous.reset();
     if (!c.quiet && tty) std::printf("\n");
     const double epoch_seconds = (Tracer::now_us() - t_epoch) / 1e6;
     train_seconds += epoch_seconds;
-    pos.epoch = (b >= per_epoch) ? epoch + 1 : epoch;
-    pos.batch_in_epoch = (b >= per_epoch) ? 0 : b;
-    if (c.evaluate) eval = evaluate(*engine, *data.test, std::max<int64_t>(c.batch_size, 256));
+    const bool epoch_complete = b >= per_epoch;
+    pos.epoch = epoch_complete ? epoch + 1 : epoch;
+    pos.batch_in_epoch = epoch_complete ? 0 : b;
+    nlohmann::json ej = {
+        {"epoch", epoch + 1},
+        {"complete", epoch_complete},
+        {"steps", epoch_steps},
+        {"train_loss", final_loss},
+        {"samples", epoch_samples},
+        {"seconds", epoch_seconds},
+        {"samples_per_sec", epoch_samples / std::max(epoch_seconds, 1e-9)},
+        {"phase_ms_per_step",
+         phase_ms_per_step(tracer.phase_totals_us(), phases_before, epoch_steps)}};
+    // An interrupted run stops at once: no evaluation (a resumed run evaluates this epoch).
+    if (c.evaluate && !stop_signal) {
+      eval = evaluate(*engine, *data.test, std::max<int64_t>(c.batch_size, 256));
+      evaluated = true;
+      ej["test_loss"] = eval.loss;
+      ej["test_accuracy"] = eval.accuracy;
+    }
     if (!c.checkpoint_dir.empty() && lead) {
       TraceSpan span("host", "checkpoint");
       save_training_checkpoint(c.checkpoint_dir, *engine, pos, c.engine.seed, c.batch_size);
     }
-    nlohmann::json ej = {{"epoch", epoch + 1},
-                         {"train_loss", final_loss},
-                         {"samples", epoch_samples},
-                         {"seconds", epoch_seconds},
-                         {"samples_per_sec", epoch_samples / std::max(epoch_seconds, 1e-9)}};
-    if (c.evaluate) {
-      ej["test_loss"] = eval.loss;
-      ej["test_accuracy"] = eval.accuracy;
-    }
     epochs_json.push_back(ej);
-    say(fmt::format("epoch {} done: train loss {:.4f}{}, {:.0f} samples/s, {}", epoch + 1,
-                    final_loss,
-                    c.evaluate ? fmt::format(", test loss {:.4f}, test accuracy {:.4f}",
-                                             eval.loss, eval.accuracy)
-                               : "",
-                    epoch_samples / std::max(epoch_seconds, 1e-9), fmt_duration(epoch_seconds)));
+    if (!stop_signal || epoch_steps > 0)
+      say(fmt::format("epoch {} {}: train loss {:.4f}{}, {:.0f} samples/s, {}", epoch + 1,
+                      epoch_complete ? "done" : "stopped", final_loss,
+                      ej.contains("test_accuracy")
+                          ? fmt::format(", test loss {:.4f}, test accuracy {:.4f}", eval.loss,
+                                        eval.accuracy)
+                          : "",
+                      epoch_samples / std::max(epoch_seconds, 1e-9), fmt_duration(epoch_seconds)));
   }
 
   engine->finish();  // DDP: every rank done with its collectives before any leaves
 
-  // Phase shares of the training time.
-  nlohmann::json phase_ms = nlohmann::json::object();
-  for (const auto& [phase, us] : tracer.phase_totals_us())
-    if (phase != "evaluate" && phase != "checkpoint")
-      phase_ms[phase] = steps_run ? us / 1e3 / steps_run : 0.0;
-  nlohmann::json phase_share = nlohmann::json::object();
-  {
-    double sum = 0;
-    for (auto& [phase, ms] : phase_ms.items()) sum += ms.get<double>();
-    for (auto& [phase, ms] : phase_ms.items())
-      phase_share[phase] = sum > 0 ? ms.get<double>() / sum : 0.0;
-  }
+  const nlohmann::json phase_ms = phase_ms_per_step(tracer.phase_totals_us(), {}, steps_run);
   const double macs = engine->forward_macs_per_sample();
   const double sps = samples / std::max(train_seconds, 1e-9);
   nlohmann::json devices_json = nlohmann::json::array();
@@ -344,45 +451,49 @@ nlohmann::json run_training(const TrainConfig& config) {
       {"train_seconds", train_seconds},
       {"final_loss", final_loss},
       {"phase_ms_per_step", phase_ms},  // summed over devices (and the communication thread)
-      {"phase_share", phase_share},
+      {"phase_share", phase_shares(phase_ms)},
       {"forward_gflop_per_sample", 2 * macs / 1e9},
       // Training = forward + backward (data and weight gradients): ~3x the forward FLOPs.
       {"train_gflops", 3 * 2 * macs * sps / 1e9},
       {"peak_memory_bytes", engine->peak_memory_bytes()},
+      {"interrupted", stop_signal != 0},
+      {"config", config_json(c)},
   };
-  if (c.evaluate) {
+  if (evaluated) {
     m["test_accuracy"] = eval.accuracy;
     m["test_loss"] = eval.loss;
   }
+  if (stop_signal) m["stop_signal"] = stop_signal;
   if (!c.trace_file.empty()) {
     if (!lead) c.trace_file += fmt::format(".rank{}", engine->rank());
     tracer.write_chrome_json(c.trace_file);
     say(fmt::format("trace: {} ({} spans)", c.trace_file, tracer.event_count()));
   }
-  if (!c.metrics_json.empty() && lead) {
-    std::string tmp = c.metrics_json + ".tmp";
-    {
-      std::ofstream out(tmp);
-      REPLICA_USAGE_CHECK(out.good(), "cannot write metrics file '{}'", c.metrics_json);
-      out << m.dump(2) << "\n";
-    }
-    REPLICA_USAGE_CHECK(std::rename(tmp.c_str(), c.metrics_json.c_str()) == 0,
-                        "cannot write metrics file '{}'", c.metrics_json);
+  if (lead && !c.save_model.empty() && !stop_signal) {
+    save_model_weights(c.save_model, *engine);
+    say(fmt::format("model saved to {}", c.save_model));
   }
-  {
-    double sum = 0;
-    for (auto& [phase, ms] : phase_ms.items()) sum += ms.get<double>();
-    std::string phases, memory;
-    for (auto& [phase, ms] : phase_ms.items())
-      phases += fmt::format("  {} {:.1f} ms ({:.0f}%)", phase, ms.get<double>(),
-                            sum > 0 ? 100 * ms.get<double>() / sum : 0.0);
-    const auto peaks = engine->peak_memory_bytes();
-    for (size_t i = 0; i < peaks.size(); ++i)
-      memory += fmt::format("  {} {:.1f} MB", engine->devices()[i].str(), peaks[i] / 1e6);
-    say("time per step by phase (summed over devices):" + phases);
-    say("peak memory per device:" + memory);
+  if (!c.metrics_json.empty() && lead) write_json_file(c.metrics_json, m);
+
+  if (stop_signal) {
+    say(c.checkpoint_dir.empty()
+            ? fmt::format("interrupted: stopped after step {} (no --checkpoint DIR: nothing saved)",
+                          pos.global_step)
+            : fmt::format("interrupted: stopped after step {}; checkpoint {} written, continue "
+                          "with --resume",
+                          pos.global_step, checkpoint_path(c.checkpoint_dir)));
+    return m;
   }
-  if (c.evaluate)
+  // DP's phases run on every device's thread and the communication thread; DDP's are rank 0's.
+  const std::string scope = world > 1 ? "rank 0" : "summed over devices and threads";
+  say("\n" + epoch_table(epochs_json, scope));
+  std::string memory;
+  const auto peaks = engine->peak_memory_bytes();
+  for (size_t i = 0; i < peaks.size(); ++i)
+    memory += fmt::format("  {} {:.1f} MB", engine->devices()[i].str(), peaks[i] / 1e6);
+  say("time per step by phase (" + scope + "):" + phase_line(phase_ms));
+  say("peak memory per device:" + memory);
+  if (m.contains("test_accuracy"))
     say(fmt::format("test accuracy {:.4f}  test loss {:.4f}  ({} steps, {:.0f} samples/s, "
                     "{:.1f} GFLOP/s)",
                     eval.accuracy, eval.loss, pos.global_step, sps, 3 * 2 * macs * sps / 1e9));

@@ -29,6 +29,7 @@ struct TrainConfig {
   std::string lr_schedule = "constant";  // constant | cosine (decays over the planned steps)
   int64_t max_steps = 0;           // stop after this many optimizer steps in total (0 = none)
   int64_t batch_size = 32;         // the GLOBAL batch (32: 0.875 after one CNN epoch vs 0.862 at 64)
+  int64_t batch_per_device = 0;    // > 0: the global batch is this x devices (DP) or ranks (DDP)
   bool shuffle = true;
   bool drop_last = false;
   int log_every = 10;              // progress line (and loss readback) every N steps
@@ -38,11 +39,16 @@ struct TrainConfig {
   bool resume = false;             // continue from checkpoint_dir/checkpoint.safetensors
   std::string trace_file;          // Chrome trace JSON
   std::string metrics_json;        // metrics written here at the end
+  std::string save_model;          // rank 0 writes the trained weights here (state_dict names)
+  bool stop_on_signal = true;      // SIGINT/SIGTERM: stop after the step, checkpoint, return
 };
 
 // Runs training; returns the metrics (also written to config.metrics_json if set).
 // Errors are thrown (replica::UsageError for bad input).
 nlohmann::json run_training(const TrainConfig& config);
+
+// The config as JSON (what --print-config shows and the metrics JSON records under "config").
+nlohmann::json config_json(const TrainConfig& config);
 
 // Checks a config before any work starts (UsageError on the first problem).
 void validate(const TrainConfig& config);
