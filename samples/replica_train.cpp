@@ -1,6 +1,8 @@
-// replica-train: trains a model with DP (one process, a thread per device) or on one device.
-//   replica-train                              the CNN on Fashion-MNIST, default device
-//   replica-train --model resnet18 --epochs 3  ResNet-18 (1-channel 28x28 variant)
+// replica-train: trains a model with DP (one process, a thread per device), DDP (a process per
+// device) or on one device, and reports accuracy, throughput and where the time went.
+//   replica-train                              the CNN on Fashion-MNIST, DP on every device
+//   replica-train --mode ddp                   the same with DDP: starts one rank per device
+//   replica-train --preset seed --epochs 1     the source article's ResNet-101 recipe
 //   replica-train --synthetic --model resnet50 --devices cuda:0 --max-steps 50
 #include <cstdio>
 #include <filesystem>
@@ -12,7 +14,10 @@
 
 #include "engine/device.h"
 #include "engine/error.h"
+#include "parallel/launcher.h"
+#include "parallel/store.h"
 #include "parallel/trainer.h"
+#include "samples/train_presets.h"
 
 using namespace replica;
 
@@ -37,17 +42,58 @@ Shape parse_shape(const std::string& text) {
   return s;
 }
 
+// `--mode ddp` started by hand, without a launcher's RANK/WORLD_SIZE: start one rank per device
+// (what `replica-launch --nproc-per-node N -- replica-train ...` does) and wait for them.
+// Returns the ranks' exit code, or nothing when this process should train as the only rank.
+std::optional<int> launch_ddp_ranks(const TrainConfig& c, int argc, char** argv) {
+  const char* rank_vars[] = {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
+  for (const char* v : rank_vars)
+    if (std::getenv(v)) return std::nullopt;  // a launcher (or mpirun/srun) started us
+  TrainConfig as_dp = c;
+  as_dp.mode = "dp";  // the devices DP would use: one rank each
+  const int n = int(resolve_devices(as_dp).size());
+  if (n <= 1) return std::nullopt;
+  LaunchOptions o;
+  o.name = "replica-train";
+  o.nproc_per_node = n;
+  const char* port = std::getenv("MASTER_PORT");
+  o.master_port = port ? std::atoi(port) : pick_free_port();
+  REPLICA_USAGE_CHECK(o.master_port >= 1 && o.master_port <= 65535,
+                      "MASTER_PORT '{}' is not a port number", port ? port : "");
+  if (const char* addr = std::getenv("MASTER_ADDR")) o.master_addr = addr;
+  o.command.push_back(current_executable());
+  std::string args;
+  for (int i = 1; i < argc; ++i) {
+    o.command.push_back(argv[i]);
+    args += std::string(" ") + argv[i];
+  }
+  if (!c.quiet)
+    std::printf("replica-train: --mode ddp: starting %d ranks, as "
+                "`replica-launch --nproc-per-node %d --master-port %d -- replica-train%s`\n",
+                n, n, o.master_port, args.c_str());
+  std::fflush(stdout);
+  return launch_ranks(o);
+}
+
 int run(int argc, char** argv) {
   TrainConfig c;
-  std::string input_shape, optimizer = "adam";
-  float lr = 1e-3f, momentum = 0.f, weight_decay = 0.f;
-  bool nesterov = false, list_devices = false, no_eval = false, no_shuffle = false;
-  int threads = 0;
   c.data_dir = kDefaultData;
+  const std::string preset = find_preset_flag(argc, argv);
+  if (!preset.empty()) apply_preset(preset, c);
+  OptimizerOptions& opt = c.engine.optimizer;
+  std::string input_shape;
+  bool list_devices = false, no_eval = false, no_shuffle = false;
+  int threads = 0;
 
-  CLI::App app{"replica-train: data-parallel training (DP: one process, a thread per device)"};
+  CLI::App app{"replica-train: data-parallel training, DP (one process, a thread per device) or "
+               "DDP (a process per device)"};
   app.set_help_flag("-h,--help", "Print this help and exit");
-  app.add_option("--model", c.engine.model, "cnn | resnet18 | resnet34 | resnet50 | resnet101")
+  std::string preset_help = "flag defaults of a recipe (flags given with it override it):";
+  for (const auto& p : presets()) preset_help += "\n  " + p.name + ": " + p.summary;
+  std::string preset_value;
+  app.add_option("--preset", preset_value, preset_help);
+  app.add_option("--model", c.engine.model,
+                 "cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152")
       ->capture_default_str();
   app.add_option("--data", c.data_dir, "MNIST-format directory (IDX files, gzip or raw)")
       ->capture_default_str();
@@ -61,21 +107,25 @@ int run(int argc, char** argv) {
   app.add_option("--epochs", c.epochs, "epochs to train")->capture_default_str();
   app.add_option("--max-steps", c.max_steps, "stop after N optimizer steps in total (0: no limit)")
       ->capture_default_str();
-  app.add_option("--batch-size", c.batch_size, "global batch size")->capture_default_str();
-  app.add_option("--optimizer", optimizer, "sgd | adam")->capture_default_str();
-  app.add_option("--lr", lr, "learning rate")->capture_default_str();
+  app.add_option("--batch-size", c.batch_size, "global batch size (all devices together)")
+      ->capture_default_str();
+  app.add_option("--batch-per-device", c.batch_per_device,
+                 "batch per device (DP) or per rank (DDP); the global batch is this x devices")
+      ->capture_default_str();
+  app.add_option("--optimizer", opt.name, "sgd | adam")->capture_default_str();
+  app.add_option("--lr", opt.lr, "learning rate")->capture_default_str();
   app.add_option("--lr-schedule", c.lr_schedule,
                  "constant | cosine (decays to 0 over the run's steps)")
       ->capture_default_str();
-  app.add_option("--momentum", momentum, "SGD momentum")->capture_default_str();
-  app.add_option("--weight-decay", weight_decay, "L2 weight decay")->capture_default_str();
-  app.add_flag("--nesterov", nesterov, "Nesterov momentum (SGD)");
+  app.add_option("--momentum", opt.momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--weight-decay", opt.weight_decay, "L2 weight decay")->capture_default_str();
+  app.add_flag("--nesterov", opt.nesterov, "Nesterov momentum (SGD)");
   app.add_option("--devices", c.devices,
                  "cpu, cpu*N (virtual devices), cuda, cuda:0,1, cuda:0*N (logical devices on one "
                  "GPU); default: all GPUs, else one CPU device per core");
   app.add_option("--mode", c.mode,
-                 "dp (one process, a thread per device) | ddp (a process per device, under "
-                 "replica-launch) | single (reference)")
+                 "dp (one process, a thread per device) | ddp (a process per device; started "
+                 "here, or by replica-launch) | single (reference)")
       ->capture_default_str();
   app.add_option("--backend", c.backend, "DDP collectives: auto | gloo | nccl")
       ->capture_default_str();
@@ -95,8 +145,12 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--deterministic", c.engine.deterministic,
                "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms)");
-  app.add_option("--checkpoint", c.checkpoint_dir, "directory for checkpoints (every epoch, end)");
+  app.add_option("--checkpoint", c.checkpoint_dir,
+                 "directory for the checkpoint (written every epoch, at the end and on Ctrl-C)");
   app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint");
+  app.add_option("--save-model", c.save_model,
+                 "write the trained weights (state_dict names, safetensors) at the end")
+      ->capture_default_str();
   app.add_option("--trace", c.trace_file, "write a Chrome trace (JSON) of every phase");
   app.add_option("--metrics-json", c.metrics_json, "write run metrics as JSON");
   app.add_option("--log-every", c.log_every, "progress line every N steps")->capture_default_str();
@@ -105,27 +159,35 @@ int run(int argc, char** argv) {
   app.add_flag("--no-shuffle", no_shuffle, "keep the dataset order");
   app.add_flag("--drop-last", c.drop_last, "drop the last partial batch of each epoch");
   app.add_flag("--list-devices", list_devices, "print the devices found and exit");
+  bool print_config = false;
+  app.add_flag("--print-config", print_config,
+               "print the settings this command line (and --preset) resolves to, as JSON, and exit");
+  app.footer(
+      "Ctrl-C (or SIGTERM) stops after the step in progress, writes the checkpoint (with "
+      "--checkpoint) and exits 130; a second Ctrl-C ends at once.");
 
   if (auto code = parse_cli(app, "replica-train", argc, argv)) return *code;
   if (list_devices) {
     for (const auto& line : describe_devices()) std::printf("%s\n", line.c_str());
     return 0;
   }
-  REPLICA_USAGE_CHECK(threads == 0 || threads >= 1, "--threads-per-device must be at least 1");
   REPLICA_USAGE_CHECK(app.count("--threads-per-device") == 0 || threads >= 1,
                       "--threads-per-device must be at least 1, got {}", threads);
+  REPLICA_USAGE_CHECK(app.count("--batch-size") == 0 || app.count("--batch-per-device") == 0,
+                      "give --batch-size (global) or --batch-per-device, not both");
+  if (app.count("--batch-size")) c.batch_per_device = 0;  // overrides a preset's per-device batch
+  REPLICA_USAGE_CHECK(app.count("--batch-per-device") == 0 || c.batch_per_device >= 1,
+                      "--batch-per-device must be at least 1, got {}", c.batch_per_device);
+  if (app.count("--data")) c.synthetic = false;  // overrides a synthetic preset
+  REPLICA_USAGE_CHECK(!(app.count("--data") && app.count("--synthetic")),
+                      "give --data DIR or --synthetic, not both");
   c.engine.threads_per_device = threads;
-  c.engine.optimizer.name = optimizer;
-  c.engine.optimizer.lr = lr;
-  c.engine.optimizer.momentum = momentum;
-  c.engine.optimizer.weight_decay = weight_decay;
-  c.engine.optimizer.nesterov = nesterov;
   c.evaluate = !no_eval;
   c.shuffle = !no_shuffle;
   if (!input_shape.empty()) {
     REPLICA_USAGE_CHECK(c.synthetic, "--input-shape applies to --synthetic data");
     c.engine.input_shape = parse_shape(input_shape);
-  } else if (c.synthetic && c.engine.model != "cnn") {
+  } else if (c.synthetic && c.engine.model != "cnn" && preset.empty()) {
     c.engine.input_shape = {3, 224, 224};
   }
   if (!c.synthetic) {
@@ -136,9 +198,17 @@ int run(int argc, char** argv) {
                             ? " (run tools/setup.sh, which installs dataset-fashion-mnist)"
                             : "");
   }
-  validate(c);  // flags and the device string, before any data is read
-  run_training(c);
-  return 0;
+  validate(c);  // flags and the device string, before any data is read or rank started
+  if (print_config) {
+    std::printf("%s\n", config_json(c).dump(2).c_str());
+    return 0;
+  }
+  if (!preset.empty() && !c.quiet && std::getenv("RANK") == nullptr)
+    std::printf("replica-train: --preset %s (flags given with it override it)\n", preset.c_str());
+  if (c.mode == "ddp")
+    if (auto code = launch_ddp_ranks(c, argc, argv)) return *code;
+  const nlohmann::json m = run_training(c);
+  return m.contains("stop_signal") ? 128 + m["stop_signal"].get<int>() : 0;
 }
 
 }  // namespace

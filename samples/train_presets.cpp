@@ -1,0 +1,73 @@
+#include "samples/train_presets.h"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+
+namespace replica {
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> list = {
+      {"seed",
+       "resnet101 (1-channel 7x7 conv1, 10 classes), --mode ddp, Adam lr 0.001, "
+       "--batch-per-device 256, 10 epochs, loss every 10 steps, --save-model "
+       "resnet101.safetensors"},
+      {"cnn-sgd", "cnn, SGD lr 0.001 momentum 0.9"},
+      {"resnet18-synthetic",
+       "resnet18 on 10000 random 3x224x224 images, 9 classes, --mode ddp, "
+       "--batch-per-device 2, SGD lr 0.001 momentum 0.9"},
+  };
+  return list;
+}
+
+void apply_preset(const std::string& name, TrainConfig& c) {
+  OptimizerOptions& opt = c.engine.optimizer;
+  if (name == "seed") {
+    c.engine.model = "resnet101";  // conv1 takes the data's single channel: 7x7, stride 2
+    c.mode = "ddp";
+    opt.name = "adam";
+    opt.lr = 1e-3f;
+    c.batch_per_device = 256;
+    c.epochs = 10;
+    c.log_every = 10;
+    c.save_model = "resnet101.safetensors";
+  } else if (name == "cnn-sgd") {
+    c.engine.model = "cnn";
+    opt.name = "sgd";
+    opt.lr = 1e-3f;
+    opt.momentum = 0.9f;
+  } else if (name == "resnet18-synthetic") {
+    c.engine.model = "resnet18";
+    c.mode = "ddp";
+    c.synthetic = true;
+    c.synthetic_size = 10000;
+    c.engine.input_shape = {3, 224, 224};
+    c.engine.num_classes = 9;
+    c.batch_per_device = 2;
+    opt.name = "sgd";
+    opt.lr = 1e-3f;
+    opt.momentum = 0.9f;
+  } else {
+    std::string known;
+    for (const auto& p : presets()) known += (known.empty() ? "" : ", ") + p.name;
+    throw UsageError(fmt::format("unknown --preset '{}' (known: {})", name, known));
+  }
+}
+
+std::string find_preset_flag(int argc, char** argv) {
+  std::string found;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--") == 0) break;
+    if (std::strcmp(argv[i], "--preset") == 0) {
+      REPLICA_USAGE_CHECK(i + 1 < argc, "--preset needs a name (see --help)");
+      found = argv[++i];
+    } else if (std::strncmp(argv[i], "--preset=", 9) == 0) {
+      found = argv[i] + 9;
+    }
+  }
+  return found;
+}
+
+}  // namespace replica

@@ -1,0 +1,128 @@
+// replica-train's strategies and presets as a user runs them: `--mode ddp` without a launcher
+// starts its ranks itself, DP and DDP with the same seed reach the same accuracy, presets set
+// their recipe and every flag given with them overrides it.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_helpers.h"
+#include "engine/checkpoint.h"
+
+using test::run;
+
+namespace {
+
+const std::string kTrain = test::bin("replica-train");
+const char* kFashion = "/usr/share/datasets/fashion-mnist";
+
+nlohmann::json config_of(const std::string& args) {
+  auto r = run(kTrain + " " + args + " --print-config", 30);
+  INFO(args << "\n" << r.output);
+  REQUIRE(r.exit_code == 0);
+  return nlohmann::json::parse(r.output);
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+}  // namespace
+
+TEST_CASE("presets set their recipe; flags given with them override it") {
+  auto seed = config_of("--preset seed");
+  CHECK(seed["model"] == "resnet101");
+  CHECK(seed["mode"] == "ddp");
+  CHECK(seed["optimizer"] == "adam");
+  CHECK(seed["lr"] == 0.001);
+  CHECK(seed["batch_per_device"] == 256);
+  CHECK(seed["epochs"] == 10);
+  CHECK(seed["log_every"] == 10);
+  CHECK(seed["save_model"] == "resnet101.safetensors");
+
+  auto cnn = config_of("--preset cnn-sgd");
+  CHECK(cnn["model"] == "cnn");
+  CHECK(cnn["optimizer"] == "sgd");
+  CHECK(cnn["lr"] == 0.001);
+  CHECK(cnn["momentum"] == 0.9);
+
+  auto syn = config_of("--preset resnet18-synthetic");
+  CHECK(syn["model"] == "resnet18");
+  CHECK(syn["synthetic"] == true);
+  CHECK(syn["synthetic_size"] == 10000);
+  CHECK(syn["input_shape"] == "3x224x224");
+  CHECK(syn["num_classes"] == 9);
+  CHECK(syn["batch_per_device"] == 2);
+
+  // Overrides, before or after the preset.
+  auto o = config_of("--epochs 1 --preset seed --lr 0.01 --mode dp --batch-size 64");
+  CHECK(o["epochs"] == 1);
+  CHECK(o["lr"] == 0.01);
+  CHECK(o["mode"] == "dp");
+  CHECK(o["batch_size"] == 64);
+  CHECK(o["batch_per_device"] == 0);
+  CHECK(o["model"] == "resnet101");
+  auto d = config_of(std::string("--preset resnet18-synthetic --data ") + kFashion);
+  CHECK(d["synthetic"] == false);
+
+  auto bad = run(kTrain + " --preset nope", 30);
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.output.find("unknown --preset 'nope' (known: seed, cnn-sgd, resnet18-synthetic)") !=
+        std::string::npos);
+  auto both = run(kTrain + " --batch-size 8 --batch-per-device 4", 30);
+  CHECK(both.exit_code == 2);
+  CHECK(both.output.find("not both") != std::string::npos);
+}
+
+TEST_CASE("--preset seed trains ResNet-101 with DDP and rank 0 saves the model") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  // The recipe with a small batch and two steps: DDP on 2 ranks, started by replica-train.
+  auto r = run(kTrain + " --preset seed --data " + tmp.str("data") +
+                   " --devices cpu*2 --batch-per-device 2 --max-steps 2 --no-eval --save-model " +
+                   tmp.str("out/model.safetensors") + " --metrics-json " + tmp.str("m.json"),
+               300);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("starting 2 ranks") != std::string::npos);
+  const auto m = read_json(tmp.str("m.json"));
+  CHECK(m["mode"] == "ddp");
+  CHECK(m["world_size"] == 2);
+  CHECK(m["batch_size"] == 4);  // 2 per rank
+  CHECK(m["model"] == "resnet101");
+  auto saved = replica::load_checkpoint(tmp.str("out/model.safetensors"));
+  const replica::Tensor* conv1 = saved.find("conv1.weight");
+  REQUIRE(conv1 != nullptr);
+  CHECK(conv1->shape() == replica::Shape{64, 1, 7, 7});  // the article's 1-channel stem
+  const replica::Tensor* fc = saved.find("fc.weight");
+  REQUIRE(fc != nullptr);
+  CHECK(fc->shape() == replica::Shape{10, 2048});
+  CHECK(saved.find("layer4.2.bn3.running_var") != nullptr);
+  CHECK(saved.metadata.at("format") == "replica-model-v1");
+}
+
+TEST_CASE("--mode dp and --mode ddp on 2 CPU devices, same seed: accuracies within 1 point") {
+  if (!std::filesystem::exists(std::string(kFashion) + "/t10k-labels-idx1-ubyte.gz") &&
+      !std::filesystem::exists(std::string(kFashion) + "/t10k-labels-idx1-ubyte")) {
+    MESSAGE("SKIPPED: Fashion-MNIST not installed (tools/setup.sh installs it)");
+    return;
+  }
+  test::TempDir tmp;
+  const std::string common = kTrain + " --devices cpu*2 --threads-per-device 1 --seed 5" +
+                             " --max-steps 400 --quiet --metrics-json ";
+  auto dp = run(common + tmp.str("dp.json") + " --mode dp", 300);
+  REQUIRE_MESSAGE(dp.exit_code == 0, dp.output);
+  auto ddp = run(common + tmp.str("ddp.json") + " --mode ddp", 300);
+  REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
+  const auto a = read_json(tmp.str("dp.json")), b = read_json(tmp.str("ddp.json"));
+  CHECK(a["mode"] == "dp");
+  CHECK(b["mode"] == "ddp");
+  CHECK(b["world_size"] == 2);
+  const double acc_dp = a["test_accuracy"], acc_ddp = b["test_accuracy"];
+  MESSAGE("test accuracy after 400 steps: dp " << acc_dp << ", ddp " << acc_ddp);
+  CHECK(acc_dp > 0.75);
+  CHECK(std::abs(acc_dp - acc_ddp) <= 0.01);
+}
