@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/ranges.h>
@@ -93,6 +94,27 @@ std::vector<int64_t> epoch_indices(const TrainConfig& c, const TrainEngine& engi
 
 }  // namespace
 
+namespace {
+
+// An output the run will write at its end must be writable now, not after hours of training:
+// its nearest existing ancestor must be a directory this process can write into.
+void check_output_path(const char* flag, const std::string& path) {
+  if (path.empty()) return;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p = fs::absolute(path, ec);
+  if (fs::is_directory(p, ec) && std::string(flag) != "--checkpoint")
+    throw UsageError(fmt::format("{} '{}' is a directory; give a file name", flag, path));
+  fs::path dir = std::string(flag) == "--checkpoint" ? p : p.parent_path();
+  while (!dir.empty() && !fs::exists(dir, ec) && dir != dir.root_path()) dir = dir.parent_path();
+  REPLICA_USAGE_CHECK(fs::is_directory(dir, ec), "{} '{}': '{}' is not a directory", flag, path,
+                      dir.string());
+  REPLICA_USAGE_CHECK(access(dir.c_str(), W_OK) == 0, "{} '{}': cannot write into '{}'", flag,
+                      path, dir.string());
+}
+
+}  // namespace
+
 nlohmann::json config_json(const TrainConfig& c) {
   const OptimizerOptions& o = c.engine.optimizer;
   // Floats as typed (0.001, not 0.0010000000474974513).
@@ -139,6 +161,10 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.synthetic || !c.data_dir.empty(), "give --data DIR or --synthetic");
   REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
   REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
+  check_output_path("--checkpoint", c.checkpoint_dir);
+  check_output_path("--save-model", c.save_model);
+  check_output_path("--metrics-json", c.metrics_json);
+  check_output_path("--trace", c.trace_file);
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
   REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp" || c.mode == "ddp",
                       "unknown --mode '{}' (dp, ddp, single)", c.mode);

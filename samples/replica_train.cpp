@@ -141,7 +141,8 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--threads-per-device", threads,
                  "CPU threads per device (default: cores / devices)");
-  app.add_option("--seed", c.engine.seed, "seed for initialisation and data order")
+  int64_t seed = int64_t(c.engine.seed);  // signed: "-1" must be an error, not 2^64 - 1
+  app.add_option("--seed", seed, "seed for initialisation and data order (>= 0)")
       ->capture_default_str();
   app.add_flag("--deterministic", c.engine.deterministic,
                "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms)");
@@ -181,6 +182,8 @@ int run(int argc, char** argv) {
   if (app.count("--data")) c.synthetic = false;  // overrides a synthetic preset
   REPLICA_USAGE_CHECK(!(app.count("--data") && app.count("--synthetic")),
                       "give --data DIR or --synthetic, not both");
+  REPLICA_USAGE_CHECK(seed >= 0, "--seed must be >= 0, got {}", seed);
+  c.engine.seed = uint64_t(seed);
   c.engine.threads_per_device = threads;
   c.evaluate = !no_eval;
   c.shuffle = !no_shuffle;

@@ -61,7 +61,8 @@ std::string find_preset_flag(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--") == 0) break;
     if (std::strcmp(argv[i], "--preset") == 0) {
-      REPLICA_USAGE_CHECK(i + 1 < argc, "--preset needs a name (see --help)");
+      REPLICA_USAGE_CHECK(i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0,
+                          "--preset needs a name (see --help)");
       found = argv[++i];
     } else if (std::strncmp(argv[i], "--preset=", 9) == 0) {
       found = argv[i] + 9;
