@@ -35,10 +35,10 @@ struct Interrupted {
   std::string output;
 };
 
-// Starts `command` (output to `log`), sends SIGINT to it once `progress` shows up in its
+// Starts `command` (output to `log`), sends `sig` to it once `progress` shows up in its
 // output, and waits for it to end.
 Interrupted interrupt_when(const std::string& command, const std::string& log,
-                           const std::string& progress) {
+                           const std::string& progress, int sig = SIGINT) {
   pid_t pid = fork();
   if (pid == 0) {
     setpgid(0, 0);  // its own group: the test's Ctrl-C never reaches the test runner
@@ -58,7 +58,7 @@ Interrupted interrupt_when(const std::string& command, const std::string& log,
       return r;
     }
     if (!sent && read_text(log).find(progress) != std::string::npos) {
-      kill(pid, SIGINT);
+      kill(pid, sig);
       sent = true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -146,4 +146,28 @@ TEST_CASE("Ctrl-C without --checkpoint stops cleanly and says nothing was saved"
   INFO(cut.output);
   CHECK(cut.exit_code == 130);
   CHECK(cut.output.find("no --checkpoint DIR: nothing saved") != std::string::npos);
+}
+
+TEST_CASE("SIGKILL mid-epoch: the last epoch's checkpoint is intact and resuming ends the same") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 2560, 256);
+  const std::string common = kTrain + " --devices cpu*2 --threads-per-device 1 --data " +
+                             tmp.str("data") +
+                             " --batch-size 32 --epochs 2 --deterministic --log-every 1 --seed 4";
+  auto full = test::run(common + " --quiet --metrics-json " + tmp.str("full.json"), 300);
+  REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+  // Killed without warning in epoch 2: only epoch 1's checkpoint exists.
+  Interrupted cut = interrupt_when(common + " --checkpoint " + tmp.str("ck"), tmp.str("log"),
+                                   "epoch 2/2  step    20/80", SIGKILL);
+  INFO(cut.output);
+  REQUIRE(cut.exit_code == 128 + SIGKILL);
+  auto ck = replica::load_checkpoint(tmp.str("ck/checkpoint.safetensors"));
+  CHECK(ck.metadata.at("step") == "80");
+  auto rest = test::run(common + " --quiet --resume --checkpoint " + tmp.str("ck") +
+                        " --metrics-json " + tmp.str("rest.json"), 300);
+  REQUIRE_MESSAGE(rest.exit_code == 0, rest.output);
+  const auto a = read_json(tmp.str("full.json")), b = read_json(tmp.str("rest.json"));
+  CHECK(a["final_loss"] == b["final_loss"]);
+  CHECK(a["test_loss"] == b["test_loss"]);
+  CHECK(a["test_accuracy"] == b["test_accuracy"]);
 }
