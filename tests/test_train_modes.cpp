@@ -126,3 +126,21 @@ TEST_CASE("--mode dp and --mode ddp on 2 CPU devices, same seed: accuracies with
   CHECK(acc_dp > 0.75);
   CHECK(std::abs(acc_dp - acc_ddp) <= 0.01);
 }
+
+TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are one line") {
+  auto r = run(test::bin("replica-dp-vs-ddp") +
+                   " --devices cpu*2 --steps 20 -- --synthetic --synthetic-size 640 --no-eval",
+               300);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("DP on cpu*2, DDP on 2 ranks") != std::string::npos);
+  CHECK(r.output.find("DDP/DP = ") != std::string::npos);
+  CHECK(r.output.find("gradient sync, ms/step") != std::string::npos);
+  CHECK(r.output.find("peak memory, device 0") != std::string::npos);
+  for (const char* bad : {" --steps 0", " -- --mode single", " -- --model nope"}) {
+    auto b = run(test::bin("replica-dp-vs-ddp") + bad, 60);
+    CAPTURE(bad);
+    CHECK(b.exit_code != 0);
+    CHECK(b.output.find("error: ") != std::string::npos);
+  }
+}
