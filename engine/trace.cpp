@@ -41,6 +41,16 @@ size_t Tracer::event_count() const {
   return events_.size();
 }
 
+std::vector<Tracer::Event> Tracer::events() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return events_;
+}
+
+void Tracer::clear_events() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  events_.clear();
+}
+
 void Tracer::write_chrome_json(const std::string& path) const {
   std::lock_guard<std::mutex> lock(mutex_);
   // One Chrome "thread" per track, named with metadata events.

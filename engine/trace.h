@@ -34,11 +34,17 @@ class Tracer {
   void write_chrome_json(const std::string& path) const;
   size_t event_count() const;
 
- private:
+  // A recorded span; times are now_us() values (steady clock, comparable across processes on
+  // one machine).
   struct Event {
     std::string track, phase;
     int64_t start, end;
   };
+  // A copy of the spans recorded so far, and dropping them (e.g. between measurement windows).
+  std::vector<Event> events() const;
+  void clear_events();
+
+ private:
   mutable std::mutex mutex_;
   bool recording_ = false, sync_device_ = false;
   std::vector<Event> events_;
