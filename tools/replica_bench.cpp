@@ -1,337 +1,96 @@
-// replica-bench: training throughput against the measured GEMM ceiling of the same machine.
-//   replica-bench                                   CNN, batch 64, 1 thread and all cores
-//   replica-bench --model resnet18 --input-shape 1x28x28 --steps 20 --json out.jsonl
-// Suites: "single" (one device, each --threads count). DP/DDP suites plug in as more suites:
-// each is a function that appends Result rows; the table, ratios and JSON lines are shared.
-//
-// What is timed: --warmup untimed steps, then --steps optimizer steps with no host sync in
-// between; one synchronize() and one loss readback at the end. Batches are synthetic and
-// PRELOADED (a few batches prepared before timing, cycled), so the loader thread does not
-// compete with the compute threads for the cores: this is the engine's step rate.
-// Training FLOPs are counted as 3x the forward FLOPs (forward, data gradients, weight gradients).
-#include <stdlib.h>
-#include <sys/resource.h>
-
+// replica-bench: training throughput, and DP-vs-DDP scaling reports.
+//   replica-bench                                   single: one device per thread count vs sgemm
+//   replica-bench --suite dp,ddp --json out.jsonl   DP and DDP on 1, 2, 4, ... N devices
+//   replica-bench --report out                      both suites, plots, traces, projection: out/report.md
+//   replica-bench --report out --compare pytorch.jsonl   PyTorch's rows beside replica's
+// Suites: tools/bench/suite_single.cpp, suite_dp.cpp, suite_ddp.cpp; the report arithmetic:
+// tools/bench/report_math.h.
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <map>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include <CLI/CLI.hpp>
 
+#include "tools/bench/options.h"
 #include "tools/program.h"
-#include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
-#include <tbb/parallel_for.h>
-#include <tbb/task_arena.h>
-
-#include "engine/allocator.h"
-#include "engine/cpu/cpu_backend.h"
-#include "engine/data/dataset.h"
-#include "engine/error.h"
-#include "parallel/train_engine.h"
 
 using namespace replica;
-using Clock = std::chrono::steady_clock;
+using namespace replica::bench;
 
 namespace {
 
-struct Options {
-  std::string suite = "single";
-  std::string model = "cnn";
-  std::string input_shape;  // empty: 1x28x28 for cnn, 3x224x224 otherwise
-  std::string threads;      // comma list; empty: 1 and all cores
-  int64_t batch = 64;
-  int64_t warmup = 5, steps = 50;
-  int repeat = 1;
-  double sgemm_seconds = 1.0;
-  uint64_t seed = 0;
-  std::string json;
-};
-
-struct GemmShape {
-  int64_t m, n, k;
-  std::string name() const { return fmt::format("{}x{}x{}", m, n, k); }
-};
-// Square (the library's best case) and conv-like (the CNN's conv2 as im2col GEMM: 20 filters,
-// 20x20 outputs, 20*5*5 = 500 reduction).
-const std::vector<GemmShape> kGemmShapes = {{512, 512, 512}, {20, 400, 500}};
-
-struct Result {  // one configuration = one table row = one JSON line
-  nlohmann::json j;
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// CPU seconds this process used so far (all threads, user + system).
-double process_cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-         1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
-}
-
-int64_t parse_positive(const std::string& part, const std::string& what, const std::string& all) {
-  REPLICA_USAGE_CHECK(!part.empty() && part.size() < 7 &&
-                          part.find_first_not_of("0123456789") == std::string::npos &&
-                          std::stoll(part) > 0,
-                      "{} '{}': expected positive integers, got '{}'", what, all, part);
-  return std::stoll(part);
-}
-
-std::vector<int64_t> parse_list(const std::string& text, char sep, const std::string& what) {
-  std::vector<int64_t> out;
-  size_t start = 0;
-  while (true) {
-    size_t at = text.find(sep, start);
-    out.push_back(parse_positive(text.substr(start, at == std::string::npos ? at : at - start),
-                                 what, text));
-    if (at == std::string::npos) break;
-    start = at + 1;
-  }
-  return out;
-}
-
-// GFLOP/s of `threads` threads, each calling sgemm (one thread per call) on its own matrices
-// concurrently inside one task_arena, for about `seconds`.
-double sgemm_gflops(const GemmShape& g, int threads, double seconds) {
-  cpu::pin_blas_to_one_thread();
-  tbb::task_arena arena(threads);
-  std::atomic<int64_t> calls{0};
-  double elapsed = 0;
-  arena.execute([&] {
-    const auto t0 = Clock::now();
-    const auto deadline = t0 + std::chrono::duration<double>(seconds);
-    tbb::parallel_for(0, threads, 1, [&](int) {
-      std::vector<float> a(g.m * g.k, 0.5f), b(g.k * g.n, 0.25f), c(g.m * g.n, 0.f);
-      cpu::sgemm(false, false, g.m, g.n, g.k, 1.f, a.data(), g.k, b.data(), g.n, 0.f, c.data(),
-                 g.n);  // untimed-ish first call: page faults, library init
-      int64_t mine = 0;
-      while (Clock::now() < deadline) {
-        cpu::sgemm(false, false, g.m, g.n, g.k, 1.f, a.data(), g.k, b.data(), g.n, 0.f,
-                   c.data(), g.n);
-        ++mine;
-      }
-      calls += mine;
-    }, tbb::simple_partitioner());
-    elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
-  });
-  return 2.0 * g.m * g.n * g.k * double(calls.load()) / elapsed / 1e9;
-}
-
-// Batches of synthetic samples of the model's shape, in pinned host memory, made once.
-std::vector<Batch> preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int count) {
-  auto data = make_synthetic(batch * count, shape, 10, seed);
-  std::vector<Batch> out(count);
-  Shape image_shape = shape;
-  image_shape.insert(image_shape.begin(), batch);
-  for (int i = 0; i < count; ++i) {
-    std::vector<int64_t> idx(batch);
-    for (int64_t s = 0; s < batch; ++s) idx[s] = i * batch + s;
-    out[i].images = Tensor::empty(pinned_allocator(), image_shape);
-    out[i].labels = Tensor::empty(pinned_allocator(), {batch}, DType::I32);
-    out[i].index = i;
-    data->read(idx.data(), batch, out[i].images.f32(), out[i].labels.i32());
-  }
-  return out;
-}
-
-// The single-device suite: one CPU engine per thread count.
-void suite_single(const Options& o, const Shape& shape, const std::vector<int64_t>& threads,
-                  std::vector<Result>& results) {
-  const std::vector<Batch> batches = preload_batches(shape, o.batch, o.seed, 4);
-  const Device device{DeviceType::CPU, 0, 0};
-  for (int64_t t : threads) {
-    EngineOptions eo;
-    eo.model = o.model;
-    eo.input_shape = shape;
-    eo.num_classes = 10;
-    eo.seed = o.seed;
-    eo.threads_per_device = int(t);
-    auto engine = make_single_device_engine(device, eo);
-    size_t next = 0;
-    for (int64_t s = 0; s < o.warmup; ++s) engine->train_step(batches[next++ % batches.size()]);
-    engine->synchronize();
-    std::vector<double> seconds, cpu_share;
-    float loss = 0;
-    for (int r = 0; r < o.repeat; ++r) {
-      const double cpu0 = process_cpu_seconds();
-      const auto t0 = Clock::now();
-      for (int64_t s = 0; s < o.steps; ++s) engine->train_step(batches[next++ % batches.size()]);
-      engine->synchronize();
-      seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-      // Below 1: the threads did not get their cores (other load on the machine).
-      cpu_share.push_back((process_cpu_seconds() - cpu0) / (seconds.back() * double(t)));
-      loss = engine->last_loss();  // once per timed window, after its clock stopped
-      REPLICA_CHECK(std::isfinite(loss), "loss is {} after {} steps", loss, next);
-    }
-    std::vector<double> sps;
-    for (double s : seconds) sps.push_back(double(o.steps * o.batch) / s);
-    const double med = median(sps);
-    const double macs = engine->forward_macs_per_sample();
-    nlohmann::json j = {
-        {"suite", o.suite},
-        {"mode", engine->mode()},
-        {"model", o.model},
-        {"input_shape", fmt::format("{}", fmt::join(shape, "x"))},
-        {"device", device.str()},
-        {"threads", engine->primary().threads()},
-        {"batch", o.batch},
-        {"warmup_steps", o.warmup},
-        {"timed_steps", o.steps},
-        {"repeats", o.repeat},
-        {"data", "synthetic, preloaded (loader not timed)"},
-        {"samples_per_sec", med},
-        {"samples_per_sec_runs", sps},
-        {"ms_per_step", 1e3 * o.batch / med},
-        {"forward_gflop_per_sample", 2 * macs / 1e9},
-        {"train_gflops", 3 * 2 * macs * med / 1e9},
-        {"train_flops_note", "training counted as 3x forward FLOPs"},
-        {"final_loss", loss},
-        {"cpu_share", median(cpu_share)},
-    };
-    results.push_back({j});
-  }
-}
-
 int run(int argc, char** argv) {
-  Options o;
-  CLI::App app{"replica-bench: training throughput vs the measured sgemm ceiling"};
+  BenchOptions o;
+  CLI::App app{
+      "replica-bench: training throughput (suite single) and DP-vs-DDP scaling reports "
+      "(suites dp, ddp; --report DIR)"};
   app.set_help_flag("-h,--help", "Print this help and exit");
-  app.add_option("--suite", o.suite, "single (one device per thread count)")->capture_default_str();
+  app.add_option("--suite", o.suite,
+                 "single (one device per thread count, vs sgemm) | dp | ddp | dp,ddp "
+                 "(default: single; dp,ddp with --report)");
   app.add_option("--model", o.model, "cnn | resnet18 | resnet34 | resnet50 | ...")
       ->capture_default_str();
   app.add_option("--input-shape", o.input_shape,
                  "CxHxW (default 1x28x28 for cnn, 3x224x224 for ResNets)");
-  app.add_option("--batch", o.batch, "batch size")->capture_default_str();
-  app.add_option("--threads", o.threads, "comma list of CPU thread counts (default: 1,all cores)");
-  app.add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();
-  app.add_option("--steps", o.steps, "timed steps per repeat")->capture_default_str();
-  app.add_option("--repeat", o.repeat, "timed windows (and sgemm runs); the median is reported")
+  app.add_option("--batch,--batch-per-device", o.batch,
+                 "single: the batch; dp/ddp: samples per device per step (weak scaling)")
       ->capture_default_str();
-  app.add_option("--sgemm-seconds", o.sgemm_seconds, "seconds per sgemm ceiling measurement")
+  app.add_option("--threads", o.threads, "single: comma list of CPU thread counts (default: 1,all cores)");
+  app.add_option("--devices", o.devices,
+                 "dp/ddp: the largest device set: cpu*N (default: one per core), cuda, cuda:0,1, "
+                 "cuda:0*N (logical devices sharing GPU 0: labelled, not a scaling measurement)");
+  app.add_option("--device-counts", o.device_counts,
+                 "dp/ddp: comma list of device counts (default: 1,2,4,...,N)");
+  app.add_option("--threads-per-device", o.threads_per_device,
+                 "dp/ddp: CPU threads per device (default: cores / largest count)");
+  app.add_option("--warmup", o.warmup,
+                 "untimed steps first (default: single 5; dp/ddp about 1 s of steps, 2..10)");
+  app.add_option("--steps", o.steps,
+                 "timed steps per window (default: single 50; dp/ddp about 5 s of one device's "
+                 "steps, 3..100)");
+  app.add_option("--repeat", o.repeat,
+                 "timed windows; the median is reported (default: single 1, dp/ddp 3)");
+  app.add_option("--sgemm-seconds", o.sgemm_seconds, "single: seconds per sgemm ceiling measurement")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for weights and synthetic data")->capture_default_str();
+  app.add_option("--reduce", o.reduce, "DP gradient reduction: root | tree")->capture_default_str();
+  app.add_option("--backend", o.backend, "DDP collectives: auto | gloo | nccl")->capture_default_str();
+  app.add_option("--timeout", o.timeout_s,
+                 "DDP: seconds for rendezvous, each collective and each launch")
+      ->capture_default_str();
   app.add_option("--json", o.json, "append one JSON object per configuration to FILE");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    throw UsageError(msg + " (see --help)");
-  }
-  REPLICA_USAGE_CHECK(o.suite == "single", "--suite '{}': this build has the suite 'single'",
-                      o.suite);
-  const auto names = model_names();
-  REPLICA_USAGE_CHECK(std::find(names.begin(), names.end(), o.model) != names.end(),
-                      "--model '{}': unknown model (known: {})", o.model,
-                      fmt::format("{}", fmt::join(names, ", ")));
-  REPLICA_USAGE_CHECK(o.batch >= 1, "--batch must be at least 1, got {}", o.batch);
-  REPLICA_USAGE_CHECK(o.steps >= 1, "--steps must be at least 1, got {}", o.steps);
-  REPLICA_USAGE_CHECK(o.warmup >= 0, "--warmup must be >= 0, got {}", o.warmup);
-  REPLICA_USAGE_CHECK(o.repeat >= 1, "--repeat must be at least 1, got {}", o.repeat);
-  REPLICA_USAGE_CHECK(o.sgemm_seconds > 0 && o.sgemm_seconds <= 60,
-                      "--sgemm-seconds must be in (0, 60], got {}", o.sgemm_seconds);
-  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-  std::vector<int64_t> threads;
-  if (o.threads.empty()) {
-    threads = {1};
-    if (cores > 1) threads.push_back(cores);
-  } else {
-    REPLICA_USAGE_CHECK(o.threads.find_first_not_of("0123456789,") == std::string::npos,
-                        "--threads '{}': expected a comma list like 1,2", o.threads);
-    threads = parse_list(o.threads, ',', "--threads");
-  }
-  Shape shape = {1, 28, 28};
-  if (!o.input_shape.empty()) {
-    REPLICA_USAGE_CHECK(o.input_shape.find_first_not_of("0123456789x") == std::string::npos,
-                        "--input-shape '{}': expected CxHxW, e.g. 3x224x224", o.input_shape);
-    shape = parse_list(o.input_shape, 'x', "--input-shape");
-    REPLICA_USAGE_CHECK(shape.size() == 3, "--input-shape '{}': expected CxHxW", o.input_shape);
-  } else if (o.model != "cnn") {
-    shape = {3, 224, 224};
-  }
-  std::ofstream json_out;
-  if (!o.json.empty()) {
-    json_out.open(o.json, std::ios::app);
-    REPLICA_USAGE_CHECK(json_out.good(), "cannot write --json file '{}'", o.json);
-  }
-  double load[3] = {0, 0, 0};
-  getloadavg(load, 3);
+  app.add_option("--csv", o.csv, "dp/ddp: write the rows as CSV to FILE");
+  app.add_option("--trace-dir", o.trace_dir,
+                 "dp/ddp: write a Chrome trace per configuration into DIR");
+  app.add_option("--trace-steps", o.trace_steps, "steps in each traced window (default 5)");
+  app.add_option("--report", o.report_dir,
+                 "run dp and ddp and write DIR/report.md with plots, traces and a projection");
+  app.add_option("--compare", o.compare,
+                 "--report: JSON-lines rows of another engine (tools/pytorch_bench.py) to show "
+                 "beside replica's (repeatable)");
+  app.add_option("--from-results", o.from_results,
+                 "--report: render from DIR's saved results.jsonl/alpha_beta.json, measure nothing");
+  app.add_flag("--skip-alpha-beta", o.skip_alpha_beta,
+               "--report: do not measure the communication primitives (the projection then "
+               "uses the measured 2-device runs)");
+  auto* hidden = app.add_option_group("");  // DDP rank workers: this program re-executed
+  hidden->add_option("--worker", o.worker);
+  hidden->add_option("--worker-out", o.worker_out);
+  if (auto code = parse_cli(app, "replica-bench", argc, argv)) return *code;
 
-  // 1. The sgemm ceiling for every thread count, measured in this run.
-  std::printf("replica-bench: suite %s, %d cores, load average %.2f %.2f %.2f\n",
-              o.suite.c_str(), cores, load[0], load[1], load[2]);
-  std::printf("sgemm ceiling (OpenBLAS, one thread per call; t threads call it concurrently in one "
-              "task_arena; median of %d x %.1f s):\n", o.repeat, o.sgemm_seconds);
-  std::map<int64_t, std::vector<double>> ceiling;  // threads -> GFLOP/s per kGemmShapes entry
-  for (int64_t t : threads) {
-    if (ceiling.count(t)) continue;
-    std::string line = fmt::format("  {} thread{}:", t, t == 1 ? " " : "s");
-    for (const auto& g : kGemmShapes) {
-      std::vector<double> runs;
-      for (int r = 0; r < o.repeat; ++r) runs.push_back(sgemm_gflops(g, int(t), o.sgemm_seconds));
-      ceiling[t].push_back(median(runs));
-      line += fmt::format("  {} {:7.1f} GFLOP/s", g.name(), ceiling[t].back());
-    }
-    std::printf("%s\n", line.c_str());
-    std::fflush(stdout);
-  }
-
-  // 2. The suite.
-  std::vector<Result> results;
-  suite_single(o, shape, threads, results);
-
-  // 3. Ratios measured in this run, the table, the JSON lines.
-  double base_sps = 0;
-  for (const auto& r : results)
-    if (r.j["threads"] == 1) base_sps = r.j["samples_per_sec"];
-  std::printf("\n%-9s %-10s %-6s %5s %5s %11s %9s %10s %10s %9s %8s %5s\n", "model", "input",
-              "device", "thr", "batch", "samples/s", "ms/step", "fwd GFLOP", "train GF/s",
-              "% sgemm", "speedup", "cpu");
-  for (auto& r : results) {
-    auto& j = r.j;
-    const int64_t t = j["threads"];
-    const double sps = j["samples_per_sec"], gf = j["train_gflops"];
-    const auto& c = ceiling.count(t) ? ceiling[t] : std::vector<double>{0, 0};
-    j["load_avg_1m"] = load[0];
-    j["sgemm_peak_gflops"] = c[0];
-    j["sgemm_peak_shape"] = kGemmShapes[0].name();
-    j["sgemm_conv_like_gflops"] = c[1];
-    j["sgemm_conv_like_shape"] = kGemmShapes[1].name();
-    j["fraction_of_sgemm_peak"] = c[0] > 0 ? gf / c[0] : 0.0;
-    j["speedup_vs_1_thread"] = base_sps > 0 ? nlohmann::json(sps / base_sps) : nullptr;
-    std::printf("%-9s %-10s %-6s %5lld %5lld %11.1f %9.2f %10.4f %10.1f %8.1f%% %8s %4.0f%%\n",
-                std::string(j["model"]).c_str(), std::string(j["input_shape"]).c_str(),
-                std::string(j["device"]).c_str(), (long long)t, (long long)o.batch, sps,
-                double(j["ms_per_step"]), double(j["forward_gflop_per_sample"]), gf,
-                100 * double(j["fraction_of_sgemm_peak"]),
-                base_sps > 0 ? fmt::format("{:.2f}x", sps / base_sps).c_str() : "-",
-                100 * double(j["cpu_share"]));
-    if (json_out.is_open()) json_out << j.dump() << "\n";
-  }
-  std::printf(
-      "train GF/s counts training as 3x the forward FLOPs (forward + data and weight grads).\n"
-      "%% sgemm: train GF/s over the %s sgemm ceiling at the same thread count, this run.\n"
-      "speedup: vs 1 thread, this run. cpu: CPU time / (wall x threads) while timed; well below\n"
-      "100%% means other load took the cores. Batches: synthetic, preloaded (loader not timed);\n"
-      "median of %d window%s of %lld steps after %lld warmup steps.\n",
-      kGemmShapes[0].name().c_str(), o.repeat, o.repeat == 1 ? "" : "s", (long long)o.steps,
-      (long long)o.warmup);
-  return 0;
+  o.command_line = "replica-bench";
+  for (int i = 1; i < argc; ++i) o.command_line += std::string(" ") + argv[i];
+  if (o.suite.empty()) o.suite = (!o.report_dir.empty() || !o.worker.empty()) ? "dp,ddp" : "single";
+  const bool single = o.suite == "single";
+  REPLICA_USAGE_CHECK(!single || (o.report_dir.empty() && o.worker.empty()),
+                      "--report runs the dp and ddp suites, not 'single'");
+  REPLICA_USAGE_CHECK(!single || (o.csv.empty() && o.trace_dir.empty()),
+                      "--csv and --trace-dir belong to the dp and ddp suites");
+  if (single && o.warmup < 0) o.warmup = 5;  // dp/ddp: chosen from a measured step time
+  if (single && o.steps < 0) o.steps = 50;
+  if (o.repeat < 0) o.repeat = single ? 1 : 3;
+  if (!o.worker.empty()) return run_worker(o);
+  return single ? run_single_suite(o) : run_parallel_suites(o);
 }
 
 }  // namespace

@@ -1,0 +1,189 @@
+#include "tools/bench/harness.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <csignal>
+
+#include "engine/allocator.h"
+#include "engine/data/dataset.h"
+#include "engine/error.h"
+
+namespace replica::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Sum of the union of [start, end) intervals.
+double union_us(std::vector<std::pair<int64_t, int64_t>>& spans) {
+  std::sort(spans.begin(), spans.end());
+  double total = 0;
+  int64_t cur_start = 0, cur_end = 0;
+  bool open = false;
+  for (const auto& [s, e] : spans) {
+    if (open && s <= cur_end) {
+      cur_end = std::max(cur_end, e);
+      continue;
+    }
+    if (open) total += double(cur_end - cur_start);
+    cur_start = s;
+    cur_end = e;
+    open = true;
+  }
+  if (open) total += double(cur_end - cur_start);
+  return total;
+}
+
+// Steps on the engine, cycling through the preloaded batches.
+struct Stepper {
+  TrainEngine& engine;
+  const std::vector<Batch>& batches;
+  size_t next = 0;
+  void run(int64_t steps) {
+    for (int64_t s = 0; s < steps; ++s) engine.train_step(batches[next++ % batches.size()]);
+  }
+};
+
+// Test hook: REPLICA_BENCH_KILL_RANK=k makes DDP rank k die by SIGKILL after its warm-up, so
+// tests can check that a dead rank ends the benchmark with an error instead of a hang.
+void maybe_die(const TrainEngine& engine) {
+  const char* k = std::getenv("REPLICA_BENCH_KILL_RANK");
+  if (k && engine.world_size() > 1 && std::atoi(k) == engine.rank()) std::raise(SIGKILL);
+}
+
+}  // namespace
+
+std::vector<Batch> preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int count) {
+  auto data = make_synthetic(batch * count, shape, 10, seed);
+  std::vector<Batch> out(count);
+  Shape image_shape = shape;
+  image_shape.insert(image_shape.begin(), batch);
+  for (int i = 0; i < count; ++i) {
+    std::vector<int64_t> idx(batch);
+    for (int64_t s = 0; s < batch; ++s) idx[s] = i * batch + s;
+    out[i].images = Tensor::empty(pinned_allocator(), image_shape);
+    out[i].labels = Tensor::empty(pinned_allocator(), {batch}, DType::I32);
+    out[i].index = i;
+    data->read(idx.data(), batch, out[i].images.f32(), out[i].labels.i32());
+  }
+  return out;
+}
+
+TrackPhaseMs per_step_ms(const std::vector<Tracer::Event>& events, int64_t steps) {
+  std::map<std::string, std::map<std::string, std::vector<std::pair<int64_t, int64_t>>>> spans;
+  for (const auto& e : events) {
+    spans[e.track][e.phase].push_back({e.start, e.end});
+    spans["*"][e.phase].push_back({e.start, e.end});
+  }
+  TrackPhaseMs out;
+  for (auto& [track, phases] : spans)
+    for (auto& [phase, list] : phases)
+      out[track][phase] = steps > 0 ? union_us(list) / 1e3 / double(steps) : 0.0;
+  return out;
+}
+
+Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, const RunOptions& o) {
+  REPLICA_CHECK(!batches.empty(), "no batches to train on");
+  Tracer& tracer = Tracer::global();
+  const bool cuda = engine.primary().is_cuda();
+  Stepper stepper{engine, batches};
+  Measurement m;
+  m.steps_per_window = o.steps;
+
+  tracer.set_recording(false);
+  tracer.set_sync_device(false);
+  stepper.run(std::max<int64_t>(o.warmup, 1));  // at least one: buffers, connections, caches
+  engine.synchronize();
+  maybe_die(engine);
+
+  // Timed windows. On CPU the spans of these very windows give the phase times; on CUDA spans
+  // only see the host unless they synchronise, which would serialise the overlap being timed,
+  // so there the phases come from a separate window with device-synchronised spans.
+  std::vector<Tracer::Event> timed_events;
+  for (int r = 0; r < o.repeat; ++r) {
+    tracer.clear_events();
+    tracer.set_recording(!cuda);
+    const auto t0 = Clock::now();
+    stepper.run(o.steps);
+    engine.synchronize();
+    m.window_seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    tracer.set_recording(false);
+    auto ev = tracer.events();
+    timed_events.insert(timed_events.end(), ev.begin(), ev.end());
+  }
+  m.final_loss = engine.last_loss();
+  REPLICA_CHECK(std::isfinite(m.final_loss), "loss is {} after the timed steps", m.final_loss);
+  if (cuda) {
+    const int64_t phase_steps = std::min<int64_t>(o.steps, 20);
+    tracer.clear_events();
+    tracer.set_sync_device(true);
+    tracer.set_recording(true);
+    stepper.run(phase_steps);
+    engine.synchronize();
+    tracer.set_recording(false);
+    tracer.set_sync_device(false);
+    m.track_ms = per_step_ms(tracer.events(), phase_steps);
+  } else {
+    m.track_ms = per_step_ms(timed_events, o.steps * o.repeat);
+  }
+
+  if (o.trace_steps > 0) {
+    tracer.clear_events();
+    tracer.set_sync_device(cuda);  // spans show device time (as replica-train --trace does)
+    tracer.set_recording(true);
+    stepper.run(o.trace_steps);
+    engine.synchronize();
+    tracer.set_recording(false);
+    tracer.set_sync_device(false);
+    m.trace = tracer.events();
+  }
+  tracer.clear_events();
+  m.peak_memory = engine.peak_memory_bytes();
+  m.comm_bytes = engine.comm_bytes_per_step();
+  return m;
+}
+
+double probe_step_seconds(const Device& device, const RunOptions& o) {
+  EngineOptions eo;
+  eo.model = o.model;
+  eo.input_shape = o.input_shape;
+  eo.num_classes = 10;
+  eo.seed = o.seed;
+  eo.threads_per_device = o.threads_per_device;
+  auto engine = make_single_device_engine(device, eo);
+  const auto batches = preload_batches(o.input_shape, o.batch_per_device, o.seed, 2);
+  Stepper stepper{*engine, batches};
+  stepper.run(1);
+  engine->synchronize();
+  const auto t0 = Clock::now();
+  stepper.run(2);
+  engine->synchronize();
+  return std::chrono::duration<double>(Clock::now() - t0).count() / 2;
+}
+
+nlohmann::json to_json(const Measurement& m) {
+  nlohmann::json trace = nlohmann::json::array();
+  for (const auto& e : m.trace) trace.push_back({e.track, e.phase, e.start, e.end});
+  return {{"window_seconds", m.window_seconds}, {"steps_per_window", m.steps_per_window},
+          {"track_ms", m.track_ms},             {"trace", trace},
+          {"final_loss", m.final_loss},         {"peak_memory", m.peak_memory},
+          {"comm_bytes", m.comm_bytes}};
+}
+
+Measurement measurement_from_json(const nlohmann::json& j) {
+  Measurement m;
+  m.window_seconds = j.at("window_seconds").get<std::vector<double>>();
+  m.steps_per_window = j.at("steps_per_window").get<int64_t>();
+  m.track_ms = j.at("track_ms").get<TrackPhaseMs>();
+  for (const auto& e : j.at("trace"))
+    m.trace.push_back({e.at(0).get<std::string>(), e.at(1).get<std::string>(),
+                       e.at(2).get<int64_t>(), e.at(3).get<int64_t>()});
+  m.final_loss = j.at("final_loss").get<float>();
+  m.peak_memory = j.at("peak_memory").get<std::vector<size_t>>();
+  m.comm_bytes = j.at("comm_bytes").get<int64_t>();
+  return m;
+}
+
+}  // namespace replica::bench

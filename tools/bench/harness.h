@@ -1,0 +1,58 @@
+// The timing harness every parallel suite shares: preloaded synthetic batches, warm-up steps,
+// timed windows (no host sync inside a window; one synchronize() at its end), per-phase times
+// from the tracer's spans, and optionally a traced window whose spans become a Chrome trace.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/trace.h"
+#include "parallel/train_engine.h"
+
+namespace replica::bench {
+
+struct RunOptions {
+  std::string model = "cnn";
+  Shape input_shape = {1, 28, 28};
+  int64_t batch_per_device = 64;
+  int64_t warmup = 10, steps = 50;
+  int repeat = 3;
+  int64_t trace_steps = 0;  // > 0: a traced window of this many steps after the timed ones
+  uint64_t seed = 0;
+  int threads_per_device = 1;
+};
+
+// `count` batches of `batch` synthetic samples of `shape` in pinned host memory, made once.
+std::vector<Batch> preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int count);
+
+// track -> phase -> milliseconds per step. Overlapping spans of one (track, phase) count once
+// (their union), so nested spans of one name are not double-counted. The extra track "*" holds,
+// per phase, the union over all tracks: the wall time during which some track was in it.
+using TrackPhaseMs = std::map<std::string, std::map<std::string, double>>;
+TrackPhaseMs per_step_ms(const std::vector<Tracer::Event>& events, int64_t steps);
+
+struct Measurement {
+  std::vector<double> window_seconds;  // wall time of each timed window
+  int64_t steps_per_window = 0;
+  TrackPhaseMs track_ms;               // per step, over every timed window (CUDA: a window
+                                       // with device-synchronised spans)
+  std::vector<Tracer::Event> trace;    // the traced window's spans (empty without tracing)
+  float final_loss = 0;
+  std::vector<size_t> peak_memory;     // per device of the engine
+  int64_t comm_bytes = 0;              // engine->comm_bytes_per_step()
+};
+
+// Runs warm-up, `repeat` timed windows of `steps` steps, then the traced window. `batches` are
+// this engine's inputs (DP: global batches; DDP: this rank's local batches).
+Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, const RunOptions& o);
+
+// Seconds of one training step of one device (a single-device engine on `device`, the model
+// and batch per device of `o`): 1 untimed step, then the mean of 2. For choosing step counts.
+double probe_step_seconds(const Device& device, const RunOptions& o);
+
+nlohmann::json to_json(const Measurement& m);
+Measurement measurement_from_json(const nlohmann::json& j);
+
+}  // namespace replica::bench

@@ -1,0 +1,152 @@
+// Starting DDP ranks of this program under replica-launch, with a deadline, and the arguments
+// that carry the suite's options into each rank.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "engine/error.h"
+#include "tools/bench/suites.h"
+
+namespace replica::bench {
+
+namespace {
+
+// A port nobody listens on right now (the kernel picks it), for the rendezvous store, so
+// concurrent benchmarks do not collide on replica-launch's default 29500.
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  REPLICA_CHECK(fd >= 0, "socket: {}", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  close(fd);
+  REPLICA_CHECK(ok, "cannot find a free port: {}", std::strerror(err));
+  return ntohs(addr.sin_port);
+}
+
+// The lines of the ranks' output that say what went wrong (at most 4).
+std::string error_lines(const std::string& log_path) {
+  std::ifstream in(log_path);
+  std::string line, out;
+  int kept = 0;
+  while (std::getline(in, line) && kept < 4) {
+    if (line.find("error") == std::string::npos && line.rfind("replica-launch:", 0) != 0) continue;
+    out += (out.empty() ? "" : "; ") + line;
+    ++kept;
+  }
+  return out.empty() ? "no error message (see " + log_path + ")" : out;
+}
+
+}  // namespace
+
+ScratchDir::ScratchDir() {
+  std::string tmpl =
+      (std::filesystem::temp_directory_path() / "replica-bench-XXXXXX").string();
+  REPLICA_CHECK(mkdtemp(tmpl.data()) != nullptr, "mkdtemp: {}", std::strerror(errno));
+  path = tmpl;
+}
+
+ScratchDir::~ScratchDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+}
+
+std::vector<std::string> worker_arguments(const SuiteOptions& o) {
+  return {"--model", o.run.model,
+          "--input-shape", fmt::format("{}", fmt::join(o.run.input_shape, "x")),
+          "--batch-per-device", std::to_string(o.run.batch_per_device),
+          "--warmup", std::to_string(o.run.warmup),
+          "--steps", std::to_string(o.run.steps),
+          "--repeat", std::to_string(o.run.repeat),
+          "--trace-steps", std::to_string(o.run.trace_steps),
+          "--seed", std::to_string(o.run.seed),
+          "--threads-per-device", std::to_string(o.run.threads_per_device),
+          "--devices", o.device_spec,
+          "--backend", o.backend,
+          "--timeout", fmt::format("{}", o.timeout_s)};
+}
+
+void launch_ranks(const SuiteOptions& o, int n, const std::vector<std::string>& worker_args,
+                  const std::string& log_path) {
+  const std::string launcher =
+      (std::filesystem::path(o.self_exe).parent_path() / "replica-launch").string();
+  REPLICA_USAGE_CHECK(access(launcher.c_str(), X_OK) == 0,
+                      "DDP needs replica-launch next to this program ({} is missing: build the "
+                      "target replica-launch)",
+                      launcher);
+  std::vector<std::string> args = {launcher, "--nproc-per-node", std::to_string(n),
+                                   "--master-addr", "127.0.0.1",
+                                   "--master-port", std::to_string(free_port()), "--",
+                                   o.self_exe};
+  args.insert(args.end(), worker_args.begin(), worker_args.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  REPLICA_CHECK(pid >= 0, "fork: {}", std::strerror(errno));
+  if (pid == 0) {
+    setpgid(0, 0);  // Ctrl-C reaches this program only; the launcher dies with it (below)
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+      close(fd);
+    }
+    execv(launcher.c_str(), argv.data());
+    std::fprintf(stderr, "replica-bench: error: cannot run %s: %s\n", launcher.c_str(),
+                 std::strerror(errno));
+    _exit(127);
+  }
+
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(o.timeout_s);
+  int status = 0;
+  bool timed_out = false;
+  for (;;) {
+    pid_t got = waitpid(pid, &status, WNOHANG);
+    if (got == pid) break;
+    if (got < 0 && errno != EINTR) throw Error(fmt::format("waitpid: {}", std::strerror(errno)));
+    if (Clock::now() >= deadline && !timed_out) {
+      timed_out = true;
+      kill(pid, SIGTERM);  // the launcher stops its ranks
+      const auto grace = Clock::now() + std::chrono::seconds(5);
+      while (waitpid(pid, &status, WNOHANG) == 0 && Clock::now() < grace)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      kill(pid, SIGKILL);  // its ranks die with it (PR_SET_PDEATHSIG)
+      waitpid(pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (timed_out)
+    throw Error(fmt::format("DDP on {} ranks did not finish within --timeout {} s; stopped it ({})",
+                            n, o.timeout_s, error_lines(log_path)));
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    throw Error(fmt::format("DDP on {} ranks failed: {}", n, error_lines(log_path)));
+}
+
+}  // namespace replica::bench

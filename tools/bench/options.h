@@ -1,0 +1,50 @@
+// replica-bench's command line, parsed (tools/replica_bench.cpp) and then resolved against the
+// machine: unset values (-1 / empty) get the defaults of the chosen suite.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace replica::bench {
+
+struct BenchOptions {
+  std::string suite;             // single | dp | ddp | dp,ddp (empty: single, or dp,ddp with --report)
+  std::string model = "cnn";
+  std::string input_shape;       // empty: 1x28x28 for cnn, 3x224x224 otherwise
+  int64_t batch = 64;            // single: the batch; dp/ddp: the batch per device
+  std::string threads;           // single: comma list of thread counts
+  std::string devices;           // dp/ddp: the largest device set (cpu*N, cuda, cuda:0*N)
+  std::string device_counts;     // dp/ddp: comma list (default 1, 2, 4, ..., N)
+  int threads_per_device = 0;    // dp/ddp CPU: 0 = cores / largest count
+  int64_t warmup = -1, steps = -1;
+  int repeat = -1;
+  int64_t trace_steps = 0;       // steps in the traced window (with --trace-dir: 5)
+  double sgemm_seconds = 1.0;
+  uint64_t seed = 0;
+  std::string reduce = "root";
+  std::string backend = "auto";
+  double timeout_s = 300;
+  std::string json, csv, trace_dir;
+  std::string report_dir;
+  std::vector<std::string> compare;  // JSON-lines files of other engines' rows
+  std::string from_results;          // re-render a report from this directory's results
+  bool skip_alpha_beta = false;
+  std::string worker, worker_out;    // hidden: a DDP rank of this program
+  std::string command_line;          // for the report
+};
+
+// "1,2,4" -> {1, 2, 4}: positive integers separated by `sep` (UsageError naming `what`).
+std::vector<int64_t> parse_positive_list(const std::string& text, char sep, const std::string& what);
+// The per-sample input shape: --input-shape CxHxW, else 1x28x28 for cnn, 3x224x224 otherwise.
+std::vector<int64_t> resolve_input_shape(const BenchOptions& o);
+// Checks the options every suite shares (model, batch, steps, ...): UsageError on the first problem.
+void validate_common(const BenchOptions& o);
+
+// The "single" suite (one device per thread count, against the sgemm ceiling).
+int run_single_suite(const BenchOptions& o);
+// The "dp"/"ddp" suites, optionally with a report (--report DIR).
+int run_parallel_suites(const BenchOptions& o);
+// A hidden DDP rank worker (--worker).
+int run_worker(const BenchOptions& o);
+
+}  // namespace replica::bench

@@ -1,0 +1,258 @@
+// The dp/ddp suites and --report: resolve devices and defaults for this machine, measure the
+// communication primitives, run the suites, then write rows (JSON lines, CSV), the projection,
+// the plots and report.md.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "engine/error.h"
+#include "tools/bench/alpha_beta.h"
+#include "tools/bench/environment.h"
+#include "tools/bench/options.h"
+#include "tools/bench/plots.h"
+#include "tools/bench/projection.h"
+#include "tools/bench/report_math.h"
+#include "tools/bench/report_md.h"
+#include "tools/bench/suites.h"
+
+namespace replica::bench {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::string self_exe() {
+  std::error_code ec;
+  auto p = fs::read_symlink("/proc/self/exe", ec);
+  REPLICA_CHECK(!ec, "cannot find this program's path: {}", ec.message());
+  return p.string();
+}
+
+// Devices, counts, threads and run options of the dp/ddp suites on this machine.
+SuiteOptions resolve(const BenchOptions& o) {
+  validate_common(o);
+  SuiteOptions s;
+  s.device_spec = !o.devices.empty() ? o.devices
+                  : cuda_device_count() > 0 ? std::string("cuda")
+                                            : fmt::format("cpu*{}", cpu_cores());
+  s.devices = parse_devices(s.device_spec, true);
+  const int most = int(s.devices.size());
+  if (o.device_counts.empty()) {
+    s.counts = device_counts_up_to(most);
+  } else {
+    REPLICA_USAGE_CHECK(o.device_counts.find_first_not_of("0123456789,") == std::string::npos,
+                        "--device-counts '{}': expected a comma list like 1,2,4", o.device_counts);
+    for (int64_t n : parse_positive_list(o.device_counts, ',', "--device-counts")) {
+      REPLICA_USAGE_CHECK(n <= most, "--device-counts {}: --devices {} has only {} device{}", n,
+                          s.device_spec, most, most == 1 ? "" : "s");
+      if (std::find(s.counts.begin(), s.counts.end(), int(n)) == s.counts.end())
+        s.counts.push_back(int(n));
+    }
+    std::sort(s.counts.begin(), s.counts.end());
+  }
+  const int largest = s.counts.back();
+  s.run.model = o.model;
+  s.run.input_shape = resolve_input_shape(o);
+  s.run.batch_per_device = o.batch;
+  s.run.warmup = o.warmup;
+  s.run.steps = o.steps;
+  s.run.repeat = o.repeat;
+  s.run.trace_steps = o.trace_steps;
+  s.run.seed = o.seed;
+  s.run.threads_per_device = o.threads_per_device > 0
+                                 ? o.threads_per_device
+                                 : (s.devices[0].is_cuda() ? 1 : std::max(1, cpu_cores() / largest));
+  if (s.devices[0].is_cpu() && largest * s.run.threads_per_device > cpu_cores())
+    std::fprintf(stderr,
+                 "replica-bench: note: %d devices x %d threads is more than the %d cores here: "
+                 "devices will compete for cores\n",
+                 largest, s.run.threads_per_device, cpu_cores());
+  s.reduce = o.reduce;
+  s.backend = o.backend;
+  s.timeout_s = o.timeout_s;
+  s.trace_dir = !o.report_dir.empty() ? o.report_dir : o.trace_dir;
+  s.self_exe = self_exe();
+  return s;
+}
+
+std::vector<std::string> suites_of(const std::string& suite) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    const size_t at = suite.find(',', start);
+    const std::string s = suite.substr(start, at == std::string::npos ? at : at - start);
+    REPLICA_USAGE_CHECK(s == "dp" || s == "ddp",
+                        "--suite '{}': expected single, dp, ddp or dp,ddp", suite);
+    if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+    if (at == std::string::npos) break;
+    start = at + 1;
+  }
+  return out;
+}
+
+void print_table(const std::vector<json>& rows) {
+  std::printf("\n%-5s %7s %11s %8s %10s %9s %12s %8s %9s %11s\n", "mode", "devices", "samples/s",
+              "speedup", "efficiency", "ms/step", "bytes/step", "formula", "busbw", "peak dev0");
+  for (const auto& r : rows) {
+    auto num = [&](const char* k) { return r[k].is_number() ? r[k].get<double>() : -1.0; };
+    std::printf("%-5s %7d %11.1f %8s %10s %9.2f %12lld %8s %9s %11s\n",
+                r["mode"].get<std::string>().c_str(), r["devices"].get<int>(),
+                num("samples_per_sec"),
+                num("speedup") < 0 ? "-" : fmt::format("{:.2f}x", num("speedup")).c_str(),
+                num("efficiency") < 0 ? "-"
+                                      : fmt::format("{:.1f}%", 100 * num("efficiency")).c_str(),
+                num("ms_per_step"), (long long)r["comm_bytes"].get<int64_t>(),
+                r.value("comm_bytes_match", false) ? "equal" : "DIFFERS",
+                num("busbw_gbps") < 0 ? "-" : fmt::format("{:.3f}GB/s", num("busbw_gbps")).c_str(),
+                format_bytes(r["peak_memory_bytes"][0].get<double>()).c_str());
+  }
+  std::printf("weak scaling: batch per device fixed; efficiency = speedup / devices; busbw: "
+              "nccl-tests' bus bandwidth of the reduce (DP) / all-reduce (DDP).\n");
+}
+
+void write_json(const std::string& path, const json& j) {
+  std::ofstream out(path);
+  REPLICA_USAGE_CHECK(out.good(), "cannot write '{}'", path);
+  out << j.dump(2) << "\n";
+}
+
+json read_json_if_present(const std::string& path) {
+  std::ifstream in(path);
+  if (!in.good()) return json();
+  try {
+    return json::parse(in);
+  } catch (const std::exception&) {
+    throw UsageError(fmt::format("'{}' is not valid JSON", path));
+  }
+}
+
+}  // namespace
+
+int run_worker(const BenchOptions& o) {
+  SuiteOptions s = resolve(o);
+  s.quiet = true;
+  return run_rank_worker(o.worker, s, o.worker_out);
+}
+
+int run_parallel_suites(const BenchOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool report = !o.report_dir.empty();
+  REPLICA_USAGE_CHECK(o.from_results.empty() || report, "--from-results needs --report DIR");
+  REPLICA_USAGE_CHECK(o.compare.empty() || report, "--compare needs --report DIR");
+  if (!o.trace_dir.empty() || report) {
+    const std::string dir = report ? o.report_dir : o.trace_dir;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    REPLICA_USAGE_CHECK(!ec && fs::is_directory(dir), "cannot create directory '{}'", dir);
+  }
+  // Other engines' rows first: a bad file fails now, not after minutes of measuring.
+  std::vector<json> compare;
+  std::vector<std::string> compare_files = o.compare;
+  for (const auto& f : o.compare) {
+    auto more = read_rows(f);
+    for (auto& r : more)
+      if (r.value("engine", "replica") == "replica") r["engine"] = "other";
+    compare.insert(compare.end(), more.begin(), more.end());
+  }
+  std::vector<json> rows;
+  json alpha_beta;
+  json env;
+  if (!o.from_results.empty()) {
+    rows = read_rows((fs::path(o.from_results) / "results.jsonl").string());
+    alpha_beta = read_json_if_present((fs::path(o.from_results) / "alpha_beta.json").string());
+    env = rows[0].value("env", json());
+  } else {
+    SuiteOptions s = resolve(o);
+    const auto suites = suites_of(o.suite);
+    s.env = environment();
+    env = s.env;
+    env["device_spec"] = s.device_spec;
+    s.env = env;
+    const ModelFacts facts = model_facts(s.run.model, s.run.input_shape);
+    if (s.run.steps < 0 || s.run.warmup < 0) {
+      // Windows of about 5 s and 1 s of warm-up at one device's step rate: stable medians for
+      // small models, bounded time for big ones.
+      const double t = probe_step_seconds(s.devices[0], s.run);
+      if (s.run.steps < 0) s.run.steps = std::clamp<int64_t>(std::llround(5.0 / t), 3, 100);
+      if (s.run.warmup < 0) s.run.warmup = std::clamp<int64_t>(std::llround(1.0 / t), 2, 10);
+    }
+    std::printf("replica-bench: %s on %s (counts %s), %s %s, %lld per device, %d thread%s per "
+                "device, %lld warm-up + %d x %lld timed steps\n",
+                o.suite.c_str(), s.device_spec.c_str(),
+                fmt::format("{}", fmt::join(s.counts, ",")).c_str(), s.run.model.c_str(),
+                fmt::format("{}", fmt::join(s.run.input_shape, "x")).c_str(),
+                (long long)s.run.batch_per_device, s.run.threads_per_device,
+                s.run.threads_per_device == 1 ? "" : "s", (long long)s.run.warmup, s.run.repeat,
+                (long long)s.run.steps);
+    std::fflush(stdout);
+    if (report && !o.skip_alpha_beta && s.counts.back() >= 2 && s.devices.size() >= 2) {
+      std::printf("alpha-beta of the communication primitives ... ");
+      std::fflush(stdout);
+      alpha_beta = json::object();
+      const auto sizes = sweep_sizes(double(facts.params) * 4);
+      if (std::find(suites.begin(), suites.end(), "dp") != suites.end())
+        alpha_beta.update(measure_dp_primitives(s.devices, s.run.threads_per_device, sizes));
+      if (std::find(suites.begin(), suites.end(), "ddp") != suites.end())
+        alpha_beta["ddp_allreduce"] = measure_ddp_allreduce(s, sizes);
+      std::printf("done\n");
+    }
+    for (const auto& suite : suites) {
+      if (suite == "dp") run_dp_suite(s, facts, rows);
+      else run_ddp_suite(s, facts, rows);
+    }
+  }
+  add_scaling(rows);
+  print_table(rows);
+  if (!o.json.empty()) append_rows(o.json, rows);
+  if (!o.csv.empty()) write_csv(o.csv, rows);
+  if (!report) return 0;
+
+  const fs::path dir = o.report_dir;
+  if (o.compare.empty() && !o.from_results.empty() &&
+      fs::exists(fs::path(o.from_results) / "compare.jsonl")) {
+    compare = read_rows((fs::path(o.from_results) / "compare.jsonl").string());
+    compare_files.push_back("compare.jsonl");
+  }
+  add_scaling(compare);
+  const json projection = build_projection(rows, alpha_beta);
+  // Everything is read by now, so rewriting the files of a re-rendered directory is safe.
+  const std::string results = (dir / "results.jsonl").string();
+  std::ofstream(results, std::ios::trunc).close();
+  append_rows(results, rows);
+  write_csv((dir / "results.csv").string(), rows);
+  write_json((dir / "alpha_beta.json").string(), alpha_beta.is_null() ? json::object() : alpha_beta);
+  write_json((dir / "projection.json").string(), projection);
+  std::ofstream(dir / "compare.jsonl", std::ios::trunc).close();
+  if (!compare.empty()) append_rows((dir / "compare.jsonl").string(), compare);
+
+  ReportInputs in;
+  in.dir = dir.string();
+  in.rows = rows;
+  in.compare = compare;
+  in.compare_files = compare_files;
+  in.alpha_beta = alpha_beta;
+  in.projection = projection;
+  in.env = env;
+  const PlotOutcome plots = draw_plots(dir.string(), self_exe());
+  in.plots = plots.files;
+  in.plot_note = plots.note;
+  in.command = o.command_line;
+  if (o.from_results.empty())
+    in.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  write_report(in);
+  std::printf("report: %s (%zu plot%s%s)\n", (dir / "report.md").c_str(), plots.files.size(),
+              plots.files.size() == 1 ? "" : "s",
+              plots.note.empty() ? "" : (": " + plots.note).c_str());
+  return 0;
+}
+
+}  // namespace replica::bench

@@ -1,0 +1,155 @@
+// The DDP suite: for each device count, n ranks of this program under replica-launch; every
+// rank builds make_ddp_engine on its device and runs the same harness as DP, then writes its
+// measurement; the parent turns them into one row (and one trace with a process per rank).
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "engine/error.h"
+#include "parallel/ddp_engine.h"
+#include "parallel/store.h"
+#include "tools/bench/alpha_beta.h"
+#include "tools/bench/suites.h"
+#include "tools/bench/trace_export.h"
+
+namespace replica::bench {
+
+namespace {
+
+void write_json_file(const std::string& path, const nlohmann::json& j) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    REPLICA_CHECK(out.good(), "cannot write '{}'", path);
+    out << j.dump() << "\n";
+  }
+  REPLICA_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot write '{}'", path);
+}
+
+Rendezvous join(const SuiteOptions& o) {
+  Rendezvous rv = rendezvous_env_ranks();
+  if (rv.world_size > 1) {
+    RendezvousOptions ro;
+    ro.timeout = std::chrono::milliseconds(int64_t(o.timeout_s * 1000));
+    rv = rendezvous(ro);
+  }
+  return rv;
+}
+
+std::string master_addr() {
+  const char* addr = std::getenv("MASTER_ADDR");
+  return addr ? addr : "127.0.0.1";
+}
+
+}  // namespace
+
+std::string ddp_backend(const SuiteOptions& o, int n) {
+  if (o.backend != "auto") return o.backend;
+  if (n <= 1 || !o.devices[0].is_cuda() || !nccl_available()) return "gloo";
+  std::set<int> gpus;
+  for (int r = 0; r < n; ++r) gpus.insert(o.devices[r].index);
+  return int(gpus.size()) == n ? "nccl" : "gloo";  // logical devices sharing a GPU: Gloo
+}
+
+void run_ddp_suite(const SuiteOptions& o, const ModelFacts& facts,
+                   std::vector<nlohmann::json>& rows) {
+  for (int n : o.counts) {
+    Config c;
+    c.mode = "ddp";
+    c.devices.assign(o.devices.begin(), o.devices.begin() + n);
+    c.run = o.run;
+    if (!o.trace_dir.empty() && c.run.trace_steps == 0) c.run.trace_steps = 5;
+    c.backend = ddp_backend(o, n);
+    if (!o.quiet) {
+      std::printf("ddp  %2d rank%s    %s ... ", n, n == 1 ? " " : "s", o.run.model.c_str());
+      std::fflush(stdout);
+    }
+    SuiteOptions ro = o;
+    ro.run = c.run;
+    ro.backend = c.backend;
+    ScratchDir dir;
+    std::vector<std::string> args = worker_arguments(ro);
+    args.insert(args.end(), {"--worker", "ddp", "--worker-out", dir.file("result")});
+    try {
+      launch_ranks(ro, n, args, dir.file("launch.log"));
+    } catch (...) {
+      if (!o.quiet) std::printf("failed\n");  // the error itself goes to stderr
+      throw;
+    }
+
+    std::vector<Measurement> ranks;
+    std::vector<TraceProcess> trace;
+    for (int r = 0; r < n; ++r) {
+      const std::string path = dir.file(fmt::format("result.rank{}.json", r));
+      std::ifstream in(path);
+      REPLICA_CHECK(in.good(), "DDP rank {} of {} wrote no result", r, n);
+      const nlohmann::json j = nlohmann::json::parse(in);
+      ranks.push_back(measurement_from_json(j.at("measurement")));
+      trace.push_back({fmt::format("rank {} ({})", r, j.value("device", "?")), ranks.back().trace});
+    }
+    nlohmann::json row = make_row(c, facts, ranks, o.env);
+    if (!o.trace_dir.empty()) {
+      const std::string name = fmt::format("trace-ddp-{}dev.json", n);
+      write_chrome_trace((std::filesystem::path(o.trace_dir) / name).string(), trace);
+      row["trace"] = name;
+    }
+    if (!o.quiet) {
+      std::printf("%8.1f samples/s\n", row["samples_per_sec"].get<double>());
+      std::fflush(stdout);
+    }
+    rows.push_back(row);
+  }
+}
+
+int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::string& out) {
+  REPLICA_USAGE_CHECK(kind == "ddp" || kind == "allreduce", "unknown --worker '{}'", kind);
+  REPLICA_USAGE_CHECK(!out.empty(), "--worker needs --worker-out");
+  Rendezvous rv = join(o);
+  const Device device = o.devices[rv.rank % int(o.devices.size())];
+  const std::string backend = ddp_backend(o, rv.world_size);
+  const auto timeout = std::chrono::milliseconds(int64_t(o.timeout_s * 1000));
+
+  if (kind == "allreduce") {
+    DeviceContext ctx(device, ContextOptions{o.run.threads_per_device, false});
+    ctx.activate();
+    std::unique_ptr<ProcessGroup> group;
+    if (rv.world_size <= 1) group = make_single_process_group();
+    else if (backend == "nccl") group = make_nccl_group(rv.rank, rv.world_size, *rv.store, ctx, timeout);
+    else group = make_gloo_group(rv.rank, rv.world_size, *rv.store, master_addr(), timeout);
+    const double grad_bytes = double(model_facts(o.run.model, o.run.input_shape).params) * 4;
+    nlohmann::json points = allreduce_sweep(*group, ctx, sweep_sizes(grad_bytes));
+    group->barrier();
+    if (rv.rank == 0) write_json_file(out + ".json", {{"points", points}});
+    group->barrier();  // rank 0 hosts the store: nobody leaves while another still uses it
+    return 0;
+  }
+
+  EngineOptions eo;
+  eo.model = o.run.model;
+  eo.input_shape = o.run.input_shape;
+  eo.num_classes = 10;
+  eo.seed = o.run.seed;
+  eo.threads_per_device = o.run.threads_per_device;
+  DdpOptions d;
+  d.rank = rv.rank;
+  d.world_size = rv.world_size;
+  d.store = rv.store;
+  d.backend = backend;
+  d.host = master_addr();
+  d.timeout = timeout;
+  auto engine = make_ddp_engine(device, eo, d);
+  // Each rank its own samples (as a DistributedSampler would give it), the same count.
+  const auto batches = preload_batches(o.run.input_shape, o.run.batch_per_device,
+                                       o.run.seed + 7919 * uint64_t(rv.rank + 1), 4);
+  Measurement m = measure(*engine, batches, o.run);
+  engine->finish();
+  write_json_file(fmt::format("{}.rank{}.json", out, rv.rank),
+                  {{"rank", rv.rank}, {"device", device.str()}, {"measurement", to_json(m)}});
+  return 0;
+}
+
+}  // namespace replica::bench
