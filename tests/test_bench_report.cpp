@@ -1,0 +1,308 @@
+// replica-bench's report arithmetic on fixed inputs with hand-computed results (efficiency,
+// bytes per step, algbw/busbw factors, the alpha-beta fit, the projection and its error), the
+// engines' byte counts against the formulas, and the program itself: a short DP/DDP run with
+// traces, a report rendered from a committed fixture with PyTorch rows beside it, bad input,
+// a dead DDP rank, and the PyTorch script's message when PyTorch is missing.
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_helpers.h"
+#include "parallel/dp_engine.h"
+#include "tools/bench/harness.h"
+#include "tools/bench/projection.h"
+#include "tools/bench/report_math.h"
+#include "tools/bench/rows.h"
+
+using namespace replica;
+using namespace replica::bench;
+using doctest::Approx;
+
+namespace {
+
+const std::string kBench = test::bin("replica-bench");
+const std::string kFixture = std::string(REPLICA_SOURCE_DIR) + "/tests/data/bench";
+constexpr int64_t kCnnParams = 111100;  // 520 + 10,020 + 100,050 + 510
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<nlohmann::json> read_lines(const std::string& path) {
+  std::vector<nlohmann::json> rows;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
+  return rows;
+}
+
+void expect_clean_error(const std::string& args, const std::string& must_contain) {
+  test::RunResult r = test::run(kBench + " " + args, 60);
+  INFO("args: " << args << "\noutput: " << r.output);
+  CHECK((r.exit_code == 1 || r.exit_code == 2));
+  CHECK(test::count_lines(r.output) == 1);
+  CHECK(r.output.rfind("replica-bench: error: ", 0) == 0);
+  CHECK(r.output.find(must_contain) != std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("speed-up and efficiency are against one device of the same mode") {
+  CHECK(speedup(1800, 1000) == Approx(1.8));
+  CHECK(efficiency(1800, 1000, 2) == Approx(0.9));
+  CHECK(efficiency(3000, 1000, 4) == Approx(0.75));
+  CHECK(efficiency(1000, 1000, 1) == Approx(1.0));
+  CHECK(efficiency(5, 0, 2) == 0.0);  // no baseline: no number, not a division by zero
+}
+
+TEST_CASE("bytes per step follow the gradient size") {
+  const int64_t s = 4 * kCnnParams;  // 444,400 B
+  CHECK(dp_comm_bytes(kCnnParams, 1) == 0);
+  CHECK(dp_comm_bytes(kCnnParams, 2) == 444400);
+  CHECK(dp_comm_bytes(kCnnParams, 4) == 3 * s);
+  CHECK(ddp_comm_bytes(kCnnParams, 1) == 0);
+  CHECK(ddp_comm_bytes(kCnnParams, 2) == s);
+  CHECK(ddp_comm_bytes(kCnnParams, 8) == s);
+  CHECK(ring_wire_bytes(s, 2) == Approx(444400));
+  CHECK(ring_wire_bytes(s, 4) == Approx(666600));  // 2 * 3/4 * S
+}
+
+TEST_CASE("algbw and busbw use nccl-tests' factors") {
+  CHECK(bus_factor(Collective::AllReduce, 2) == Approx(1.0));
+  CHECK(bus_factor(Collective::AllReduce, 4) == Approx(1.5));
+  CHECK(bus_factor(Collective::AllReduce, 8) == Approx(1.75));
+  CHECK(bus_factor(Collective::Reduce, 8) == 1.0);
+  CHECK(bus_factor(Collective::Broadcast, 8) == 1.0);
+  CHECK(algbw_gbps(444400, 1e-3) == Approx(0.4444));
+  CHECK(busbw_gbps(Collective::AllReduce, 4, 444400, 1e-3) == Approx(0.6666));
+  CHECK(busbw_gbps(Collective::Reduce, 4, 444400, 1e-3) == Approx(0.4444));
+  CHECK(algbw_gbps(1, 0) == 0.0);
+}
+
+TEST_CASE("alpha-beta fit") {
+  SUBCASE("points on a line give the line back") {
+    // t = 100 us + S / (1 GB/s)
+    const std::vector<double> bytes = {1e4, 1e5, 1e6};
+    std::vector<double> t;
+    for (double b : bytes) t.push_back(1e-4 + b / 1e9);
+    const AlphaBeta f = fit_alpha_beta(bytes, t);
+    CHECK(f.alpha_s == Approx(1e-4).epsilon(1e-9));
+    CHECK(f.beta_bytes_per_s == Approx(1e9).epsilon(1e-9));
+    CHECK(f.seconds(2e6) == Approx(2.1e-3));
+  }
+  SUBCASE("a negative intercept is clamped to zero latency") {
+    // (1000 B, 0.5 us), (2000 B, 1.5 us): the free line has intercept -0.5 us. Through the
+    // origin, weights 1/t^2: c = sum(w S t) / sum(w S^2) = (10/3 e9) / (52/9 e18) = 0.5769e-9.
+    const AlphaBeta f = fit_alpha_beta({1000, 2000}, {0.5e-6, 1.5e-6});
+    CHECK(f.alpha_s == 0.0);
+    CHECK(f.beta_bytes_per_s == Approx(26.0 / 15.0 * 1e9));
+  }
+  SUBCASE("not enough information is an error") {
+    CHECK_THROWS_AS(fit_alpha_beta({1000}, {1e-6}), std::invalid_argument);
+    CHECK_THROWS_AS(fit_alpha_beta({1000, 1000}, {1e-6, 2e-6}), std::invalid_argument);
+    CHECK_THROWS_AS(fit_alpha_beta({1000, 2000}, {1e-6, 0}), std::invalid_argument);
+  }
+  SUBCASE("a ring all-reduce splits into per-message latency and per-link bandwidth") {
+    const AlphaBeta two = ring_alpha_beta({2e-4, 1e9}, 2);  // 2(n-1) = 2 messages, factor 1
+    CHECK(two.alpha_s == Approx(1e-4));
+    CHECK(two.beta_bytes_per_s == Approx(1e9));
+    const AlphaBeta four = ring_alpha_beta({2e-4, 1e9}, 4);  // 6 messages, factor 1.5
+    CHECK(four.alpha_s == Approx(2e-4 / 6));
+    CHECK(four.beta_bytes_per_s == Approx(1.5e9));
+    CHECK(ring_allreduce_seconds(four, 4, 4e6, 1) == Approx(2e-4 + 4e6 / 1e9));
+  }
+}
+
+TEST_CASE("projection on fixed inputs") {
+  // T1 = 10 ms, Tb = 6 ms, b = 32, S = 4 MB in K = 2 buckets, the last 1 MB: w = 0.75.
+  const ComputeInputs compute{10e-3, 6e-3, 32};
+  const GradientInputs grad{4e6, 2, 1e6};
+  CHECK(overlappable_fraction(grad) == Approx(0.75));
+
+  SUBCASE("DDP: ring all-reduce, partly hidden behind backward") {
+    const DdpModel m{compute, grad, {50e-6, 1e9}};
+    // n = 8: C = 2*2*7*50 us + (14/8) * 4 MB / 1 GB/s = 1.4 ms + 7 ms = 8.4 ms;
+    // hidden = min(0.75 * 8.4, 6) = 6 ms; T = 10 + 8.4 - 6 = 12.4 ms.
+    const Projected p8 = project_ddp(m, 8);
+    CHECK(p8.comm_s == Approx(8.4e-3));
+    CHECK(p8.hidden_s == Approx(6e-3));
+    CHECK(p8.step_s == Approx(12.4e-3));
+    CHECK(p8.samples_per_sec == Approx(8 * 32 / 12.4e-3));  // 20,645.2
+    CHECK(p8.efficiency == Approx(10.0 / 12.4));              // 80.6%
+    // n = 2: C = 0.2 + 4 = 4.2 ms, hidden 3.15 ms, T = 11.05 ms.
+    CHECK(project_ddp(m, 2).step_s == Approx(11.05e-3));
+    CHECK(project_ddp(m, 1).step_s == Approx(10e-3));
+    CHECK(project_ddp(m, 1).efficiency == Approx(1.0));
+  }
+  SUBCASE("DP: reduce into and broadcast out of device 0") {
+    const DpModel m{compute, grad, {1e-6, 10e9}, {2e-6, 20e9}};
+    // n = 4: R = 3 (2 * 1 us + 0.4 ms) = 1.206 ms, hidden 0.75 R = 0.9045 ms,
+    // B = 3 (2 us + 0.2 ms) = 0.606 ms; T = 10 + 1.206 - 0.9045 + 0.606 = 10.9075 ms.
+    const Projected p4 = project_dp(m, 4);
+    CHECK(p4.hidden_s == Approx(0.9045e-3));
+    CHECK(p4.comm_s == Approx(1.812e-3));
+    CHECK(p4.step_s == Approx(10.9075e-3));
+    CHECK(p4.samples_per_sec == Approx(128 / 10.9075e-3));  // 11,735.0
+    CHECK(p4.efficiency == Approx(10.0 / 10.9075));
+  }
+  CHECK(relative_error(110, 100) == Approx(0.1));
+  CHECK(relative_error(90, 100) == Approx(-0.1));
+}
+
+TEST_CASE("device counts: powers of two and the largest") {
+  CHECK(device_counts_up_to(1) == std::vector<int>{1});
+  CHECK(device_counts_up_to(2) == std::vector<int>{1, 2});
+  CHECK(device_counts_up_to(6) == std::vector<int>{1, 2, 4, 6});
+  CHECK(device_counts_up_to(8) == std::vector<int>{1, 2, 4, 8});
+}
+
+TEST_CASE("phase times count overlapping spans of one track once") {
+  const std::vector<Tracer::Event> events = {
+      {"cpu:0", "backward", 0, 10}, {"cpu:0", "backward", 5, 15},  // nested: 15 us
+      {"cpu:1", "backward", 20, 30}, {"comm", "reduce", 8, 12}};
+  const TrackPhaseMs ms = per_step_ms(events, 1);
+  CHECK(ms.at("cpu:0").at("backward") == Approx(0.015));
+  CHECK(ms.at("cpu:1").at("backward") == Approx(0.010));
+  CHECK(ms.at("*").at("backward") == Approx(0.025));  // wall time some device was in backward
+  CHECK(ms.at("comm").at("reduce") == Approx(0.004));
+  CHECK(per_step_ms(events, 5).at("cpu:0").at("backward") == Approx(0.003));
+}
+
+TEST_CASE("the engines count the bytes the formulas give") {
+  const ModelFacts cnn = model_facts("cnn", {1, 28, 28});
+  CHECK(cnn.params == kCnnParams);
+  CHECK(cnn.bucket_bytes == std::vector<int64_t>{4 * kCnnParams});  // one bucket below 1 MB
+  // torchvision's resnet18 with 10 classes: 11,689,512 - 513,000 + 5,130.
+  const ModelFacts r18 = model_facts("resnet18", {3, 224, 224});
+  CHECK(r18.params == 11181642);
+  CHECK(r18.bucket_bytes.front() <= (1 << 20));
+  int64_t sum = 0;
+  for (int64_t b : r18.bucket_bytes) sum += b;
+  CHECK(sum == 4 * r18.params);
+
+  EngineOptions eo;
+  eo.threads_per_device = 1;
+  auto dp = make_dp_engine(parse_devices("cpu*2"), eo);
+  const auto batches = preload_batches({1, 28, 28}, 4, 0, 1);
+  dp->train_step(batches[0]);
+  dp->synchronize();
+  CHECK(dp->comm_bytes_per_step() == dp_comm_bytes(kCnnParams, 2));
+}
+
+TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
+  test::TempDir tmp;
+  const auto r = test::run(kBench + " --suite dp,ddp --devices cpu*2 --steps 3 --warmup 1 "
+                                    "--repeat 1 --batch 8 --threads-per-device 1 --json " +
+                               tmp.str("rows.jsonl") + " --csv " + tmp.str("rows.csv") +
+                               " --trace-dir " + tmp.str("traces"),
+                           240);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  const auto rows = read_lines(tmp.str("rows.jsonl"));
+  REQUIRE(rows.size() == 4);
+  for (const auto& row : rows) {
+    for (const auto& f : required_fields()) CHECK(row.contains(f));
+    const int n = row["devices"];
+    CHECK(row["comm_bytes"] == (row["mode"] == "dp" ? dp_comm_bytes(kCnnParams, n)
+                                                    : ddp_comm_bytes(kCnnParams, n)));
+    CHECK(row["comm_bytes_match"] == true);
+    CHECK(row["peak_memory_bytes"].size() == size_t(n));
+    CHECK(row["samples_per_sec"].get<double>() > 0);
+    CHECK(row["efficiency"].is_number());
+    CHECK(row["env"]["cores"].is_number());
+    CHECK(!row["env"]["commit"].get<std::string>().empty());
+    CHECK(row["phase_ms"].contains("backward"));
+    if (n == 2) CHECK(row["busbw_gbps"].get<double>() > 0);
+  }
+  CHECK(test::count_lines(read_file(tmp.str("rows.csv"))) == 5);
+  // A track per device and one for the communication thread.
+  const auto dp_trace = read_file(tmp.str("traces/trace-dp-2dev.json"));
+  for (const char* track : {"\"cpu:0\"", "\"cpu:1\"", "\"comm\"", "\"reduce\"", "\"backward\""})
+    CHECK(dp_trace.find(track) != std::string::npos);
+  const auto ddp_trace = read_file(tmp.str("traces/trace-ddp-2dev.json"));
+  for (const char* track : {"\"rank0 cpu:0\"", "\"rank1 cpu:1\"", "\"comm\"", "\"allreduce\"",
+                            "rank 1 (cpu:1)"})
+    CHECK(ddp_trace.find(track) != std::string::npos);
+}
+
+TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside them") {
+  test::TempDir tmp;
+  const auto r = test::run(kBench + " --report " + tmp.str("out") + " --from-results " +
+                           kFixture + " --compare " + kFixture + "/pytorch_sample.jsonl");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  const std::string md = read_file(tmp.str("out/report.md"));
+  INFO(md);
+  CHECK(md.find("Side by side with PyTorch") != std::string::npos);
+  CHECK(md.find("| ddp | cnn | 1x28x28 | 2 | 64 | 2700.0 | pytorch | 2100.0 | 1.29x | 87.5% |") !=
+        std::string::npos);
+  CHECK(md.find("| pytorch | ddp | cnn | 1x28x28 | 2 |") != std::string::npos);
+  // Efficiency 2800 / (2 x 1500); bytes equal to the formula.
+  CHECK(md.find("| replica | dp | cnn | 1x28x28 | 2 | 128 | 2800.0 | 1.87x | 93.3% |") !=
+        std::string::npos);
+  CHECK(md.find("| replica dp | 2 | reduce | 444,400 | 444,400 | yes |") != std::string::npos);
+  // The projection's error where it was measured, from the fixture's inputs by hand:
+  // DDP T(2) = 64/1480 s + 2 x 50 us + 444,400 B / 1 GB/s = 43.788 ms -> 2923.2 samples/s.
+  CHECK(md.find("| 2 | 2700.0 | 2923.2 | +8.3% |") != std::string::npos);
+  // DP T(2) = 64/1500 s + 2 x (0.1 us + 444,400 B / 20 GB/s) = 42.711 ms -> 2996.9 samples/s.
+  CHECK(md.find("| 2 | 2800.0 | 2996.9 | +7.0% |") != std::string::npos);
+  CHECK(md.find("| 8 (projection) |") != std::string::npos);
+  CHECK(md.find("| 64 (projection) |") != std::string::npos);
+  for (const char* f : {"results.jsonl", "results.csv", "projection.json", "compare.jsonl"})
+    CHECK(test::fs::exists(tmp.path / "out" / f));
+  const auto projection = nlohmann::json::parse(read_file(tmp.str("out/projection.json")));
+  REQUIRE(projection.size() == 1);
+  CHECK(projection[0]["ddp"]["inputs"]["S_bytes"] == Approx(444400));
+}
+
+TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
+  test::TempDir tmp;
+  expect_clean_error("--suite ring", "--suite");
+  expect_clean_error("--suite dp --model transformer", "unknown model");
+  expect_clean_error("--suite dp --devices cpu*2 --device-counts 3", "--device-counts");
+  expect_clean_error("--suite dp --devices tpu", "unknown device");
+  expect_clean_error("--suite dp --batch 0", "--batch");
+  expect_clean_error("--suite ddp --backend mpi", "--backend");
+  expect_clean_error("--suite single --report " + tmp.str("r"), "--report");
+  expect_clean_error("--suite dp --compare x.jsonl", "--compare needs --report");
+  expect_clean_error("--report " + tmp.str("r") + " --from-results " + tmp.str("none"),
+                     "results.jsonl");
+  {
+    std::ofstream bad(tmp.str("bad.jsonl"));
+    bad << R"({"mode": "ddp", "devices": 2, "model": "cnn", "batch_per_device": 64})" << "\n";
+  }
+  expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --compare " +
+                         tmp.str("bad.jsonl"),
+                     "missing field 'samples_per_sec'");
+}
+
+TEST_CASE("a dead DDP rank ends the benchmark with an error, not a hang") {
+  const auto r = test::run("env REPLICA_BENCH_KILL_RANK=1 " + kBench +
+                               " --suite ddp --devices cpu*2 --device-counts 2 --steps 3 "
+                               "--warmup 1 --repeat 1 --batch 8 --timeout 60",
+                           90);
+  INFO(r.output);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find("replica-bench: error: DDP on 2 ranks failed") != std::string::npos);
+  CHECK(r.output.find("rank 1") != std::string::npos);
+}
+
+TEST_CASE("tools/pytorch_bench.py says so when PyTorch is missing") {
+  const std::string script = std::string(REPLICA_SOURCE_DIR) + "/tools/pytorch_bench.py";
+  if (test::run("python3 -c 'import torch'").exit_code == 0) {
+    MESSAGE("PyTorch is installed here: the missing-PyTorch message is not checked");
+    return;
+  }
+  const auto r = test::run("python3 " + script + " --out /dev/null");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(test::count_lines(r.output) == 1);
+  CHECK(r.output.find("pytorch_bench: error: PyTorch is not installed") != std::string::npos);
+}

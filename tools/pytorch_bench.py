@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""PyTorch's DataParallel and DistributedDataParallel on the same model, batch and synthetic data
+as `replica-bench --suite dp,ddp`, writing JSON lines with replica-bench's field names (and
+"engine": "pytorch"), for `replica-bench --report DIR --compare FILE`.
+
+    python3 tools/pytorch_bench.py --out pytorch.jsonl                       # CNN, all GPUs (else CPU)
+    python3 tools/pytorch_bench.py --devices cuda:0*4 --out pytorch.jsonl    # 4 ranks on GPU 0 (DDP, gloo)
+    python3 tools/pytorch_bench.py --model resnet50 --batch-per-device 32 --devices cuda --out p.jsonl
+
+Models as replica defines them: the CNN (conv 1->20 k5, ReLU, conv 20->20 k5, ReLU, maxpool 2,
+flatten, fc 2000->50, ReLU, fc 50->10) and torchvision's ResNets with 10 classes (a C-channel
+conv1 when the input has C != 3 channels). Adam (lr 1e-3), cross-entropy, weak scaling: every
+device trains --batch-per-device samples per step. Warm-up steps, then --repeat windows of
+--steps steps (median), then a short window whose forward/backward/step are timed separately
+(synchronised: phase_ms).
+
+DataParallel needs distinct GPUs, so DP rows exist for one device (the plain module) and for
+distinct GPUs; DDP runs one process per device (torch.multiprocessing), NCCL with a GPU per rank,
+Gloo on CPU or when ranks share a GPU (cuda:0*N, labelled devices_share_gpu).
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+
+def fail(msg, code=2):
+    print("pytorch_bench: error: " + msg, file=sys.stderr)
+    sys.exit(code)
+
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    import torch.nn as nn
+except ImportError:
+    fail("PyTorch is not installed (pip install torch torchvision): nothing measured")
+
+
+def parse_devices(spec):
+    """'cpu*2' | 'cuda' | 'cuda:0,1' | 'cuda:0*4' -> list of (kind, index) and whether they share."""
+    if spec.startswith("cpu"):
+        n = int(spec.split("*")[1]) if "*" in spec else 1
+        return [("cpu", i) for i in range(n)], False
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            fail("--devices cuda: no CUDA GPU visible to PyTorch")
+        return [("cuda", i) for i in range(torch.cuda.device_count())], False
+    if spec.startswith("cuda:"):
+        body = spec[5:]
+        if "*" in body:
+            gpu, n = body.split("*")
+            return [("cuda", int(gpu))] * int(n), int(n) > 1
+        return [("cuda", int(g)) for g in body.split(",")], False
+    fail("--devices '%s': expected cpu*N, cuda, cuda:0,1 or cuda:0*N" % spec)
+
+
+class Cnn(nn.Module):
+    def __init__(self, shape, classes=10):
+        super().__init__()
+        c, h, w = shape
+        self.conv1 = nn.Conv2d(c, 20, 5)
+        self.conv2 = nn.Conv2d(20, 20, 5)
+        self.fc1 = nn.Linear(20 * ((h - 8) // 2) * ((w - 8) // 2), 50)
+        self.fc2 = nn.Linear(50, classes)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        x = torch.flatten(torch.max_pool2d(x, 2), 1)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make_model(name, shape):
+    if name == "cnn":
+        return Cnn(shape)
+    try:
+        import torchvision
+    except ImportError:
+        fail("torchvision is not installed (pip install torchvision), needed for --model " + name)
+    m = getattr(torchvision.models, name)(num_classes=10)
+    if shape[0] != 3:
+        m.conv1 = nn.Conv2d(shape[0], 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return m
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def batches(shape, batch, seed, device, count=4):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = torch.rand((batch,) + tuple(shape), generator=g) - 0.5
+        y = torch.randint(0, 10, (batch,), generator=g)
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def measure(model, data, device, args, out_device=None):
+    """Warm-up, timed windows (seconds each), then a phase window -> (windows, phase_ms, loss)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    out_device = out_device or device
+
+    def step(i):
+        x, y = data[i % len(data)]
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), y.to(out_device))
+        loss.backward()
+        opt.step()
+        return loss
+
+    i = 0
+    for _ in range(args.warmup):
+        step(i)
+        i += 1
+    sync(device)
+    windows = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step(i)
+            i += 1
+        sync(device)
+        windows.append(time.perf_counter() - t0)
+    phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    n = min(args.steps, 10)
+    for _ in range(n):
+        x, y = data[i % len(data)]
+        i += 1
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), y.to(out_device))
+        sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        sync(device)
+        t2 = time.perf_counter()
+        opt.step()
+        sync(device)
+        t3 = time.perf_counter()
+        phases["forward"] += (t1 - t0) * 1e3 / n
+        phases["backward"] += (t2 - t1) * 1e3 / n
+        phases["step"] += (t3 - t2) * 1e3 / n
+    return windows, phases, float(loss.item())
+
+
+def peak_memory(device):
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # process max RSS
+
+
+def torch_device(d):
+    return torch.device("cuda:%d" % d[1]) if d[0] == "cuda" else torch.device("cpu")
+
+
+def environment(args):
+    env = {"engine": "pytorch", "torch": torch.__version__, "cores": os.cpu_count(),
+           "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    try:
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        env["nccl"] = None
+    return env
+
+
+def row(args, mode, devs, shared, params, windows, phases, loss, peaks, backend=None):
+    n = len(devs)
+    sps = [n * args.batch_per_device * args.steps / w for w in windows]
+    med = statistics.median(sps)
+    grad = 4 * params
+    return {
+        "engine": "pytorch", "mode": mode, "devices": n,
+        "device_list": ["%s:%d" % d for d in devs], "devices_share_gpu": shared,
+        "model": args.model, "input_shape": "x".join(map(str, args.shape)), "params": params,
+        "batch_per_device": args.batch_per_device, "global_batch": n * args.batch_per_device,
+        "threads_per_device": args.threads_per_device, "warmup_steps": args.warmup,
+        "timed_steps": args.steps, "repeats": args.repeat,
+        "data": "synthetic, preloaded on the device", "samples_per_sec": med,
+        "samples_per_sec_runs": sps, "ms_per_step": 1e3 * n * args.batch_per_device / med,
+        "speedup": None, "efficiency": None, "phase_ms": phases,
+        "comm_bytes": (grad if n > 1 else 0) if mode == "ddp" else (n - 1) * grad,
+        "busbw_gbps": None, "peak_memory_bytes": peaks,
+        "peak_memory_kind": "cuda max_memory_allocated" if devs[0][0] == "cuda" else "process max RSS",
+        "backend": backend, "final_loss": loss, "env": environment(args),
+    }
+
+
+def run_dp(args, devs, shared):
+    if len(devs) > 1 and (devs[0][0] != "cuda" or shared):
+        print("pytorch_bench: DataParallel needs distinct GPUs: no DP row for %d devices of %s"
+              % (len(devs), args.devices), file=sys.stderr)
+        return None
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads_per_device * len(devs) if devs[0][0] == "cpu" else 1)
+    device = torch_device(devs[0])
+    model = make_model(args.model, args.shape).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    if len(devs) > 1:
+        model = nn.DataParallel(model, device_ids=[d[1] for d in devs])
+    if device.type == "cuda":
+        for d in devs:
+            torch.cuda.reset_peak_memory_stats(torch_device(d))
+    data = batches(args.shape, len(devs) * args.batch_per_device, args.seed, device)
+    windows, phases, loss = measure(model, data, device, args)
+    peaks = [peak_memory(torch_device(d)) for d in devs]
+    return row(args, "dp", devs, shared, params, windows, phases, loss, peaks)
+
+
+def ddp_rank(rank, args, devs, port, backend, out):
+    torch.set_num_threads(args.threads_per_device)
+    dist.init_process_group(backend, init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                            world_size=len(devs))
+    device = torch_device(devs[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(args.seed)
+    model = make_model(args.model, args.shape).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=25)
+    data = batches(args.shape, args.batch_per_device, args.seed + 7919 * (rank + 1), device)
+    windows, phases, loss = measure(ddp, data, device, args)
+    result = {"windows": windows, "phases": phases, "loss": loss, "params": params,
+              "peak": peak_memory(device)}
+    with open("%s.rank%d.json" % (out, rank), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ddp(args, devs, shared):
+    n = len(devs)
+    own_gpu = devs[0][0] == "cuda" and not shared and len({d[1] for d in devs}) == n
+    backend = "nccl" if own_gpu else "gloo"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.spawn(ddp_rank, args=(args, devs, port, backend, out), nprocs=n, join=True)
+        ranks = []
+        for r in range(n):
+            with open("%s.rank%d.json" % (out, r)) as f:
+                ranks.append(json.load(f))
+    windows = [max(rk["windows"][w] for rk in ranks) for w in range(args.repeat)]
+    return row(args, "ddp", devs, shared, ranks[0]["params"], windows, ranks[0]["phases"],
+               ranks[0]["loss"], [rk["peak"] for rk in ranks], backend)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", default="dp,ddp", help="dp, ddp or dp,ddp")
+    p.add_argument("--model", default="cnn", help="cnn | resnet18 | resnet50 | ... (torchvision)")
+    p.add_argument("--input-shape", default="", help="CxHxW (default 1x28x28 for cnn, 3x224x224 otherwise)")
+    p.add_argument("--batch-per-device", type=int, default=64)
+    p.add_argument("--devices", default="", help="cpu*N, cuda, cuda:0,1, cuda:0*N (default: cuda if any, else cpu*cores)")
+    p.add_argument("--device-counts", default="", help="comma list (default 1,2,4,...,N)")
+    p.add_argument("--threads-per-device", type=int, default=0, help="CPU threads per device (default cores / N)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="JSON-lines file to write (replaced)")
+    args = p.parse_args()
+    if not args.devices:
+        args.devices = "cuda" if torch.cuda.is_available() else "cpu*%d" % (os.cpu_count() or 1)
+    devs, shared = parse_devices(args.devices)
+    args.shape = tuple(int(v) for v in (args.input_shape or ("1x28x28" if args.model == "cnn" else "3x224x224")).split("x"))
+    if len(args.shape) != 3:
+        fail("--input-shape '%s': expected CxHxW" % args.input_shape)
+    counts = [int(c) for c in args.device_counts.split(",")] if args.device_counts else \
+        sorted({c for c in [1, 2, 4, 8, 16, 32, 64] if c < len(devs)} | {len(devs)})
+    if max(counts) > len(devs) or min(counts) < 1:
+        fail("--device-counts %s: --devices %s has %d devices" % (args.device_counts, args.devices, len(devs)))
+    if args.batch_per_device < 1 or args.steps < 1 or args.repeat < 1 or args.warmup < 0:
+        fail("--batch-per-device, --steps and --repeat must be >= 1, --warmup >= 0")
+    if args.threads_per_device <= 0:
+        args.threads_per_device = max(1, (os.cpu_count() or 1) // max(counts)) if devs[0][0] == "cpu" else 1
+    modes = args.mode.split(",")
+    if any(m not in ("dp", "ddp") for m in modes):
+        fail("--mode '%s': expected dp, ddp or dp,ddp" % args.mode)
+    rows = []
+    for mode in modes:
+        for n in counts:
+            r = run_dp(args, devs[:n], shared and n > 1) if mode == "dp" else run_ddp(args, devs[:n], shared and n > 1)
+            if r:
+                print("pytorch %-3s %2d device(s): %.1f samples/s" % (mode, n, r["samples_per_sec"]))
+                rows.append(r)
+    for r in rows:
+        base = [b for b in rows if b["mode"] == r["mode"] and b["devices"] == 1]
+        if base:
+            r["speedup"] = r["samples_per_sec"] / base[0]["samples_per_sec"]
+            r["efficiency"] = r["speedup"] / r["devices"]
+    with open(args.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print("wrote %d rows to %s" % (len(rows), args.out))
+
+
+if __name__ == "__main__":
+    main()
