@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint_helpers.h"
 #include "cli_helpers.h"
 #include "engine/checkpoint.h"
 
@@ -69,21 +70,6 @@ Interrupted interrupt_when(const std::string& command, const std::string& log,
   return r;
 }
 
-void check_same_checkpoint(const std::string& a_path, const std::string& b_path) {
-  auto a = replica::load_checkpoint(a_path);
-  auto b = replica::load_checkpoint(b_path);
-  CHECK(a.metadata.at("step") == b.metadata.at("step"));
-  REQUIRE(a.tensors.size() == b.tensors.size());
-  for (size_t i = 0; i < a.tensors.size(); ++i) {
-    CAPTURE(a.tensors[i].first);
-    REQUIRE(a.tensors[i].first == b.tensors[i].first);
-    const auto& ta = a.tensors[i].second;
-    const auto& tb = b.tensors[i].second;
-    REQUIRE(ta.bytes() == tb.bytes());
-    CHECK(std::memcmp(ta.raw(), tb.raw(), ta.bytes()) == 0);
-  }
-}
-
 void interrupt_and_resume(const std::string& mode_flags, const std::string& progress) {
   test::TempDir tmp;
   // 2560 samples / batch 32 = 80 steps per epoch, 2 epochs: seconds of work, so the signal
@@ -114,7 +100,7 @@ void interrupt_and_resume(const std::string& mode_flags, const std::string& prog
   auto rest = test::run(common + " --quiet --resume --checkpoint " + tmp.str("cut") +
                         " --metrics-json " + tmp.str("rest.json"), 300);
   REQUIRE_MESSAGE(rest.exit_code == 0, rest.output);
-  check_same_checkpoint(tmp.str("full/checkpoint.safetensors"),
+  test::check_same_checkpoint(tmp.str("full/checkpoint.safetensors"),
                         tmp.str("cut/checkpoint.safetensors"));
   const auto a = read_json(tmp.str("full.json")), b = read_json(tmp.str("rest.json"));
   CHECK(a["steps"] == b["steps"]);
