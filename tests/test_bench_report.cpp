@@ -260,6 +260,16 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   const auto projection = nlohmann::json::parse(read_file(tmp.str("out/projection.json")));
   REQUIRE(projection.size() == 1);
   CHECK(projection[0]["ddp"]["inputs"]["S_bytes"] == Approx(444400));
+
+  // A report directory renders again, PyTorch's rows included.
+  const auto again =
+      test::run(kBench + " --report " + tmp.str("again") + " --from-results " + tmp.str("out"));
+  INFO(again.output);
+  REQUIRE(again.exit_code == 0);
+  CHECK(read_file(tmp.str("again/report.md")).find("| 2 | 2700.0 | 2923.2 | +8.3% |") !=
+        std::string::npos);
+  CHECK(read_file(tmp.str("again/report.md")).find("Side by side with PyTorch") !=
+        std::string::npos);
 }
 
 TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
@@ -292,6 +302,16 @@ TEST_CASE("a dead DDP rank ends the benchmark with an error, not a hang") {
   CHECK(r.exit_code == 1);
   CHECK(r.output.find("replica-bench: error: DDP on 2 ranks failed") != std::string::npos);
   CHECK(r.output.find("rank 1") != std::string::npos);
+}
+
+TEST_CASE("a stuck DDP rank ends the benchmark with an error after --timeout") {
+  const auto r = test::run("env REPLICA_BENCH_STALL_RANK=1 " + kBench +
+                               " --suite ddp --devices cpu*2 --device-counts 2 --steps 3 "
+                               "--warmup 1 --repeat 1 --batch 8 --timeout 3",
+                           90);
+  INFO(r.output);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find("replica-bench: error: DDP on 2 ranks") != std::string::npos);
 }
 
 TEST_CASE("tools/pytorch_bench.py says so when PyTorch is missing") {

@@ -86,10 +86,25 @@ nlohmann::json measure_dp_primitives(const std::vector<Device>& devices, int thr
       c1.synchronize();
     });
     // The reduce step: device 0 adds a peer's gradients into its own. On CPU the reducer's
-    // communication thread calls the add directly (outside any device's arena), as here.
+    // communication thread calls the add directly (outside any device's arena), as here. A
+    // peer on another GPU is first copied into a staging buffer on device 0, as the reducer
+    // does without NCCL.
+    const bool other_gpu = c0.is_cuda() && devices[1].index != devices[0].index;
+    Tensor stage;
+    if (other_gpu) c0.run([&] { stage = c0.alloc({count}); });
     auto add = [&] {
-      if (c0.is_cuda()) c0.run([&] { c0.ops().add(c0, b0, a1, 1.f); });
-      else c0.ops().add(c0, b0, a1, 1.f);
+      if (!c0.is_cuda()) {
+        c0.ops().add(c0, b0, a1, 1.f);
+        return;
+      }
+      c0.run([&] {
+        if (other_gpu) {
+          c0.ops().copy(c0, stage, a1);
+          c0.ops().add(c0, b0, stage, 1.f);
+        } else {
+          c0.ops().add(c0, b0, a1, 1.f);
+        }
+      });
     };
     // The broadcast step: the peer copies device 0's parameters on its own worker.
     auto copy = [&] { c1.run([&] { c1.ops().copy(c1, a1, a0); }); };

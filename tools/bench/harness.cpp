@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <csignal>
 
+#include <unistd.h>
+
 #include "engine/allocator.h"
 #include "engine/data/dataset.h"
 #include "engine/error.h"
@@ -40,17 +42,26 @@ double union_us(std::vector<std::pair<int64_t, int64_t>>& spans) {
 struct Stepper {
   TrainEngine& engine;
   const std::vector<Batch>& batches;
+  std::function<void()> on_step;
   size_t next = 0;
   void run(int64_t steps) {
-    for (int64_t s = 0; s < steps; ++s) engine.train_step(batches[next++ % batches.size()]);
+    for (int64_t s = 0; s < steps; ++s) {
+      engine.train_step(batches[next++ % batches.size()]);
+      if (on_step) on_step();
+    }
   }
 };
 
-// Test hook: REPLICA_BENCH_KILL_RANK=k makes DDP rank k die by SIGKILL after its warm-up, so
-// tests can check that a dead rank ends the benchmark with an error instead of a hang.
+// Test hooks: REPLICA_BENCH_KILL_RANK=k makes DDP rank k die by SIGKILL after its warm-up,
+// REPLICA_BENCH_STALL_RANK=k makes it stop there forever, so tests can check that a dead or
+// stuck rank ends the benchmark with an error instead of a hang.
 void maybe_die(const TrainEngine& engine) {
-  const char* k = std::getenv("REPLICA_BENCH_KILL_RANK");
-  if (k && engine.world_size() > 1 && std::atoi(k) == engine.rank()) std::raise(SIGKILL);
+  if (engine.world_size() <= 1) return;
+  const char* kill = std::getenv("REPLICA_BENCH_KILL_RANK");
+  if (kill && std::atoi(kill) == engine.rank()) std::raise(SIGKILL);
+  const char* stall = std::getenv("REPLICA_BENCH_STALL_RANK");
+  if (stall && std::atoi(stall) == engine.rank())
+    for (;;) pause();
 }
 
 }  // namespace
@@ -84,11 +95,12 @@ TrackPhaseMs per_step_ms(const std::vector<Tracer::Event>& events, int64_t steps
   return out;
 }
 
-Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, const RunOptions& o) {
+Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, const RunOptions& o,
+                    const std::function<void()>& on_step) {
   REPLICA_CHECK(!batches.empty(), "no batches to train on");
   Tracer& tracer = Tracer::global();
   const bool cuda = engine.primary().is_cuda();
-  Stepper stepper{engine, batches};
+  Stepper stepper{engine, batches, on_step};
   Measurement m;
   m.steps_per_window = o.steps;
 
@@ -154,7 +166,7 @@ double probe_step_seconds(const Device& device, const RunOptions& o) {
   eo.threads_per_device = o.threads_per_device;
   auto engine = make_single_device_engine(device, eo);
   const auto batches = preload_batches(o.input_shape, o.batch_per_device, o.seed, 2);
-  Stepper stepper{*engine, batches};
+  Stepper stepper{*engine, batches, {}};
   stepper.run(1);
   engine->synchronize();
   const auto t0 = Clock::now();

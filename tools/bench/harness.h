@@ -2,6 +2,7 @@
 // timed windows (no host sync inside a window; one synchronize() at its end), per-phase times
 // from the tracer's spans, and optionally a traced window whose spans become a Chrome trace.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -45,8 +46,10 @@ struct Measurement {
 };
 
 // Runs warm-up, `repeat` timed windows of `steps` steps, then the traced window. `batches` are
-// this engine's inputs (DP: global batches; DDP: this rank's local batches).
-Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, const RunOptions& o);
+// this engine's inputs (DP: global batches; DDP: this rank's local batches). `on_step` (if set)
+// runs after every step is enqueued (DDP ranks report progress with it).
+Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, const RunOptions& o,
+                    const std::function<void()>& on_step = {});
 
 // Seconds of one training step of one device (a single-device engine on `device`, the model
 // and batch per device of `o`): 1 untimed step, then the mean of 2. For choosing step counts.

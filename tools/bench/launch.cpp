@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -86,8 +87,20 @@ std::vector<std::string> worker_arguments(const SuiteOptions& o) {
           "--timeout", fmt::format("{}", o.timeout_s)};
 }
 
+void ProgressBeat::operator()() {
+  const int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  if (now - last_us_ < 1000000) return;
+  last_us_ = now;
+  const int fd = open(path_.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return;  // a missed beat only shortens the patience of the watchdog
+  futimens(fd, nullptr);
+  close(fd);
+}
+
 void launch_ranks(const SuiteOptions& o, int n, const std::vector<std::string>& worker_args,
-                  const std::string& log_path) {
+                  const std::string& log_path, const std::string& progress_path) {
   const std::string launcher =
       (std::filesystem::path(o.self_exe).parent_path() / "replica-launch").string();
   REPLICA_USAGE_CHECK(access(launcher.c_str(), X_OK) == 0,
@@ -123,14 +136,22 @@ void launch_ranks(const SuiteOptions& o, int n, const std::vector<std::string>& 
   }
 
   using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration<double>(o.timeout_s);
+  using FileClock = std::filesystem::file_time_type::clock;
+  const auto patience = std::chrono::duration_cast<FileClock::duration>(
+      std::chrono::duration<double>(o.timeout_s));
+  auto last_progress = FileClock::now();
   int status = 0;
   bool timed_out = false;
   for (;;) {
     pid_t got = waitpid(pid, &status, WNOHANG);
     if (got == pid) break;
     if (got < 0 && errno != EINTR) throw Error(fmt::format("waitpid: {}", std::strerror(errno)));
-    if (Clock::now() >= deadline && !timed_out) {
+    std::error_code ec;
+    if (!progress_path.empty()) {
+      const auto beat = std::filesystem::last_write_time(progress_path, ec);
+      if (!ec && beat > last_progress) last_progress = beat;
+    }
+    if (FileClock::now() - last_progress >= patience && !timed_out) {
       timed_out = true;
       kill(pid, SIGTERM);  // the launcher stops its ranks
       const auto grace = Clock::now() + std::chrono::seconds(5);
@@ -143,7 +164,7 @@ void launch_ranks(const SuiteOptions& o, int n, const std::vector<std::string>& 
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   if (timed_out)
-    throw Error(fmt::format("DDP on {} ranks did not finish within --timeout {} s; stopped it ({})",
+    throw Error(fmt::format("DDP on {} ranks made no progress for --timeout {} s; stopped them ({})",
                             n, o.timeout_s, error_lines(log_path)));
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     throw Error(fmt::format("DDP on {} ranks failed: {}", n, error_lines(log_path)));

@@ -218,7 +218,8 @@ int run_parallel_suites(const BenchOptions& o) {
 
   const fs::path dir = o.report_dir;
   if (o.compare.empty() && !o.from_results.empty() &&
-      fs::exists(fs::path(o.from_results) / "compare.jsonl")) {
+      fs::exists(fs::path(o.from_results) / "compare.jsonl") &&
+      fs::file_size(fs::path(o.from_results) / "compare.jsonl") > 0) {
     compare = read_rows((fs::path(o.from_results) / "compare.jsonl").string());
     compare_files.push_back("compare.jsonl");
   }
@@ -231,7 +232,8 @@ int run_parallel_suites(const BenchOptions& o) {
   write_csv((dir / "results.csv").string(), rows);
   write_json((dir / "alpha_beta.json").string(), alpha_beta.is_null() ? json::object() : alpha_beta);
   write_json((dir / "projection.json").string(), projection);
-  std::ofstream(dir / "compare.jsonl", std::ios::trunc).close();
+  std::error_code ec;
+  fs::remove(dir / "compare.jsonl", ec);
   if (!compare.empty()) append_rows((dir / "compare.jsonl").string(), compare);
 
   ReportInputs in;

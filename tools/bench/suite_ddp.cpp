@@ -75,7 +75,7 @@ void run_ddp_suite(const SuiteOptions& o, const ModelFacts& facts,
     std::vector<std::string> args = worker_arguments(ro);
     args.insert(args.end(), {"--worker", "ddp", "--worker-out", dir.file("result")});
     try {
-      launch_ranks(ro, n, args, dir.file("launch.log"));
+      launch_ranks(ro, n, args, dir.file("launch.log"), dir.file("result.alive"));
     } catch (...) {
       if (!o.quiet) std::printf("failed\n");  // the error itself goes to stderr
       throw;
@@ -145,7 +145,7 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   // Each rank its own samples (as a DistributedSampler would give it), the same count.
   const auto batches = preload_batches(o.run.input_shape, o.run.batch_per_device,
                                        o.run.seed + 7919 * uint64_t(rv.rank + 1), 4);
-  Measurement m = measure(*engine, batches, o.run);
+  Measurement m = measure(*engine, batches, o.run, ProgressBeat(out + ".alive"));
   engine->finish();
   write_json_file(fmt::format("{}.rank{}.json", out, rv.rank),
                   {{"rank", rv.rank}, {"device", device.str()}, {"measurement", to_json(m)}});

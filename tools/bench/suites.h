@@ -20,7 +20,7 @@ struct SuiteOptions {
   std::string reduce = "root";   // DP
   std::string backend = "auto";  // DDP: auto | gloo | nccl
   std::string trace_dir;         // non-empty: a Chrome trace per configuration written here
-  double timeout_s = 300;        // DDP: rendezvous, collectives and the whole launch
+  double timeout_s = 300;        // DDP: rendezvous, each collective, a launch without progress
   std::string self_exe;          // this program (DDP ranks re-execute it)
   nlohmann::json env;
   bool quiet = false;
@@ -42,9 +42,22 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
 
 // Launches `n` ranks of this program as `worker_args` under replica-launch (found next to this
 // program) on a free port; returns when all exit 0. Throws replica::Error with the ranks' error
-// lines when one fails, or after timeout_s (then every rank is stopped).
+// lines when one fails (replica-launch then stops the others), or when the ranks make no
+// progress for timeout_s: progress is the launch itself, then every touch of `progress_path`
+// (if given; the ranks touch it as they step), so long runs of big models are not cut short.
 void launch_ranks(const SuiteOptions& o, int n, const std::vector<std::string>& worker_args,
-                  const std::string& log_path);
+                  const std::string& log_path, const std::string& progress_path = "");
+
+// Touches `path` at most once a second (a DDP rank's heartbeat for launch_ranks).
+class ProgressBeat {
+ public:
+  explicit ProgressBeat(std::string path) : path_(std::move(path)) {}
+  void operator()();
+
+ private:
+  std::string path_;
+  int64_t last_us_ = 0;
+};
 
 // The hidden worker's command-line arguments that reproduce `o` in a rank.
 std::vector<std::string> worker_arguments(const SuiteOptions& o);
