@@ -85,7 +85,7 @@ def plot_scaling(rows, compare, projection, out, key, ylabel, fname, title):
         if xs:
             ys = [r.get(key) for r in rs]
             ys = [y * (100 if key == "efficiency" else 1) if y is not None else None for y in ys]
-            engine = rs[0].get("engine", "other")
+            engine = {"pytorch": "PyTorch"}.get(rs[0].get("engine"), rs[0].get("engine", "other"))
             ax.plot(xs, ys, "-.x", color=COLORS[mode], alpha=0.6,
                     label="%s %s" % (engine, "DataParallel" if mode == "dp" else "DDP"))
     if key == "samples_per_sec":

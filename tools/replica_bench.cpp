@@ -56,7 +56,8 @@ int run(int argc, char** argv) {
   app.add_option("--reduce", o.reduce, "DP gradient reduction: root | tree")->capture_default_str();
   app.add_option("--backend", o.backend, "DDP collectives: auto | gloo | nccl")->capture_default_str();
   app.add_option("--timeout", o.timeout_s,
-                 "DDP: seconds for rendezvous, each collective and each launch")
+                 "DDP: seconds for rendezvous and each collective; ranks that make no "
+                 "progress for this long are stopped")
       ->capture_default_str();
   app.add_option("--json", o.json, "append one JSON object per configuration to FILE");
   app.add_option("--csv", o.csv, "dp/ddp: write the rows as CSV to FILE");
