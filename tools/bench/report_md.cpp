@@ -322,7 +322,8 @@ void write_report(const ReportInputs& in) {
   md += image("throughput.png", "samples/s against devices") +
         image("efficiency.png", "scaling efficiency against devices") + "\n";
   md += throughput_section(all);
-  md += "\nDashed lines in the plots are the **projection** (below), not measurements.\n";
+  if (in.projection.is_array() && !in.projection.empty() && !in.plots.empty())
+    md += "\nDashed lines in the plots are the **projection** (below), not measurements.\n";
 
   md += "\n## Where a step's time goes\n\n" + image("phases.png", "time per step by phase");
   md += "\nMilliseconds per step in each phase of the step's own track: DP's device 0, DDP's "
