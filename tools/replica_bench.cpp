@@ -49,7 +49,8 @@ int run(int argc, char** argv) {
                  "timed steps per window (default: single 50; dp/ddp about 5 s of one device's "
                  "steps, 3..100)");
   app.add_option("--repeat", o.repeat,
-                 "timed windows; the median is reported (default: single 1, dp/ddp 3)");
+                 "single: timed windows; dp/ddp: rounds, each measuring every configuration "
+                 "once in turn; the median is reported (default: single 1, dp/ddp 3)");
   app.add_option("--sgemm-seconds", o.sgemm_seconds, "single: seconds per sgemm ceiling measurement")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for weights and synthetic data")->capture_default_str();

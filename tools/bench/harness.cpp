@@ -175,6 +175,40 @@ double probe_step_seconds(const Device& device, const RunOptions& o) {
   return std::chrono::duration<double>(Clock::now() - t0).count() / 2;
 }
 
+void merge(Measurement& into, const Measurement& next) {
+  if (into.window_seconds.empty()) {
+    into = next;
+    return;
+  }
+  REPLICA_CHECK(into.steps_per_window == next.steps_per_window,
+                "merging windows of {} and {} steps", into.steps_per_window, next.steps_per_window);
+  const double a = double(into.window_seconds.size()), b = double(next.window_seconds.size());
+  TrackPhaseMs merged;
+  const TrackPhaseMs* sources[] = {&into.track_ms, &next.track_ms};
+  for (const TrackPhaseMs* src : sources)
+    for (const auto& [track, phases] : *src)
+      for (const auto& [phase, ms] : phases) merged[track][phase] = 0;
+  for (auto& [track, phases] : merged)
+    for (auto& [phase, ms] : phases) {
+      auto get = [&](const TrackPhaseMs& t) {
+        auto it = t.find(track);
+        if (it == t.end()) return 0.0;
+        auto p = it->second.find(phase);
+        return p == it->second.end() ? 0.0 : p->second;
+      };
+      ms = (get(into.track_ms) * a + get(next.track_ms) * b) / (a + b);
+    }
+  into.track_ms = merged;
+  into.window_seconds.insert(into.window_seconds.end(), next.window_seconds.begin(),
+                             next.window_seconds.end());
+  if (!next.trace.empty()) into.trace = next.trace;
+  into.final_loss = next.final_loss;
+  into.peak_memory.resize(std::max(into.peak_memory.size(), next.peak_memory.size()), 0);
+  for (size_t i = 0; i < next.peak_memory.size(); ++i)
+    into.peak_memory[i] = std::max(into.peak_memory[i], next.peak_memory[i]);
+  into.comm_bytes = std::max(into.comm_bytes, next.comm_bytes);
+}
+
 nlohmann::json to_json(const Measurement& m) {
   nlohmann::json trace = nlohmann::json::array();
   for (const auto& e : m.trace) trace.push_back({e.track, e.phase, e.start, e.end});

@@ -55,6 +55,10 @@ Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, cons
 // and batch per device of `o`): 1 untimed step, then the mean of 2. For choosing step counts.
 double probe_step_seconds(const Device& device, const RunOptions& o);
 
+// Adds the windows of `next` (same steps per window) to `into`: per-step phase times become
+// the mean over both, peaks the maximum, the trace and loss those of `next` when it has them.
+void merge(Measurement& into, const Measurement& next);
+
 nlohmann::json to_json(const Measurement& m);
 Measurement measurement_from_json(const nlohmann::json& j);
 

@@ -186,12 +186,12 @@ int run_parallel_suites(const BenchOptions& o) {
       if (s.run.warmup < 0) s.run.warmup = std::clamp<int64_t>(std::llround(1.0 / t), 2, 10);
     }
     std::printf("replica-bench: %s on %s (counts %s), %s %s, %lld per device, %d thread%s per "
-                "device, %lld warm-up + %d x %lld timed steps\n",
+                "device; %d rounds of %lld warm-up + %lld timed steps per configuration\n",
                 o.suite.c_str(), s.device_spec.c_str(),
                 fmt::format("{}", fmt::join(s.counts, ",")).c_str(), s.run.model.c_str(),
                 fmt::format("{}", fmt::join(s.run.input_shape, "x")).c_str(),
                 (long long)s.run.batch_per_device, s.run.threads_per_device,
-                s.run.threads_per_device == 1 ? "" : "s", (long long)s.run.warmup, s.run.repeat,
+                s.run.threads_per_device == 1 ? "" : "s", s.run.repeat, (long long)s.run.warmup,
                 (long long)s.run.steps);
     std::fflush(stdout);
     if (report && !o.skip_alpha_beta && s.counts.back() >= 2 && s.devices.size() >= 2) {
@@ -205,10 +205,7 @@ int run_parallel_suites(const BenchOptions& o) {
         alpha_beta["ddp_allreduce"] = measure_ddp_allreduce(s, sizes);
       std::printf("done\n");
     }
-    for (const auto& suite : suites) {
-      if (suite == "dp") run_dp_suite(s, facts, rows);
-      else run_ddp_suite(s, facts, rows);
-    }
+    run_suites(s, suites, facts, rows);
   }
   add_scaling(rows);
   print_table(rows);

@@ -304,10 +304,12 @@ void write_report(const ReportInputs& in) {
       "**Weak scaling**: every device trains {} samples per step, so the global batch is {} x "
       "the device count (what users compare). Speed-up = samples/s on n devices / samples/s on "
       "one device of the same mode; efficiency = speed-up / n (100% is perfect). Data are "
-      "synthetic and preloaded (the loader is not timed); {} warm-up steps, then {} window(s) of "
-      "{} steps, median window. Optimizer: Adam.\n\n",
+      "synthetic and preloaded (the loader is not timed); Adam. Measured in {} rounds: in each "
+      "round every configuration in turn builds its engine(s), runs {} warm-up steps and one "
+      "timed window of {} steps, so load from outside the run hits all configurations alike; "
+      "samples/s is the median over the rounds.\n\n",
       r0.value("batch_per_device", int64_t(0)), r0.value("batch_per_device", int64_t(0)),
-      r0.value("warmup_steps", int64_t(0)), r0.value("repeats", 0),
+      r0.value("repeats", 0), r0.value("warmup_steps", int64_t(0)),
       r0.value("timed_steps", int64_t(0)));
 
   std::vector<json> all = rows;

@@ -1,6 +1,5 @@
-// The DDP suite: for each device count, n ranks of this program under replica-launch; every
-// rank builds make_ddp_engine on its device and runs the same harness as DP, then writes its
-// measurement; the parent turns them into one row (and one trace with a process per rank).
+// DDP: n ranks of this program under replica-launch; every rank builds make_ddp_engine on its
+// device, runs the same harness as DP and writes its measurement for the parent.
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -14,7 +13,6 @@
 #include "parallel/store.h"
 #include "tools/bench/alpha_beta.h"
 #include "tools/bench/suites.h"
-#include "tools/bench/trace_export.h"
 
 namespace replica::bench {
 
@@ -55,54 +53,21 @@ std::string ddp_backend(const SuiteOptions& o, int n) {
   return int(gpus.size()) == n ? "nccl" : "gloo";  // logical devices sharing a GPU: Gloo
 }
 
-void run_ddp_suite(const SuiteOptions& o, const ModelFacts& facts,
-                   std::vector<nlohmann::json>& rows) {
-  for (int n : o.counts) {
-    Config c;
-    c.mode = "ddp";
-    c.devices.assign(o.devices.begin(), o.devices.begin() + n);
-    c.run = o.run;
-    if (!o.trace_dir.empty() && c.run.trace_steps == 0) c.run.trace_steps = 5;
-    c.backend = ddp_backend(o, n);
-    if (!o.quiet) {
-      std::printf("ddp  %2d rank%s    %s ... ", n, n == 1 ? " " : "s", o.run.model.c_str());
-      std::fflush(stdout);
-    }
-    SuiteOptions ro = o;
-    ro.run = c.run;
-    ro.backend = c.backend;
-    ScratchDir dir;
-    std::vector<std::string> args = worker_arguments(ro);
-    args.insert(args.end(), {"--worker", "ddp", "--worker-out", dir.file("result")});
-    try {
-      launch_ranks(ro, n, args, dir.file("launch.log"), dir.file("result.alive"));
-    } catch (...) {
-      if (!o.quiet) std::printf("failed\n");  // the error itself goes to stderr
-      throw;
-    }
-
-    std::vector<Measurement> ranks;
-    std::vector<TraceProcess> trace;
-    for (int r = 0; r < n; ++r) {
-      const std::string path = dir.file(fmt::format("result.rank{}.json", r));
-      std::ifstream in(path);
-      REPLICA_CHECK(in.good(), "DDP rank {} of {} wrote no result", r, n);
-      const nlohmann::json j = nlohmann::json::parse(in);
-      ranks.push_back(measurement_from_json(j.at("measurement")));
-      trace.push_back({fmt::format("rank {} ({})", r, j.value("device", "?")), ranks.back().trace});
-    }
-    nlohmann::json row = make_row(c, facts, ranks, o.env);
-    if (!o.trace_dir.empty()) {
-      const std::string name = fmt::format("trace-ddp-{}dev.json", n);
-      write_chrome_trace((std::filesystem::path(o.trace_dir) / name).string(), trace);
-      row["trace"] = name;
-    }
-    if (!o.quiet) {
-      std::printf("%8.1f samples/s\n", row["samples_per_sec"].get<double>());
-      std::fflush(stdout);
-    }
-    rows.push_back(row);
+std::vector<Measurement> measure_ddp(const SuiteOptions& o, int n, const RunOptions& run) {
+  SuiteOptions ro = o;
+  ro.run = run;
+  ro.backend = ddp_backend(o, n);
+  ScratchDir dir;
+  std::vector<std::string> args = worker_arguments(ro);
+  args.insert(args.end(), {"--worker", "ddp", "--worker-out", dir.file("result")});
+  launch_ranks(ro, n, args, dir.file("launch.log"), dir.file("result.alive"));
+  std::vector<Measurement> ranks;
+  for (int r = 0; r < n; ++r) {
+    std::ifstream in(dir.file(fmt::format("result.rank{}.json", r)));
+    REPLICA_CHECK(in.good(), "DDP rank {} of {} wrote no result", r, n);
+    ranks.push_back(measurement_from_json(nlohmann::json::parse(in).at("measurement")));
   }
+  return ranks;
 }
 
 int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::string& out) {

@@ -26,10 +26,17 @@ struct SuiteOptions {
   bool quiet = false;
 };
 
-// Appends one row per device count. Trace files (if any) are named in each row's "trace".
-void run_dp_suite(const SuiteOptions& o, const ModelFacts& facts, std::vector<nlohmann::json>& rows);
-void run_ddp_suite(const SuiteOptions& o, const ModelFacts& facts,
-                   std::vector<nlohmann::json>& rows);
+// Runs `suites` ("dp", "ddp") for every device count in o.run.repeat ROUNDS: in each round every
+// configuration in turn builds its engine(s), warms up and times one window, so load from
+// outside hits every configuration alike instead of spoiling one. Appends one row per (suite,
+// count), the median over rounds; trace files (last round) are named in each row's "trace".
+void run_suites(const SuiteOptions& o, const std::vector<std::string>& suites,
+                const ModelFacts& facts, std::vector<nlohmann::json>& rows);
+
+// One configuration on the first n devices with `run` (its warm-up, windows, traced window):
+// DP in this process (one measurement), DDP as n ranks (one measurement per rank).
+std::vector<Measurement> measure_dp(const SuiteOptions& o, int n, const RunOptions& run);
+std::vector<Measurement> measure_ddp(const SuiteOptions& o, int n, const RunOptions& run);
 
 // The DDP backend for n ranks on these devices: "nccl" when each rank has a GPU of its own and
 // NCCL is built, else "gloo" (unless o.backend names one).
