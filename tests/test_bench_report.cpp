@@ -175,6 +175,25 @@ TEST_CASE("phase times count overlapping spans of one track once") {
   CHECK(per_step_ms(events, 5).at("cpu:0").at("backward") == Approx(0.003));
 }
 
+TEST_CASE("rounds merge: windows add up, phase times average, peaks are the maximum") {
+  Measurement a, b;
+  a.window_seconds = {1.0};
+  a.steps_per_window = b.steps_per_window = 10;
+  a.track_ms["cpu:0"]["backward"] = 4.0;
+  a.peak_memory = {100, 50};
+  b.window_seconds = {3.0};
+  b.track_ms["cpu:0"]["backward"] = 6.0;
+  b.track_ms["comm"]["reduce"] = 1.0;
+  b.peak_memory = {90, 70};
+  Measurement total;
+  merge(total, a);
+  merge(total, b);
+  CHECK(total.window_seconds == std::vector<double>{1.0, 3.0});
+  CHECK(total.track_ms["cpu:0"]["backward"] == Approx(5.0));
+  CHECK(total.track_ms["comm"]["reduce"] == Approx(0.5));  // absent in a round: 0 there
+  CHECK(total.peak_memory == std::vector<size_t>{100, 70});
+}
+
 TEST_CASE("the engines count the bytes the formulas give") {
   const ModelFacts cnn = model_facts("cnn", {1, 28, 28});
   CHECK(cnn.params == kCnnParams);
