@@ -168,7 +168,8 @@ def environment(args):
            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
     try:
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()  # a tuple in recent releases, an int (2181) in old ones
+        env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     except Exception:
         env["nccl"] = None
     return env
