@@ -1,6 +1,11 @@
 #include "tools/bench/environment.h"
 
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 
 #include <cblas.h>
 #include <cstdio>
@@ -57,6 +62,32 @@ std::string cpu_model() {
 
 }  // namespace
 
+CpuSnapshot cpu_snapshot() {
+  CpuSnapshot c;
+  std::ifstream stat("/proc/stat");
+  std::string cpu;
+  double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  if (stat >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal &&
+      cpu == "cpu")
+    c.machine_busy_s = (user + nice + system + irq + softirq + steal) / double(sysconf(_SC_CLK_TCK));
+  for (int who : {RUSAGE_SELF, RUSAGE_CHILDREN}) {
+    rusage u{};
+    getrusage(who, &u);
+    c.own_s += double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+               1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  }
+  c.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+                 .count();
+  return c;
+}
+
+double others_cpu_share(const CpuSnapshot& from, const CpuSnapshot& to, int cores) {
+  const double wall = to.wall_s - from.wall_s;
+  if (wall <= 0 || cores <= 0 || to.machine_busy_s <= 0) return 0.0;
+  const double others = (to.machine_busy_s - from.machine_busy_s) - (to.own_s - from.own_s);
+  return std::clamp(others / (wall * cores), 0.0, 1.0);
+}
+
 std::string git_commit() {
   const std::string dir = REPLICA_SOURCE_DIR;
   if (!dir.empty()) {
@@ -110,11 +141,16 @@ std::string environment_line(const nlohmann::json& env) {
   if (env.contains("gpus"))
     for (const auto& g : env["gpus"]) gpus += (gpus.empty() ? "" : ", ") + g.get<std::string>();
   const auto& v = env.contains("versions") ? env["versions"] : nlohmann::json::object();
+  const std::string others =
+      env.contains("others_cpu_share") && env["others_cpu_share"].is_number()
+          ? fmt::format(", other processes used {:.0f}% of its CPU time during the run",
+                        100 * env["others_cpu_share"].get<double>())
+          : std::string();
   return fmt::format(
-      "{} cores ({}){}, load {:.2f}; build {}, commit {}; {}, oneTBB {}, Gloo {}, NCCL {}, "
-      "CUDA: {}",
+      "{} cores ({}){}, load {:.2f} at the start{}; build {}, commit {}; {}, oneTBB {}, Gloo {}, "
+      "NCCL {}, CUDA: {}",
       env.value("cores", 0), str(env, "cpu"), gpus.empty() ? ", no GPU" : ", GPUs: " + gpus,
-      env.value("load_avg_1m", 0.0), str(env, "build_type"), str(env, "commit"),
+      env.value("load_avg_1m", 0.0), others, str(env, "build_type"), str(env, "commit"),
       str(v, "openblas"), str(v, "onetbb"), str(v, "gloo"), str(v, "nccl"), str(v, "cuda"));
 }
 

@@ -14,6 +14,16 @@ std::string git_commit();
 // NCCL and CUDA (those this build has).
 nlohmann::json environment();
 
+// CPU time of the whole machine (from /proc/stat: every CPU's non-idle time) and of this
+// process with its waited-for descendants (the DDP ranks), at one moment.
+struct CpuSnapshot {
+  double machine_busy_s = 0, own_s = 0, wall_s = 0;
+};
+CpuSnapshot cpu_snapshot();
+// The share of the machine's CPU time between two snapshots that other processes used
+// (0: the run had the machine to itself; 0.5: others took half of all cores).
+double others_cpu_share(const CpuSnapshot& from, const CpuSnapshot& to, int cores);
+
 // One line for report headers: "2 cores (Intel ...), build Release, commit abc1234, ...".
 std::string environment_line(const nlohmann::json& env);
 

@@ -173,6 +173,7 @@ int run_parallel_suites(const BenchOptions& o) {
   } else {
     SuiteOptions s = resolve(o);
     const auto suites = suites_of(o.suite);
+    const CpuSnapshot cpu_start = cpu_snapshot();
     s.env = environment();
     env = s.env;
     env["device_spec"] = s.device_spec;
@@ -206,6 +207,9 @@ int run_parallel_suites(const BenchOptions& o) {
       std::printf("done\n");
     }
     run_suites(s, suites, facts, rows);
+    // How much of the machine other processes took meanwhile: the measurements' caveat.
+    env["others_cpu_share"] = others_cpu_share(cpu_start, cpu_snapshot(), cpu_cores());
+    for (auto& r : rows) r["env"] = env;
   }
   add_scaling(rows);
   print_table(rows);

@@ -286,20 +286,13 @@ void write_report(const ReportInputs& in) {
     }
   md += fmt::format(". Devices: {}; {} CPU thread(s) per device.\n\n", largest,
                     r0.value("threads_per_device", 0));
-  double busiest = 0;
-  for (const auto& r : rows) busiest = std::max(busiest, num(r, "load_avg_1m"));
-  const double cores = num(in.env.is_object() ? in.env : r0.value("env", json()), "cores", 1);
-  if (num(in.env, "load_avg_1m") >= 0.5 || busiest >= cores + 0.5)
+  const json& env = in.env.is_object() ? in.env : r0.value("env", json());
+  if (num(env, "others_cpu_share") >= 0.05)
     md += fmt::format(
-        "> **The machine was not idle**: load average {:.2f} when the run started, up to {:.2f} "
-        "during it, on {:.0f} cores (this run itself accounts for at most {:.0f}). Other "
-        "processes took cores from the devices: expect lower efficiency and larger model "
-        "errors than on a quiet machine.\n\n",
-        num(in.env, "load_avg_1m"), busiest, cores, cores);
-  if (shared)
-    md += "> **These devices are logical devices sharing one GPU** (`cuda:0*N`). They check that "
-          "DP and DDP run and show their overheads; they are **not a scaling measurement**: n "
-          "logical devices split one GPU's compute and memory bandwidth.\n\n";
+        "> **The machine was not idle**: other processes used {:.0f}% of its CPU time while this "
+        "ran, taking cores from the devices: expect lower efficiency and larger model errors "
+        "than on a quiet machine.\n\n",
+        100 * num(env, "others_cpu_share"));
   md += fmt::format(
       "**Weak scaling**: every device trains {} samples per step, so the global batch is {} x "
       "the device count (what users compare). Speed-up = samples/s on n devices / samples/s on "
