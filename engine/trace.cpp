@@ -68,7 +68,11 @@ void Tracer::write_chrome_json(const std::string& path) const {
     events.push_back({{"name", e.phase}, {"cat", e.phase}, {"ph", "X"}, {"pid", 1},
                       {"tid", tids[e.track]}, {"ts", e.start - origin_us_},
                       {"dur", e.end - e.start}});
-  std::string tmp = path + ".tmp";
+  write_trace_file(path, events);
+}
+
+void write_trace_file(const std::string& path, const nlohmann::json& events) {
+  const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp);
     REPLICA_USAGE_CHECK(out.good(), "cannot write trace file '{}'", path);

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace replica {
 
 class DeviceContext;
@@ -51,6 +53,10 @@ class Tracer {
   std::map<std::string, double> totals_;
   int64_t origin_us_ = now_us();
 };
+
+// Writes a Chrome trace file, {"traceEvents": events, "displayTimeUnit": "ms"}, atomically
+// (FILE.tmp, then a rename). Throws replica::UsageError if it cannot be written.
+void write_trace_file(const std::string& path, const nlohmann::json& events);
 
 // RAII span on the global tracer. `ctx` (optional) is synchronised first when sync_device().
 class TraceSpan {

@@ -1,11 +1,8 @@
 // Starting DDP ranks of this program under replica-launch, with a deadline, and the arguments
 // that carry the suite's options into each rank.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,29 +18,12 @@
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
+#include "parallel/launcher.h"
 #include "tools/bench/suites.h"
 
 namespace replica::bench {
 
 namespace {
-
-// A port nobody listens on right now (the kernel picks it), for the rendezvous store, so
-// concurrent benchmarks do not collide on replica-launch's default 29500.
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  REPLICA_CHECK(fd >= 0, "socket: {}", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  const int err = errno;
-  close(fd);
-  REPLICA_CHECK(ok, "cannot find a free port: {}", std::strerror(err));
-  return ntohs(addr.sin_port);
-}
 
 // The lines of the ranks' output that say what went wrong (at most 4).
 std::string error_lines(const std::string& log_path) {
@@ -109,7 +89,7 @@ void launch_ranks(const SuiteOptions& o, int n, const std::vector<std::string>& 
                       launcher);
   std::vector<std::string> args = {launcher, "--nproc-per-node", std::to_string(n),
                                    "--master-addr", "127.0.0.1",
-                                   "--master-port", std::to_string(free_port()), "--",
+                                   "--master-port", std::to_string(pick_free_port()), "--",
                                    o.self_exe};
   args.insert(args.end(), worker_args.begin(), worker_args.end());
   std::vector<char*> argv;

@@ -53,15 +53,7 @@ void write_chrome_trace(const std::string& path, const std::vector<TraceProcess>
                         {"tid", tid[e.track]}, {"ts", e.start - origin},
                         {"dur", e.end - e.start}});
   }
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    REPLICA_USAGE_CHECK(out.good(), "cannot write trace file '{}'", path);
-    out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
-    REPLICA_USAGE_CHECK(out.good(), "error writing trace file '{}'", path);
-  }
-  REPLICA_USAGE_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot write trace file '{}'",
-                      path);
+  write_trace_file(path, events);
 }
 
 }  // namespace replica::bench
