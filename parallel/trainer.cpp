@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include <fmt/ranges.h>
 
 #include "engine/data/dataset.h"
 #include "engine/error.h"
