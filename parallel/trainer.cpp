@@ -8,8 +8,6 @@
 #include <cstdio>
 #include <fstream>
 
-#include <fmt/ranges.h>
-
 #include "engine/data/dataset.h"
 #include "engine/error.h"
 #include "engine/trace.h"
