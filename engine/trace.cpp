@@ -51,7 +51,7 @@ void Tracer::clear_events() {
   events_.clear();
 }
 
-void Tracer::write_chrome_json(const std::string& path) const {
+nlohmann::json Tracer::chrome_events(int pid, const std::string& process_name) const {
   std::lock_guard<std::mutex> lock(mutex_);
   // One Chrome "thread" per track, named with metadata events.
   std::map<std::string, int> tids;
@@ -59,16 +59,22 @@ void Tracer::write_chrome_json(const std::string& path) const {
   int next = 1;
   for (auto& [track, tid] : tids) tid = next++;
   nlohmann::json events = nlohmann::json::array();
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 1},
-                    {"args", {{"name", "replica"}}}});
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid},
+                    {"args", {{"name", process_name}}}});
+  events.push_back({{"name", "process_sort_index"}, {"ph", "M"}, {"pid", pid},
+                    {"args", {{"sort_index", pid}}}});
   for (const auto& [track, tid] : tids)
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", tid},
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", tid},
                       {"args", {{"name", track}}}});
   for (const auto& e : events_)
-    events.push_back({{"name", e.phase}, {"cat", e.phase}, {"ph", "X"}, {"pid", 1},
-                      {"tid", tids[e.track]}, {"ts", e.start - origin_us_},
-                      {"dur", e.end - e.start}});
-  write_trace_file(path, events);
+    events.push_back({{"name", e.phase}, {"cat", e.phase}, {"ph", "X"}, {"pid", pid},
+                      {"tid", tids[e.track]}, {"ts", e.start}, {"dur", e.end - e.start}});
+  return events;
+}
+
+void Tracer::write_chrome_json(const std::string& path, int pid,
+                               const std::string& process_name) const {
+  write_trace_file(path, chrome_events(pid, process_name));
 }
 
 void write_trace_file(const std::string& path, const nlohmann::json& events) {

@@ -32,8 +32,13 @@ class Tracer {
   // Totals per phase (microseconds), summed over tracks, since the last reset.
   std::map<std::string, double> phase_totals_us() const;
   void reset_totals();
-  // Writes every recorded span. Throws replica::Error if the file cannot be written.
-  void write_chrome_json(const std::string& path) const;
+  // Every recorded span as Chrome trace events of process `pid` named `process_name`, a thread
+  // per track. Timestamps are now_us() values, not shifted: traces of several processes on one
+  // machine (DDP ranks) line up when their events are put into one file.
+  nlohmann::json chrome_events(int pid = 1, const std::string& process_name = "replica") const;
+  // Writes chrome_events() to a file. Throws replica::UsageError if it cannot be written.
+  void write_chrome_json(const std::string& path, int pid = 1,
+                         const std::string& process_name = "replica") const;
   size_t event_count() const;
 
   // A recorded span; times are now_us() values (steady clock, comparable across processes on
@@ -51,7 +56,6 @@ class Tracer {
   bool recording_ = false, sync_device_ = false;
   std::vector<Event> events_;
   std::map<std::string, double> totals_;
-  int64_t origin_us_ = now_us();
 };
 
 // Writes a Chrome trace file, {"traceEvents": events, "displayTimeUnit": "ms"}, atomically

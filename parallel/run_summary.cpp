@@ -69,9 +69,9 @@ std::string phase_line(const nlohmann::json& phase_ms) {
 }
 
 std::string epoch_table(const nlohmann::json& epochs, const std::string& scope) {
-  // Phase columns: those with at least 2% of the time in some epoch; the rest add up to
-  // "other", so the columns always sum to the step's total.
-  std::vector<std::string> columns;
+  // Phase columns: those with at least 2% of the phase time in some epoch. The last column is
+  // the wall time of a step: phases on different threads (a device's backward and the
+  // communication thread's reduce) overlap, so the columns need not add up to it.
   nlohmann::json all = nlohmann::json::object();
   for (const auto& e : epochs) {
     if (!e.contains("phase_ms_per_step")) continue;
@@ -79,11 +79,11 @@ std::string epoch_table(const nlohmann::json& epochs, const std::string& scope) 
     for (auto it = shares.begin(); it != shares.end(); ++it)
       if (it->get<double>() >= 0.02) all[it.key()] = 0.0;
   }
-  columns = in_pipeline_order(all);
+  const std::vector<std::string> columns = in_pipeline_order(all);
   std::string out = fmt::format("{:>5} {:>10} {:>9} {:>8} {:>9} {:>8}", "epoch", "train loss",
                                 "test loss", "test acc", "samples/s", "time");
   for (const auto& c : columns) out += fmt::format(" {:>{}}", c, std::max<size_t>(c.size(), 7));
-  out += fmt::format(" {:>7} {:>7}\n", "other", "total");
+  out += fmt::format(" {:>9}\n", "wall/step");
   for (const auto& e : epochs) {
     out += fmt::format("{:>5} {:>10} {:>9} {:>8} {:>9} {:>8}", e.value("epoch", 0),
                        fmt_or_dash(e, "train_loss", "{:.4f}"), fmt_or_dash(e, "test_loss", "{:.4f}"),
@@ -91,16 +91,15 @@ std::string epoch_table(const nlohmann::json& epochs, const std::string& scope) 
                        fmt_or_dash(e, "samples_per_sec", "{:.0f}"),
                        fmt_duration(e.value("seconds", 0.0)));
     const nlohmann::json ms = e.value("phase_ms_per_step", nlohmann::json::object());
-    double total = 0, shown = 0;
-    for (auto& [phase, v] : ms.items()) total += v.get<double>();
-    for (const auto& c : columns) {
-      const double v = ms.contains(c) ? ms[c].get<double>() : 0.0;
-      shown += v;
-      out += fmt::format(" {:>{}.1f}", v, std::max<size_t>(c.size(), 7));
-    }
-    out += fmt::format(" {:>7.1f} {:>7.1f}\n", total - shown, total);
+    for (const auto& c : columns)
+      out += fmt::format(" {:>{}.1f}", ms.contains(c) ? ms[c].get<double>() : 0.0,
+                         std::max<size_t>(c.size(), 7));
+    const int64_t steps = e.value("steps", int64_t(0));
+    out += steps > 0 ? fmt::format(" {:>9.1f}\n", 1e3 * e.value("seconds", 0.0) / double(steps))
+                     : fmt::format(" {:>9}\n", "-");
   }
-  out += "phase columns: milliseconds per step, " + scope;
+  out += "phase columns: milliseconds per step, " + scope +
+         ";\nphases on different threads overlap: wall/step is a step's real time";
   return out;
 }
 

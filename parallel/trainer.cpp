@@ -170,6 +170,26 @@ class StopAgreement {
   int64_t t_first_ = 0;
 };
 
+// Rank 0's trace, with the other ranks' (FILE.rankR, written by them on this machine) merged
+// in: one process row per rank, on one time axis.
+template <class Say>
+void write_merged_trace(const std::string& path, int world, Say&& say) {
+  nlohmann::json events = Tracer::global().chrome_events(1, world > 1 ? "rank 0" : "replica");
+  int merged = 1;
+  for (int r = 1; r < world; ++r) {
+    std::ifstream in(fmt::format("{}.rank{}", path, r));
+    if (!in) continue;  // another machine's rank: its file stays there
+    const nlohmann::json other = nlohmann::json::parse(in, nullptr, false);
+    if (other.is_discarded() || !other.contains("traceEvents")) continue;
+    for (const auto& e : other["traceEvents"]) events.push_back(e);
+    ++merged;
+  }
+  write_trace_file(path, events);
+  say(world > 1 ? fmt::format("trace: {} ({} of {} ranks; each also in {}.rankR)", path, merged,
+                              world, path)
+                : fmt::format("trace: {} ({} spans)", path, Tracer::global().event_count()));
+}
+
 // Restores the signal handlers however run_training ends.
 struct StopHandlers {
   explicit StopHandlers(bool on) : on_(on) {
@@ -270,16 +290,26 @@ nlohmann::json run_training(const TrainConfig& config) {
       const bool last_step =
           (b + 1 == per_epoch) || pos.global_step == c.max_steps || interrupted;
       if (pos.global_step % c.log_every == 0 || last_step) {
-        final_loss = engine->last_loss();
+        const float loss = engine->last_loss();  // this process's (DDP: its share of the batch)
+        final_loss = loss;
+        if (world > 1 && last_step) {  // the whole batch's loss: the mean over the ranks
+          std::vector<double> v = {loss};
+          engine->reduce_metrics(v);
+          final_loss = float(v[0] / world);
+        }
         REPLICA_USAGE_CHECK(std::isfinite(final_loss),
                             "training diverged: loss is {} at step {} (lower --lr?)", final_loss,
                             pos.global_step);
         const double elapsed = (Tracer::now_us() - t_start) / 1e6;
         const double rate = samples / std::max(elapsed, 1e-9);
         const double eta = (planned_steps - pos.global_step) * c.batch_size / rate;
+        // The step counter counts what bounds the run: the epoch's batches, or --max-steps.
+        const bool steps_bound = planned_steps < per_epoch * c.epochs;
         std::string line = fmt::format(
-            "epoch {}/{}  step {:>5}/{}  loss {:.4f}  {:.0f} samples/s  ETA {}", epoch + 1,
-            c.epochs, b + 1, per_epoch, final_loss, rate, fmt_duration(eta));
+            "epoch {}/{}  step {:>5}/{}  {} {:.4f}  {:.0f} samples/s  ETA {}", epoch + 1,
+            c.epochs, steps_bound ? pos.global_step : b + 1,
+            steps_bound ? planned_steps : per_epoch, world > 1 ? "rank-0 loss" : "loss", loss,
+            rate, fmt_duration(eta));
         if (!c.quiet) {
           if (tty) std::printf("\r%s\033[K", line.c_str());
           else std::printf("%s\n", line.c_str());
@@ -313,7 +343,9 @@ nlohmann::json run_training(const TrainConfig& config) {
          phase_ms_per_step(tracer.phase_totals_us(), phases_before, epoch_steps)}};
     // An interrupted run stops at once: no evaluation (a resumed run evaluates this epoch).
     if (c.evaluate && !stop_signal) {
-      eval = evaluate(*engine, *data.test, std::max<int64_t>(c.batch_size, 256));
+      // The same global evaluation batch in every mode: DDP ranks take their share of it.
+      eval = evaluate(*engine, *data.test,
+                      std::max<int64_t>(1, std::max<int64_t>(c.batch_size, 256) / world));
       evaluated = true;
       ej["test_loss"] = eval.loss;
       ej["test_accuracy"] = eval.accuracy;
@@ -333,6 +365,34 @@ nlohmann::json run_training(const TrainConfig& config) {
                       epoch_samples / std::max(epoch_seconds, 1e-9), fmt_duration(epoch_seconds)));
   }
 
+  // DDP: each rank's device and peak memory, for rank 0's report (every rank takes part).
+  std::vector<std::string> device_names;
+  std::vector<size_t> peaks = engine->peak_memory_bytes();
+  for (const auto& d : engine->devices()) device_names.push_back(d.str());
+  if (world > 1) {
+    // Floats carry the numbers: bytes as MiB and remainder, exact below 16 TiB.
+    std::vector<double> v(size_t(4 * world), 0.0);
+    const size_t r = size_t(engine->rank());
+    v[4 * r] = double(peaks[0] >> 20);
+    v[4 * r + 1] = double(peaks[0] & ((1u << 20) - 1));
+    v[4 * r + 2] = double(engine->devices()[0].index);
+    v[4 * r + 3] = double(engine->devices()[0].slot);
+    engine->reduce_metrics(v);
+    peaks.assign(size_t(world), 0);
+    device_names.assign(size_t(world), "");
+    for (size_t i = 0; i < size_t(world); ++i) {
+      peaks[i] = (size_t(v[4 * i]) << 20) + size_t(v[4 * i + 1]);
+      Device d = engine->devices()[0];
+      d.index = int(v[4 * i + 2]);
+      d.slot = int(v[4 * i + 3]);
+      device_names[i] = fmt::format("rank {} {}", i, d.str());
+    }
+  }
+  // DDP traces: every rank writes its own before the ranks part; rank 0 then merges them.
+  if (!c.trace_file.empty() && !lead)
+    tracer.write_chrome_json(fmt::format("{}.rank{}", c.trace_file, engine->rank()),
+                             engine->rank() + 1, fmt::format("rank {}", engine->rank()));
+
   engine->finish();  // DDP: every rank done with its collectives before any leaves
 
   const nlohmann::json phase_ms = phase_ms_per_step(tracer.phase_totals_us(), {}, steps_run);
@@ -340,6 +400,8 @@ nlohmann::json run_training(const TrainConfig& config) {
   const double sps = samples / std::max(train_seconds, 1e-9);
   nlohmann::json devices_json = nlohmann::json::array();
   for (const auto& d : engine->devices()) devices_json.push_back(d.str());
+  // DDP: one entry per rank, "rank R cpu:R" (DP: one per device of this process).
+  nlohmann::json memory_devices = device_names;
   nlohmann::json m = {
       {"model", c.engine.model},
       {"mode", engine->mode()},
@@ -367,7 +429,8 @@ nlohmann::json run_training(const TrainConfig& config) {
       {"forward_gflop_per_sample", 2 * macs / 1e9},
       // Training = forward + backward (data and weight gradients): ~3x the forward FLOPs.
       {"train_gflops", 3 * 2 * macs * sps / 1e9},
-      {"peak_memory_bytes", engine->peak_memory_bytes()},
+      {"peak_memory_bytes", peaks},
+      {"peak_memory_devices", memory_devices},
       {"interrupted", stop_signal != 0},
       {"config", config_json(c)},
   };
@@ -376,11 +439,7 @@ nlohmann::json run_training(const TrainConfig& config) {
     m["test_loss"] = eval.loss;
   }
   if (stop_signal) m["stop_signal"] = stop_signal;
-  if (!c.trace_file.empty()) {
-    if (!lead) c.trace_file += fmt::format(".rank{}", engine->rank());
-    tracer.write_chrome_json(c.trace_file);
-    say(fmt::format("trace: {} ({} spans)", c.trace_file, tracer.event_count()));
-  }
+  if (!c.trace_file.empty() && lead) write_merged_trace(c.trace_file, world, say);
   if (lead && !c.save_model.empty() && !stop_signal) {
     save_model_weights(c.save_model, *engine);
     say(fmt::format("model saved to {}", c.save_model));
@@ -400,11 +459,10 @@ nlohmann::json run_training(const TrainConfig& config) {
   const std::string scope = world > 1 ? "rank 0" : "summed over devices and threads";
   say("\n" + epoch_table(epochs_json, scope));
   std::string memory;
-  const auto peaks = engine->peak_memory_bytes();
   for (size_t i = 0; i < peaks.size(); ++i)
-    memory += fmt::format("  {} {:.1f} MB", engine->devices()[i].str(), peaks[i] / 1e6);
+    memory += fmt::format("  {} {:.1f} MB", device_names[i], peaks[i] / 1e6);
   say("time per step by phase (" + scope + "):" + phase_line(phase_ms));
-  say("peak memory per device:" + memory);
+  say(std::string(world > 1 ? "peak memory per rank:" : "peak memory per device:") + memory);
   if (m.contains("test_accuracy"))
     say(fmt::format("test accuracy {:.4f}  test loss {:.4f}  ({} steps, {:.0f} samples/s, "
                     "{:.1f} GFLOP/s)",

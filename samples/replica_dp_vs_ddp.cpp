@@ -60,10 +60,15 @@ nlohmann::json run_train(const std::string& program, const std::vector<std::stri
   return nlohmann::json::parse(m);
 }
 
-double phase(const nlohmann::json& m, std::initializer_list<const char*> names) {
+// Milliseconds per step of the named phases. DP records device phases on every device's
+// track and sums them; `per_device` divides those by the device count, so a DP figure reads
+// like DDP's (rank 0's own device).
+double phase(const nlohmann::json& m, std::initializer_list<const char*> names,
+             bool per_device = false) {
   double ms = 0;
   for (const char* n : names)
     if (m["phase_ms_per_step"].contains(n)) ms += m["phase_ms_per_step"][n].get<double>();
+  if (per_device && m["mode"] == "dp") ms /= double(std::max<size_t>(1, m["devices"].size()));
   return ms;
 }
 
@@ -125,43 +130,55 @@ int run(int argc, char** argv) {
     return j.contains("test_accuracy") ? fmt::format("{:.4f}", j["test_accuracy"].get<double>())
                                        : std::string("-");
   };
+  // Peak memory of device / rank 0, and the largest of the others.
   auto mem = [](const nlohmann::json& j, bool first) {
     const auto& p = j["peak_memory_bytes"];
     if (first) return fmt::format("{:.1f} MB", p[0].get<double>() / 1e6);
-    if (p.size() < 2) return std::string("(one per process)");
+    if (p.size() < 2) return std::string("-");
     double mx = 0;
     for (size_t i = 1; i < p.size(); ++i) mx = std::max(mx, p[i].get<double>());
     return fmt::format("{:.1f} MB", mx / 1e6);
   };
   const double sps_dp = dp["samples_per_sec"], sps_ddp = ddp["samples_per_sec"];
-  std::printf("\n%s, global batch %lld, %lld steps, seed 0; DP on %s, DDP on %d ranks\n",
+  const int ranks = ddp["world_size"].get<int>();
+  std::printf("\n%s, global batch %lld, %lld steps, seed 0; DP on %s, DDP on %d rank%s\n",
               dp["model"].get<std::string>().c_str(), (long long)dp["batch_size"].get<int64_t>(),
-              (long long)steps, dp["device_spec"].get<std::string>().c_str(),
-              ddp["world_size"].get<int>());
+              (long long)steps, dp["device_spec"].get<std::string>().c_str(), ranks,
+              ranks == 1 ? "" : "s");
   row("", "DP", "DDP");
   row("samples/s", f("{:.0f}", sps_dp), f("{:.0f}", sps_ddp),
       fmt::format("DDP/DP = {:.2f}x", sps_ddp / sps_dp));
   row("test accuracy", acc(dp), acc(ddp));
   row("final training loss", f("{:.4f}", dp["final_loss"]), f("{:.4f}", ddp["final_loss"]));
-  row("forward, ms/step", f("{:.2f}", phase(dp, {"forward"})), f("{:.2f}", phase(ddp, {"forward"})),
-      "DP: all devices summed; DDP: rank 0");
-  row("backward, ms/step", f("{:.2f}", phase(dp, {"backward"})),
-      f("{:.2f}", phase(ddp, {"backward"})));
-  row("gradient sync, ms/step", f("{:.2f}", phase(dp, {"reduce", "wait_reduce"})),
-      f("{:.2f}", phase(ddp, {"allreduce", "wait_allreduce"})),
-      "DP: reduce to device 0; DDP: all-reduce");
+  row("forward, ms/step", f("{:.2f}", phase(dp, {"forward"}, true)),
+      f("{:.2f}", phase(ddp, {"forward"})), "per device (DDP: rank 0's)");
+  row("backward, ms/step", f("{:.2f}", phase(dp, {"backward"}, true)),
+      f("{:.2f}", phase(ddp, {"backward"})), "per device");
+  row("gradient sync, ms/step", f("{:.2f}", phase(dp, {"reduce"})),
+      f("{:.2f}", phase(ddp, {"allreduce"})),
+      "communication thread, overlaps backward: DP reduce, DDP all-reduce");
+  row("waiting for it after backward", f("{:.2f}", phase(dp, {"wait_reduce"})),
+      f("{:.2f}", phase(ddp, {"wait_allreduce"})));
   row("scatter/gather/broadcast", f("{:.2f}", phase(dp, {"scatter", "gather_loss", "scatter_grad",
-                                                         "broadcast"})),
+                                                         "broadcast"}, true)),
       f("{:.2f}", phase(ddp, {"h2d", "broadcast_buffers"})), "DP funnels through device 0");
   row("optimizer step, ms/step", f("{:.2f}", phase(dp, {"step"})), f("{:.2f}", phase(ddp, {"step"})),
       "DP: device 0 only; DDP: every rank");
+  row("wall time per step, ms", f("{:.2f}", 1e3 * dp["batch_size"].get<double>() / sps_dp),
+      f("{:.2f}", 1e3 * ddp["batch_size"].get<double>() / sps_ddp));
   row("bytes sent per device/step", f("{:.0f}", dp["comm_bytes_per_step"].get<double>()),
       f("{:.0f}", ddp["comm_bytes_per_step"].get<double>()));
   row("peak memory, device 0", mem(dp, true), mem(ddp, true));
-  row("peak memory, other devices", mem(dp, false), mem(ddp, false), "max over devices 1..N-1");
-  std::printf("\nSame model, data, seed and global batch: the accuracies differ only by rounding "
-              "(%s vs %s).\n%s\n",
-              acc(dp).c_str(), acc(ddp).c_str(),
+  row("peak memory, other devices", mem(dp, false), mem(ddp, false),
+      "max over devices (ranks) 1..N-1");
+  const bool both_evaluated = dp.contains("test_accuracy") && ddp.contains("test_accuracy");
+  std::printf("\n%s\n%s\n",
+              both_evaluated
+                  ? fmt::format("Same model, data, seed and global batch: the accuracies differ "
+                                "only by rounding ({} vs {}).",
+                                acc(dp), acc(ddp))
+                        .c_str()
+                  : "Same model, data, seed and global batch (no evaluation: --no-eval).",
               sps_ddp > sps_dp * 1.02   ? "DDP is faster here."
               : sps_dp > sps_ddp * 1.02 ? "DP is faster here."
                                         : "DP and DDP are within 2% of each other here.");
