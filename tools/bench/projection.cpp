@@ -61,6 +61,17 @@ AlphaBeta communication(const json& section, const json* two, const char* time_k
   return {0.0, 0.0};
 }
 
+// The inputs both models share, as the report prints them.
+json shared_inputs(const ComputeInputs& compute, const GradientInputs& grad) {
+  return {{"T1_ms", compute.step_s * 1e3},
+          {"Tb_ms", compute.backward_s * 1e3},
+          {"b", compute.batch_per_device},
+          {"S_bytes", grad.bytes},
+          {"K", grad.buckets},
+          {"last_bucket_bytes", grad.last_bucket_bytes},
+          {"w", overlappable_fraction(grad)}};
+}
+
 json ab_json(const AlphaBeta& ab) {
   return {{"alpha_us", ab.alpha_s * 1e6}, {"beta_gbps", ab.beta_bytes_per_s / 1e9}};
 }
@@ -120,15 +131,9 @@ json build_projection(const std::vector<json>& rows, const json& alpha_beta) {
         c["formula"] =
             "T(n) = T1 + C(n) - min(w C(n), Tb),  C(n) = K 2(n-1) alpha + (2(n-1)/n) S / beta,  "
             "samples/s = n b / T(n)";
-        c["inputs"] = {{"T1_ms", m.compute.step_s * 1e3},
-                       {"Tb_ms", m.compute.backward_s * 1e3},
-                       {"b", m.compute.batch_per_device},
-                       {"S_bytes", m.grad.bytes},
-                       {"K", m.grad.buckets},
-                       {"last_bucket_bytes", m.grad.last_bucket_bytes},
-                       {"w", overlappable_fraction(m.grad)},
-                       {"ring", ab_json(m.ring)},
-                       {"source", source}};
+        c["inputs"] = shared_inputs(m.compute, m.grad);
+        c["inputs"]["ring"] = ab_json(m.ring);
+        c["inputs"]["source"] = source;
         entry["ddp"] = c;
       }
     }
@@ -145,16 +150,10 @@ json build_projection(const std::vector<json>& rows, const json& alpha_beta) {
         c["formula"] =
             "T(n) = T1 + R(n) - min(w R(n), Tb) + B(n),  R(n) = (n-1)(K alpha_r + S / beta_r),  "
             "B(n) = (n-1)(alpha_b + S / beta_b),  samples/s = n b / T(n)";
-        c["inputs"] = {{"T1_ms", m.compute.step_s * 1e3},
-                       {"Tb_ms", m.compute.backward_s * 1e3},
-                       {"b", m.compute.batch_per_device},
-                       {"S_bytes", m.grad.bytes},
-                       {"K", m.grad.buckets},
-                       {"last_bucket_bytes", m.grad.last_bucket_bytes},
-                       {"w", overlappable_fraction(m.grad)},
-                       {"reduce", ab_json(m.reduce)},
-                       {"broadcast", ab_json(m.broadcast)},
-                       {"source", rs + "; " + bs}};
+        c["inputs"] = shared_inputs(m.compute, m.grad);
+        c["inputs"]["reduce"] = ab_json(m.reduce);
+        c["inputs"]["broadcast"] = ab_json(m.broadcast);
+        c["inputs"]["source"] = rs + "; " + bs;
         entry["dp"] = c;
       }
     }
