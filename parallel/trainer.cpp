@@ -355,9 +355,10 @@ nlohmann::json run_training(const TrainConfig& config) {
       save_training_checkpoint(c.checkpoint_dir, *engine, pos, c.engine.seed, c.batch_size);
     }
     epochs_json.push_back(ej);
+    const char* how = epoch_complete ? "done" : stop_signal ? "interrupted" : "ended (--max-steps)";
     if (!stop_signal || epoch_steps > 0)
-      say(fmt::format("epoch {} {}: train loss {:.4f}{}, {:.0f} samples/s, {}", epoch + 1,
-                      epoch_complete ? "done" : "stopped", final_loss,
+      say(fmt::format("epoch {} {}: train loss {:.4f}{}, {:.0f} samples/s, {}", epoch + 1, how,
+                      final_loss,
                       ej.contains("test_accuracy")
                           ? fmt::format(", test loss {:.4f}, test accuracy {:.4f}", eval.loss,
                                         eval.accuracy)
