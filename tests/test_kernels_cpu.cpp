@@ -69,7 +69,10 @@ void append(std::vector<float>& out, const Tensor& t) {
 
 TEST_CASE("conv2d forward/backward are bit-identical for 1, 2 and 3 threads (batch 13)") {
   struct Case { int64_t c, k; int r, stride, pad; };
-  for (Case cs : {Case{3, 4, 3, 1, 1}, Case{3, 5, 3, 2, 1}, Case{6, 4, 1, 1, 0}}) {
+  // 9x9 input: 81 output pixels go one sample per GEMM; stride 2 (25 pixels) goes through the
+  // batched path, whose GEMMs split over output rows (k) and input rows (crr) in tasks of 32.
+  for (Case cs : {Case{3, 4, 3, 1, 1}, Case{3, 5, 3, 2, 1}, Case{6, 4, 1, 1, 0},
+                  Case{8, 70, 3, 2, 1}, Case{40, 66, 1, 2, 0}}) {
     CAPTURE(cs.r);
     CAPTURE(cs.stride);
     const Shape xs = {13, cs.c, 9, 9}, ws = {cs.k, cs.c, cs.r, cs.r};

@@ -1,6 +1,7 @@
-// CPU linear and convolution layers: im2col + OpenBLAS SGEMM (one thread per call), parallel over samples.
-// Weight gradients are accumulated per fixed chunk of samples, then the chunks are summed in
-// order, so the result does not depend on the number of threads.
+// CPU linear and convolution layers: im2col + OpenBLAS SGEMM (one thread per call), parallel over
+// samples; layers with few output pixels run one GEMM over the whole batch, split over output
+// rows. Weight gradients are accumulated per fixed chunk of samples (or in one GEMM over the
+// batch), then summed in order, so the result does not depend on the number of threads.
 #include <cblas.h>
 
 #include <algorithm>
@@ -63,12 +64,13 @@ ConvGeometry geometry(const Tensor& x, const Tensor& w, const Conv2dParams& prm)
   return g;
 }
 
-// cols[(c*r + i)*r + j][oy*q + ox] = x[c][oy*s - pad + i][ox*s - pad + j] (0 outside)
-void im2col(const float* x, const ConvGeometry& g, float* cols) {
+// cols[(c*r + i)*r + j][oy*q + ox] = x[c][oy*s - pad + i][ox*s - pad + j] (0 outside); rows of
+// cols are `ld` floats apart (pq for one sample alone, n*pq when the batch sits side by side).
+void im2col(const float* x, const ConvGeometry& g, float* cols, int64_t ld) {
   for (int64_t c = 0; c < g.c; ++c)
     for (int64_t i = 0; i < g.r; ++i)
       for (int64_t j = 0; j < g.r; ++j) {
-        float* out = cols + ((c * g.r + i) * g.r + j) * g.pq();
+        float* out = cols + ((c * g.r + i) * g.r + j) * ld;
         const float* plane = x + c * g.h * g.w;
         for (int64_t oy = 0; oy < g.p; ++oy) {
           int64_t iy = oy * g.stride - g.pad + i;
@@ -87,12 +89,12 @@ void im2col(const float* x, const ConvGeometry& g, float* cols) {
 }
 
 // The adjoint of im2col: dx (zeroed here) accumulates every column entry at its source pixel.
-void col2im(const float* cols, const ConvGeometry& g, float* dx) {
+void col2im(const float* cols, const ConvGeometry& g, float* dx, int64_t ld) {
   std::fill(dx, dx + g.c * g.h * g.w, 0.f);
   for (int64_t c = 0; c < g.c; ++c)
     for (int64_t i = 0; i < g.r; ++i)
       for (int64_t j = 0; j < g.r; ++j) {
-        const float* in = cols + ((c * g.r + i) * g.r + j) * g.pq();
+        const float* in = cols + ((c * g.r + i) * g.r + j) * ld;
         float* plane = dx + c * g.h * g.w;
         for (int64_t oy = 0; oy < g.p; ++oy) {
           int64_t iy = oy * g.stride - g.pad + i;
@@ -117,6 +119,96 @@ void sum_chunks_into(const float* partial, int64_t chunks, int64_t n, float* dst
       const float* src = partial + c * n;
       for (int64_t i = b; i < e; ++i) dst[i] += src[i];
     }
+  });
+}
+
+// db[k] += the sum of dy over samples and pixels (in double, in sample order)
+void conv2d_bias_grad(const float* gp, const ConvGeometry& g, Tensor& db) {
+  if (!db.defined()) return;
+  float* dbp = db.f32();
+  cpu::parallel_range(g.k, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      double s = 0.0;
+      for (int64_t n = 0; n < g.n; ++n) {
+        const float* row = gp + (n * g.k + k) * g.pq();
+        float t = 0.f;
+        for (int64_t i = 0; i < g.pq(); ++i) t += row[i];
+        s += t;
+      }
+      dbp[k] += float(s);
+    }
+  });
+}
+
+// Layers with few output pixels per sample (a ResNet's later stages: 7x7 down to 1x1 at 28x28
+// input) would make one GEMM per sample a thin product (N = pq columns), far below the BLAS's
+// speed. Below kBatchedPq output pixels the whole batch's columns sit side by side,
+// [crr, n*pq], and each product is one GEMM split over output rows across threads: every
+// element is the same sum whatever the thread count.
+constexpr int64_t kBatchedPq = 64;
+constexpr int64_t kRowGrain = 32;
+
+// cols[:, n*pq ...] = im2col(x_n) for every sample n.
+Tensor batch_im2col(DeviceContext& ctx, const float* x, const ConvGeometry& g) {
+  const int64_t ld = g.n * g.pq();
+  Tensor cols = scratch(ctx, g.crr() * ld);
+  float* cp = cols.f32();
+  cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) im2col(x + n * g.c * g.h * g.w, g, cp + n * g.pq(), ld);
+  });
+  return cols;
+}
+
+void conv2d_forward_batched(DeviceContext& ctx, const float* x, const float* w, const float* b,
+                            float* y, const ConvGeometry& g) {
+  const int64_t ld = g.n * g.pq();
+  Tensor cols = batch_im2col(ctx, x, g);
+  Tensor out = scratch(ctx, g.k * ld);
+  const float* cp = cols.f32();
+  float* op = out.f32();
+  cpu::parallel_range(g.k, kRowGrain, [&](int64_t k0, int64_t k1) {
+    cpu::sgemm(false, false, k1 - k0, ld, g.crr(), 1.f, w + k0 * g.crr(), g.crr(), cp, ld, 0.f,
+               op + k0 * ld, ld);
+  });
+  // [k, n*pq] -> y[n][k][pq], plus the bias
+  cpu::parallel_range(g.n * g.k, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / g.k, k = i % g.k;
+      const float* src = op + k * ld + n * g.pq();
+      float* dst = y + i * g.pq();
+      const float bias = b ? b[k] : 0.f;
+      for (int64_t j = 0; j < g.pq(); ++j) dst[j] = b ? src[j] + bias : src[j];
+    }
+  });
+}
+
+void conv2d_backward_batched(DeviceContext& ctx, const float* x, const float* w,
+                             const float* dy, float* dx, float* dw, const ConvGeometry& g) {
+  const int64_t ld = g.n * g.pq();
+  // dy[n][k][pq] -> gy[k, n*pq]
+  Tensor gy_t = scratch(ctx, g.k * ld);
+  float* gy = gy_t.f32();
+  cpu::parallel_range(g.n * g.k, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / g.k, k = i % g.k;
+      std::memcpy(gy + k * ld + n * g.pq(), dy + i * g.pq(), g.pq() * sizeof(float));
+    }
+  });
+  Tensor cols = batch_im2col(ctx, x, g);
+  float* cp = cols.f32();
+  // dW[k, crr] += gy[k, n*pq] cols[crr, n*pq]^T
+  cpu::parallel_range(g.k, kRowGrain, [&](int64_t k0, int64_t k1) {
+    cpu::sgemm(false, true, k1 - k0, g.crr(), ld, 1.f, gy + k0 * ld, ld, cp, ld, 1.f,
+               dw + k0 * g.crr(), g.crr());
+  });
+  if (!dx) return;
+  // dcols[crr, n*pq] = W^T gy (into the cols buffer, whose columns are no longer needed)
+  cpu::parallel_range(g.crr(), kRowGrain, [&](int64_t r0, int64_t r1) {
+    cpu::sgemm(true, false, r1 - r0, ld, g.k, 1.f, w + r0, g.crr(), gy, ld, 0.f, cp + r0 * ld,
+               ld);
+  });
+  cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) col2im(cp + n * g.pq(), g, dx + n * g.c * g.h * g.w, ld);
   });
 }
 
@@ -174,6 +266,7 @@ void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tenso
   const float* wp = w.f32();
   const float* bp = b.defined() ? b.f32() : nullptr;
   float* yp = y.f32();
+  if (g.pq() < kBatchedPq && g.n > 1) return conv2d_forward_batched(ctx, xp, wp, bp, yp, g);
   cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
     Tensor cols = g.pointwise() ? Tensor() : scratch(ctx, g.crr() * g.pq());
     for (int64_t n = n0; n < n1; ++n) {
@@ -181,7 +274,7 @@ void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tenso
       float* yn = yp + n * g.k * g.pq();
       const float* src = xn;
       if (!g.pointwise()) {
-        im2col(xn, g, cols.f32());
+        im2col(xn, g, cols.f32(), g.pq());
         src = cols.f32();
       }
       if (bp)
@@ -200,6 +293,11 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
   const float* wp = w.f32();
   const float* gp = dy.f32();
   const int64_t wsize = g.k * g.crr();
+  if (g.pq() < kBatchedPq && g.n > 1) {
+    conv2d_backward_batched(ctx, xp, wp, gp, dx.defined() ? dx.f32() : nullptr, dw.f32(), g);
+    conv2d_bias_grad(gp, g, db);
+    return;
+  }
   const int64_t chunks = std::min<int64_t>(g.n, kMaxWeightChunks);
   const int64_t per_chunk = chunks ? (g.n + chunks - 1) / chunks : 0;
   Tensor partial = scratch(ctx, chunks * wsize);
@@ -217,7 +315,7 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
         const float* gn = gp + n * g.k * g.pq();
         const float* src = xn;
         if (!g.pointwise()) {
-          im2col(xn, g, cols.f32());
+          im2col(xn, g, cols.f32(), g.pq());
           src = cols.f32();
         }
         // dW[k, crr] += dY_n[k, pq] * cols[crr, pq]^T
@@ -232,7 +330,7 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
             // dcols = W^T dY_n, reusing the cols buffer after the weight gradient is done
             cpu::sgemm(true, false, g.crr(), g.pq(), g.k, 1.f, wp, g.crr(), gn, g.pq(), 0.f,
                        cols.f32(), g.pq());
-            col2im(cols.f32(), g, dxn);
+            col2im(cols.f32(), g, dxn, g.pq());
           }
         }
       }
@@ -240,21 +338,6 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
   });
   sum_chunks_into(pw, chunks, wsize, dw.f32());
 
-  if (db.defined()) {
-    float* dbp = db.f32();
-    cpu::parallel_range(g.k, 1, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        double s = 0.0;
-        for (int64_t n = 0; n < g.n; ++n) {
-          const float* row = gp + (n * g.k + k) * g.pq();
-          float t = 0.f;
-          for (int64_t i = 0; i < g.pq(); ++i) t += row[i];
-          s += t;
-        }
-        dbp[k] += float(s);
-      }
-    });
-  }
-}
+  conv2d_bias_grad(gp, g, db);}
 
 }  // namespace replica
