@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -22,7 +24,6 @@
 
 #include "engine/error.h"
 #include "parallel/launcher.h"
-#include "parallel/run_summary.h"
 
 using namespace replica;
 namespace fs = std::filesystem;

@@ -5,7 +5,9 @@
 //   replica-train --preset seed --epochs 1     the source article's ResNet-101 recipe
 //   replica-train --synthetic --model resnet50 --devices cuda:0 --max-steps 50
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
