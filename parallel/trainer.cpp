@@ -185,8 +185,8 @@ void write_merged_trace(const std::string& path, int world, Say&& say) {
     ++merged;
   }
   write_trace_file(path, events);
-  say(world > 1 ? fmt::format("trace: {} ({} of {} ranks; each also in {}.rankR)", path, merged,
-                              world, path)
+  say(world > 1 ? fmt::format("trace: {} ({} of {} ranks merged; rank R>0 alone: {}.rank<R>)",
+                              path, merged, world, path)
                 : fmt::format("trace: {} ({} spans)", path, Tracer::global().event_count()));
 }
 
@@ -427,6 +427,9 @@ nlohmann::json run_training(const TrainConfig& config) {
       {"final_loss", final_loss},
       {"phase_ms_per_step", phase_ms},  // summed over devices (and the communication thread)
       {"phase_share", phase_shares(phase_ms)},
+      // BatchNorm normalises each device's (rank's) share of the batch: DP's contiguous chunks
+      // and DDP's interleaved sampler shares are different groups of samples.
+      {"has_batchnorm", !engine->model().buffers().empty()},
       {"forward_gflop_per_sample", 2 * macs / 1e9},
       // Training = forward + backward (data and weight gradients): ~3x the forward FLOPs.
       {"train_gflops", 3 * 2 * macs * sps / 1e9},
