@@ -157,14 +157,18 @@ Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, cons
   return m;
 }
 
-double probe_step_seconds(const Device& device, const RunOptions& o) {
+EngineOptions engine_options(const RunOptions& run) {
   EngineOptions eo;
-  eo.model = o.model;
-  eo.input_shape = o.input_shape;
+  eo.model = run.model;
+  eo.input_shape = run.input_shape;
   eo.num_classes = 10;
-  eo.seed = o.seed;
-  eo.threads_per_device = o.threads_per_device;
-  auto engine = make_single_device_engine(device, eo);
+  eo.seed = run.seed;
+  eo.threads_per_device = run.threads_per_device;
+  return eo;
+}
+
+double probe_step_seconds(const Device& device, const RunOptions& o) {
+  auto engine = make_single_device_engine(device, engine_options(o));
   const auto batches = preload_batches(o.input_shape, o.batch_per_device, o.seed, 2);
   Stepper stepper{*engine, batches, {}};
   stepper.run(1);

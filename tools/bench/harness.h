@@ -25,6 +25,9 @@ struct RunOptions {
   int threads_per_device = 1;
 };
 
+// The engine options of a run: its model, shape, seed and threads; 10 classes.
+EngineOptions engine_options(const RunOptions& run);
+
 // `count` batches of `batch` synthetic samples of `shape` in pinned host memory, made once.
 std::vector<Batch> preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int count);
 

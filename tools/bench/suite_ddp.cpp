@@ -93,12 +93,7 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
     return 0;
   }
 
-  EngineOptions eo;
-  eo.model = o.run.model;
-  eo.input_shape = o.run.input_shape;
-  eo.num_classes = 10;
-  eo.seed = o.run.seed;
-  eo.threads_per_device = o.run.threads_per_device;
+  const EngineOptions eo = engine_options(o.run);
   DdpOptions d;
   d.rank = rv.rank;
   d.world_size = rv.world_size;

@@ -5,12 +5,7 @@
 namespace replica::bench {
 
 std::vector<Measurement> measure_dp(const SuiteOptions& o, int n, const RunOptions& run) {
-  EngineOptions eo;
-  eo.model = run.model;
-  eo.input_shape = run.input_shape;
-  eo.num_classes = 10;
-  eo.seed = run.seed;
-  eo.threads_per_device = run.threads_per_device;
+  const EngineOptions eo = engine_options(run);
   DpOptions dp;
   dp.strategy = parse_reduce_strategy(o.reduce);
   const std::vector<Device> devices(o.devices.begin(), o.devices.begin() + n);
