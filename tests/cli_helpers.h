@@ -36,6 +36,11 @@ inline std::vector<uint8_t> file_bytes(const std::string& p) {
   return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
 }
 
+inline void put_bytes(const std::string& p, const std::vector<uint8_t>& b) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+}
+
 inline void write_be32(std::ofstream& out, uint32_t v) {
   unsigned char b[4] = {static_cast<unsigned char>(v >> 24), static_cast<unsigned char>(v >> 16),
                         static_cast<unsigned char>(v >> 8), static_cast<unsigned char>(v)};

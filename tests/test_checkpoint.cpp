@@ -23,10 +23,7 @@ namespace {
 
 using test::file_bytes;
 using test::TempDir;
-void put_bytes(const std::string& p, const std::vector<uint8_t>& b) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
-}
+using test::put_bytes;
 
 template <class F>
 std::string error_of(F&& f) {

@@ -6,18 +6,12 @@
 #include <cstdio>
 
 #include "dp_reference.h"
+#include "gpu_skip.h"
 #include "parallel/dp_engine.h"
 
 using namespace replica;
 
 namespace {
-
-bool have_gpu() {
-  if (cuda_device_count() > 0) return true;
-  std::printf("SKIPPED: no CUDA GPU found (cuda_device_count() == 0)\n");
-  MESSAGE("SKIPPED: no CUDA GPU found");
-  return false;
-}
 
 void check(const std::string& spec, const std::string& model, const std::string& opt,
            int64_t batch) {
@@ -46,7 +40,7 @@ void check(const std::string& spec, const std::string& model, const std::string&
 }  // namespace
 
 TEST_CASE("DP on logical devices of GPU 0 equals the one-device reference") {
-  if (!have_gpu()) return;
+  if (!test::have_gpu()) return;
   for (const char* spec : {"cuda:0*2", "cuda:0*4"})
     for (const char* model : {"cnn", "resnet18"})
       for (const char* opt : {"sgd", "adam"})
@@ -54,7 +48,7 @@ TEST_CASE("DP on logical devices of GPU 0 equals the one-device reference") {
 }
 
 TEST_CASE("DP on distinct GPUs equals the one-device reference") {
-  if (!have_gpu()) return;
+  if (!test::have_gpu()) return;
   if (cuda_device_count() < 2) {
     std::printf("SKIPPED: one GPU only (distinct-GPU DP needs two)\n");
     return;

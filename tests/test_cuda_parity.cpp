@@ -13,16 +13,11 @@
 #include "engine/device.h"
 #include "engine/ops.h"
 #include "engine/tensor.h"
+#include "gpu_skip.h"
 
 using namespace replica;
 
 namespace {
-
-bool no_gpu() {
-  if (cuda_device_count() > 0) return false;
-  MESSAGE("SKIPPED: no CUDA GPU found (cuda_device_count() == 0)");
-  return true;
-}
 
 // One CPU and one GPU context per test case.
 struct Rig {
@@ -132,7 +127,7 @@ TEST_CASE("cuda runtime: device count, names and versions") {
   CHECK_NOTHROW(n = cuda_device_count());  // no driver or no GPU is zero, never an error
   CHECK(n >= 0);
   CHECK(cuda_device_count() == n);
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   MESSAGE(cudart::versions());
   for (int i = 0; i < n; ++i) {
     CHECK(!cudart::device_name(i).empty());
@@ -141,7 +136,7 @@ TEST_CASE("cuda runtime: device count, names and versions") {
 }
 
 TEST_CASE("cuda parity: memory ops (fill, copy, add, scale, zero-size)") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   Rig r;
   Pair a = make_random(r, {3, 5, 7}, 1);
   Pair b = make_random(r, {3, 5, 7}, 2);
@@ -182,7 +177,7 @@ TEST_CASE("cuda parity: memory ops (fill, copy, add, scale, zero-size)") {
 }
 
 TEST_CASE("cuda parity: linear forward and backward") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   Rig r;
   const int64_t N = 3, in = 7, out = 5;
   Pair x = make_random(r, {N, in}, 10), w = make_random(r, {out, in}, 11);
@@ -259,7 +254,7 @@ void conv_case(bool deterministic, int64_t N, int64_t C, int64_t H, int64_t W, i
 }  // namespace
 
 TEST_CASE("cuda parity: conv2d forward and backward") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   conv_case(false, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
   conv_case(false, 3, 4, 5, 7, 6, 3, Conv2dParams{1, 1}, false);
   conv_case(false, 3, 3, 9, 11, 8, 7, Conv2dParams{2, 3}, false);  // ResNet stem shape
@@ -313,13 +308,13 @@ void batchnorm_case(const Shape& shape) {
 }  // namespace
 
 TEST_CASE("cuda parity: batchnorm train, backward and eval") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   batchnorm_case({3, 4, 5, 7});
   batchnorm_case({5, 6});  // BatchNorm1d-style [N, C]
 }
 
 TEST_CASE("cuda parity: relu, mul and dropout") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   Rig r;
   const Shape s{3, 4, 5, 7};
   Pair x = make_random(r, s, 50), y = make_random(r, s, 51), dy = make_random(r, s, 52);
@@ -386,7 +381,7 @@ void adaptive_case(const Shape& xs, int64_t P, int64_t Q) {
 }  // namespace
 
 TEST_CASE("cuda parity: max pooling") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   maxpool_case({3, 4, 5, 7}, Pool2dParams{3, 2, 1}, false);  // ResNet's stem pool
   maxpool_case({3, 4, 5, 7}, Pool2dParams{3, 2, 1}, true);
   maxpool_case({3, 4, 5, 7}, Pool2dParams{2, 2, 0}, true);
@@ -394,7 +389,7 @@ TEST_CASE("cuda parity: max pooling") {
 }
 
 TEST_CASE("cuda parity: adaptive average pooling") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   adaptive_case({3, 4, 7, 7}, 1, 1);
   adaptive_case({3, 4, 5, 5}, 2, 2);
   adaptive_case({3, 4, 5, 7}, 3, 2);
@@ -402,7 +397,7 @@ TEST_CASE("cuda parity: adaptive average pooling") {
 }
 
 TEST_CASE("cuda parity: cross-entropy and count_correct") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   Rig r;
   const int64_t N = 5, C = 7;
   Pair logits = make_random(r, {N, C}, 80, -4.f, 4.f), probs = make_random(r, {N, C}, 81);
@@ -443,7 +438,7 @@ TEST_CASE("cuda parity: cross-entropy and count_correct") {
 }
 
 TEST_CASE("cuda parity: sgd (momentum, nesterov, weight decay)") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   Rig r;
   const int64_t n = 1000;
   struct Variant {
@@ -469,7 +464,7 @@ TEST_CASE("cuda parity: sgd (momentum, nesterov, weight decay)") {
 }
 
 TEST_CASE("cuda parity: adam, 3 steps") {
-  if (no_gpu()) return;
+  if (!test::have_gpu()) return;
   Rig r;
   const int64_t n = 1000;
   AdamConfig c;

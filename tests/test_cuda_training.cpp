@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "dp_reference.h"
+#include "gpu_skip.h"
 #include "engine/data/dataset.h"
 #include "engine/device.h"
 #include "parallel/train_engine.h"
@@ -13,23 +15,6 @@
 using namespace replica;
 
 namespace {
-
-bool have_gpu() {
-  if (cuda_device_count() > 0) return true;
-  std::printf("SKIPPED: no CUDA GPU found (cuda_device_count() == 0)\n");
-  MESSAGE("SKIPPED: no CUDA GPU found");
-  return false;
-}
-
-std::vector<float> host_params(TrainEngine& e) {
-  Tensor& p = e.model().flat_params();
-  Tensor h = Tensor::empty(host_allocator(), p.shape());
-  e.primary().run([&] {
-    e.primary().ops().copy(e.primary(), h, p);
-    e.primary().synchronize();
-  });
-  return std::vector<float>(h.f32(), h.f32() + h.numel());
-}
 
 void compare_training(const std::string& model, const Shape& shape, const std::string& optimizer,
                       int steps, double rel_tol) {
@@ -56,7 +41,7 @@ void compare_training(const std::string& model, const Shape& shape, const std::s
     CAPTURE(s);
     CHECK(std::fabs(lc - lg) <= 1e-4 * std::max(1.f, std::fabs(lc)));
   }
-  auto pc = host_params(*cpu), pg = host_params(*gpu);
+  auto pc = test::params_of(*cpu), pg = test::params_of(*gpu);
   REQUIRE(pc.size() == pg.size());
   double num = 0, den = 0;
   for (size_t i = 0; i < pc.size(); ++i) {
@@ -69,16 +54,16 @@ void compare_training(const std::string& model, const Shape& shape, const std::s
 }  // namespace
 
 TEST_CASE("cnn: 5 SGD-momentum steps agree on CPU and CUDA") {
-  if (!have_gpu()) return;
+  if (!test::have_gpu()) return;
   compare_training("cnn", {1, 28, 28}, "sgd", 5, 1e-5);
 }
 
 TEST_CASE("cnn: 5 Adam steps agree on CPU and CUDA") {
-  if (!have_gpu()) return;
+  if (!test::have_gpu()) return;
   compare_training("cnn", {1, 28, 28}, "adam", 5, 1e-4);
 }
 
 TEST_CASE("resnet18 (28x28, BatchNorm): 3 SGD steps agree on CPU and CUDA") {
-  if (!have_gpu()) return;
+  if (!test::have_gpu()) return;
   compare_training("resnet18", {1, 28, 28}, "sgd", 3, 1e-4);
 }

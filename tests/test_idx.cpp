@@ -22,10 +22,7 @@ namespace {
 
 using test::file_bytes;
 using test::TempDir;
-void put_bytes(const std::string& p, const std::vector<uint8_t>& b) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-}
+using test::put_bytes;
 std::vector<uint8_t> gzip_bytes(const std::vector<uint8_t>& raw) {
   z_stream zs{};
   REQUIRE(deflateInit2(&zs, 6, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) == Z_OK);
