@@ -8,15 +8,7 @@
 #include <nccl.h>
 
 #include "engine/cuda/cuda_check.h"
-
-#define REPLICA_LOCAL_NCCL_CHECK(call)                                                   \
-  do {                                                                                   \
-    ncclResult_t replica_nr_ = (call);                                                   \
-    if (replica_nr_ != ncclSuccess)                                                      \
-      throw ::replica::Error(fmt::format("{} failed: {} ({}:{})", #call,                 \
-                                         ncclGetErrorString(replica_nr_), __FILE__,      \
-                                         __LINE__));                                     \
-  } while (0)
+#include "parallel/nccl_check.h"
 #endif
 
 namespace replica {
@@ -48,7 +40,7 @@ LocalNccl::LocalNccl(const std::vector<DeviceContext*>& contexts) : impl_(new Im
   std::vector<int> ordinals;
   for (auto* c : contexts) ordinals.push_back(c->device().index);
   impl_->comms.resize(contexts.size());
-  REPLICA_LOCAL_NCCL_CHECK(
+  REPLICA_NCCL_CHECK(
       ncclCommInitAll(impl_->comms.data(), int(ordinals.size()), ordinals.data()));
 }
 
@@ -62,27 +54,27 @@ void LocalNccl::reduce_to_root(std::vector<Tensor>& buffers, int active) {
   if (count == 0 || active < 2) return;
   // Every communicator of the clique takes part; devices without samples this step contribute
   // their zeroed gradients.
-  REPLICA_LOCAL_NCCL_CHECK(ncclGroupStart());
+  REPLICA_NCCL_CHECK(ncclGroupStart());
   for (size_t i = 0; i < impl_->comms.size(); ++i) {
     impl_->ctx[i]->activate();
     void* data = buffers[i].raw();
-    REPLICA_LOCAL_NCCL_CHECK(ncclReduce(data, data, count, ncclFloat, ncclSum, 0, impl_->comms[i],
-                                       cuda_state(*impl_->ctx[i]).stream));
+    REPLICA_NCCL_CHECK(ncclReduce(data, data, count, ncclFloat, ncclSum, 0, impl_->comms[i],
+                                 cuda_state(*impl_->ctx[i]).stream));
   }
-  REPLICA_LOCAL_NCCL_CHECK(ncclGroupEnd());
+  REPLICA_NCCL_CHECK(ncclGroupEnd());
 }
 
 void LocalNccl::broadcast_from_root(std::vector<Tensor>& buffers) {
   const size_t count = size_t(buffers[0].numel());
   if (count == 0) return;
-  REPLICA_LOCAL_NCCL_CHECK(ncclGroupStart());
+  REPLICA_NCCL_CHECK(ncclGroupStart());
   for (size_t i = 0; i < impl_->comms.size(); ++i) {
     impl_->ctx[i]->activate();
     void* data = buffers[i].raw();
-    REPLICA_LOCAL_NCCL_CHECK(ncclBroadcast(data, data, count, ncclFloat, 0, impl_->comms[i],
-                                          cuda_state(*impl_->ctx[i]).stream));
+    REPLICA_NCCL_CHECK(ncclBroadcast(data, data, count, ncclFloat, 0, impl_->comms[i],
+                                    cuda_state(*impl_->ctx[i]).stream));
   }
-  REPLICA_LOCAL_NCCL_CHECK(ncclGroupEnd());
+  REPLICA_NCCL_CHECK(ncclGroupEnd());
 }
 
 #else

@@ -12,16 +12,9 @@
 #include "engine/cuda/cuda_check.h"
 #include "engine/error.h"
 #include "engine/ops.h"
+#include "parallel/nccl_check.h"
 #include "parallel/process_group.h"
 #include "parallel/store.h"
-
-#define REPLICA_NCCL_CHECK(call)                                                            \
-  do {                                                                                      \
-    ncclResult_t replica_nr_ = (call);                                                      \
-    if (replica_nr_ != ncclSuccess)                                                         \
-      throw ::replica::Error(fmt::format("{} failed: {} ({}:{})", #call,                    \
-                                         ncclGetErrorString(replica_nr_), __FILE__, __LINE__)); \
-  } while (0)
 
 namespace replica {
 
