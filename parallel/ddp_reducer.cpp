@@ -9,10 +9,7 @@ DdpReducer::DdpReducer(DeviceContext& ctx, Model& model, ProcessGroup& group,
                        size_t first_bucket_bytes, size_t bucket_bytes)
     : ctx_(ctx), model_(model), group_(group) {
   buckets_ = make_buckets(model.params(), first_bucket_bytes, bucket_bytes);
-  bucket_of_param_.assign(model.params().size(), 0);
-  for (size_t b = 0; b < buckets_.size(); ++b)
-    for (int p : buckets_[b].params) bucket_of_param_[p] = static_cast<int>(b);
-  for (size_t i = 0; i < model.params().size(); ++i) index_[model.params()[i]] = int(i);
+  bucket_of_ = bucket_of_param(model.params(), buckets_);
   remaining_.assign(buckets_.size(), 0);
   if (group.size() > 1)
     comm_ = std::make_unique<CommQueue>([this](int b) {
@@ -42,7 +39,7 @@ void DdpReducer::on_ready(const std::vector<Param*>& params) {
   if (group_.size() <= 1) return;
   std::lock_guard<std::mutex> lock(mutex_);
   if (!sync_) return;
-  for (const Param* p : params) --remaining_[bucket_of_param_[index_.at(p)]];
+  for (const Param* p : params) --remaining_[bucket_of_.at(p)];
   launch_ready_locked();
 }
 

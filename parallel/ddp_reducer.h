@@ -39,8 +39,7 @@ class DdpReducer {
   Model& model_;
   ProcessGroup& group_;
   std::vector<Bucket> buckets_;
-  std::vector<int> bucket_of_param_;
-  std::unordered_map<const Param*, int> index_;
+  std::unordered_map<const Param*, int> bucket_of_;
 
   std::mutex mutex_;  // guards the readiness bookkeeping below
   bool sync_ = true;

@@ -14,15 +14,8 @@ ReduceStrategy parse_reduce_strategy(const std::string& name) {
 RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model*> models,
                          ReduceStrategy strategy, size_t first_bucket_bytes, size_t bucket_bytes)
     : ctx_(std::move(contexts)), models_(std::move(models)), strategy_(strategy) {
-  const auto& params = models_[0]->params();
-  buckets_ = make_buckets(params, first_bucket_bytes, bucket_bytes);
-  bucket_of_param_.assign(params.size(), 0);
-  for (size_t b = 0; b < buckets_.size(); ++b)
-    for (int p : buckets_[b].params) bucket_of_param_[p] = static_cast<int>(b);
-  index_.resize(models_.size());
-  for (size_t r = 0; r < models_.size(); ++r)
-    for (size_t i = 0; i < models_[r]->params().size(); ++i)
-      index_[r][models_[r]->params()[i]] = static_cast<int>(i);
+  buckets_ = make_buckets(models_[0]->params(), first_bucket_bytes, bucket_bytes);
+  for (Model* m : models_) bucket_of_.push_back(bucket_of_param(m->params(), buckets_));
   if (LocalNccl::usable(ctx_)) nccl_ = std::make_unique<LocalNccl>(ctx_);
   cuda_ = ctx_[0]->is_cuda() && !nccl_;
   remaining_.assign(models_.size(), std::vector<int>(buckets_.size(), 0));
@@ -69,7 +62,7 @@ void RootReducer::on_ready(int replica, const std::vector<Param*>& params) {
   if (active_ <= 1 || cuda_) return;
   std::lock_guard<std::mutex> lock(mutex_);
   for (const Param* p : params) {
-    const int b = bucket_of_param_[index_[replica].at(p)];
+    const int b = bucket_of_[replica].at(p);
     if (--remaining_[replica][b] == 0 && ++ready_replicas_[b] == active_ && !queued_[b]) {
       queued_[b] = true;
       comm_->push(b);

@@ -56,8 +56,7 @@ class RootReducer {
   std::vector<Model*> models_;
   ReduceStrategy strategy_;
   std::vector<Bucket> buckets_;
-  std::vector<int> bucket_of_param_;  // param index -> bucket
-  std::vector<std::unordered_map<const Param*, int>> index_;  // per replica: Param* -> index
+  std::vector<std::unordered_map<const Param*, int>> bucket_of_;  // per replica: Param* -> bucket
   bool cuda_ = false;                 // CUDA devices, reduced by copies on device 0's stream
   std::unique_ptr<LocalNccl> nccl_;   // distinct GPUs: NCCL group reduce per bucket
 
