@@ -11,6 +11,22 @@ ReduceStrategy parse_reduce_strategy(const std::string& name) {
   throw UsageError(fmt::format("unknown reduction '{}' (root, tree)", name));
 }
 
+namespace {
+
+// The fixed order of the adds: add(dst, src) sums replica src into replica dst. To-root: replica
+// 0 adds 1, 2, ... in turn; tree: pairs at stride 1, 2, 4, ... (log2(active) rounds).
+template <class Add>
+void sum_in_order(bool tree, int active, Add&& add) {
+  if (!tree) {
+    for (int r = 1; r < active; ++r) add(0, r);
+    return;
+  }
+  for (int stride = 1; stride < active; stride *= 2)
+    for (int r = 0; r + stride < active; r += 2 * stride) add(r, r + stride);
+}
+
+}  // namespace
+
 RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model*> models,
                          ReduceStrategy strategy, size_t first_bucket_bytes, size_t bucket_bytes)
     : ctx_(std::move(contexts)), models_(std::move(models)), strategy_(strategy) {
@@ -80,12 +96,7 @@ void RootReducer::reduce_bucket_cpu(const Bucket& b) {
     Tensor d = range(dst);
     ctx_[dst]->ops().add(*ctx_[dst], d, range(src), 1.f);
   };
-  if (strategy_ == ReduceStrategy::ToRoot) {
-    for (int r = 1; r < active_; ++r) add_into(0, r);
-  } else {
-    for (int stride = 1; stride < active_; stride *= 2)
-      for (int r = 0; r + stride < active_; r += 2 * stride) add_into(r, r + stride);
-  }
+  sum_in_order(strategy_ == ReduceStrategy::Tree, active_, add_into);
 }
 
 void RootReducer::reduce_all_cuda() {
@@ -102,12 +113,7 @@ void RootReducer::reduce_all_cuda() {
     root.ops().add(root, d, s, 1.f);
   };
   // The tree adds between non-root replicas, which needs them on the root's GPU.
-  if (strategy_ == ReduceStrategy::ToRoot || active_ <= 2 || staging_.defined()) {
-    for (int r = 1; r < active_; ++r) add_from(0, r);
-  } else {
-    for (int stride = 1; stride < active_; stride *= 2)
-      for (int r = 0; r + stride < active_; r += 2 * stride) add_from(r, r + stride);
-  }
+  sum_in_order(strategy_ == ReduceStrategy::Tree && !staging_.defined(), active_, add_from);
 }
 
 void RootReducer::finish() {
