@@ -72,11 +72,9 @@ EvalResult evaluate(TrainEngine& engine, const Dataset& test, int64_t batch_size
   return {totals[2] ? totals[0] / totals[2] : 0.0, totals[2] ? totals[1] / totals[2] : 0.0};
 }
 
-// This process's training indices for an epoch: the whole epoch order, or the
-// DistributedSampler's share (DDP).
-std::vector<int64_t> epoch_indices(const TrainConfig& c, const TrainEngine& engine, int64_t n,
-                                   int64_t epoch) {
-  if (engine.world_size() <= 1) return epoch_order(n, c.engine.seed, epoch, c.shuffle);
+// Which training samples this process reads: the DistributedSampler's share (DDP). With one
+// process the share is the whole epoch order, epoch_order(n, seed, epoch, shuffle).
+DistributedSampler train_sampler(const TrainConfig& c, const TrainEngine& engine, int64_t n) {
   SamplerOptions so;
   so.dataset_size = n;
   so.num_replicas = engine.world_size();
@@ -84,9 +82,7 @@ std::vector<int64_t> epoch_indices(const TrainConfig& c, const TrainEngine& engi
   so.shuffle = c.shuffle;
   so.seed = c.engine.seed;
   so.drop_last = c.drop_last;
-  DistributedSampler sampler(so);
-  sampler.set_epoch(epoch);
-  return sampler.indices();
+  return DistributedSampler(so);
 }
 
 }  // namespace
@@ -234,8 +230,8 @@ nlohmann::json run_training(const TrainConfig& config) {
                   data.train->describe()));
 
   Loader loader(*data.train, local_batch, c.drop_last);
-  const int64_t per_epoch =
-      loader.batches_per_epoch(int64_t(epoch_indices(c, *engine, data.train->size(), 0).size()));
+  DistributedSampler sampler = train_sampler(c, *engine, data.train->size());
+  const int64_t per_epoch = loader.batches_per_epoch(sampler.num_samples());
   REPLICA_USAGE_CHECK(per_epoch > 0, "no complete batch of {} in {} samples with drop_last",
                       c.batch_size, data.train->size());
   const int64_t planned_steps =
@@ -260,7 +256,8 @@ nlohmann::json run_training(const TrainConfig& config) {
   int stop_signal = 0;
   for (int64_t epoch = pos.epoch; epoch < c.epochs && !stop; ++epoch) {
     const int64_t first = epoch == pos.epoch ? pos.batch_in_epoch : 0;
-    loader.start_epoch(epoch_indices(c, *engine, data.train->size(), epoch), epoch, first);
+    sampler.set_epoch(epoch);
+    loader.start_epoch(sampler.indices(), epoch, first);
     const int64_t t_epoch = Tracer::now_us();
     const PhaseTotals phases_before = tracer.phase_totals_us();
     int64_t epoch_samples = 0, epoch_steps = 0;
