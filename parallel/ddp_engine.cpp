@@ -60,8 +60,8 @@ class DdpEngine final : public TrainEngine {
       Tensor x, y;
       {
         TraceSpan span(track_, "h2d", &ctx_);
-        x = to_device(batch.images);
-        y = to_device(batch.labels);
+        x = batch_to_device(ctx_, batch.images);
+        y = batch_to_device(ctx_, batch.labels);
       }
       if (model_->num_buffer_elements() > 0 && group_->size() > 1) {
         TraceSpan span(track_, "broadcast_buffers", &ctx_);
@@ -127,7 +127,7 @@ class DdpEngine final : public TrainEngine {
     ctx_.run([&] {
       Tensor host = Tensor::empty(host_allocator(), {int64_t(values.size())});
       for (size_t i = 0; i < values.size(); ++i) host.f32()[i] = float(values[i]);
-      Tensor dev = to_device(host);
+      Tensor dev = batch_to_device(ctx_, host);
       group_->allreduce_sum(ctx_, dev);
       ctx_.ops().copy(ctx_, host, dev);
       group_->synchronize(ctx_);
@@ -206,8 +206,6 @@ class DdpEngine final : public TrainEngine {
       group_->synchronize(ctx_);
     });
   }
-
-  Tensor to_device(const Tensor& host) { return batch_to_device(ctx_, host); }
 
   DeviceContext ctx_;
   std::shared_ptr<Store> store_;  // the rendezvous store (null for one process)

@@ -85,8 +85,8 @@ class DataParallelEngine final : public TrainEngine {
       r.ctx->run([&] {
         {
           TraceSpan span(r.track, "scatter", r.ctx.get());
-          r.x = to_device(*r.ctx, batch.images.slice_rows(chunks[i].begin,
-                                                          chunks[i].begin + chunks[i].count));
+          r.x = batch_to_device(*r.ctx, batch.images.slice_rows(chunks[i].begin,
+                                                                chunks[i].begin + chunks[i].count));
         }
         TraceSpan span(r.track, "forward", r.ctx.get());
         r.model->zero_grad(*r.ctx);
@@ -108,7 +108,7 @@ class DataParallelEngine final : public TrainEngine {
           c0.ops().copy(c0, rows, replicas_[i].logits);
         }
       }
-      Tensor labels = to_device(c0, batch.labels);
+      Tensor labels = batch_to_device(c0, batch.labels);
       loss_ = criterion_.forward(c0, all, labels);
       dlogits = criterion_.backward(c0);
       loss_done_.record(c0);
@@ -242,10 +242,6 @@ class DataParallelEngine final : public TrainEngine {
           r.ctx->ops().copy(*r.ctx, r.model->flat_buffers(), m0.flat_buffers());
       });
     });
-  }
-
-  static Tensor to_device(DeviceContext& ctx, const Tensor& host) {
-    return batch_to_device(ctx, host);
   }
 
   WorkerPool pool_;

@@ -32,8 +32,8 @@ class SingleDeviceEngine final : public TrainEngine {
       Tensor x, y;
       {
         TraceSpan span(track_, "h2d", &ctx_);
-        x = to_device(batch.images);
-        y = to_device(batch.labels);
+        x = batch_to_device(ctx_, batch.images);
+        y = batch_to_device(ctx_, batch.labels);
       }
       {
         TraceSpan span(track_, "forward", &ctx_);
@@ -77,8 +77,6 @@ class SingleDeviceEngine final : public TrainEngine {
   double forward_macs_per_sample() const override { return macs_per_sample_; }
 
  private:
-  Tensor to_device(const Tensor& host) { return batch_to_device(ctx_, host); }
-
   DeviceContext ctx_;
   std::string track_;
   std::unique_ptr<Model> model_;
