@@ -10,7 +10,21 @@ std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBacke
 
 CudaBackend::~CudaBackend() { destroy_conv_plans(); }
 
+namespace {
+
+__global__ void fill_f32_kernel(float* p, int64_t n, float v) {
+  REPLICA_GRID_STRIDE(i, n)
+    p[i] = v;
+}
+
+}  // namespace
+
 namespace cuda {
+
+void fill_async(float* p, int64_t n, float v, cudaStream_t stream) {
+  fill_f32_kernel<<<grid_for(n), kThreads, 0, stream>>>(p, n, v);
+  REPLICA_LAUNCH_CHECK();
+}
 
 void expect_device(const DeviceContext& ctx, const Tensor& t, const char* op, const char* what) {
   REPLICA_CHECK(t.defined(), "{}: {} is undefined", op, what);
@@ -51,27 +65,18 @@ float* CudaBackend::scratch(DeviceContext& ctx, int64_t floats) {
 
 namespace {
 
-__global__ void fill_f32_kernel(float* p, int64_t n, float v) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = v;
-}
-
 __global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
+  REPLICA_GRID_STRIDE(i, n)
     p[i] = v;
 }
 
 __global__ void axpy_kernel(float* dst, const float* src, int64_t n, float alpha) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
+  REPLICA_GRID_STRIDE(i, n)
     dst[i] += alpha * src[i];
 }
 
 __global__ void scale_kernel(float* p, int64_t n, float alpha) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
+  REPLICA_GRID_STRIDE(i, n)
     p[i] *= alpha;
 }
 
@@ -96,8 +101,7 @@ void CudaBackend::fill(DeviceContext& ctx, Tensor& t, float value) {
     REPLICA_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.bytes(), stream));
     return;
   }
-  fill_f32_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(t.f32(), n, value);
-  REPLICA_LAUNCH_CHECK();
+  cuda::fill_async(t.f32(), n, value, stream);
 }
 
 void CudaBackend::copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) {

@@ -11,6 +11,11 @@
 #include "engine/cuda/cuda_check.h"
 #include "engine/ops.h"
 
+// The body of a grid-stride loop over [0, n) in a kernel launched with cuda::grid_for(n) blocks.
+#define REPLICA_GRID_STRIDE(i, n)                                                        \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n);              \
+       i += int64_t(gridDim.x) * blockDim.x)
+
 namespace replica {
 
 namespace cuda {
@@ -23,6 +28,9 @@ inline int grid_for(int64_t n, int threads = kThreads) {
   const int64_t cap = int64_t(1) << 20;  // grid-stride beyond ~268M threads
   return static_cast<int>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
 }
+
+// p[0, n) = v on `stream` (a kernel launch; n > 0).
+void fill_async(float* p, int64_t n, float v, cudaStream_t stream);
 
 // Shape checks shared by the op files: they throw replica::Error naming the op.
 void expect_device(const DeviceContext& ctx, const Tensor& t, const char* op, const char* what);

@@ -48,8 +48,7 @@ bool choose_algo(const std::vector<Perf>& perf, int returned, bool deterministic
 // y[((n*K + k)*PQ + pq)] += b[k]
 __global__ void add_channel_bias_kernel(float* y, const float* b, int64_t total, int64_t K,
                                         int64_t PQ) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x)
+  REPLICA_GRID_STRIDE(i, total)
     y[i] += b[(i / PQ) % K];
 }
 

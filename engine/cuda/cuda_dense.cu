@@ -14,8 +14,7 @@ namespace {
 // y[n, j] += b[j] over y [rows, cols]
 __global__ void add_row_bias_kernel(float* y, const float* b, int64_t rows, int64_t cols) {
   const int64_t total = rows * cols;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x)
+  REPLICA_GRID_STRIDE(i, total)
     y[i] += b[i % cols];
 }
 
@@ -23,8 +22,7 @@ __global__ void add_row_bias_kernel(float* y, const float* b, int64_t rows, int6
 // coalesced: neighbouring threads read neighbouring columns).
 __global__ void column_sum_accumulate_kernel(const float* dy, float* db, int64_t rows,
                                              int64_t cols) {
-  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < cols;
-       j += int64_t(gridDim.x) * blockDim.x) {
+  REPLICA_GRID_STRIDE(j, cols) {
     float s = 0.f;
     for (int64_t n = 0; n < rows; ++n) s += dy[n * cols + j];
     db[j] += s;

@@ -69,8 +69,7 @@ __global__ void mean_kernel(const double* row_loss, int64_t N, float* loss) {
 __global__ void xent_backward_kernel(const float* probs, const int32_t* labels, float scale,
                                      float* dlogits, int64_t N, int64_t C) {
   const int64_t total = N * C;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
+  REPLICA_GRID_STRIDE(i, total) {
     const int64_t n = i / C, c = i - n * C;
     dlogits[i] = (probs[i] - (c == labels[n] ? 1.f : 0.f)) * scale;
   }
@@ -95,8 +94,7 @@ __global__ void count_correct_kernel(const float* logits, const int32_t* labels,
 __global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n, float lr,
                            float momentum, float dampening, float wd, bool nesterov,
                            bool first_step) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
+  REPLICA_GRID_STRIDE(i, n) {
     float d = g[i] + wd * p[i];
     if (buf) {
       const float b = first_step ? d : momentum * buf[i] + (1.f - dampening) * d;
@@ -109,8 +107,7 @@ __global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n, floa
 
 __global__ void adam_kernel(float* p, const float* g, float* m, float* v, int64_t n, float b1,
                             float b2, float eps, float wd, float step_size, float bc2_sqrt) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
+  REPLICA_GRID_STRIDE(i, n) {
     const float grad = g[i] + wd * p[i];
     const float mi = b1 * m[i] + (1.f - b1) * grad;
     const float vi = b2 * v[i] + (1.f - b2) * grad * grad;

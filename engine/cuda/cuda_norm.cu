@@ -59,17 +59,6 @@ void expect_param(const DeviceContext& ctx, const Tensor& t, int64_t C, const ch
   cuda::expect_numel(t, C, op, what);
 }
 
-__global__ void fill_kernel(float* p, int64_t n, float v) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = v;
-}
-
-void fill_async(float* p, int64_t n, float v, cudaStream_t stream) {
-  fill_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(p, n, v);
-  REPLICA_LAUNCH_CHECK();
-}
-
 // cuDNN needs both affine parameters: undefined ones become gamma = 1 / beta = 0 in scratch
 // (2C floats, taken only when needed).
 template <class Scratch>
@@ -81,11 +70,11 @@ std::pair<const float*, const float*> affine_or_default(const Tensor& gamma, con
   if (!g || !b) {
     float* tmp = scratch();
     if (!g) {
-      fill_async(tmp, C, 1.f, stream);
+      cuda::fill_async(tmp, C, 1.f, stream);
       g = tmp;
     }
     if (!b) {
-      fill_async(tmp + C, C, 0.f, stream);
+      cuda::fill_async(tmp + C, C, 0.f, stream);
       b = tmp + C;
     }
   }
@@ -195,7 +184,7 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
   if (need_g || need_dg || need_db || need_dx) {
     float* tmp = scratch(ctx, 3 * sh.C + (need_dx ? x.numel() : 0));
     if (need_g) {
-      fill_async(tmp, sh.C, 1.f, s.stream);
+      cuda::fill_async(tmp, sh.C, 1.f, s.stream);
       g = tmp;
     }
     if (need_dg) dg = tmp + sh.C;

@@ -8,10 +8,6 @@ namespace replica {
 
 namespace {
 
-#define REPLICA_GRID_STRIDE(i, n)                                                        \
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n);              \
-       i += int64_t(gridDim.x) * blockDim.x)
-
 __global__ void relu_forward_kernel(const float* x, float* y, int64_t n) {
   REPLICA_GRID_STRIDE(i, n) {
     const float v = x[i];
@@ -169,8 +165,6 @@ __global__ void adaptive_avgpool_backward_kernel(const float* dy, float* dx, Poo
     dx[i] = g;
   }
 }
-
-#undef REPLICA_GRID_STRIDE
 
 PoolDims pool_dims(const Tensor& x, const Tensor& y, const char* op) {
   REPLICA_CHECK(x.ndim() == 4 && y.ndim() == 4 && x.dim(0) == y.dim(0) && x.dim(1) == y.dim(1),
