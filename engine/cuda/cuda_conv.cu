@@ -45,6 +45,31 @@ bool choose_algo(const std::vector<Perf>& perf, int returned, bool deterministic
   return false;
 }
 
+// Chooses one direction's algorithm: asks cuDNN's heuristics (`count(&n)`, then
+// `find(n, &returned, perf)`; both check their own call) and takes the first acceptable one
+// (choose_algo), else `fallback` with its workspace size.
+template <class Perf, class Algo, class Count, class Find, class WsQuery>
+void pick_algo(bool deterministic, Algo fallback, Count count, Find find, WsQuery ws_query,
+               Algo* algo, size_t* ws) {
+  int max_count = 0;
+  count(&max_count);
+  std::vector<Perf> perf(std::max(max_count, 1));
+  int returned = 0;
+  find(static_cast<int>(perf.size()), &returned, perf.data());
+  if (!choose_algo(perf, returned, deterministic, ws_query, algo, ws)) {
+    *algo = fallback;
+    REPLICA_CUDNN_CHECK(ws_query(*algo, ws));
+  }
+}
+
+// Destroys the descriptors a plan has (any may still be null).
+void destroy_plan(ConvPlan& plan) noexcept {
+  if (plan.x) cudnnDestroyTensorDescriptor(plan.x);
+  if (plan.y) cudnnDestroyTensorDescriptor(plan.y);
+  if (plan.w) cudnnDestroyFilterDescriptor(plan.w);
+  if (plan.conv) cudnnDestroyConvolutionDescriptor(plan.conv);
+}
+
 // y[((n*K + k)*PQ + pq)] += b[k]
 __global__ void add_channel_bias_kernel(float* y, const float* b, int64_t total, int64_t K,
                                         int64_t PQ) {
@@ -95,12 +120,7 @@ ConvDims conv_dims(const Tensor& x, const Tensor& w, const Conv2dParams& p, cons
 }  // namespace
 
 void CudaBackend::destroy_conv_plans() noexcept {
-  for (auto& [key, plan] : conv_plans_) {
-    if (plan.x) cudnnDestroyTensorDescriptor(plan.x);
-    if (plan.y) cudnnDestroyTensorDescriptor(plan.y);
-    if (plan.w) cudnnDestroyFilterDescriptor(plan.w);
-    if (plan.conv) cudnnDestroyConvolutionDescriptor(plan.conv);
-  }
+  for (auto& [key, plan] : conv_plans_) destroy_plan(plan);
   conv_plans_.clear();
 }
 
@@ -140,10 +160,7 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
                                                    on, ok, op, oq));
   } catch (...) {
-    if (plan.x) cudnnDestroyTensorDescriptor(plan.x);
-    if (plan.y) cudnnDestroyTensorDescriptor(plan.y);
-    if (plan.w) cudnnDestroyFilterDescriptor(plan.w);
-    if (plan.conv) cudnnDestroyConvolutionDescriptor(plan.conv);
+    destroy_plan(plan);
     throw;
   }
   return conv_plans_.emplace(key, plan).first->second;
@@ -168,21 +185,21 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
   } else {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_fwd) {
-      int max_count = 0;
-      REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(s.cudnn, &max_count));
-      std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(std::max(max_count, 1));
-      int returned = 0;
-      REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
-          s.cudnn, plan.x, plan.w, plan.conv, plan.y, static_cast<int>(perf.size()), &returned,
-          perf.data()));
-      auto query = [&](cudnnConvolutionFwdAlgo_t a, size_t* bytes) {
-        return cudnnGetConvolutionForwardWorkspaceSize(s.cudnn, plan.x, plan.w, plan.conv,
-                                                       plan.y, a, bytes);
-      };
-      if (!choose_algo(perf, returned, s.deterministic, query, &plan.fwd_algo, &plan.fwd_ws)) {
-        plan.fwd_algo = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM;  // deterministic, no workspace
-        REPLICA_CUDNN_CHECK(query(plan.fwd_algo, &plan.fwd_ws));
-      }
+      pick_algo<cudnnConvolutionFwdAlgoPerf_t>(
+          s.deterministic,
+          CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,  // deterministic, no workspace
+          [&](int* n) {
+            REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(s.cudnn, n));
+          },
+          [&](int cap, int* returned, cudnnConvolutionFwdAlgoPerf_t* perf) {
+            REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
+                s.cudnn, plan.x, plan.w, plan.conv, plan.y, cap, returned, perf));
+          },
+          [&](cudnnConvolutionFwdAlgo_t a, size_t* bytes) {
+            return cudnnGetConvolutionForwardWorkspaceSize(s.cudnn, plan.x, plan.w, plan.conv,
+                                                           plan.y, a, bytes);
+          },
+          &plan.fwd_algo, &plan.fwd_ws);
       plan.have_fwd = true;
     }
     void* ws = plan.fwd_ws ? cuda_workspace(s, plan.fwd_ws) : nullptr;
@@ -231,22 +248,20 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   if (dx.defined() && dx.numel() > 0 && have_channels) {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_bwd_data) {
-      int max_count = 0;
-      REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(s.cudnn, &max_count));
-      std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(std::max(max_count, 1));
-      int returned = 0;
-      REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
-          s.cudnn, plan.w, plan.y, plan.conv, plan.x, static_cast<int>(perf.size()), &returned,
-          perf.data()));
-      auto query = [&](cudnnConvolutionBwdDataAlgo_t a, size_t* bytes) {
-        return cudnnGetConvolutionBackwardDataWorkspaceSize(s.cudnn, plan.w, plan.y, plan.conv,
-                                                            plan.x, a, bytes);
-      };
-      if (!choose_algo(perf, returned, s.deterministic, query, &plan.bwd_data_algo,
-                       &plan.bwd_data_ws)) {
-        plan.bwd_data_algo = CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;  // deterministic
-        REPLICA_CUDNN_CHECK(query(plan.bwd_data_algo, &plan.bwd_data_ws));
-      }
+      pick_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
+          s.deterministic, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,  // deterministic
+          [&](int* n) {
+            REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(s.cudnn, n));
+          },
+          [&](int cap, int* returned, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+            REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                s.cudnn, plan.w, plan.y, plan.conv, plan.x, cap, returned, perf));
+          },
+          [&](cudnnConvolutionBwdDataAlgo_t a, size_t* bytes) {
+            return cudnnGetConvolutionBackwardDataWorkspaceSize(s.cudnn, plan.w, plan.y,
+                                                                plan.conv, plan.x, a, bytes);
+          },
+          &plan.bwd_data_algo, &plan.bwd_data_ws);
       plan.have_bwd_data = true;
     }
     void* ws = plan.bwd_data_ws ? cuda_workspace(s, plan.bwd_data_ws) : nullptr;
@@ -260,23 +275,20 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   if (dw.defined() && dw.numel() > 0 && have_channels) {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_bwd_filter) {
-      int max_count = 0;
-      REPLICA_CUDNN_CHECK(
-          cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(s.cudnn, &max_count));
-      std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(std::max(max_count, 1));
-      int returned = 0;
-      REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-          s.cudnn, plan.x, plan.y, plan.conv, plan.w, static_cast<int>(perf.size()), &returned,
-          perf.data()));
-      auto query = [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* bytes) {
-        return cudnnGetConvolutionBackwardFilterWorkspaceSize(s.cudnn, plan.x, plan.y, plan.conv,
-                                                              plan.w, a, bytes);
-      };
-      if (!choose_algo(perf, returned, s.deterministic, query, &plan.bwd_filter_algo,
-                       &plan.bwd_filter_ws)) {
-        plan.bwd_filter_algo = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;  // deterministic
-        REPLICA_CUDNN_CHECK(query(plan.bwd_filter_algo, &plan.bwd_filter_ws));
-      }
+      pick_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
+          s.deterministic, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,  // deterministic
+          [&](int* n) {
+            REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(s.cudnn, n));
+          },
+          [&](int cap, int* returned, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+            REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                s.cudnn, plan.x, plan.y, plan.conv, plan.w, cap, returned, perf));
+          },
+          [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* bytes) {
+            return cudnnGetConvolutionBackwardFilterWorkspaceSize(s.cudnn, plan.x, plan.y,
+                                                                  plan.conv, plan.w, a, bytes);
+          },
+          &plan.bwd_filter_algo, &plan.bwd_filter_ws);
       plan.have_bwd_filter = true;
     }
     void* ws = plan.bwd_filter_ws ? cuda_workspace(s, plan.bwd_filter_ws) : nullptr;
