@@ -34,6 +34,19 @@ int to_int(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
+// Checks that x [N, in] and w [out, in] fit and returns their sizes.
+struct LinearDims {
+  int64_t N, in, out;
+};
+
+LinearDims linear_dims(const Tensor& x, const Tensor& w, const char* op) {
+  REPLICA_CHECK(x.ndim() == 2 && w.ndim() == 2, "{}: x {} and w {} must be 2-D", op,
+                shape_str(x.shape()), shape_str(w.shape()));
+  REPLICA_CHECK(w.dim(1) == x.dim(1), "{}: x {} does not match w {}", op, shape_str(x.shape()),
+                shape_str(w.shape()));
+  return {x.dim(0), x.dim(1), w.dim(0)};
+}
+
 }  // namespace
 
 void CudaBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -42,11 +55,7 @@ void CudaBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tens
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, w, op, "w");
   cuda::expect_device(ctx, y, op, "y");
-  REPLICA_CHECK(x.ndim() == 2 && w.ndim() == 2, "{}: x {} and w {} must be 2-D", op,
-                shape_str(x.shape()), shape_str(w.shape()));
-  const int64_t N = x.dim(0), in = x.dim(1), out = w.dim(0);
-  REPLICA_CHECK(w.dim(1) == in, "{}: x {} does not match w {}", op, shape_str(x.shape()),
-                shape_str(w.shape()));
+  const auto [N, in, out] = linear_dims(x, w, op);
   cuda::expect_numel(y, N * out, op, "y");
   if (b.defined()) {
     cuda::expect_device(ctx, b, op, "b");
@@ -76,11 +85,7 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, w, op, "w");
   cuda::expect_device(ctx, dy, op, "dy");
-  REPLICA_CHECK(x.ndim() == 2 && w.ndim() == 2, "{}: x {} and w {} must be 2-D", op,
-                shape_str(x.shape()), shape_str(w.shape()));
-  const int64_t N = x.dim(0), in = x.dim(1), out = w.dim(0);
-  REPLICA_CHECK(w.dim(1) == in, "{}: x {} does not match w {}", op, shape_str(x.shape()),
-                shape_str(w.shape()));
+  const auto [N, in, out] = linear_dims(x, w, op);
   cuda::expect_numel(dy, N * out, op, "dy");
   CudaState& s = cuda_state(ctx);
   const float one = 1.f, zero = 0.f;
