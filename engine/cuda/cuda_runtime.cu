@@ -224,12 +224,6 @@ void synchronize(CudaState* state) {
   REPLICA_CUDA_CHECK(cudaStreamSynchronize(state->stream));
 }
 
-}  // namespace cudart
-}  // namespace replica
-
-namespace replica {
-namespace cudart {
-
 void* event_create() {
   cudaEvent_t e = nullptr;
   REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
