@@ -106,6 +106,14 @@ int run(int argc, char** argv) {
     dir = tmpl;
   }
   fs::create_directories(dir);
+  struct RemoveUnlessKept {  // also when a run fails: its error is in the message
+    std::string dir;
+    bool keep;
+    ~RemoveUnlessKept() {
+      std::error_code ec;
+      if (!keep) fs::remove_all(dir, ec);
+    }
+  } logs{dir, keep_logs};
   std::vector<std::string> common = {"--max-steps", std::to_string(steps), "--seed", "0"};
   if (!devices.empty()) common.insert(common.end(), {"--devices", devices});
   common.insert(common.end(), extra.begin(), extra.end());
@@ -118,7 +126,6 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
     m.push_back(run_train(train, args, dir + "/" + mode + ".log", dir + "/" + mode + ".json"));
   }
-  if (!keep_logs) fs::remove_all(dir);
 
   const auto& dp = m[0];
   const auto& ddp = m[1];

@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
+#include "parallel/launcher.h"
 #include "tools/bench/alpha_beta.h"
 #include "tools/bench/environment.h"
 #include "tools/bench/options.h"
@@ -29,13 +30,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-
-std::string self_exe() {
-  std::error_code ec;
-  auto p = fs::read_symlink("/proc/self/exe", ec);
-  REPLICA_CHECK(!ec, "cannot find this program's path: {}", ec.message());
-  return p.string();
-}
 
 // Devices, counts, threads and run options of the dp/ddp suites on this machine.
 SuiteOptions resolve(const BenchOptions& o) {
@@ -80,7 +74,7 @@ SuiteOptions resolve(const BenchOptions& o) {
   s.backend = o.backend;
   s.timeout_s = o.timeout_s;
   s.trace_dir = !o.report_dir.empty() ? o.report_dir : o.trace_dir;
-  s.self_exe = self_exe();
+  s.self_exe = current_executable();
   return s;
 }
 
@@ -245,7 +239,7 @@ int run_parallel_suites(const BenchOptions& o) {
   in.alpha_beta = alpha_beta;
   in.projection = projection;
   in.env = env;
-  const PlotOutcome plots = draw_plots(dir.string(), self_exe());
+  const PlotOutcome plots = draw_plots(dir.string(), current_executable());
   in.plots = plots.files;
   in.plot_note = plots.note;
   in.command = o.command_line;
