@@ -148,6 +148,8 @@ void conv2d_bias_grad(const float* gp, const ConvGeometry& g, Tensor& db) {
 constexpr int64_t kBatchedPq = 64;
 constexpr int64_t kRowGrain = 32;
 
+bool use_batched(const ConvGeometry& g) { return g.pq() < kBatchedPq && g.n > 1; }
+
 // cols[:, n*pq ...] = im2col(x_n) for every sample n.
 Tensor batch_im2col(DeviceContext& ctx, const float* x, const ConvGeometry& g) {
   const int64_t ld = g.n * g.pq();
@@ -266,7 +268,7 @@ void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tenso
   const float* wp = w.f32();
   const float* bp = b.defined() ? b.f32() : nullptr;
   float* yp = y.f32();
-  if (g.pq() < kBatchedPq && g.n > 1) return conv2d_forward_batched(ctx, xp, wp, bp, yp, g);
+  if (use_batched(g)) return conv2d_forward_batched(ctx, xp, wp, bp, yp, g);
   cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
     Tensor cols = g.pointwise() ? Tensor() : scratch(ctx, g.crr() * g.pq());
     for (int64_t n = n0; n < n1; ++n) {
@@ -292,12 +294,12 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
   const float* xp = x.f32();
   const float* wp = w.f32();
   const float* gp = dy.f32();
-  const int64_t wsize = g.k * g.crr();
-  if (g.pq() < kBatchedPq && g.n > 1) {
+  if (use_batched(g)) {
     conv2d_backward_batched(ctx, xp, wp, gp, dx.defined() ? dx.f32() : nullptr, dw.f32(), g);
     conv2d_bias_grad(gp, g, db);
     return;
   }
+  const int64_t wsize = g.k * g.crr();
   const int64_t chunks = std::min<int64_t>(g.n, kMaxWeightChunks);
   const int64_t per_chunk = chunks ? (g.n + chunks - 1) / chunks : 0;
   Tensor partial = scratch(ctx, chunks * wsize);
@@ -337,7 +339,7 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
     }
   });
   sum_chunks_into(pw, chunks, wsize, dw.f32());
-
-  conv2d_bias_grad(gp, g, db);}
+  conv2d_bias_grad(gp, g, db);
+}
 
 }  // namespace replica
