@@ -27,23 +27,6 @@ namespace {
 
 constexpr const char* kDefaultData = "/usr/share/datasets/fashion-mnist";
 
-Shape parse_shape(const std::string& text) {
-  Shape s;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t x = text.find('x', start);
-    std::string part = text.substr(start, x == std::string::npos ? std::string::npos : x - start);
-    REPLICA_USAGE_CHECK(!part.empty() && part.find_first_not_of("0123456789") == std::string::npos &&
-                            part.size() < 7 && std::stoll(part) > 0,
-                        "--input-shape '{}': expected CxHxW, e.g. 3x224x224", text);
-    s.push_back(std::stoll(part));
-    if (x == std::string::npos) break;
-    start = x + 1;
-  }
-  REPLICA_USAGE_CHECK(s.size() == 3, "--input-shape '{}': expected CxHxW, e.g. 3x224x224", text);
-  return s;
-}
-
 // `--mode ddp` started by hand, without a launcher's RANK/WORLD_SIZE: start one rank per device
 // (what `replica-launch --nproc-per-node N -- replica-train ...` does) and wait for them.
 // Returns the ranks' exit code, or nothing when this process should train as the only rank.
@@ -191,7 +174,7 @@ int run(int argc, char** argv) {
   c.shuffle = !no_shuffle;
   if (!input_shape.empty()) {
     REPLICA_USAGE_CHECK(c.synthetic, "--input-shape applies to --synthetic data");
-    c.engine.input_shape = parse_shape(input_shape);
+    c.engine.input_shape = parse_input_shape(input_shape);
   } else if (c.synthetic && c.engine.model != "cnn" && preset.empty()) {
     c.engine.input_shape = {3, 224, 224};
   }

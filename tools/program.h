@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "engine/error.h"
+#include "tools/parse_flags.h"
 
 namespace replica {
 

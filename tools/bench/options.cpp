@@ -9,39 +9,9 @@
 
 namespace replica::bench {
 
-namespace {
-
-int64_t parse_positive(const std::string& part, const std::string& what, const std::string& all) {
-  REPLICA_USAGE_CHECK(!part.empty() && part.size() < 7 &&
-                          part.find_first_not_of("0123456789") == std::string::npos &&
-                          std::stoll(part) > 0,
-                      "{} '{}': expected positive integers, got '{}'", what, all, part);
-  return std::stoll(part);
-}
-
-}  // namespace
-
-std::vector<int64_t> parse_positive_list(const std::string& text, char sep,
-                                         const std::string& what) {
-  std::vector<int64_t> out;
-  size_t start = 0;
-  while (true) {
-    size_t at = text.find(sep, start);
-    out.push_back(parse_positive(text.substr(start, at == std::string::npos ? at : at - start),
-                                 what, text));
-    if (at == std::string::npos) break;
-    start = at + 1;
-  }
-  return out;
-}
-
 std::vector<int64_t> resolve_input_shape(const BenchOptions& o) {
   if (o.input_shape.empty()) return o.model == "cnn" ? Shape{1, 28, 28} : Shape{3, 224, 224};
-  REPLICA_USAGE_CHECK(o.input_shape.find_first_not_of("0123456789x") == std::string::npos,
-                      "--input-shape '{}': expected CxHxW, e.g. 3x224x224", o.input_shape);
-  Shape shape = parse_positive_list(o.input_shape, 'x', "--input-shape");
-  REPLICA_USAGE_CHECK(shape.size() == 3, "--input-shape '{}': expected CxHxW", o.input_shape);
-  return shape;
+  return parse_input_shape(o.input_shape);
 }
 
 void validate_common(const BenchOptions& o) {

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "tools/parse_flags.h"  // parse_positive_list, parse_input_shape
+
 namespace replica::bench {
 
 struct BenchOptions {
@@ -33,8 +35,6 @@ struct BenchOptions {
   std::string command_line;          // for the report
 };
 
-// "1,2,4" -> {1, 2, 4}: positive integers separated by `sep` (UsageError naming `what`).
-std::vector<int64_t> parse_positive_list(const std::string& text, char sep, const std::string& what);
 // The per-sample input shape: --input-shape CxHxW, else 1x28x28 for cnn, 3x224x224 otherwise.
 std::vector<int64_t> resolve_input_shape(const BenchOptions& o);
 // Checks the options every suite shares (model, batch, steps, ...): UsageError on the first problem.
