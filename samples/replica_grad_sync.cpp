@@ -68,10 +68,7 @@ int run(int argc, char** argv) {
   DistributedSampler sampler(so);
   std::vector<int64_t> idx = sampler.indices();
   idx.resize(size_t(std::min<int64_t>(per_rank, int64_t(idx.size()))));
-  Batch batch;
-  batch.images = Tensor::empty(host_allocator(), {int64_t(idx.size()), 3, image, image});
-  batch.labels = Tensor::empty(host_allocator(), {int64_t(idx.size())}, DType::I32);
-  data->read(idx.data(), int64_t(idx.size()), batch.images.f32(), batch.labels.i32());
+  const Batch batch = read_batch(*data, idx, host_allocator());
 
   // The same batch on a lone replica: the gradient before any all-reduce.
   DdpOptions alone;

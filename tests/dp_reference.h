@@ -19,15 +19,9 @@ inline std::vector<Batch> make_batches(const Shape& shape, int64_t batch, int st
   auto data = make_synthetic(batch * steps, shape, 10, seed);
   std::vector<Batch> out;
   for (int s = 0; s < steps; ++s) {
-    Batch b;
-    Shape is = shape;
-    is.insert(is.begin(), batch);
-    b.images = Tensor::empty(host_allocator(), is);
-    b.labels = Tensor::empty(host_allocator(), {batch}, DType::I32);
     std::vector<int64_t> idx(batch);
     for (int64_t i = 0; i < batch; ++i) idx[i] = s * batch + i;
-    data->read(idx.data(), batch, b.images.f32(), b.labels.i32());
-    out.push_back(b);
+    out.push_back(read_batch(*data, idx, host_allocator()));
   }
   return out;
 }

@@ -95,6 +95,17 @@ struct Loader::State {
   }
 };
 
+Batch read_batch(const Dataset& data, const std::vector<int64_t>& indices, Allocator& alloc) {
+  const int64_t n = int64_t(indices.size());
+  Shape image_shape = data.sample_shape();
+  image_shape.insert(image_shape.begin(), n);
+  Batch b;
+  b.images = Tensor::empty(alloc, image_shape);
+  b.labels = Tensor::empty(alloc, {n}, DType::I32);
+  data.read(indices.data(), n, b.images.f32(), b.labels.i32());
+  return b;
+}
+
 Loader::Loader(const Dataset& data, int64_t batch_size, bool drop_last, int prefetch)
     : data_(data), batch_size_(batch_size), drop_last_(drop_last) {
   REPLICA_USAGE_CHECK(batch_size >= 1, "batch size must be at least 1 (got {})", batch_size);

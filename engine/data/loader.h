@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/allocator.h"
 #include "engine/data/dataset.h"
 #include "engine/tensor.h"
 
@@ -23,6 +24,11 @@ struct Batch {
   int64_t epoch = 0, index = 0;  // batch index within the epoch
   int64_t size() const { return labels.defined() ? labels.dim(0) : 0; }
 };
+
+// The samples `indices` of `data` as one batch, outside any Loader: fixed batches for
+// benchmarks, tests and one-step experiments. Images and labels come from `alloc`.
+Batch read_batch(const Dataset& data, const std::vector<int64_t>& indices,
+                 Allocator& alloc = pinned_allocator());
 
 class Loader {
  public:

@@ -68,16 +68,12 @@ void maybe_die(const TrainEngine& engine) {
 
 std::vector<Batch> preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int count) {
   auto data = make_synthetic(batch * count, shape, 10, seed);
-  std::vector<Batch> out(count);
-  Shape image_shape = shape;
-  image_shape.insert(image_shape.begin(), batch);
+  std::vector<Batch> out;
   for (int i = 0; i < count; ++i) {
     std::vector<int64_t> idx(batch);
     for (int64_t s = 0; s < batch; ++s) idx[s] = i * batch + s;
-    out[i].images = Tensor::empty(pinned_allocator(), image_shape);
-    out[i].labels = Tensor::empty(pinned_allocator(), {batch}, DType::I32);
-    out[i].index = i;
-    data->read(idx.data(), batch, out[i].images.f32(), out[i].labels.i32());
+    out.push_back(read_batch(*data, idx));
+    out.back().index = i;
   }
   return out;
 }
