@@ -22,6 +22,31 @@ std::string meta(const Checkpoint& c, const std::string& key, const std::string&
   return it->second;
 }
 
+// The primary replica's parameters and buffers as host tensors (names prefixed as given) and the
+// model's metadata: what a training checkpoint and a model file both hold. `extra` runs inside
+// the same device context, before the one synchronize.
+template <class Extra>
+Checkpoint model_snapshot(TrainEngine& engine, const std::string& format,
+                          const std::string& param_prefix, const std::string& buffer_prefix,
+                          Extra&& extra) {
+  DeviceContext& ctx = engine.primary();
+  Model& model = engine.model();
+  Checkpoint c;
+  ctx.run([&] {
+    for (Param* p : model.params())
+      c.tensors.emplace_back(param_prefix + p->name, to_host(ctx, p->value));
+    for (Buffer* b : model.buffers())
+      c.tensors.emplace_back(buffer_prefix + b->name, to_host(ctx, b->value));
+    extra(ctx, c);
+    ctx.synchronize();
+  });
+  c.metadata = {{"format", format},
+                {"model", model.spec().name},
+                {"input_shape", shape_str(model.spec().input_shape)},
+                {"num_classes", std::to_string(model.spec().num_classes)}};
+  return c;
+}
+
 }  // namespace
 
 std::string checkpoint_path(const std::string& dir) {
@@ -33,28 +58,18 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   REPLICA_USAGE_CHECK(!ec, "cannot create checkpoint directory '{}': {}", dir, ec.message());
-  DeviceContext& ctx = engine.primary();
-  Model& model = engine.model();
-  Checkpoint c;
-  ctx.run([&] {
-    for (Param* p : model.params()) c.tensors.emplace_back("model." + p->name, to_host(ctx, p->value));
-    for (Buffer* b : model.buffers())
-      c.tensors.emplace_back("buffer." + b->name, to_host(ctx, b->value));
-    for (auto& [name, t] : engine.optimizer().state())
-      c.tensors.emplace_back("optim." + name, to_host(ctx, t));
-    ctx.synchronize();
-  });
-  c.metadata = {{"format", "replica-checkpoint-v1"},
-                {"model", model.spec().name},
-                {"input_shape", shape_str(model.spec().input_shape)},
-                {"num_classes", std::to_string(model.spec().num_classes)},
-                {"optimizer", engine.optimizer().name()},
-                {"optimizer_steps", std::to_string(engine.optimizer().steps())},
-                {"seed", std::to_string(seed)},
-                {"batch_size", std::to_string(batch_size)},
-                {"epoch", std::to_string(pos.epoch)},
-                {"batch_in_epoch", std::to_string(pos.batch_in_epoch)},
-                {"step", std::to_string(pos.global_step)}};
+  Checkpoint c = model_snapshot(engine, "replica-checkpoint-v1", "model.", "buffer.",
+                                [&](DeviceContext& ctx, Checkpoint& ck) {
+                                  for (auto& [name, t] : engine.optimizer().state())
+                                    ck.tensors.emplace_back("optim." + name, to_host(ctx, t));
+                                });
+  c.metadata.insert({{"optimizer", engine.optimizer().name()},
+                     {"optimizer_steps", std::to_string(engine.optimizer().steps())},
+                     {"seed", std::to_string(seed)},
+                     {"batch_size", std::to_string(batch_size)},
+                     {"epoch", std::to_string(pos.epoch)},
+                     {"batch_in_epoch", std::to_string(pos.batch_in_epoch)},
+                     {"step", std::to_string(pos.global_step)}});
   save_checkpoint(checkpoint_path(dir), c);
 }
 
@@ -66,18 +81,9 @@ void save_model_weights(const std::string& path, TrainEngine& engine) {
     REPLICA_USAGE_CHECK(!ec, "cannot create directory '{}' for --save-model: {}", parent.string(),
                         ec.message());
   }
-  DeviceContext& ctx = engine.primary();
-  Model& model = engine.model();
-  Checkpoint c;
-  ctx.run([&] {
-    for (Param* p : model.params()) c.tensors.emplace_back(p->name, to_host(ctx, p->value));
-    for (Buffer* b : model.buffers()) c.tensors.emplace_back(b->name, to_host(ctx, b->value));
-    ctx.synchronize();
-  });
-  c.metadata = {{"format", "replica-model-v1"},
-                {"model", model.spec().name},
-                {"input_shape", shape_str(model.spec().input_shape)},
-                {"num_classes", std::to_string(model.spec().num_classes)}};
+  // state_dict names: no prefixes, no optimizer state.
+  Checkpoint c =
+      model_snapshot(engine, "replica-model-v1", "", "", [](DeviceContext&, Checkpoint&) {});
   save_checkpoint(path, c);
 }
 
