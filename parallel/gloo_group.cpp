@@ -50,7 +50,7 @@ class GlooGroup final : public ProcessGroup {
 
   void allreduce_sum(DeviceContext& ctx, Tensor& t, bool persistent) override {
     if (t.numel() == 0) return;
-    with_host_view(ctx, t, true, [&](float* p) {
+    with_host_view(ctx, t, [&](float* p) {
       if (!persistent) {
         // A fresh algorithm object takes the next slot on every rank alike.
         auto op = make_allreduce(p, t.numel());
@@ -74,7 +74,7 @@ class GlooGroup final : public ProcessGroup {
 
   void broadcast(DeviceContext& ctx, Tensor& t, int root) override {
     if (t.numel() == 0) return;
-    with_host_view(ctx, t, true, [&](float* p) {
+    with_host_view(ctx, t, [&](float* p) {
       gloo::BroadcastOneToAll<float> op(context_, std::vector<float*>{p}, int(t.numel()), root);
       run("broadcast", [&] { op.run(); });
     });
@@ -99,9 +99,9 @@ class GlooGroup final : public ProcessGroup {
     }
   }
 
-  // Gloo works on host memory: GPU tensors go through a pinned staging buffer.
+  // Gloo works on host memory: GPU tensors go through a pinned staging buffer and back.
   template <class F>
-  void with_host_view(DeviceContext& ctx, Tensor& t, bool copy_back, F&& f) {
+  void with_host_view(DeviceContext& ctx, Tensor& t, F&& f) {
     if (!t.on_cuda()) {
       f(t.f32());
       return;
@@ -111,7 +111,7 @@ class GlooGroup final : public ProcessGroup {
     ctx.ops().copy(ctx, host, t);
     ctx.synchronize();
     f(host.f32());
-    if (copy_back) ctx.ops().copy(ctx, t, host);
+    ctx.ops().copy(ctx, t, host);
   }
 
   std::chrono::milliseconds timeout_;

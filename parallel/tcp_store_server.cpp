@@ -27,6 +27,16 @@ struct Conn {
   Frame pending;
   Clock::time_point deadline;
   bool closed = false;
+
+  // Sends what it can of the pending replies without blocking; a broken peer closes it.
+  void send_pending() {
+    const ssize_t sent =
+        send(fd, out.data() + out_off, out.size() - out_off, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent > 0)
+      out_off += static_cast<size_t>(sent);
+    else if (errno != EAGAIN && errno != EINTR)
+      closed = true;
+  }
 };
 
 struct ServerState {
@@ -231,12 +241,7 @@ void TcpStoreServer::loop() {
           c.closed = true;
       }
       if (!c.closed && (re & POLLOUT)) {
-        ssize_t sent = send(c.fd, c.out.data() + c.out_off, c.out.size() - c.out_off,
-                            MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (sent > 0)
-          c.out_off += static_cast<size_t>(sent);
-        else if (errno != EAGAIN && errno != EINTR)
-          c.closed = true;
+        c.send_pending();
         if (c.out_off == c.out.size()) {
           c.out.clear();
           c.out_off = 0;
@@ -261,12 +266,7 @@ void TcpStoreServer::loop() {
     while (!c.closed && c.out_off < c.out.size() && Clock::now() < flush_until) {
       pollfd p{c.fd, POLLOUT, 0};
       if (poll(&p, 1, 50) <= 0) continue;
-      ssize_t sent = send(c.fd, c.out.data() + c.out_off, c.out.size() - c.out_off,
-                          MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (sent > 0)
-        c.out_off += static_cast<size_t>(sent);
-      else if (errno != EAGAIN && errno != EINTR)
-        c.closed = true;
+      c.send_pending();
     }
     close(c.fd);
   }
