@@ -1,6 +1,6 @@
 # Finds every dependency and makes one imported target per library.
 # Required: TBB, OpenBLAS (pthread variant, one thread per call), zlib, CLI11, nlohmann-json, fmt, doctest.
-# Optional: CUDA toolkit + cuBLAS + cuDNN (CUDA backend), NCCL, Gloo.
+# Optional: CUDA toolkit + cuBLAS + cuDNN (the CUDA backend plugin), NCCL (its plugin), Gloo.
 
 find_package(Threads REQUIRED)
 find_package(TBB REQUIRED)
@@ -43,23 +43,49 @@ if(REPLICA_CUDA)
     set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
-    find_path(CUDNN_INCLUDE_DIR cudnn.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(CUDNN_LIBRARY cudnn HINTS ${CUDAToolkit_LIBRARY_DIR})
+    # cuDNN and NCCL: from the CUDA toolkit or the system (Debian, NVIDIA's repositories), from
+    # CUDNN_ROOT / NCCL_ROOT (CMake variables or environment), or from PyTorch's pip wheels
+    # (site-packages/nvidia/cudnn, nvidia/nccl), which on a PyTorch workstation are often the
+    # only copies. Wheels ship versioned libraries only (libcudnn.so.9, libnccl.so.2).
+    set(replica_wheel_dirs "")
+    find_package(Python3 COMPONENTS Interpreter QUIET)
+    if(Python3_Interpreter_FOUND)
+      execute_process(
+        COMMAND ${Python3_EXECUTABLE} -c
+          "import site, sys; print(';'.join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))"
+        OUTPUT_VARIABLE replica_site_dirs OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+      foreach(d ${replica_site_dirs})
+        if(IS_DIRECTORY "${d}/nvidia")
+          list(APPEND replica_wheel_dirs "${d}/nvidia")
+        endif()
+      endforeach()
+    endif()
+    macro(replica_find_cuda_lib var header lib soversion root_var wheel)
+      set(_hints ${${root_var}} $ENV{${root_var}} ${CUDAToolkit_LIBRARY_ROOT})
+      foreach(w ${replica_wheel_dirs})
+        list(APPEND _hints "${w}/${wheel}")
+      endforeach()
+      find_path(${var}_INCLUDE_DIR ${header} HINTS ${_hints} ${CUDAToolkit_INCLUDE_DIRS}
+                PATH_SUFFIXES include)
+      find_library(${var}_LIBRARY NAMES ${lib} lib${lib}.so.${soversion}
+                   HINTS ${_hints} ${CUDAToolkit_LIBRARY_DIR} PATH_SUFFIXES lib lib64)
+    endmacro()
+    replica_find_cuda_lib(CUDNN cudnn.h cudnn 9 CUDNN_ROOT cudnn)
     if(CUDNN_INCLUDE_DIR AND CUDNN_LIBRARY)
-      add_library(replica_cudnn INTERFACE IMPORTED)
-      target_include_directories(replica_cudnn INTERFACE ${CUDNN_INCLUDE_DIR})
-      target_link_libraries(replica_cudnn INTERFACE ${CUDNN_LIBRARY})
+      add_library(replica_cudnn_lib INTERFACE IMPORTED)
+      target_include_directories(replica_cudnn_lib INTERFACE ${CUDNN_INCLUDE_DIR})
+      target_link_libraries(replica_cudnn_lib INTERFACE ${CUDNN_LIBRARY})
       set(REPLICA_HAVE_CUDNN ON)
       set(REPLICA_HAVE_CUDA ON)
     else()
-      message(WARNING "nvcc found but cuDNN is missing: building without the CUDA backend")
+      message(WARNING "nvcc found but cuDNN is missing: building without the CUDA backend "
+                      "(set CUDNN_ROOT to cuDNN's directory)")
     endif()
-    find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+    replica_find_cuda_lib(NCCL nccl.h nccl 2 NCCL_ROOT nccl)
     if(REPLICA_HAVE_CUDA AND NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
-      add_library(replica_nccl INTERFACE IMPORTED)
-      target_include_directories(replica_nccl INTERFACE ${NCCL_INCLUDE_DIR})
-      target_link_libraries(replica_nccl INTERFACE ${NCCL_LIBRARY})
+      add_library(replica_nccl_lib INTERFACE IMPORTED)
+      target_include_directories(replica_nccl_lib INTERFACE ${NCCL_INCLUDE_DIR})
+      target_link_libraries(replica_nccl_lib INTERFACE ${NCCL_LIBRARY})
       set(REPLICA_HAVE_NCCL ON)
     endif()
   else()

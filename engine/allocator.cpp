@@ -2,7 +2,7 @@
 
 #include <cstdlib>
 
-#include "engine/cuda/cudart.h"
+#include "engine/cudart.h"
 #include "engine/error.h"
 
 namespace replica {

@@ -2,7 +2,7 @@
 
 #include <thread>
 
-#include "engine/cuda/cudart.h"
+#include "engine/cudart.h"
 #include "engine/error.h"
 #include "engine/ops.h"
 
@@ -16,16 +16,14 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
     backend_ = make_cpu_backend();
   } else {
-    REPLICA_USAGE_CHECK(cuda_backend_built(),
-                        "device {} requested but this build has no CUDA backend", device.str());
-    REPLICA_USAGE_CHECK(device.index < cuda_device_count(), "GPU {} does not exist",
-                        device.index);
+    REPLICA_USAGE_CHECK(device.index < cuda_device_count(), "GPU {} does not exist{}",
+                        device.index, cuda_backend_note());
     threads_ = 1;
     cudart::set_device(device.index);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::CudaDevice, device);
     cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
         cudart::create_state(device, options.deterministic), cudart::destroy_state);
-    backend_ = make_cuda_backend();
+    backend_ = cudart::make_backend();
   }
 }
 

@@ -4,7 +4,7 @@
 #include <set>
 #include <thread>
 
-#include "engine/cuda/cudart.h"
+#include "engine/cudart.h"
 #include "engine/error.h"
 
 namespace replica {
@@ -18,14 +18,6 @@ std::string Device::str() const {
 int cpu_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
 int cuda_device_count() { return cudart::device_count(); }
-
-bool cuda_backend_built() {
-#ifdef REPLICA_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
 
 namespace {
 
@@ -73,7 +65,7 @@ std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) 
     std::vector<int> ordinals;
     if (base == "cuda") {
       REPLICA_USAGE_CHECK(count > 0, "device '{}': no CUDA GPU found{}", spec,
-                          cuda_backend_built() ? "" : " (this build has no CUDA backend)");
+                          cuda_backend_note());
       for (int i = 0; i < count; ++i) ordinals.push_back(i);
     } else {
       REPLICA_USAGE_CHECK(base.size() > 5 && base[4] == ':',
@@ -90,8 +82,7 @@ std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) 
                             spec, o, o);
       for (int o : ordinals)
         REPLICA_USAGE_CHECK(o < count, "device '{}': GPU {} does not exist ({} GPU{} found{})", spec,
-                            o, count, count == 1 ? "" : "s",
-                            cuda_backend_built() ? "" : "; this build has no CUDA backend");
+                            o, count, count == 1 ? "" : "s", cuda_backend_note());
     }
     for (int o : ordinals)
       for (int c = 0; c < copies; ++c) devices.push_back({DeviceType::CUDA, o, c});
@@ -120,12 +111,12 @@ std::vector<std::string> describe_devices() {
   const int cores = cpu_cores();
   lines.push_back(fmt::format("cpu      {} core{} (virtual devices: cpu*N)", cores,
                               cores == 1 ? "" : "s"));
-  if (!cuda_backend_built()) {
-    lines.push_back("cuda     not built (configure with nvcc available and -DREPLICA_CUDA=ON)");
-    return lines;
-  }
+  // Loaded here even without a driver, so --list-devices also says whether the backend works.
+  const std::string problem = cudart::load_problem();
+  if (!problem.empty()) lines.push_back("cuda     the CUDA backend " + problem);
   int n = cuda_device_count();
-  if (n == 0) lines.push_back("cuda     no GPU found (no driver or no device)");
+  if (n == 0 && problem.empty())
+    lines.push_back("cuda     backend loaded; no GPU found" + cuda_backend_note());
   for (int i = 0; i < n; ++i)
     lines.push_back(fmt::format("cuda:{}   {}, {:.1f} GiB", i, cudart::device_name(i),
                                 cudart::device_total_memory(i) / double(1ull << 30)));

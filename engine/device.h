@@ -28,11 +28,13 @@ struct Device {
 // Cores of this machine (at least 1): virtual CPU devices share them.
 int cpu_cores();
 
-// Number of usable GPUs. A missing driver or no GPU is zero, never an error.
+// Number of usable GPUs. A missing driver, no GPU or a CUDA backend that is not built or does
+// not load is zero, never an error.
 int cuda_device_count();
 
-// True when this build has the CUDA backend compiled in.
-bool cuda_backend_built();
+// For messages about CUDA devices that cannot be had: "" when the CUDA backend loads, else
+// " (no NVIDIA driver on this machine)", " (the CUDA backend is not built: ...)", ...
+std::string cuda_backend_note();
 
 // Parses a device string. `allow_multi` false rejects lists and `*N` (single-device programs).
 // Errors (UsageError): unknown kind, GPU index out of range, cpu*0, a device listed twice.

@@ -123,8 +123,7 @@ class Backend {
                          Tensor& v, const AdamConfig& c, int64_t step) = 0;
 };
 
-std::unique_ptr<Backend> make_cpu_backend();
-std::unique_ptr<Backend> make_cuda_backend();  // throws when this build has no CUDA backend
+std::unique_ptr<Backend> make_cpu_backend();  // the CUDA one: cudart::make_backend()
 
 #if defined(__CUDACC__)
 #define REPLICA_HOST_DEVICE __host__ __device__

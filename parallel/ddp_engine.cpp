@@ -33,11 +33,13 @@ class DdpEngine final : public TrainEngine {
     ctx_.activate();
     model_ = make_model(o.model, o.input_shape, o.num_classes);
     ctx_.run([&] { model_->materialize(ctx_, o.seed); });
-    if (d.world_size <= 1) group_ = make_single_process_group();
-    else if (d.backend == "nccl") group_ = make_nccl_group(d.rank, d.world_size, *d.store, ctx_, d.timeout);
-    else if (d.backend == "gloo")
-      group_ = make_gloo_group(d.rank, d.world_size, *d.store, d.host, d.timeout);
-    else throw UsageError(fmt::format("unknown --backend '{}' (gloo, nccl)", d.backend));
+    GroupOptions go;
+    go.backend = d.backend;
+    go.rank = d.rank;
+    go.size = d.world_size;
+    go.host = d.host;
+    go.timeout = d.timeout;
+    group_ = make_process_group(go, d.store.get(), ctx_);
     reducer_ = std::make_unique<DdpReducer>(ctx_, *model_, *group_, d.first_bucket_bytes,
                                             d.bucket_bytes);
     model_->set_grad_hook([this](const std::vector<Param*>& ready) { reducer_->on_ready(ready); });
@@ -50,6 +52,7 @@ class DdpEngine final : public TrainEngine {
   }
 
   std::string mode() const override { return "ddp"; }
+  std::string comm_description() const override { return group_->describe(); }
   std::vector<Device> devices() const override { return {ctx_.device()}; }
   int rank() const override { return group_->rank(); }
   int world_size() const override { return group_->size(); }
@@ -66,6 +69,7 @@ class DdpEngine final : public TrainEngine {
       if (model_->num_buffer_elements() > 0 && group_->size() > 1) {
         TraceSpan span(track_, "broadcast_buffers", &ctx_);
         group_->broadcast(ctx_, model_->flat_buffers(), 0);
+        group_->stream_wait(ctx_);  // the forward reads them
       }
       model_->zero_grad(ctx_);
       // K micro-batches (torch.chunk sizes); the loss gradient of each is scaled by
@@ -129,6 +133,7 @@ class DdpEngine final : public TrainEngine {
       for (size_t i = 0; i < values.size(); ++i) host.f32()[i] = float(values[i]);
       Tensor dev = batch_to_device(ctx_, host);
       group_->allreduce_sum(ctx_, dev);
+      group_->stream_wait(ctx_);
       ctx_.ops().copy(ctx_, host, dev);
       group_->synchronize(ctx_);
       ctx_.synchronize();
@@ -188,6 +193,7 @@ class DdpEngine final : public TrainEngine {
     Tensor theirs = ctx_.alloc({model_->num_params()});
     ctx_.ops().copy(ctx_, theirs, model_->flat_params());
     group_->broadcast(ctx_, theirs, 0);
+    group_->stream_wait(ctx_);
     Tensor host = Tensor::empty(host_allocator(), {model_->num_params()});
     ctx_.ops().copy(ctx_, mine, model_->flat_params());
     ctx_.ops().copy(ctx_, host, theirs);
@@ -203,6 +209,7 @@ class DdpEngine final : public TrainEngine {
     ctx_.run([&] {
       group_->broadcast(ctx_, model_->flat_params(), 0);
       if (model_->num_buffer_elements() > 0) group_->broadcast(ctx_, model_->flat_buffers(), 0);
+      group_->stream_wait(ctx_);
       group_->synchronize(ctx_);
     });
   }

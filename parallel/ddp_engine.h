@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "parallel/process_group.h"
 #include "parallel/train_engine.h"
 
 namespace replica {
@@ -13,7 +14,7 @@ class Store;
 struct DdpOptions {
   int rank = 0, world_size = 1;
   std::shared_ptr<Store> store;  // null when world_size == 1
-  std::string backend = "gloo";  // gloo | nccl
+  CommBackend backend = CommBackend::Gloo;
   std::string host = "127.0.0.1";  // interface Gloo binds to
   size_t first_bucket_bytes = size_t(1) << 20;
   size_t bucket_bytes = size_t(25) << 20;

@@ -54,8 +54,9 @@ void DdpReducer::finalize() {
   }
   {
     TraceSpan span("host", "wait_allreduce");
-    comm_->wait(int(buckets_.size()));
+    comm_->wait(int(buckets_.size()));  // every all-reduce enqueued (Gloo: done)
   }
+  group_.stream_wait(ctx_);  // GPU: the step's kernels wait for the last bucket
   ctx_.ops().scale(ctx_, model_.flat_grads(), 1.f / float(group_.size()));
 }
 

@@ -17,6 +17,7 @@
 #include "engine/error.h"
 #include "engine/ops.h"
 #include "parallel/gloo_store.h"
+#include "parallel/peer_monitor.h"
 #include "parallel/process_group.h"
 #include "parallel/store.h"
 
@@ -26,16 +27,16 @@ namespace {
 
 class GlooGroup final : public ProcessGroup {
  public:
-  GlooGroup(int rank, int size, Store& store, const std::string& host,
-            std::chrono::milliseconds timeout)
-      : ProcessGroup(rank, size), timeout_(timeout) {
+  GlooGroup(const GroupOptions& o, Store& store, std::unique_ptr<PeerMonitor> monitor)
+      : ProcessGroup(o.rank, o.size, std::move(monitor)), timeout_(o.timeout) {
+    const int rank = o.rank, size = o.size;
     try {
       gloo::transport::tcp::attr attr;
-      attr.hostname = host;
+      attr.hostname = o.host;
       device_ = gloo::transport::tcp::CreateDevice(attr);
       auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
-      ctx->setTimeout(timeout);
-      GlooStoreAdapter adapter(store, timeout);
+      ctx->setTimeout(o.timeout);
+      GlooStoreAdapter adapter(store, o.timeout);
       ctx->connectFullMesh(adapter, device_);
       context_ = ctx;
     } catch (const Error&) {
@@ -54,7 +55,7 @@ class GlooGroup final : public ProcessGroup {
       if (!persistent) {
         // A fresh algorithm object takes the next slot on every rank alike.
         auto op = make_allreduce(p, t.numel());
-        run("all-reduce", [&] { op->run(); });
+        run("gloo all-reduce", [&] { op->run(); });
         return;
       }
       // Algorithm objects register their buffers with the transport: cache one per persistent
@@ -62,7 +63,7 @@ class GlooGroup final : public ProcessGroup {
       auto key = std::make_pair(static_cast<void*>(p), t.numel());
       auto it = allreduce_.find(key);
       if (it == allreduce_.end()) it = allreduce_.emplace(key, make_allreduce(p, t.numel())).first;
-      run("all-reduce", [&] { it->second->run(); });
+      run("gloo all-reduce", [&] { it->second->run(); });
     });
   }
 
@@ -76,26 +77,27 @@ class GlooGroup final : public ProcessGroup {
     if (t.numel() == 0) return;
     with_host_view(ctx, t, [&](float* p) {
       gloo::BroadcastOneToAll<float> op(context_, std::vector<float*>{p}, int(t.numel()), root);
-      run("broadcast", [&] { op.run(); });
+      run("gloo broadcast", [&] { op.run(); });
     });
   }
 
   void barrier() override {
     gloo::BarrierAllToOne op(context_);
-    run("barrier", [&] { op.run(); });
+    run("gloo barrier", [&] { op.run(); });
   }
 
  private:
   static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
+  // `what` is a string literal ("gloo all-reduce"): the peer monitor keeps the pointer.
   template <class F>
   void run(const char* what, F&& f) {
+    entering(what);
     try {
       f();
     } catch (const std::exception& e) {
-      throw Error(fmt::format(
-          "gloo {} failed on rank {} of {} (a peer died or exceeded the {} s timeout): {}", what,
-          rank_, size_, timeout_.count() / 1000.0, first_line(e.what())));
+      fail(what, fmt::format("after up to {} s: {}", timeout_.count() / 1000.0,
+                             first_line(e.what())));
     }
   }
 
@@ -125,10 +127,9 @@ class GlooGroup final : public ProcessGroup {
 
 bool gloo_available() { return true; }
 
-std::unique_ptr<ProcessGroup> make_gloo_group(int rank, int size, Store& store,
-                                              const std::string& host,
-                                              std::chrono::milliseconds timeout) {
-  return std::make_unique<GlooGroup>(rank, size, store, host, timeout);
+std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions& options, Store& store,
+                                              std::unique_ptr<PeerMonitor> monitor) {
+  return std::make_unique<GlooGroup>(options, store, std::move(monitor));
 }
 
 }  // namespace replica

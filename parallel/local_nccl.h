@@ -3,6 +3,7 @@
 // part on that device's stream (so it orders after the backward that produced it, and before
 // the optimizer step on device 0, without host syncs). Only for distinct GPUs: NCCL refuses
 // two communicators on one GPU, so logical devices keep the copy-based reduction.
+// The implementation lives in the NCCL plugin (local_nccl.cpp, libreplica_nccl.so).
 #pragma once
 #include <memory>
 #include <vector>
@@ -13,22 +14,17 @@ namespace replica {
 
 class LocalNccl {
  public:
-  // Throws when this build has no NCCL or the devices are not distinct GPUs.
-  explicit LocalNccl(const std::vector<DeviceContext*>& contexts);
-  ~LocalNccl();
-  LocalNccl(const LocalNccl&) = delete;
-  LocalNccl& operator=(const LocalNccl&) = delete;
+  virtual ~LocalNccl() = default;
 
   // buffers[i] on device i; device 0's buffer receives the sum of buffers[0..active).
-  void reduce_to_root(std::vector<Tensor>& buffers, int active);
+  virtual void reduce_to_root(std::vector<Tensor>& buffers, int active) = 0;
   // buffers[i] <- buffers[0] on every device.
-  void broadcast_from_root(std::vector<Tensor>& buffers);
+  virtual void broadcast_from_root(std::vector<Tensor>& buffers) = 0;
 
+  // Two or more distinct GPUs, and an NCCL plugin that loads.
   static bool usable(const std::vector<DeviceContext*>& contexts);
-
- private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
+  // Throws when not usable(); errors name the GPU and the NCCL call that failed.
+  static std::unique_ptr<LocalNccl> create(const std::vector<DeviceContext*>& contexts);
 };
 
 }  // namespace replica

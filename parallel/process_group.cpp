@@ -1,6 +1,10 @@
+// The process group's shared parts: the group of one, the factory, failure reports.
 #include "parallel/process_group.h"
 
 #include "engine/error.h"
+#include "parallel/nccl_plugin.h"
+#include "parallel/peer_monitor.h"
+#include "parallel/store.h"
 
 namespace replica {
 
@@ -17,23 +21,62 @@ class SingleProcessGroup final : public ProcessGroup {
 
 }  // namespace
 
-std::unique_ptr<ProcessGroup> make_single_process_group() {
-  return std::make_unique<SingleProcessGroup>();
+CommBackend parse_comm_backend(const std::string& name) {
+  if (name == "gloo") return CommBackend::Gloo;
+  if (name == "nccl") return CommBackend::Nccl;
+  throw UsageError(fmt::format("unknown --backend '{}' (gloo, nccl)", name));
+}
+
+const char* comm_backend_name(CommBackend backend) {
+  return backend == CommBackend::Nccl ? "nccl" : "gloo";
+}
+
+ProcessGroup::ProcessGroup(int rank, int size, std::unique_ptr<PeerMonitor> monitor)
+    : rank_(rank), size_(size), monitor_(std::move(monitor)) {}
+ProcessGroup::~ProcessGroup() = default;
+
+void ProcessGroup::entering(const char* what) {
+  if (monitor_) monitor_->entering(what);
+}
+
+void ProcessGroup::fail(const std::string& what, const std::string& detail) const {
+  if (!monitor_)
+    throw Error(fmt::format("{} failed on rank {} of {}: {}", what, rank_, size_, detail));
+  PeerMonitor::Finding f = monitor_->diagnose();
+  throw PeerFailure(fmt::format("{} failed on rank {} of {}: {} ({})", what, rank_, size_,
+                                f.text, detail),
+                    f.silent);
+}
+
+std::string nccl_problem() {
+  std::string why;
+  return nccl_plugin(&why) ? "" : why;
+}
+
+std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& o, Store* store,
+                                                 DeviceContext& ctx) {
+  if (o.size <= 1) return std::make_unique<SingleProcessGroup>();
+  REPLICA_USAGE_CHECK(store != nullptr, "a process group of {} ranks needs a rendezvous store",
+                      o.size);
+  // Beating before the group connects: a failure while connecting is diagnosed too.
+  auto monitor = std::make_unique<PeerMonitor>(
+      store->connect_again(std::min(o.timeout, std::chrono::milliseconds(5000))), o.rank, o.size);
+  if (o.backend == CommBackend::Nccl) {
+    std::string why;
+    const NcclPluginApi* nccl = nccl_plugin(&why);
+    REPLICA_USAGE_CHECK(nccl != nullptr, "--backend nccl: NCCL {}", why);
+    REPLICA_USAGE_CHECK(ctx.is_cuda(), "--backend nccl needs a GPU per rank (this rank has {})",
+                        ctx.device().str());
+    return nccl->make_group(o, *store, ctx, std::move(monitor));
+  }
+  return make_gloo_group(o, *store, std::move(monitor));
 }
 
 #ifndef REPLICA_WITH_GLOO
 bool gloo_available() { return false; }
-std::unique_ptr<ProcessGroup> make_gloo_group(int, int, Store&, const std::string&,
-                                              std::chrono::milliseconds) {
+std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions&, Store&,
+                                              std::unique_ptr<PeerMonitor>) {
   throw UsageError("this build of replica has no Gloo backend (install libgloo-dev, rebuild)");
-}
-#endif
-
-#ifndef REPLICA_WITH_NCCL
-bool nccl_available() { return false; }
-std::unique_ptr<ProcessGroup> make_nccl_group(int, int, Store&, DeviceContext&,
-                                              std::chrono::milliseconds) {
-  throw UsageError("this build of replica has no NCCL backend");
 }
 #endif
 

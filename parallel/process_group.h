@@ -1,10 +1,13 @@
 // ProcessGroup: collectives across the ranks of a DDP job, one process per device.
 //   gloo  CPU tensors (and GPU tensors staged through pinned host memory, for ranks that share
 //         a GPU); ring all-reduce (measured ~10x faster than Gloo's generic allreduce here).
-//   nccl  one GPU per rank; collectives run on the context's stream, no host sync.
-// Every collective is synchronous for the calling thread (the DDP reducer calls them from its
-// communication thread) and fails with replica::Error after the group's timeout, naming the
-// operation, instead of hanging.
+//   nccl  GPU tensors, on a communication stream of the group's own, ordered after the work
+//         already on the caller's stream by an event. Ranks that share one GPU are each shown to
+//         NCCL as a host of their own, over sockets: a correctness and teaching mode that runs
+//         NCCL's real set-up, collectives and failures on a one-GPU machine, not a speed one.
+// Every failure is a replica::Error naming the operation; after the group's timeout a stalled
+// collective fails (never hangs), and when a PeerMonitor is attached the message names the rank
+// that stopped answering (parallel/peer_monitor.h).
 #pragma once
 #include <chrono>
 #include <memory>
@@ -15,11 +18,21 @@
 namespace replica {
 
 class Store;
+class PeerMonitor;
+
+enum class CommBackend { Gloo, Nccl };
+CommBackend parse_comm_backend(const std::string& name);  // "gloo" | "nccl" (UsageError else)
+const char* comm_backend_name(CommBackend backend);
 
 class ProcessGroup {
  public:
-  virtual ~ProcessGroup() = default;
-  virtual std::string backend() const = 0;
+  virtual ~ProcessGroup();
+  virtual std::string backend() const = 0;  // "gloo", "nccl", "none"
+  // The backend and how it runs, for output and reports: "nccl", "gloo", "nccl over sockets,
+  // 2 ranks share one GPU (correctness mode, not a speed measurement)".
+  virtual std::string describe() const { return backend(); }
+  // True when ranks share a GPU: then the group's timings measure no real interconnect.
+  virtual bool shared_gpu() const { return false; }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
@@ -29,31 +42,51 @@ class ProcessGroup {
   virtual void allreduce_sum(DeviceContext& ctx, Tensor& t, bool persistent = false) = 0;
   // t <- root's t.
   virtual void broadcast(DeviceContext& ctx, Tensor& t, int root) = 0;
+  // Returns when every rank has arrived (host-blocking, with the timeout).
   virtual void barrier() = 0;
-  // Waits until collectives enqueued on ctx's stream have finished, failing after the timeout
-  // (NCCL; Gloo collectives are already complete when they return).
+
+  // Collectives on a GPU are enqueued, not finished, when they return, and they do not hold up
+  // ctx's stream. Before work on ctx's stream reads their results:
+  //   stream_wait(ctx)   ctx's stream waits for every collective enqueued so far (no host sync);
+  //   synchronize(ctx)   the host waits until they have finished, failing after the timeout.
+  // Gloo's collectives are complete when they return: both are no-ops there.
+  virtual void stream_wait(DeviceContext& ctx) {}
   virtual void synchronize(DeviceContext& ctx) {}
 
  protected:
-  ProcessGroup(int rank, int size) : rank_(rank), size_(size) {}
+  // `monitor`: every rank's heartbeat, so a failure can name the rank that stopped answering.
+  ProcessGroup(int rank, int size, std::unique_ptr<PeerMonitor> monitor = nullptr);
+  // As a collective starts (the monitor counts them; `what` is a string literal).
+  void entering(const char* what);
+  // Throws the error for a collective that failed or timed out: `what` ("gloo all-reduce"), and
+  // `detail` (the transport's words); with a monitor attached, a PeerFailure naming the rank
+  // that stopped answering.
+  [[noreturn]] void fail(const std::string& what, const std::string& detail) const;
+
   int rank_, size_;
+  std::unique_ptr<PeerMonitor> monitor_;
 };
 
-// A group of one: every collective is the identity (DDP with world size 1).
-std::unique_ptr<ProcessGroup> make_single_process_group();
+struct GroupOptions {
+  CommBackend backend = CommBackend::Gloo;
+  int rank = 0, size = 1;
+  std::string host = "127.0.0.1";  // Gloo: the interface to bind (MASTER_ADDR's)
+  std::chrono::milliseconds timeout{300000};
+};
 
-// Gloo over TCP, rendezvous through `store`, interface address `host` (e.g. MASTER_ADDR's
-// interface or 127.0.0.1). Throws when this build lacks Gloo.
-std::unique_ptr<ProcessGroup> make_gloo_group(int rank, int size, Store& store,
-                                              const std::string& host,
-                                              std::chrono::milliseconds timeout);
+// The group for `options`: a group of one (every collective the identity) when size is 1,
+// else Gloo or NCCL with rendezvous through `store`. ctx is the rank's device (NCCL: its GPU).
+// Throws UsageError when the backend is not built or cannot load here.
+std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& options, Store* store,
+                                                 DeviceContext& ctx);
 
-// NCCL, one GPU per rank; the unique id travels through `store`. Throws without NCCL.
-std::unique_ptr<ProcessGroup> make_nccl_group(int rank, int size, Store& store,
-                                              DeviceContext& ctx,
-                                              std::chrono::milliseconds timeout);
+// The Gloo group alone (gloo_group.cpp); make_process_group() is what callers use.
+std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions& options, Store& store,
+                                              std::unique_ptr<PeerMonitor> monitor);
 
 bool gloo_available();
-bool nccl_available();
+// Empty when NCCL can be used here, else why not (one line).
+std::string nccl_problem();
+inline bool nccl_available() { return nccl_problem().empty(); }
 
 }  // namespace replica

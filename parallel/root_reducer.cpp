@@ -32,7 +32,7 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
     : ctx_(std::move(contexts)), models_(std::move(models)), strategy_(strategy) {
   buckets_ = make_buckets(models_[0]->params(), first_bucket_bytes, bucket_bytes);
   for (Model* m : models_) bucket_of_.push_back(bucket_of_param(m->params(), buckets_));
-  if (LocalNccl::usable(ctx_)) nccl_ = std::make_unique<LocalNccl>(ctx_);
+  if (LocalNccl::usable(ctx_)) nccl_ = LocalNccl::create(ctx_);
   cuda_ = ctx_[0]->is_cuda() && !nccl_;
   remaining_.assign(models_.size(), std::vector<int>(buckets_.size(), 0));
   ready_replicas_.assign(buckets_.size(), 0);

@@ -48,6 +48,9 @@ class Store {
   virtual bool check(const std::vector<std::string>& keys) = 0;
   // Where the store lives, for messages: "127.0.0.1:29500", "file:///tmp/x".
   virtual std::string describe() const = 0;
+  // A new connection to the same store with its own timeout, for a thread that must not queue
+  // behind another thread's blocking wait (the peer monitor's heartbeat).
+  virtual std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const = 0;
 
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
@@ -108,6 +111,7 @@ class TcpStoreClient : public Store {
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::vector<std::string>& keys) override;
   std::string describe() const override;
+  std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const override;
 
   // Keeps the server alive for as long as this client (rank 0's store). Destroyed after the
   // client's connection is closed.
@@ -134,6 +138,9 @@ class FileStore : public Store {
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::vector<std::string>& keys) override;
   std::string describe() const override { return "file://" + dir_; }
+  std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const override {
+    return std::make_unique<FileStore>(dir_, timeout);
+  }
 
   // The file that holds key (for tests and messages).
   std::string path_for(const std::string& key) const;

@@ -152,6 +152,10 @@ void TcpStoreClient::adopt_server(std::unique_ptr<TcpStoreServer> server) {
 
 std::string TcpStoreClient::describe() const { return impl_->where(); }
 
+std::unique_ptr<Store> TcpStoreClient::connect_again(milliseconds timeout) const {
+  return std::make_unique<TcpStoreClient>(impl_->host, impl_->port, timeout);
+}
+
 void TcpStoreClient::set(const std::string& key, const Bytes& value) {
   check_key(key, "set");
   check_value(key, value);

@@ -56,6 +56,9 @@ class TrainEngine {
   // Ends a multi-process job in order: returns once every process has finished its last
   // collective, so none leaves while a peer still talks to it. The identity otherwise.
   virtual void finish() {}
+  // How gradients travel, for output and reports: "nccl", "gloo", "nccl over sockets, 2 ranks
+  // on 1 GPU (...)" (DDP); empty where nothing crosses a process.
+  virtual std::string comm_description() const { return ""; }
   // Gradient bytes each device sends per step (0 for one device).
   virtual int64_t comm_bytes_per_step() const { return 0; }
   // Multiply-adds of one forward over one sample (for FLOP/s reports).

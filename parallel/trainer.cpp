@@ -128,7 +128,7 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   ddp.bucket_bytes = bucket_bytes;
   ddp.first_bucket_bytes = first_bucket_bytes;
   const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
-  ddp.backend = c.backend != "auto" ? c.backend : (own_gpu ? "nccl" : "gloo");
+  ddp.backend = parse_comm_backend(c.backend != "auto" ? c.backend : own_gpu ? "nccl" : "gloo");
   if (devices[0].is_cpu() && c.engine.threads_per_device == 0)
     c.engine.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
   return make_ddp_engine(devices[0], c.engine, ddp);

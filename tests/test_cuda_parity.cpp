@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "engine/context.h"
-#include "engine/cuda/cudart.h"
+#include "engine/cudart.h"
 #include "engine/device.h"
 #include "engine/ops.h"
 #include "engine/tensor.h"

@@ -16,6 +16,7 @@
 
 #include "engine/error.h"
 #include "engine/ops.h"
+#include "engine/device.h"
 #include "parallel/process_group.h"
 #include "parallel/store.h"
 
@@ -38,6 +39,16 @@ int64_t parse_bytes(const std::string& s) {
   return std::stoll(num) * mult;
 }
 
+// t's values on the host, once the group's collectives are done (a copy for GPU tensors).
+std::vector<float> read_back(ProcessGroup& pg, DeviceContext& ctx, const Tensor& t) {
+  pg.synchronize(ctx);
+  pg.stream_wait(ctx);
+  Tensor host = Tensor::empty(host_allocator(), t.shape());
+  ctx.ops().copy(ctx, host, t);
+  ctx.synchronize();
+  return std::vector<float>(host.f32(), host.f32() + host.numel());
+}
+
 int check(ProcessGroup& pg, DeviceContext& ctx) {
   const int n = pg.size(), r = pg.rank();
   int wrong = 0;
@@ -45,16 +56,14 @@ int check(ProcessGroup& pg, DeviceContext& ctx) {
     Tensor t = ctx.alloc({count});
     ctx.ops().fill(ctx, t, float(r));
     pg.allreduce_sum(ctx, t);
-    pg.synchronize(ctx);
     const float expect = float(n * (n - 1) / 2);
-    for (int64_t i = 0; i < count; ++i) wrong += t.f32()[i] != expect;
+    for (float v : read_back(pg, ctx, t)) wrong += v != expect;
   }
   for (int root = 0; root < n; ++root) {
     Tensor t = ctx.alloc({4097});
     ctx.ops().fill(ctx, t, float(r == root ? 100 + root : -1));
     pg.broadcast(ctx, t, root);
-    pg.synchronize(ctx);
-    for (int64_t i = 0; i < t.numel(); ++i) wrong += t.f32()[i] != float(100 + root);
+    for (float v : read_back(pg, ctx, t)) wrong += v != float(100 + root);
   }
   for (int i = 0; i < 3; ++i) pg.barrier();
   std::printf("rank %d of %d: all-reduce, broadcast, barrier: %s (%d wrong)\n", r, n,
@@ -83,8 +92,7 @@ void bench(ProcessGroup& pg, DeviceContext& ctx, int64_t min_bytes, int64_t max_
     // After warm-up + iters sums of all-ones: n^(iters+1).
     const double expect = std::pow(double(n), iters + 1);
     int64_t wrong = 0;
-    for (int64_t i = 0; i < count; ++i)
-      wrong += std::fabs(t.f32()[i] - expect) > 1e-3 * expect;
+    for (float v : read_back(pg, ctx, t)) wrong += std::fabs(v - expect) > 1e-3 * expect;
     const double algbw = count * 4.0 / us / 1e3;  // GB/s
     const double busbw = algbw * 2.0 * (n - 1) / n;
     if (pg.rank() == 0)
@@ -100,6 +108,7 @@ int main(int argc, char** argv) {
   std::string min_s = "1K", max_s = "64M";
   int iters = 5;
   double timeout_s = 60;
+  std::string backend = "gloo";
   CLI::App app{"replica-collectives: check and measure collectives across launched ranks"};
   app.add_flag("--check", do_check, "closed-form checks of all-reduce, broadcast, barrier");
   app.add_flag("--bench", do_bench, "all-reduce algbw/busbw over a size range");
@@ -107,6 +116,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-bytes", max_s, "largest message")->capture_default_str();
   app.add_option("--iters", iters, "timed iterations per size")->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds")->capture_default_str();
+  app.add_option("--backend", backend,
+                 "gloo (CPU tensors) | nccl (GPU tensors; ranks beyond the GPU count share GPUs)")
+      ->capture_default_str();
   if (auto code = parse_cli(app, "replica-collectives", argc, argv)) return *code;
   return run_program("replica-collectives", [&] {
     REPLICA_USAGE_CHECK(do_check || do_bench, "give --check and/or --bench");
@@ -114,12 +126,23 @@ int main(int argc, char** argv) {
     RendezvousOptions ro;
     ro.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
     Rendezvous rv = rendezvous(ro);
-    DeviceContext ctx(Device{DeviceType::CPU, rv.local_rank, 0}, ContextOptions{1, true});
-    const char* addr = std::getenv("MASTER_ADDR");
-    auto pg = rv.world_size > 1
-                  ? make_gloo_group(rv.rank, rv.world_size, *rv.store, addr ? addr : "127.0.0.1",
-                                    ro.timeout)
-                  : make_single_process_group();
+    GroupOptions go;
+    go.backend = parse_comm_backend(backend);
+    go.rank = rv.rank;
+    go.size = rv.world_size;
+    go.timeout = ro.timeout;
+    if (const char* addr = std::getenv("MASTER_ADDR")) go.host = addr;
+    // NCCL: the LOCAL_RANK-th GPU, shared round-robin when there are fewer GPUs than ranks.
+    const int gpus = cuda_device_count();
+    REPLICA_USAGE_CHECK(go.backend == CommBackend::Gloo || gpus > 0,
+                        "--backend nccl needs a GPU, and none was found{}", cuda_backend_note());
+    const Device device = go.backend == CommBackend::Nccl
+                              ? Device{DeviceType::CUDA, rv.local_rank % std::max(gpus, 1), 0}
+                              : Device{DeviceType::CPU, rv.local_rank, 0};
+    DeviceContext ctx(device, ContextOptions{1, true});
+    auto pg = make_process_group(go, rv.store.get(), ctx);
+    if (rv.rank == 0) std::printf("replica-collectives: %d ranks, %s\n", rv.world_size,
+                                  pg->describe().c_str());
     int rc = 0;
     if (do_check) rc = check(*pg, ctx);
     if (do_bench) bench(*pg, ctx, parse_bytes(min_s), parse_bytes(max_s), iters);

@@ -6,7 +6,7 @@
 
 namespace replica {
 
-std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+std::unique_ptr<Backend> cuda::make_backend() { return std::make_unique<CudaBackend>(); }
 
 CudaBackend::~CudaBackend() { destroy_conv_plans(); }
 

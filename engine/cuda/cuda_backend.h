@@ -22,6 +22,8 @@ namespace cuda {
 
 constexpr int kThreads = 256;
 
+std::unique_ptr<Backend> make_backend();  // cudart::make_backend() through the plugin table
+
 // Blocks for a grid-stride loop over n elements (n > 0).
 inline int grid_for(int64_t n, int threads = kThreads) {
   int64_t blocks = (n + threads - 1) / threads;

@@ -1,6 +1,6 @@
 // CUDA-side internals: the per-context CudaState (stream, cuBLAS/cuDNN handles, workspace) and
 // the checking macros. Included only by .cu files of the CUDA backend; the rest of the engine sees
-// CudaState as an opaque type through engine/cuda/cudart.h.
+// CudaState as an opaque type through engine/cudart.h.
 #pragma once
 #include <cstddef>
 #include <cstdint>

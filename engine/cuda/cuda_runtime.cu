@@ -1,12 +1,14 @@
-// The CUDA runtime behind engine/cuda/cudart.h: device discovery, raw allocations, and the
+// The CUDA runtime behind engine/cudart.h: device discovery, raw allocations, and the
 // per-context state (non-blocking stream, cuBLAS and cuDNN handles bound to it, workspace).
-// Runtime API only: the driver API (libcuda) is never linked.
+// Runtime API only: the driver API (libcuda) is never linked. The plugin's entry point, at the
+// end, hands these functions to engine/cudart.cpp.
 #include <fmt/format.h>
 
 #include <library_types.h>
 
-#include "engine/cuda/cuda_check.h"
-#include "engine/cuda/cudart.h"
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cudart.h"
+#include "engine/plugin_abi.h"
 
 namespace replica {
 
@@ -100,7 +102,9 @@ void* cuda_workspace(CudaState& s, size_t bytes) {
   return p;
 }
 
-namespace cudart {
+// Named apart from cudart:: (the forwarders in libreplica_engine.so): a call inside the plugin
+// must never bind to the forwarder of the same name.
+namespace cuda {
 
 int device_count() {
   static const int count = query_device_count();  // thread-safe, asked once per process
@@ -242,5 +246,17 @@ void stream_wait_event(CudaState* state, void* event) {
   REPLICA_CUDA_CHECK(cudaStreamWaitEvent(state->stream, static_cast<cudaEvent_t>(event), 0));
 }
 
-}  // namespace cudart
+}  // namespace cuda
 }  // namespace replica
+
+extern "C" const void* replica_cuda_plugin(int abi) {
+  using namespace replica;
+  static const CudaPluginApi api = {
+      cuda::device_count,  cuda::device_name,    cuda::device_total_memory,
+      cuda::versions,      cuda::set_device,     cuda::malloc_device,
+      cuda::free_device,   cuda::malloc_pinned,  cuda::free_pinned,
+      cuda::create_state,  cuda::destroy_state,  cuda::synchronize,
+      cuda::event_create,  cuda::event_destroy,  cuda::event_record,
+      cuda::stream_wait_event, cuda::make_backend};
+  return abi == REPLICA_PLUGIN_ABI ? &api : nullptr;
+}

@@ -14,14 +14,12 @@
 #include <fmt/format.h>
 #include <tbb/version.h>
 
-#include "engine/cuda/cudart.h"
+#include "engine/cudart.h"
 #include "engine/device.h"
+#include "parallel/nccl_plugin.h"
 
 #ifdef REPLICA_WITH_GLOO
 #include <gloo/config.h>
-#endif
-#ifdef REPLICA_WITH_NCCL
-#include <nccl.h>
 #endif
 
 #ifndef REPLICA_SOURCE_DIR
@@ -111,14 +109,10 @@ nlohmann::json environment() {
 #else
   versions["gloo"] = "not built";
 #endif
-#ifdef REPLICA_WITH_NCCL
-  int nccl = 0;
-  ncclGetVersion(&nccl);
-  versions["nccl"] = fmt::format("{}.{}.{}", nccl / 10000, (nccl % 10000) / 100, nccl % 100);
-#else
-  versions["nccl"] = "not built";
-#endif
-  versions["cuda"] = cudart::versions();
+  // The GPU stack is loaded only where there is a GPU to use it.
+  const bool gpu = cuda_device_count() > 0;
+  versions["nccl"] = gpu ? nccl_version() : "not loaded (no GPU)";
+  versions["cuda"] = gpu ? cudart::versions() : "not loaded (no GPU" + cuda_backend_note() + ")";
   nlohmann::json gpus = nlohmann::json::array();
   for (int i = 0; i < cuda_device_count(); ++i) gpus.push_back(cudart::device_name(i));
   return {

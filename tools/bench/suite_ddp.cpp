@@ -81,10 +81,13 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   if (kind == "allreduce") {
     DeviceContext ctx(device, ContextOptions{o.run.threads_per_device, false});
     ctx.activate();
-    std::unique_ptr<ProcessGroup> group;
-    if (rv.world_size <= 1) group = make_single_process_group();
-    else if (backend == "nccl") group = make_nccl_group(rv.rank, rv.world_size, *rv.store, ctx, timeout);
-    else group = make_gloo_group(rv.rank, rv.world_size, *rv.store, master_addr(), timeout);
+    GroupOptions go;
+    go.backend = parse_comm_backend(backend);
+    go.rank = rv.rank;
+    go.size = rv.world_size;
+    go.host = master_addr();
+    go.timeout = timeout;
+    auto group = make_process_group(go, rv.store.get(), ctx);
     const double grad_bytes = double(model_facts(o.run.model, o.run.input_shape).params) * 4;
     nlohmann::json points = allreduce_sweep(*group, ctx, sweep_sizes(grad_bytes));
     group->barrier();
@@ -98,7 +101,7 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   d.rank = rv.rank;
   d.world_size = rv.world_size;
   d.store = rv.store;
-  d.backend = backend;
+  d.backend = parse_comm_backend(backend);
   d.host = master_addr();
   d.timeout = timeout;
   auto engine = make_ddp_engine(device, eo, d);

@@ -1,0 +1,71 @@
+// The CUDA runtime as the rest of the engine sees it: plain C++, no CUDA headers. The functions
+// forward to the CUDA backend plugin (libreplica_cuda.so, built from engine/cuda/), which is
+// loaded the first time a GPU is asked for (engine/plugin.h). Without an NVIDIA driver the
+// plugin is never loaded: device_count() is 0. Errors throw replica::Error carrying file:line
+// and the failing call.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "engine/device.h"
+
+namespace replica {
+
+struct CudaState;
+class Backend;
+
+namespace cudart {
+
+int device_count();  // 0 when there is no driver, no GPU, or no CUDA backend; never throws
+std::string device_name(int ordinal);
+size_t device_total_memory(int ordinal);
+std::string versions();  // "CUDA runtime X, driver Y, cuBLAS Z, cuDNN W" (what is linked)
+
+void set_device(int ordinal);
+void* malloc_device(int ordinal, size_t bytes);  // throws replica::Error on failure (OOM)
+void free_device(int ordinal, void* ptr);
+void* malloc_pinned(size_t bytes);
+void free_pinned(void* ptr);
+
+// Stream, cuBLAS and cuDNN handles (bound to the stream), workspace. One per DeviceContext.
+CudaState* create_state(const Device& device, bool deterministic);
+void destroy_state(CudaState* state);
+void synchronize(CudaState* state);  // cudaStreamSynchronize on the context's stream
+
+// Events order work across streams (and devices) without a host sync.
+void* event_create();              // timing disabled
+void event_destroy(void* event);   // never throws
+void event_record(CudaState* state, void* event);       // on the state's stream
+void stream_wait_event(CudaState* state, void* event);  // the state's stream waits for it
+
+std::unique_ptr<Backend> make_backend();  // the CUDA kernels (engine/ops.h)
+
+// Loads the plugin even where no driver is seen (tests, --list-devices). Empty when the CUDA
+// backend is usable as far as this machine allows; else why not, in one line.
+std::string load_problem();
+
+}  // namespace cudart
+
+// The table libreplica_cuda.so hands out: one pointer per function above.
+struct CudaPluginApi {
+  int (*device_count)();
+  std::string (*device_name)(int);
+  size_t (*device_total_memory)(int);
+  std::string (*versions)();
+  void (*set_device)(int);
+  void* (*malloc_device)(int, size_t);
+  void (*free_device)(int, void*);
+  void* (*malloc_pinned)(size_t);
+  void (*free_pinned)(void*);
+  CudaState* (*create_state)(const Device&, bool);
+  void (*destroy_state)(CudaState*);
+  void (*synchronize)(CudaState*);
+  void* (*event_create)();
+  void (*event_destroy)(void*);
+  void (*event_record)(CudaState*, void*);
+  void (*stream_wait_event)(CudaState*, void*);
+  std::unique_ptr<Backend> (*make_backend)();
+};
+
+}  // namespace replica
