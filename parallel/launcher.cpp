@@ -16,8 +16,15 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "engine/error.h"
+#include "parallel/peer_monitor.h"
 
 extern char** environ;
 
@@ -26,6 +33,81 @@ namespace replica {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Where a rank leaves its fatal error for the launcher (one JSON file per rank).
+constexpr const char* kErrorDirVar = "REPLICA_ERROR_DIR";
+
+// A directory of the launch's own for the ranks' error reports, removed at the end.
+class ErrorDir {
+ public:
+  ErrorDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/replica-launch-XXXXXX";
+    if (mkdtemp(pattern.data())) path_ = pattern;
+  }
+  ~ErrorDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+struct RankReport {
+  int rank = 0;
+  std::string program, message;
+  std::vector<int> silent;  // ranks this one found had stopped answering
+};
+
+std::vector<RankReport> read_reports(const std::string& dir, int first_rank, int count) {
+  std::vector<RankReport> out;
+  for (int r = first_rank; r < first_rank + count && !dir.empty(); ++r) {
+    std::ifstream in(fmt::format("{}/rank{}.json", dir, r));
+    if (!in) continue;
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded()) continue;
+    RankReport rep;
+    rep.rank = r;
+    rep.program = j.value("program", std::string("rank"));
+    rep.message = j.value("message", std::string());
+    rep.silent = j.value("silent", std::vector<int>());
+    out.push_back(std::move(rep));
+  }
+  return out;
+}
+
+// "rank 3", "ranks 0-3", "ranks 0, 2"
+std::string rank_list(std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  if (ranks.size() == 1) return fmt::format("rank {}", ranks[0]);
+  const bool run = ranks.back() - ranks.front() + 1 == int(ranks.size());
+  if (run && ranks.size() > 2) return fmt::format("ranks {}-{}", ranks.front(), ranks.back());
+  std::string out = "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+// Each distinct message once, with the ranks it came from ("every rank" when all did).
+void print_reports(const std::vector<RankReport>& reports, int world_on_node) {
+  std::vector<std::pair<std::string, std::vector<int>>> distinct;  // in rank order
+  for (const auto& r : reports) {
+    const std::string line = r.program + ": error: " + r.message;
+    auto it = std::find_if(distinct.begin(), distinct.end(),
+                           [&](const auto& d) { return d.first == line; });
+    if (it == distinct.end()) distinct.push_back({line, {r.rank}});
+    else it->second.push_back(r.rank);
+  }
+  for (const auto& [line, ranks] : distinct) {
+    const std::string who = distinct.size() == 1 && int(ranks.size()) == world_on_node &&
+                                    world_on_node > 1
+                                ? "every rank"
+                                : rank_list(ranks);
+    std::fprintf(stderr, "%s [%s]\n", line.c_str(), who.c_str());
+  }
+}
 
 struct Child {
   int rank = 0;
@@ -40,6 +122,7 @@ std::string signal_name(int sig) {
 
 std::vector<std::string> child_environment(
     const std::vector<std::pair<std::string, std::string>>& set) {
+  // (REPLICA_ERROR_DIR is in `set`: it replaces an outer launcher's.)
   std::vector<std::string> env;
   bool have_omp = false;
   for (char** e = environ; *e; ++e) {
@@ -63,7 +146,8 @@ void signal_groups(const std::vector<Child>& children, int sig, bool running_onl
 // Forks and execs one rank in its own process group; the exec error (if any) comes back
 // through a close-on-exec pipe.
 Child start_rank(const LaunchOptions& o, const std::string& program, int local, pid_t launcher,
-                 bool tty_stdin, const sigset_t& old_mask, std::vector<Child>& children) {
+                 bool tty_stdin, const sigset_t& old_mask, const std::string& error_dir,
+                 std::vector<Child>& children) {
   Child c;
   c.rank = o.node_rank * o.nproc_per_node + local;
   std::vector<std::string> env =
@@ -73,7 +157,8 @@ Child start_rank(const LaunchOptions& o, const std::string& program, int local, 
                          {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
                          {"GROUP_RANK", std::to_string(o.node_rank)},
                          {"MASTER_ADDR", o.master_addr},
-                         {"MASTER_PORT", std::to_string(o.master_port)}});
+                         {"MASTER_PORT", std::to_string(o.master_port)},
+                         {kErrorDirVar, error_dir}});
   std::vector<std::string> command = o.command;
   std::vector<char*> envp, args;
   for (auto& e : env) envp.push_back(e.data());
@@ -181,10 +266,11 @@ int launch_ranks(const LaunchOptions& o) {
   const pid_t launcher = getpid();
   const bool tty_stdin = isatty(STDIN_FILENO);
 
+  ErrorDir errors;
   std::vector<Child> children;
   try {
     for (int local = 0; local < o.nproc_per_node; ++local)
-      start_rank(o, program, local, launcher, tty_stdin, old_mask, children);
+      start_rank(o, program, local, launcher, tty_stdin, old_mask, errors.path(), children);
   } catch (...) {
     sigprocmask(SIG_SETMASK, &old_mask, nullptr);
     throw;
@@ -234,6 +320,7 @@ int launch_ranks(const LaunchOptions& o) {
           stopping = true;
           deadline = Clock::now() + o.failure_grace;
           signal_groups(children, SIGTERM, false);  // the failed rank's group too: its children
+          signal_groups(children, SIGCONT, false);  // a stopped (SIGSTOP) rank acts on it too
         }
       }
     }
@@ -248,23 +335,67 @@ int launch_ranks(const LaunchOptions& o) {
   // The signals stay blocked: the caller is about to exit, and a second Ctrl-C pressed just
   // now must not kill it before it reports.
 
+  const int first_rank = o.node_rank * o.nproc_per_node;
+  std::vector<RankReport> reports = read_reports(errors.path(), first_rank, o.nproc_per_node);
+  // What the rank that failed first found: the culprit, when it names one.
+  std::vector<int> culprits;
+  for (const auto& r : reports)
+    if (failed && r.rank == failed->rank) culprits = r.silent;
+  // Ranks that failed because the first one had (a peer gone after the job was stopped) only
+  // repeat the story: left out.
+  reports.erase(std::remove_if(reports.begin(), reports.end(),
+                               [&](const RankReport& r) {
+                                 return failed && r.rank != failed->rank &&
+                                        std::find(r.silent.begin(), r.silent.end(),
+                                                  failed->rank) != r.silent.end();
+                               }),
+                reports.end());
+  print_reports(reports, o.nproc_per_node);
   if (forwarded) {
     std::fprintf(stderr, "%s: received %s: stopped %zu rank%s\n", o.name.c_str(),
                  signal_name(forwarded).c_str(), children.size(),
                  children.size() == 1 ? "" : "s");
     return 128 + forwarded;
   }
-  if (failed) {
-    if (WIFEXITED(failed_status))
-      std::fprintf(stderr, "%s: rank %d (pid %d) exited with code %d\n", o.name.c_str(),
-                   failed->rank, static_cast<int>(failed->pid), WEXITSTATUS(failed_status));
-    else
-      std::fprintf(stderr, "%s: rank %d (pid %d) was killed by signal %d (%s)\n", o.name.c_str(),
-                   failed->rank, static_cast<int>(failed->pid), WTERMSIG(failed_status),
-                   signal_name(WTERMSIG(failed_status)).c_str());
+  if (!failed) return 0;
+  if (!culprits.empty()) {
+    std::string who;
+    for (int r : culprits) {
+      auto c = std::find_if(children.begin(), children.end(),
+                            [&](const Child& k) { return k.rank == r; });
+      who += fmt::format("{}rank {}{}", who.empty() ? "" : ", ", r,
+                         c != children.end() ? fmt::format(" (pid {})", c->pid) : "");
+    }
+    std::fprintf(stderr, "%s: %s stopped answering: rank %d failed waiting for it; stopped all "
+                 "%zu ranks\n",
+                 o.name.c_str(), who.c_str(), failed->rank, children.size());
     return 1;
   }
-  return 0;
+  if (WIFEXITED(failed_status))
+    std::fprintf(stderr, "%s: rank %d (pid %d) exited with code %d\n", o.name.c_str(),
+                 failed->rank, static_cast<int>(failed->pid), WEXITSTATUS(failed_status));
+  else
+    std::fprintf(stderr, "%s: rank %d (pid %d) was killed by signal %d (%s)\n", o.name.c_str(),
+                 failed->rank, static_cast<int>(failed->pid), WTERMSIG(failed_status),
+                 signal_name(WTERMSIG(failed_status)).c_str());
+  return 1;
+}
+
+bool report_error_to_launcher(const std::string& program, const std::exception& error,
+                              int exit_code) {
+  const char* dir = std::getenv(kErrorDirVar);
+  const char* rank = std::getenv("RANK");
+  if (!dir || !*dir || !rank || !*rank) return false;
+  nlohmann::json j = {{"program", program}, {"message", error.what()}, {"exit_code", exit_code}};
+  if (const auto* pf = dynamic_cast<const PeerFailure*>(&error)) j["silent"] = pf->ranks();
+  const std::string path = fmt::format("{}/rank{}.json", dir, rank);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << j.dump() << "\n";
+    if (!out.flush()) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
 }  // namespace replica

@@ -20,7 +20,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "tools/program.h"
+#include "cli/program.h"
 
 #include "engine/error.h"
 #include "parallel/launcher.h"

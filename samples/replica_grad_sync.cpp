@@ -10,7 +10,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "tools/program.h"
+#include "cli/program.h"
 
 #include "engine/data/dataset.h"
 #include "engine/error.h"

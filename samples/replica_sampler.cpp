@@ -9,7 +9,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "tools/program.h"
+#include "cli/program.h"
 #include <fmt/format.h>
 
 #include "engine/data/dataset.h"

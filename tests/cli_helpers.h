@@ -99,6 +99,18 @@ inline RunResult run(const std::string& command, int timeout_s = 120) {
 
 inline std::string bin(const std::string& name) { return std::string(REPLICA_BIN_DIR) + "/" + name; }
 
+// A port per test run, away from the default 29500 (other jobs on the machine).
+inline int next_port() {
+  static int port = 29600 + (getpid() % 200) * 10;
+  return port++;
+}
+
+// "replica-launch --nproc-per-node N --master-port P -- " (a fresh port each time).
+inline std::string launch(int ranks) {
+  return bin("replica-launch") + " --nproc-per-node " + std::to_string(ranks) +
+         " --master-port " + std::to_string(next_port()) + " -- ";
+}
+
 inline int count_lines(const std::string& s) {
   int n = 0;
   for (char c : s) n += c == '\n';

@@ -12,7 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "tools/bench/options.h"
-#include "tools/program.h"
+#include "cli/program.h"
 
 using namespace replica;
 using namespace replica::bench;

@@ -12,7 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "tools/program.h"
+#include "cli/program.h"
 
 #include "engine/error.h"
 #include "engine/ops.h"

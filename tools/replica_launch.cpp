@@ -16,7 +16,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "tools/program.h"
+#include "cli/program.h"
 
 #include "engine/error.h"
 #include "parallel/launcher.h"

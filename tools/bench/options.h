@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/parse_flags.h"  // parse_positive_list, parse_input_shape
+#include "cli/parse_flags.h"  // parse_positive_list, parse_input_shape
 
 namespace replica::bench {
 

@@ -1,6 +1,8 @@
 // What every replica program does at its edges: parse flags with CLI11 (help -> exit 0, a bad
 // flag -> one line and exit 2) and turn errors into one line on stderr: "NAME: error: ..." with
-// exit code 2 for usage errors, 1 for everything else. Header-only: programs link CLI11.
+// exit code 2 for usage errors, 1 for everything else. A rank under replica-launch hands the
+// error to its launcher instead, which prints it once for all ranks (parallel/launcher.h).
+// Header-only: programs link CLI11.
 #pragma once
 #include <algorithm>
 #include <cstdio>
@@ -10,8 +12,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/parse_flags.h"
 #include "engine/error.h"
-#include "tools/parse_flags.h"
+#include "parallel/launcher.h"
 
 namespace replica {
 
@@ -33,14 +36,16 @@ inline std::optional<int> parse_cli(CLI::App& app, const char* name, int argc, c
 
 template <class Body>
 int run_program(const char* name, Body&& body) {
+  auto report = [&](const std::exception& e, int code) {
+    if (!report_error_to_launcher(name, e, code)) std::fprintf(stderr, "%s: error: %s\n", name, e.what());
+    return code;
+  };
   try {
     return body();
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "%s: error: %s\n", name, e.what());
-    return 2;
+    return report(e, 2);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", name, e.what());
-    return 1;
+    return report(e, 1);
   }
 }
 

@@ -1,0 +1,142 @@
+// DDP faults under replica-launch (Gloo on CPU): each ends in a clear error, within its timeout,
+// naming the rank at fault, with no process left behind. A killed rank; a stopped (SIGSTOP)
+// rank, which the others' heartbeat check names although it is they that time out; the store's
+// host stopped; a missing rank at rendezvous; an error every rank hits, printed once.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <fstream>
+
+#include "cli_helpers.h"
+#include "parallel/process_group.h"
+
+using test::launch;
+using test::run;
+
+namespace {
+
+const std::string kTrain = test::bin("replica-train");
+
+struct Timed {
+  test::RunResult r;
+  double seconds = 0;
+};
+
+// A DDP training job of `ranks` ranks; `after_s` seconds in, `signal` goes to rank `victim`
+// (found by a marker in its command line and RANK in its environment).
+Timed fault_job(int ranks, int victim, const char* signal, int after_s, int timeout_s) {
+  test::TempDir tmp;
+  const std::string marker = tmp.str("marker");  // unique text in the ranks' command line
+  // "[-]-trace M" matches the ranks' "--trace M" but not this pattern's own command line.
+  const std::string pattern = "'[-]-trace " + marker + "'";
+  const std::string job = launch(ranks) + kTrain + " --mode ddp --synthetic" +
+                          " --synthetic-size 100000 --model cnn --batch-size " +
+                          std::to_string(8 * ranks) + " --epochs 1 --quiet --no-eval" +
+                          " --threads-per-device 1 --timeout " + std::to_string(timeout_s) +
+                          " --trace " + marker;
+  {
+    std::ofstream script(tmp.path / "job.sh");
+    script << "( sleep " << after_s << "; for p in $(pgrep -f " << pattern << "); do\n"
+           << "  if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx RANK=" << victim
+           << "; then kill -" << signal << " $p; fi\n"
+           << "done ) &\n"
+           << job << "\nrc=$?\nwait\nexit $rc\n";
+  }
+  const auto start = std::chrono::steady_clock::now();
+  Timed t;
+  t.r = run("sh " + tmp.str("job.sh"), 180);
+  t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  auto left = run("pgrep -f " + pattern + " || true");
+  INFO("processes left: " << left.output);
+  CHECK(left.output.empty());
+  return t;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// The launcher's last line.
+std::string last_line(const std::string& s) {
+  std::string t = s;
+  while (!t.empty() && t.back() == '\n') t.pop_back();
+  return t.substr(t.rfind('\n') == std::string::npos ? 0 : t.rfind('\n') + 1);
+}
+
+}  // namespace
+
+TEST_CASE("a rank killed mid-training ends the job within 30 s, naming the rank") {
+  if (!replica::gloo_available()) return;
+  Timed t = fault_job(2, 1, "9", 4, 20);
+  INFO(t.r.output);
+  CHECK(t.r.exit_code != 0);
+  CHECK(contains(last_line(t.r.output), "rank 1"));
+  CHECK(contains(last_line(t.r.output), "killed by signal 9"));
+  CHECK(t.seconds < 4 + 30);
+}
+
+TEST_CASE("a stopped rank is named by the others and by the launcher") {
+  if (!replica::gloo_available()) return;
+  for (int ranks : {2, 3}) {
+    CAPTURE(ranks);
+    Timed t = fault_job(ranks, 1, "STOP", 4, 5);
+    INFO(t.r.output);
+    CHECK(t.r.exit_code != 0);
+    // The healthy ranks' error names rank 1, and so does the launcher's last line.
+    CHECK(contains(t.r.output, "rank 1 stopped answering (no heartbeat"));
+    CHECK(contains(last_line(t.r.output), "rank 1 (pid "));
+    CHECK(contains(last_line(t.r.output), "stopped answering"));
+    CHECK(t.seconds < 4 + 5 + 15);
+  }
+}
+
+TEST_CASE("a stopped rank 0 is named although its store stops too") {
+  if (!replica::gloo_available()) return;
+  Timed t = fault_job(2, 0, "STOP", 4, 5);
+  INFO(t.r.output);
+  CHECK(t.r.exit_code != 0);
+  CHECK(contains(t.r.output, "rank 0, which hosts the rendezvous store, stopped answering"));
+  CHECK(contains(last_line(t.r.output), "rank 0 (pid "));
+  CHECK(t.seconds < 4 + 5 + 25);
+}
+
+TEST_CASE("an error every rank hits is printed once, for every rank") {
+  if (!replica::gloo_available()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  auto r = run(launch(4) + kTrain + " --mode ddp --data " + tmp.str("data") +
+                   " --batch-size 3 --max-steps 1 --quiet",
+               120);
+  INFO(r.output);
+  CHECK(r.exit_code != 0);
+  const std::string line = "must divide by the 4 ranks";
+  CHECK(contains(r.output, line));
+  CHECK(r.output.find(line) == r.output.rfind(line));  // once
+  CHECK(contains(r.output, "[every rank]"));
+}
+
+TEST_CASE("a global batch that does not divide by the ranks is a clear error") {
+  if (!replica::gloo_available()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  auto r = run(launch(2) + kTrain + " --mode ddp --data " + tmp.str("data") +
+                   " --batch-size 15 --max-steps 1 --quiet",
+               120);
+  CHECK(r.exit_code != 0);
+  CHECK(contains(r.output, "must divide by the 2 ranks"));
+}
+
+TEST_CASE("a rendezvous with a missing rank times out with an error naming it") {
+  if (!replica::gloo_available()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  // Rank 0 of a 2-rank job, alone: rank 1 never comes.
+  auto r = run("env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+               "MASTER_PORT=" + std::to_string(test::next_port()) + " " + kTrain +
+                   " --mode ddp --data " + tmp.str("data") + " --batch-size 8 --max-steps 1"
+                   " --quiet --timeout 3",
+               60);
+  CHECK(r.exit_code != 0);
+  CHECK_MESSAGE(contains(r.output, "rank 1"), r.output);
+  CHECK(test::count_lines(r.output) == 1);
+}
