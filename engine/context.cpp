@@ -55,6 +55,10 @@ void StreamEvent::wait(DeviceContext& other) {
   cudart::stream_wait_event(other.cuda(), event_);
 }
 
+void StreamEvent::host_wait() {
+  if (recorded_) cudart::event_synchronize(event_);
+}
+
 void DeviceContext::synchronize() {
   if (cuda_) cudart::synchronize(cuda_.get());
 }

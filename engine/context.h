@@ -77,6 +77,8 @@ class StreamEvent {
   StreamEvent& operator=(const StreamEvent&) = delete;
   void record(DeviceContext& ctx);
   void wait(DeviceContext& other);
+  // The host blocks until the recorded work has run (a host sync: never in the iteration).
+  void host_wait();
 
  private:
   void* event_ = nullptr;

@@ -76,6 +76,7 @@ CudaState* create_state(const Device& device, bool deterministic) {
 void* event_create() { return api().event_create(); }
 void event_record(CudaState* state, void* event) { api().event_record(state, event); }
 void stream_wait_event(CudaState* state, void* event) { api().stream_wait_event(state, event); }
+void event_synchronize(void* event) { api().event_synchronize(event); }
 std::unique_ptr<Backend> make_backend() { return api().make_backend(); }
 
 // Releases run from destructors and only ever receive what the plugin handed out: without a

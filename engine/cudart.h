@@ -38,6 +38,7 @@ void* event_create();              // timing disabled
 void event_destroy(void* event);   // never throws
 void event_record(CudaState* state, void* event);       // on the state's stream
 void stream_wait_event(CudaState* state, void* event);  // the state's stream waits for it
+void event_synchronize(void* event);  // the host waits for it
 
 std::unique_ptr<Backend> make_backend();  // the CUDA kernels (engine/ops.h)
 
@@ -65,6 +66,7 @@ struct CudaPluginApi {
   void (*event_destroy)(void*);
   void (*event_record)(CudaState*, void*);
   void (*stream_wait_event)(CudaState*, void*);
+  void (*event_synchronize)(void*);
   std::unique_ptr<Backend> (*make_backend)();
 };
 

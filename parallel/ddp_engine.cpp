@@ -63,8 +63,8 @@ class DdpEngine final : public TrainEngine {
       Tensor x, y;
       {
         TraceSpan span(track_, "h2d", &ctx_);
-        x = batch_to_device(ctx_, batch.images);
-        y = batch_to_device(ctx_, batch.labels);
+        x = batch_to_device(ctx_, batch, batch.images);
+        y = batch_to_device(ctx_, batch, batch.labels);
       }
       if (model_->num_buffer_elements() > 0 && group_->size() > 1) {
         TraceSpan span(track_, "broadcast_buffers", &ctx_);

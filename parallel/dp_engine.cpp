@@ -85,7 +85,7 @@ class DataParallelEngine final : public TrainEngine {
       r.ctx->run([&] {
         {
           TraceSpan span(r.track, "scatter", r.ctx.get());
-          r.x = batch_to_device(*r.ctx, batch.images.slice_rows(chunks[i].begin,
+          r.x = batch_to_device(*r.ctx, batch, batch.images.slice_rows(chunks[i].begin,
                                                                 chunks[i].begin + chunks[i].count));
         }
         TraceSpan span(r.track, "forward", r.ctx.get());
@@ -108,7 +108,7 @@ class DataParallelEngine final : public TrainEngine {
           c0.ops().copy(c0, rows, replicas_[i].logits);
         }
       }
-      Tensor labels = batch_to_device(c0, batch.labels);
+      Tensor labels = batch_to_device(c0, batch, batch.labels);
       loss_ = criterion_.forward(c0, all, labels);
       dlogits = criterion_.backward(c0);
       loss_done_.record(c0);

@@ -11,6 +11,12 @@ Tensor batch_to_device(DeviceContext& ctx, const Tensor& host) {
   return t;
 }
 
+Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& part) {
+  Tensor t = batch_to_device(ctx, part);
+  batch.copies->add(ctx);
+  return t;
+}
+
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
                     const Tensor& images, const Tensor& labels, double& loss_sum,
                     int64_t& correct) {

@@ -32,8 +32,8 @@ class SingleDeviceEngine final : public TrainEngine {
       Tensor x, y;
       {
         TraceSpan span(track_, "h2d", &ctx_);
-        x = batch_to_device(ctx_, batch.images);
-        y = batch_to_device(ctx_, batch.labels);
+        x = batch_to_device(ctx_, batch, batch.images);
+        y = batch_to_device(ctx_, batch, batch.labels);
       }
       {
         TraceSpan span(track_, "forward", &ctx_);

@@ -261,7 +261,9 @@ nlohmann::json run_training(const TrainConfig& config) {
     const int64_t t_epoch = Tracer::now_us();
     const PhaseTotals phases_before = tracer.phase_totals_us();
     int64_t epoch_samples = 0, epoch_steps = 0;
-    std::shared_ptr<Batch> previous;  // kept alive while its copy may be in flight
+    // Released one step later: a batch's release waits for its device copies (pinned buffers are
+    // refilled), and by then they ran long ago, so the host stays a step ahead of the GPU.
+    std::shared_ptr<Batch> previous;
     int64_t b = first;
     for (; b < per_epoch; ++b) {
       if (c.max_steps > 0 && pos.global_step >= c.max_steps) {

@@ -26,15 +26,17 @@ inline std::vector<Batch> make_batches(const Shape& shape, int64_t batch, int st
   return out;
 }
 
-inline std::vector<float> params_of(TrainEngine& e) {
-  Tensor& p = e.model().flat_params();
-  Tensor h = Tensor::empty(host_allocator(), p.shape());
+// The values of t (a tensor on e's primary device) on the host.
+inline std::vector<float> host_values(TrainEngine& e, const Tensor& t) {
+  Tensor h = Tensor::empty(host_allocator(), t.shape());
   e.primary().run([&] {
-    e.primary().ops().copy(e.primary(), h, p);
+    e.primary().ops().copy(e.primary(), h, t);
     e.primary().synchronize();
   });
   return std::vector<float>(h.f32(), h.f32() + h.numel());
 }
+
+inline std::vector<float> params_of(TrainEngine& e) { return host_values(e, e.model().flat_params()); }
 
 // The one-device equivalent of DP on `devices` devices. Every step, each chunk DP would send to
 // a device runs forward/backward on ONE replica (loss gradient scaled by 1/B, as DP's loss over

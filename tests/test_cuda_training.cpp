@@ -1,5 +1,5 @@
 // CUDA vs CPU for whole training steps: the same model, seed and batches on both backends give
-// the same loss and parameters within float tolerance. Skips visibly without a GPU.
+// the same loss, gradients and parameters within float tolerance. Skips visibly without a GPU.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -15,6 +15,16 @@
 using namespace replica;
 
 namespace {
+
+double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * double(a[i] - b[i]);
+    den += double(a[i]) * a[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
 
 void compare_training(const std::string& model, const Shape& shape, const std::string& optimizer,
                       int steps, double rel_tol) {
@@ -41,14 +51,7 @@ void compare_training(const std::string& model, const Shape& shape, const std::s
     CAPTURE(s);
     CHECK(std::fabs(lc - lg) <= 1e-4 * std::max(1.f, std::fabs(lc)));
   }
-  auto pc = test::params_of(*cpu), pg = test::params_of(*gpu);
-  REQUIRE(pc.size() == pg.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < pc.size(); ++i) {
-    num += (pc[i] - pg[i]) * double(pc[i] - pg[i]);
-    den += double(pc[i]) * pc[i];
-  }
-  CHECK(std::sqrt(num / std::max(den, 1e-30)) < rel_tol);
+  CHECK(relative_l2(test::params_of(*cpu), test::params_of(*gpu)) < rel_tol);
 }
 
 }  // namespace
@@ -63,7 +66,57 @@ TEST_CASE("cnn: 5 Adam steps agree on CPU and CUDA") {
   compare_training("cnn", {1, 28, 28}, "adam", 5, 1e-4);
 }
 
-TEST_CASE("resnet18 (28x28, BatchNorm): 3 SGD steps agree on CPU and CUDA") {
+// ResNet-18 is checked one step at a time, per tensor. Free-running it for several steps
+// cannot pass any tight tolerance: its stem max-pool follows a ReLU, and windows whose two
+// largest inputs differ by about one float32 ulp (seen in the synthetic data of seed 5: 2.0548906
+// against 2.0548906 - 2.55e-7) route the gradient to whichever the backend's rounding makes
+// larger. Perturbing every CPU convolution output by 1e-6 relative reproduces exactly what the
+// first GPU run measured for the 3-step test (loss off by 0.0059 after step 1 and 0.115 after
+// step 2, parameters by 1.06%), with no backend difference at all. So: the data seed below has no
+// such near-tie (its one-step gradients stayed within 2e-4 under 1e-5 perturbations), one step
+// from identical parameters, every parameter's gradient within 1e-3 relative L2 (rounding alone
+// gives ~1e-5), and the parameters after that step within 1e-5.
+TEST_CASE("resnet18 (28x28, BatchNorm): one SGD step agrees per tensor on CPU and CUDA") {
   if (!test::have_gpu()) return;
-  compare_training("resnet18", {1, 28, 28}, "sgd", 3, 1e-4);
+  EngineOptions o;
+  o.model = "resnet18";
+  o.input_shape = {1, 28, 28};
+  o.optimizer.name = "sgd";
+  o.optimizer.lr = 0.01f;
+  o.optimizer.momentum = 0.9f;
+  o.seed = 11;
+  o.deterministic = true;
+  auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
+  auto gpu = make_single_device_engine(Device{DeviceType::CUDA, 0, 0}, o);
+  auto data = make_synthetic(24, o.input_shape, 10, 6);
+  Loader loader(*data, 8, false);
+  loader.start_epoch(epoch_order(data->size(), 1, 0, true), 0);
+  auto batch = loader.next();
+  REQUIRE(bool(batch));
+  cpu->train_step(*batch);
+  gpu->train_step(*batch);
+  gpu->synchronize();
+  const float lc = cpu->last_loss(), lg = gpu->last_loss();
+  CHECK(std::fabs(lc - lg) <= 1e-5 * std::max(1.f, std::fabs(lc)));
+
+  const auto gc = test::host_values(*cpu, cpu->model().flat_grads());
+  const auto gg = test::host_values(*gpu, gpu->model().flat_grads());
+  std::string worst;
+  double worst_rel = 0;
+  for (const Param* p : cpu->model().params()) {
+    double num = 0, den = 0;
+    for (int64_t i = p->offset; i < p->offset + p->value.numel(); ++i) {
+      num += double(gc[size_t(i)] - gg[size_t(i)]) * double(gc[size_t(i)] - gg[size_t(i)]);
+      den += double(gc[size_t(i)]) * gc[size_t(i)];
+    }
+    const double rel = std::sqrt(num / std::max(den, 1e-30));
+    CAPTURE(p->name);
+    CHECK(rel < 1e-3);
+    if (rel > worst_rel) {
+      worst_rel = rel;
+      worst = p->name;
+    }
+  }
+  MESSAGE("largest gradient difference: " << worst << " " << worst_rel);
+  CHECK(relative_l2(test::params_of(*cpu), test::params_of(*gpu)) < 1e-5);
 }

@@ -246,6 +246,10 @@ void stream_wait_event(CudaState* state, void* event) {
   REPLICA_CUDA_CHECK(cudaStreamWaitEvent(state->stream, static_cast<cudaEvent_t>(event), 0));
 }
 
+void event_synchronize(void* event) {
+  REPLICA_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+}
+
 }  // namespace cuda
 }  // namespace replica
 
@@ -257,6 +261,6 @@ extern "C" const void* replica_cuda_plugin(int abi) {
       cuda::free_device,   cuda::malloc_pinned,  cuda::free_pinned,
       cuda::create_state,  cuda::destroy_state,  cuda::synchronize,
       cuda::event_create,  cuda::event_destroy,  cuda::event_record,
-      cuda::stream_wait_event, cuda::make_backend};
+      cuda::stream_wait_event, cuda::event_synchronize, cuda::make_backend};
   return abi == REPLICA_PLUGIN_ABI ? &api : nullptr;
 }

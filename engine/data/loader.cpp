@@ -95,6 +95,20 @@ struct Loader::State {
   }
 };
 
+void PendingCopies::add(DeviceContext& ctx) {
+  if (!ctx.is_cuda()) return;
+  auto e = std::make_unique<StreamEvent>();
+  e->record(ctx);
+  std::lock_guard<std::mutex> lock(mutex_);
+  events_.push_back(std::move(e));
+}
+
+void PendingCopies::wait() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& e : events_) e->host_wait();
+  events_.clear();
+}
+
 Batch read_batch(const Dataset& data, const std::vector<int64_t>& indices, Allocator& alloc) {
   const int64_t n = int64_t(indices.size());
   Shape image_shape = data.sample_shape();
@@ -207,6 +221,11 @@ std::shared_ptr<Batch> Loader::next() {
   lock.unlock();
   // If the control block cannot be allocated, shared_ptr calls the deleter: the slot goes back.
   return std::shared_ptr<Batch>(batch.release(), [s, id](Batch* b) {
+    try {
+      b->copies->wait();
+    } catch (...) {
+      // A failed GPU copy surfaces on the device's own stream; here there is nothing to do.
+    }
     delete b;
     s->release(id);
   });

@@ -3,25 +3,42 @@
 // allocated once (prefetch + 2 buffers of batch_size samples), so steady state allocates nothing.
 //
 // Life of a buffer: free -> filled by the thread -> ready queue -> handed out by next() inside a
-// shared_ptr<Batch> -> back to free when the consumer releases that shared_ptr. The consumer thus
-// decides when a pinned buffer may be overwritten (e.g. after its host->device copy finished).
+// shared_ptr<Batch> -> back to free when the consumer releases that shared_ptr and the device
+// copies recorded in Batch::copies have run (the release waits for them, which on a GPU is
+// normally long past: the copy ran before the step that used it).
 // Do not keep copies of a batch's tensors after releasing the Batch: the memory is reused.
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "engine/allocator.h"
+#include "engine/context.h"
 #include "engine/data/dataset.h"
 #include "engine/tensor.h"
 
 namespace replica {
 
+// Device copies that may still be reading a batch's host memory: on a GPU a host->device copy
+// from pinned memory is asynchronous, so the buffer must not be refilled until it has run.
+class PendingCopies {
+ public:
+  void add(DeviceContext& ctx);  // after enqueueing a copy on ctx's stream (no-op on CPU)
+  void wait();                   // the host waits for every copy added
+ private:
+  std::mutex mutex_;  // DP's workers copy their chunks from one batch at once
+  std::vector<std::unique_ptr<StreamEvent>> events_;
+};
+
 struct Batch {
   Tensor images;  // F32 [n, C, H, W] in pinned host memory (pinned_allocator())
   Tensor labels;  // I32 [n]
   int64_t epoch = 0, index = 0;  // batch index within the epoch
+  // Copies made of this batch (shared by copies of the Batch): a Loader's buffer goes back to
+  // be refilled only after they ran.
+  std::shared_ptr<PendingCopies> copies = std::make_shared<PendingCopies>();
   int64_t size() const { return labels.defined() ? labels.dim(0) : 0; }
 };
 
