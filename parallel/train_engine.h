@@ -59,6 +59,9 @@ class TrainEngine {
   // How gradients travel, for output and reports: "nccl", "gloo", "nccl over sockets, 2 ranks
   // on 1 GPU (...)" (DDP); empty where nothing crosses a process.
   virtual std::string comm_description() const { return ""; }
+  // Whether devices (DP) or ranks (DDP) share a GPU: then the run checks correctness and
+  // measures no scaling.
+  virtual bool shares_gpu() const { return devices_share_hardware(devices()); }
   // Gradient bytes each device sends per step (0 for one device).
   virtual int64_t comm_bytes_per_step() const { return 0; }
   // Multiply-adds of one forward over one sample (for FLOP/s reports).

@@ -229,6 +229,8 @@ nlohmann::json run_training(const TrainConfig& config) {
                   world > 1 ? fmt::format(", {} per rank", local_batch) : "", c.batch_size,
                   data.train->describe()));
 
+  if (world > 1) say("collectives: " + engine->comm_description());
+
   Loader loader(*data.train, local_batch, c.drop_last);
   DistributedSampler sampler = train_sampler(c, *engine, data.train->size());
   const int64_t per_epoch = loader.batches_per_epoch(sampler.num_samples());
@@ -408,7 +410,8 @@ nlohmann::json run_training(const TrainConfig& config) {
       {"devices", devices_json},
       {"world_size", world},
       // Logical devices on one GPU: a correctness run, not a scaling measurement.
-      {"devices_share_gpu", devices_share_hardware(engine->devices())},
+      {"devices_share_gpu", engine->shares_gpu()},
+      {"collectives", world > 1 ? nlohmann::json(engine->comm_description()) : nlohmann::json()},
       {"reduce", c.mode == "dp" ? nlohmann::json(c.reduce) : nlohmann::json(nullptr)},
       {"comm_bytes_per_step", engine->comm_bytes_per_step()},
       {"device_spec", device_spec},

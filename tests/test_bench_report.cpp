@@ -262,7 +262,7 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   CHECK(md.find("Side by side with PyTorch") != std::string::npos);
   CHECK(md.find("| ddp | cnn | 1x28x28 | 2 | 64 | 2700.0 | pytorch | 2100.0 | 1.29x | 87.5% |") !=
         std::string::npos);
-  CHECK(md.find("| pytorch | ddp | cnn | 1x28x28 | 2 |") != std::string::npos);
+  CHECK(md.find("| pytorch | ddp (gloo) | cnn | 1x28x28 | 2 |") != std::string::npos);
   // Efficiency 2800 / (2 x 1500); bytes equal to the formula.
   CHECK(md.find("| replica | dp | cnn | 1x28x28 | 2 | 128 | 2800.0 | 1.87x | 93.3% |") !=
         std::string::npos);

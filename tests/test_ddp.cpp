@@ -9,8 +9,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "cli_helpers.h"
-#include "engine/checkpoint.h"
+#include "job_helpers.h"
 #include "parallel/process_group.h"
 
 using test::launch;
@@ -19,23 +18,6 @@ using test::run;
 namespace {
 
 const std::string kTrain = test::bin("replica-train");
-
-std::vector<float> params(const std::string& checkpoint) {
-  auto c = replica::load_checkpoint(checkpoint);
-  std::vector<float> out;
-  for (const auto& [name, t] : c.tensors)
-    if (name.rfind("model.", 0) == 0) out.insert(out.end(), t.f32(), t.f32() + t.numel());
-  return out;
-}
-
-double max_relative(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
-    scale = std::max(scale, double(std::fabs(a[i])));
-  }
-  return diff / scale;
-}
 
 }  // namespace
 
@@ -70,7 +52,7 @@ TEST_CASE("DDP on N ranks equals one process on the same global batch") {
   auto single = run(kTrain + " --mode single --devices cpu" + common + " --checkpoint " +
                     tmp.str("single"));
   REQUIRE_MESSAGE(single.exit_code == 0, single.output);
-  const auto reference = params(tmp.str("single/checkpoint.safetensors"));
+  const auto reference = test::checkpoint_params(tmp.str("single/checkpoint.safetensors"));
   for (int n : {2, 3, 4}) {
     // 0.0001 MB: every parameter its own bucket; 1000 MB: one bucket (the CNN is 0.44 MB).
     for (const char* cap : {"0.0001", "1000"}) {
@@ -81,7 +63,7 @@ TEST_CASE("DDP on N ranks equals one process on the same global batch") {
                        " --checkpoint " + dir,
                    180);
       REQUIRE_MESSAGE(r.exit_code == 0, r.output);
-      CHECK(max_relative(reference, params(dir + "/checkpoint.safetensors")) <= 1e-5);
+      CHECK(test::max_relative(reference, test::checkpoint_params(dir + "/checkpoint.safetensors")) <= 1e-5);
     }
   }
   // Gradient accumulation: 2 ranks x 2 micro-batches (no_sync on the first) is the same math.
@@ -89,7 +71,7 @@ TEST_CASE("DDP on N ranks equals one process on the same global batch") {
   auto r = run(launch(2) + kTrain + " --mode ddp --accumulate 2" + common + " --checkpoint " + dir,
                180);
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
-  CHECK(max_relative(reference, params(dir + "/checkpoint.safetensors")) <= 1e-5);
+  CHECK(test::max_relative(reference, test::checkpoint_params(dir + "/checkpoint.safetensors")) <= 1e-5);
 }
 
 TEST_CASE("every rank holds identical parameters after every step") {

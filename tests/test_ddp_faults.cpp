@@ -7,50 +7,18 @@
 #include <chrono>
 #include <fstream>
 
-#include "cli_helpers.h"
+#include "job_helpers.h"
 #include "parallel/process_group.h"
 
 using test::launch;
 using test::run;
 
+using test::fault_job;
+using test::Timed;
+
 namespace {
 
 const std::string kTrain = test::bin("replica-train");
-
-struct Timed {
-  test::RunResult r;
-  double seconds = 0;
-};
-
-// A DDP training job of `ranks` ranks; `after_s` seconds in, `signal` goes to rank `victim`
-// (found by a marker in its command line and RANK in its environment).
-Timed fault_job(int ranks, int victim, const char* signal, int after_s, int timeout_s) {
-  test::TempDir tmp;
-  const std::string marker = tmp.str("marker");  // unique text in the ranks' command line
-  // "[-]-trace M" matches the ranks' "--trace M" but not this pattern's own command line.
-  const std::string pattern = "'[-]-trace " + marker + "'";
-  const std::string job = launch(ranks) + kTrain + " --mode ddp --synthetic" +
-                          " --synthetic-size 100000 --model cnn --batch-size " +
-                          std::to_string(8 * ranks) + " --epochs 1 --quiet --no-eval" +
-                          " --threads-per-device 1 --timeout " + std::to_string(timeout_s) +
-                          " --trace " + marker;
-  {
-    std::ofstream script(tmp.path / "job.sh");
-    script << "( sleep " << after_s << "; for p in $(pgrep -f " << pattern << "); do\n"
-           << "  if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx RANK=" << victim
-           << "; then kill -" << signal << " $p; fi\n"
-           << "done ) &\n"
-           << job << "\nrc=$?\nwait\nexit $rc\n";
-  }
-  const auto start = std::chrono::steady_clock::now();
-  Timed t;
-  t.r = run("sh " + tmp.str("job.sh"), 180);
-  t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  auto left = run("pgrep -f " + pattern + " || true");
-  INFO("processes left: " << left.output);
-  CHECK(left.output.empty());
-  return t;
-}
 
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;

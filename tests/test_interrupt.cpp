@@ -13,101 +13,16 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint_helpers.h"
-#include "cli_helpers.h"
-#include "engine/checkpoint.h"
+#include "job_helpers.h"
+
+using test::Interrupted;
+using test::interrupt_and_resume;
+using test::interrupt_when;
+using test::read_json;
 
 namespace {
 
 const std::string kTrain = test::bin("replica-train");
-
-std::string read_text(const std::string& path) {
-  auto bytes = test::file_bytes(path);
-  return std::string(bytes.begin(), bytes.end());
-}
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
-}
-
-struct Interrupted {
-  int exit_code = -1;
-  std::string output;
-};
-
-// Starts `command` (output to `log`), sends `sig` to it once `progress` shows up in its
-// output, and waits for it to end.
-Interrupted interrupt_when(const std::string& command, const std::string& log,
-                           const std::string& progress, int sig = SIGINT) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);  // its own group: the test's Ctrl-C never reaches the test runner
-    std::string full = "exec " + command + " > " + log + " 2>&1";
-    execl("/bin/sh", "sh", "-c", full.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  Interrupted r;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  bool sent = false;
-  int status = 0;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      r.output = read_text(log);
-      if (!sent) r.output += "\n(the run ended before it was interrupted)";
-      return r;
-    }
-    if (!sent && read_text(log).find(progress) != std::string::npos) {
-      kill(pid, sig);
-      sent = true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, &status, 0);
-  r.output = read_text(log) + "\n(timed out)";
-  return r;
-}
-
-void interrupt_and_resume(const std::string& mode_flags, const std::string& progress) {
-  test::TempDir tmp;
-  // 2560 samples / batch 32 = 80 steps per epoch, 2 epochs: seconds of work, so the signal
-  // lands mid-epoch.
-  test::write_mnist_dir(tmp.path / "data", 2560, 256);
-  const std::string common = kTrain + " " + mode_flags + " --data " + tmp.str("data") +
-                             " --batch-size 32 --epochs 2 --deterministic --log-every 1 --seed 3";
-
-  auto full = test::run(common + " --quiet --checkpoint " + tmp.str("full") + " --metrics-json " +
-                        tmp.str("full.json"), 300);
-  REQUIRE_MESSAGE(full.exit_code == 0, full.output);
-
-  Interrupted cut = interrupt_when(common + " --checkpoint " + tmp.str("cut") +
-                                       " --metrics-json " + tmp.str("cut.json"),
-                                   tmp.str("cut.log"), progress);
-  INFO(cut.output);
-  REQUIRE(cut.exit_code == 130);
-  CHECK(cut.output.find("interrupted: stopped after step") != std::string::npos);
-  const auto cut_metrics = read_json(tmp.str("cut.json"));
-  CHECK(cut_metrics["interrupted"] == true);
-  const int64_t stopped_at = cut_metrics["steps"];
-  CHECK(stopped_at > 0);
-  CHECK(stopped_at < 160);
-  auto ck = replica::load_checkpoint(tmp.str("cut/checkpoint.safetensors"));
-  CHECK(ck.metadata.at("step") == std::to_string(stopped_at));
-  CHECK(std::stoll(ck.metadata.at("batch_in_epoch")) == stopped_at % 80);
-
-  auto rest = test::run(common + " --quiet --resume --checkpoint " + tmp.str("cut") +
-                        " --metrics-json " + tmp.str("rest.json"), 300);
-  REQUIRE_MESSAGE(rest.exit_code == 0, rest.output);
-  test::check_same_checkpoint(tmp.str("full/checkpoint.safetensors"),
-                        tmp.str("cut/checkpoint.safetensors"));
-  const auto a = read_json(tmp.str("full.json")), b = read_json(tmp.str("rest.json"));
-  CHECK(a["steps"] == b["steps"]);
-  CHECK(a["final_loss"] == b["final_loss"]);
-  CHECK(a["test_loss"] == b["test_loss"]);
-  CHECK(a["test_accuracy"] == b["test_accuracy"]);
-}
 
 }  // namespace
 

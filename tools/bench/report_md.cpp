@@ -41,8 +41,17 @@ std::string with_commas(int64_t v) {
   return v < 0 ? "-" + out : out;
 }
 
+// "dp", "ddp (gloo)", "ddp (nccl-sockets)".
+std::string mode_label(const json& r) {
+  std::string l = r.value("mode", "?");
+  if (r.contains("backend") && r["backend"].is_string())
+    l += fmt::format(" ({})", r["backend"].get<std::string>());
+  return l;
+}
+
+// "replica dp", "replica ddp (gloo)", "pytorch ddp (nccl)".
 std::string label(const json& r) {
-  return fmt::format("{} {}", r.value("engine", "replica"), r.value("mode", "?"));
+  return fmt::format("{} {}", r.value("engine", "replica"), mode_label(r));
 }
 
 bool is_trace(const std::string& s) { return s.size() > 5 && s.substr(s.size() - 5) == ".json"; }
@@ -55,7 +64,7 @@ std::string throughput_section(const std::vector<json>& rows) {
   for (const auto& r : rows) {
     above |= num(r, "efficiency") > 1.0;
     s += fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} |\n",
-                     r.value("engine", "replica"), r.value("mode", "?"), r.value("model", "?"),
+                     r.value("engine", "replica"), mode_label(r), r.value("model", "?"),
                      r.value("input_shape", "?"), r.value("devices", 0),
                      r.value("global_batch", r.value("devices", 0) *
                                                  r.value("batch_per_device", int64_t(0))),
@@ -286,6 +295,11 @@ void write_report(const ReportInputs& in) {
     }
   md += fmt::format(". Devices: {}; {} CPU thread(s) per device.\n\n", largest,
                     r0.value("threads_per_device", 0));
+  if (shared)
+    md += "> **Logical devices of one GPU**: the devices share one GPU's compute and memory, so "
+          "these rows are a correctness and teaching run, not a scaling measurement. DDP over "
+          "NCCL on them (`nccl-sockets`) gives each rank an NCCL host id of its own and talks "
+          "over sockets: it measures no interconnect.\n\n";
   const json& env = in.env.is_object() ? in.env : r0.value("env", json());
   if (num(env, "others_cpu_share") >= 0.05)
     md += fmt::format(

@@ -156,7 +156,9 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"env", env},
   };
   if (ddp) {
-    row["backend"] = c.backend;
+    // NCCL between ranks that share a GPU runs over sockets (parallel/nccl_group.cpp).
+    row["backend"] = c.backend == "nccl" && devices_share_hardware(c.devices) ? "nccl-sockets"
+                                                                                : c.backend;
     row["rank_window_seconds"] = rank_windows;
   } else {
     row["reduce"] = c.reduce;
