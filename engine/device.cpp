@@ -17,15 +17,23 @@ std::string Device::str() const {
 
 int cpu_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
+int max_virtual_cpu_devices() { return std::max(16, 8 * cpu_cores()); }
+
 int cuda_device_count() { return cudart::device_count(); }
 
 namespace {
 
-int parse_count(const std::string& text, const std::string& spec) {
-  REPLICA_USAGE_CHECK(!text.empty() && std::all_of(text.begin(), text.end(), ::isdigit) &&
-                          text.size() < 6,
+// Non-negative decimal text; anything at or above `too_many` comes back as `too_many` (the
+// callers' limit check then says so), so a long number is "too many", not "not a number".
+int parse_count(const std::string& text, const std::string& spec, int too_many) {
+  REPLICA_USAGE_CHECK(!text.empty() && std::all_of(text.begin(), text.end(), ::isdigit),
                       "invalid device string '{}': '{}' is not a number", spec, text);
-  return std::stoi(text);
+  int64_t v = 0;
+  for (char c : text) {
+    v = v * 10 + (c - '0');
+    if (v >= too_many) return too_many;
+  }
+  return int(v);
 }
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -51,11 +59,21 @@ std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) 
   bool starred = false;
   if (auto star = spec.find('*'); star != std::string::npos) {
     base = spec.substr(0, star);
-    copies = parse_count(spec.substr(star + 1), spec);
+    copies = parse_count(spec.substr(star + 1), spec, 1 << 30);
     starred = true;
     REPLICA_USAGE_CHECK(copies >= 1, "invalid device string '{}': the count after * must be >= 1",
                         spec);
-    REPLICA_USAGE_CHECK(copies <= 1024, "invalid device string '{}': too many devices", spec);
+    // Every device is a thread with a replica of its own (on a GPU also a stream, cuBLAS and
+    // cuDNN handles and a workspace): far past the hardware they only time-share it.
+    const bool cpu = base == "cpu";
+    const int most = cpu ? max_virtual_cpu_devices() : kMaxLogicalDevicesPerGpu;
+    REPLICA_USAGE_CHECK(copies <= most,
+                        "invalid device string '{}': {} {} devices{}; at most {} (each is a thread "
+                        "with a replica of its own)",
+                        spec, spec.substr(star + 1), cpu ? "virtual CPU" : "logical",
+                        cpu ? fmt::format(" on {} core{}", cpu_cores(), cpu_cores() == 1 ? "" : "s")
+                            : " on one GPU",
+                        most);
   }
   std::vector<Device> devices;
   if (base == "cpu") {
@@ -71,7 +89,8 @@ std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) 
       REPLICA_USAGE_CHECK(base.size() > 5 && base[4] == ':',
                           "unknown device '{}' (try cpu, cpu*4, cuda, cuda:0, cuda:0,1, cuda:0*2)",
                           spec);
-      for (const auto& part : split(base.substr(5), ',')) ordinals.push_back(parse_count(part, spec));
+      const std::vector<std::string> parts = split(base.substr(5), ',');
+      for (const auto& part : parts) ordinals.push_back(parse_count(part, spec, 1 << 20));
       REPLICA_USAGE_CHECK(!(starred && ordinals.size() > 1),
                           "device '{}': '*N' applies to a single GPU (e.g. cuda:0*2)", spec);
       std::set<int> seen;
@@ -80,9 +99,10 @@ std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) 
                             "device '{}': GPU {} is listed twice; to run several logical devices "
                             "on one GPU write cuda:{}*N",
                             spec, o, o);
-      for (int o : ordinals)
-        REPLICA_USAGE_CHECK(o < count, "device '{}': GPU {} does not exist ({} GPU{} found{})", spec,
-                            o, count, count == 1 ? "" : "s", cuda_backend_note());
+      for (size_t i = 0; i < ordinals.size(); ++i)  // the text: a huge number is not clamped
+        REPLICA_USAGE_CHECK(ordinals[i] < count,
+                            "device '{}': GPU {} does not exist ({} GPU{} found{})", spec,
+                            parts[i], count, count == 1 ? "" : "s", cuda_backend_note());
     }
     for (int o : ordinals)
       for (int c = 0; c < copies; ++c) devices.push_back({DeviceType::CUDA, o, c});

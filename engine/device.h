@@ -28,6 +28,11 @@ struct Device {
 // Cores of this machine (at least 1): virtual CPU devices share them.
 int cpu_cores();
 
+// The most devices a device string may name: virtual CPU devices (8 per core, at least 16) and
+// logical devices per GPU. Beyond them the devices only time-share the hardware.
+int max_virtual_cpu_devices();
+constexpr int kMaxLogicalDevicesPerGpu = 16;
+
 // Number of usable GPUs. A missing driver, no GPU or a CUDA backend that is not built or does
 // not load is zero, never an error.
 int cuda_device_count();

@@ -6,6 +6,7 @@
 
 #include "engine/context.h"
 #include "engine/error.h"
+#include "engine/output_files.h"
 
 namespace replica {
 
@@ -78,15 +79,8 @@ void Tracer::write_chrome_json(const std::string& path, int pid,
 }
 
 void write_trace_file(const std::string& path, const nlohmann::json& events) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    REPLICA_USAGE_CHECK(out.good(), "cannot write trace file '{}'", path);
-    out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
-    REPLICA_USAGE_CHECK(out.good(), "error writing trace file '{}'", path);
-  }
-  REPLICA_USAGE_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot write trace file '{}'",
-                      path);
+  write_file_atomically(
+      path, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n");
 }
 
 TraceSpan::TraceSpan(std::string track, std::string phase, DeviceContext* ctx)

@@ -74,13 +74,6 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
 }
 
 void save_model_weights(const std::string& path, TrainEngine& engine) {
-  const auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(parent, ec);
-    REPLICA_USAGE_CHECK(!ec, "cannot create directory '{}' for --save-model: {}", parent.string(),
-                        ec.message());
-  }
   // state_dict names: no prefixes, no optimizer state.
   Checkpoint c =
       model_snapshot(engine, "replica-model-v1", "", "", [](DeviceContext&, Checkpoint&) {});

@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/error.h"
+#include "engine/output_files.h"
 #include "parallel/peer_monitor.h"
 
 extern char** environ;
@@ -388,14 +389,12 @@ bool report_error_to_launcher(const std::string& program, const std::exception& 
   if (!dir || !*dir || !rank || !*rank) return false;
   nlohmann::json j = {{"program", program}, {"message", error.what()}, {"exit_code", exit_code}};
   if (const auto* pf = dynamic_cast<const PeerFailure*>(&error)) j["silent"] = pf->ranks();
-  const std::string path = fmt::format("{}/rank{}.json", dir, rank);
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << j.dump() << "\n";
-    if (!out.flush()) return false;
+  try {
+    write_file_atomically(fmt::format("{}/rank{}.json", dir, rank), j.dump() + "\n");
+    return true;
+  } catch (const std::exception&) {
+    return false;
   }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
 }  // namespace replica

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/error.h"
+#include "engine/output_files.h"
 
 namespace replica {
 
@@ -111,15 +112,7 @@ std::string fmt_duration(double seconds) {
 }
 
 void write_json_file(const std::string& path, const nlohmann::json& value) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    REPLICA_USAGE_CHECK(out.good(), "cannot write '{}'", path);
-    out << value.dump(2) << "\n";
-    out.flush();
-    REPLICA_USAGE_CHECK(out.good(), "cannot write '{}' (disk full?)", path);
-  }
-  REPLICA_USAGE_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot write '{}'", path);
+  write_file_atomically(path, value.dump(2) + "\n");
 }
 
 }  // namespace replica

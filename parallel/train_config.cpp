@@ -1,39 +1,16 @@
 // Validating and describing a TrainConfig, and the devices it resolves to (parallel/trainer.h).
-#include <unistd.h>
-
-#include <filesystem>
 #include <string>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
+#include "engine/output_files.h"
 #include "layers/optimizer.h"
 #include "parallel/store.h"
 #include "parallel/trainer.h"
 
 namespace replica {
-
-namespace {
-
-// An output the run will write at its end must be writable now, not after hours of training:
-// its nearest existing ancestor must be a directory this process can write into.
-void check_output_path(const char* flag, const std::string& path) {
-  if (path.empty()) return;
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::path p = fs::absolute(path, ec);
-  if (fs::is_directory(p, ec) && std::string(flag) != "--checkpoint")
-    throw UsageError(fmt::format("{} '{}' is a directory; give a file name", flag, path));
-  fs::path dir = std::string(flag) == "--checkpoint" ? p : p.parent_path();
-  while (!dir.empty() && !fs::exists(dir, ec) && dir != dir.root_path()) dir = dir.parent_path();
-  REPLICA_USAGE_CHECK(fs::is_directory(dir, ec), "{} '{}': '{}' is not a directory", flag, path,
-                      dir.string());
-  REPLICA_USAGE_CHECK(access(dir.c_str(), W_OK) == 0, "{} '{}': cannot write into '{}'", flag,
-                      path, dir.string());
-}
-
-}  // namespace
 
 nlohmann::json config_json(const TrainConfig& c) {
   const OptimizerOptions& o = c.engine.optimizer;
@@ -81,10 +58,11 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.synthetic || !c.data_dir.empty(), "give --data DIR or --synthetic");
   REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
   REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
-  check_output_path("--checkpoint", c.checkpoint_dir);
-  check_output_path("--save-model", c.save_model);
-  check_output_path("--metrics-json", c.metrics_json);
-  check_output_path("--trace", c.trace_file);
+  // What the run writes at its end must be writable now, not after hours of training.
+  check_output_dir("--checkpoint", c.checkpoint_dir);
+  check_output_file("--save-model", c.save_model);
+  check_output_file("--metrics-json", c.metrics_json);
+  check_output_file("--trace", c.trace_file);
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
   REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp" || c.mode == "ddp",
                       "unknown --mode '{}' (dp, ddp, single)", c.mode);

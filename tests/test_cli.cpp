@@ -4,6 +4,7 @@
 
 #include "checkpoint_helpers.h"
 #include "cli_helpers.h"
+#include <chrono>
 #include <cstring>
 
 #include <nlohmann/json.hpp>
@@ -54,6 +55,9 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --threads-per-device 0", "--threads-per-device");
   expect_clean_error(data + " --devices cuda:0,0", "cuda:0*N");
   expect_clean_error(data + " --devices cpu*2*2", "not a number");
+  expect_clean_error(data + " --devices cpu*100000", "100000 virtual CPU devices");
+  expect_clean_error(data + " --devices cpu*1000", "at most");
+  expect_clean_error(data + " --devices cuda:99999999999", "GPU 99999999999 does not exist");
   expect_clean_error(data + " --devices cuda:0,1*2", "single GPU");
   expect_clean_error(data + " --mode ps", "--mode");
   expect_clean_error(data + " --reduce ring", "--reduce");
@@ -62,6 +66,25 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --resume", "--checkpoint");
   expect_clean_error("--synthetic --input-shape 3x0x4 --max-steps 1", "--input-shape");
   expect_clean_error("--synthetic --input-shape banana --max-steps 1", "--input-shape");
+}
+
+TEST_CASE("an output that cannot be written fails before training, in seconds") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  const std::string data = "--data " + tmp.str("data") + " --devices cpu --max-steps 5 --quiet ";
+  const std::string missing = tmp.str("missing-dir");
+  for (const char* flag : {"--metrics-json", "--trace", "--save-model"}) {
+    CAPTURE(flag);
+    const auto start = std::chrono::steady_clock::now();
+    expect_clean_error(data + flag + " " + missing + "/out.json", "does not exist");
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  }
+  expect_clean_error(data + "--metrics-json " + tmp.str(""), "is a directory");
+  // The bench checks its outputs before it measures anything.
+  auto r = run(test::bin("replica-bench") + " --suite dp --json " + missing + "/rows.jsonl", 30);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("does not exist") != std::string::npos);
+  CHECK_FALSE(test::fs::exists(missing));
 }
 
 TEST_CASE("bad data directories are one-line errors") {

@@ -7,12 +7,14 @@
 // tools/bench/report_math.h.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
-#include "tools/bench/options.h"
 #include "cli/program.h"
+#include "engine/output_files.h"
+#include "tools/bench/options.h"
 
 using namespace replica;
 using namespace replica::bench;
@@ -88,6 +90,13 @@ int run(int argc, char** argv) {
                       "--report runs the dp and ddp suites, not 'single'");
   REPLICA_USAGE_CHECK(!single || (o.csv.empty() && o.trace_dir.empty()),
                       "--csv and --trace-dir belong to the dp and ddp suites");
+  // Outputs are checked before minutes of measuring, not when the results are written.
+  check_output_file("--json", o.json);
+  check_output_file("--csv", o.csv);
+  check_output_dir("--trace-dir", o.trace_dir);
+  check_output_dir("--report", o.report_dir);
+  for (const auto& f : o.compare)
+    REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(f), "--compare '{}': no such file", f);
   if (single && o.warmup < 0) o.warmup = 5;  // dp/ddp: chosen from a measured step time
   if (single && o.steps < 0) o.steps = 50;
   if (o.repeat < 0) o.repeat = single ? 1 : 3;

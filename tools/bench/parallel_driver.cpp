@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
+#include "parallel/run_summary.h"
 #include "parallel/launcher.h"
 #include "tools/bench/alpha_beta.h"
 #include "tools/bench/environment.h"
@@ -111,12 +112,6 @@ void print_table(const std::vector<json>& rows) {
   }
   std::printf("weak scaling: batch per device fixed; efficiency = speedup / devices; busbw: "
               "nccl-tests' bus bandwidth of the reduce (DP) / all-reduce (DDP).\n");
-}
-
-void write_json(const std::string& path, const json& j) {
-  std::ofstream out(path);
-  REPLICA_USAGE_CHECK(out.good(), "cannot write '{}'", path);
-  out << j.dump(2) << "\n";
 }
 
 json read_json_if_present(const std::string& path) {
@@ -225,8 +220,9 @@ int run_parallel_suites(const BenchOptions& o) {
   std::ofstream(results, std::ios::trunc).close();
   append_rows(results, rows);
   write_csv((dir / "results.csv").string(), rows);
-  write_json((dir / "alpha_beta.json").string(), alpha_beta.is_null() ? json::object() : alpha_beta);
-  write_json((dir / "projection.json").string(), projection);
+  write_json_file((dir / "alpha_beta.json").string(),
+                  alpha_beta.is_null() ? json::object() : alpha_beta);
+  write_json_file((dir / "projection.json").string(), projection);
   std::error_code ec;
   fs::remove(dir / "compare.jsonl", ec);
   if (!compare.empty()) append_rows((dir / "compare.jsonl").string(), compare);

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
+#include "engine/output_files.h"
 #include "tools/bench/environment.h"
 #include "tools/bench/report_math.h"
 
@@ -392,10 +393,7 @@ void write_report(const ReportInputs& in) {
         "per-track phase times, the environment), `results.csv`, `alpha_beta.json` (the "
         "communication measurements), `projection.json`.\n";
   const std::string path = (std::filesystem::path(in.dir) / "report.md").string();
-  std::ofstream out(path);
-  REPLICA_USAGE_CHECK(out.good(), "cannot write '{}'", path);
-  out << md;
-  REPLICA_USAGE_CHECK(out.good(), "error writing '{}'", path);
+  write_file_atomically(path, md);
 }
 
 }  // namespace replica::bench

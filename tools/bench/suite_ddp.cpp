@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
+#include "parallel/run_summary.h"
 #include "parallel/ddp_engine.h"
 #include "parallel/store.h"
 #include "tools/bench/alpha_beta.h"
@@ -17,16 +18,6 @@
 namespace replica::bench {
 
 namespace {
-
-void write_json_file(const std::string& path, const nlohmann::json& j) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    REPLICA_CHECK(out.good(), "cannot write '{}'", path);
-    out << j.dump() << "\n";
-  }
-  REPLICA_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot write '{}'", path);
-}
 
 Rendezvous join(const SuiteOptions& o) {
   Rendezvous rv = rendezvous_env_ranks();

@@ -1,0 +1,101 @@
+#include "engine/output_files.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "engine/error.h"
+
+namespace replica {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+char g_temporary[4096];
+std::atomic<bool> g_writing{false};
+static_assert(std::atomic<bool>::is_always_lock_free, "read from a signal handler");
+
+}  // namespace
+
+void check_output_file(const std::string& flag, const std::string& path) {
+  if (path.empty()) return;
+  std::error_code ec;
+  const fs::path p = fs::absolute(path, ec);
+  REPLICA_USAGE_CHECK(!fs::is_directory(p, ec), "{} '{}' is a directory; give a file name", flag,
+                      path);
+  const fs::path dir = p.parent_path();
+  REPLICA_USAGE_CHECK(fs::is_directory(dir, ec), "{} '{}': directory '{}' does not exist", flag,
+                      path, dir.string());
+  REPLICA_USAGE_CHECK(access(dir.c_str(), W_OK) == 0, "{} '{}': cannot write into '{}'", flag,
+                      path, dir.string());
+}
+
+void check_output_dir(const std::string& flag, const std::string& path) {
+  if (path.empty()) return;
+  std::error_code ec;
+  fs::path dir = fs::absolute(path, ec);
+  while (!dir.empty() && !fs::exists(dir, ec) && dir != dir.root_path()) dir = dir.parent_path();
+  REPLICA_USAGE_CHECK(fs::is_directory(dir, ec), "{} '{}': '{}' is not a directory", flag, path,
+                      dir.string());
+  REPLICA_USAGE_CHECK(access(dir.c_str(), W_OK) == 0, "{} '{}': cannot write into '{}'", flag,
+                      path, dir.string());
+}
+
+std::string temporary_for(const std::string& path) {
+  return path + ".tmp-" + std::to_string(getpid());
+}
+
+void remove_stale_temporaries(const std::string& path) {
+  std::error_code ec;
+  const fs::path p = fs::absolute(path, ec);
+  const std::string prefix = p.filename().string() + ".tmp-";
+  for (const auto& entry : fs::directory_iterator(p.parent_path(), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string pid_text = name.substr(prefix.size());
+    if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+    const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
+    if (pid == getpid()) continue;
+    if (kill(pid_t(pid), 0) == 0 || errno == EPERM) continue;  // that process still runs
+    fs::remove(entry.path(), ec);
+  }
+}
+
+void mark_temporary(const std::string& tmp) {
+  g_writing = false;
+  std::snprintf(g_temporary, sizeof g_temporary, "%s", tmp.c_str());
+  g_writing = tmp.size() < sizeof g_temporary;
+}
+
+void clear_temporary() { g_writing = false; }
+
+void remove_temporary_in_progress() {
+  if (g_writing) unlink(g_temporary);
+}
+
+void write_file_atomically(const std::string& path, const std::string& text) {
+  remove_stale_temporaries(path);
+  const std::string tmp = temporary_for(path);
+  mark_temporary(tmp);
+  bool ok;
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    ok = out.good();
+  }
+  if (ok) ok = std::rename(tmp.c_str(), path.c_str()) == 0;
+  const int err = errno;
+  if (!ok) std::remove(tmp.c_str());
+  clear_temporary();
+  REPLICA_USAGE_CHECK(ok, "cannot write '{}': {}", path, std::strerror(err));
+}
+
+}  // namespace replica

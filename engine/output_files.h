@@ -1,0 +1,30 @@
+// The files a run writes. An output is checked before the work starts (hours of training must
+// not end in "cannot write"), written whole or not at all (a temporary file renamed over it),
+// and a temporary left by a process that died while writing is removed the next time the same
+// file is written (or, for the writing process itself, when a second Ctrl-C ends it).
+#pragma once
+#include <string>
+
+namespace replica {
+
+// `path` (given with `flag`) can be written: not a directory, its directory exists and this
+// process may write into it. UsageError naming the flag otherwise.
+void check_output_file(const std::string& flag, const std::string& path);
+// `path` is a writable directory, or can be created: its nearest existing ancestor is one.
+void check_output_dir(const std::string& flag, const std::string& path);
+
+// "<path>.tmp-<pid>": where this process writes `path` before renaming it into place.
+std::string temporary_for(const std::string& path);
+// Removes "<path>.tmp-<pid>" files whose process no longer runs (never this process's own).
+void remove_stale_temporaries(const std::string& path);
+
+// The temporary being written now, so a signal handler can remove it before the process ends
+// (async-signal-safe: unlink() of a fixed buffer). Set while writing, cleared after the rename.
+void mark_temporary(const std::string& tmp);
+void clear_temporary();
+void remove_temporary_in_progress();  // from a signal handler
+
+// Writes `text` to `path` through temporary_for(path), flushed, then renamed over it.
+void write_file_atomically(const std::string& path, const std::string& text);
+
+}  // namespace replica
