@@ -4,6 +4,8 @@
 
 #include <atomic>
 
+#include "engine/output_files.h"
+
 namespace replica {
 
 namespace {
@@ -14,6 +16,7 @@ struct sigaction g_old_int, g_old_term;
 
 void on_signal(int sig) {
   if (g_signal != 0) {  // the second signal: the default action, now
+    remove_temporary_in_progress();  // a half-written checkpoint must not stay behind
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
     sigemptyset(&dfl.sa_mask);

@@ -1,6 +1,7 @@
 // Ctrl-C (SIGINT) and SIGTERM during training: the first signal asks the training loop to stop
 // after the step in progress (it then writes a checkpoint and exits 128 + signal); a second
-// one restores the default action and re-raises it, which ends the process at once.
+// one removes the temporary file being written, if any (engine/output_files.h), restores the
+// default action and re-raises it, which ends the process at once.
 #pragma once
 
 namespace replica {
