@@ -70,15 +70,18 @@ std::string phase_line(const nlohmann::json& phase_ms) {
 }
 
 std::string epoch_table(const nlohmann::json& epochs, const std::string& scope) {
-  // Phase columns: those with at least 2% of the phase time in some epoch. The last column is
-  // the wall time of a step: phases on different threads (a device's backward and the
-  // communication thread's reduce) overlap, so the columns need not add up to it.
+  // Phase columns: forward, backward and step always (the same columns run after run), and any
+  // other phase with at least 2% of the phase time in some epoch. The last column is the wall
+  // time of a step: phases on different threads (a device's backward and the communication
+  // thread's reduce) overlap, so the columns need not add up to it.
   nlohmann::json all = nlohmann::json::object();
   for (const auto& e : epochs) {
     if (!e.contains("phase_ms_per_step")) continue;
     const nlohmann::json shares = phase_shares(e["phase_ms_per_step"]);
     for (auto it = shares.begin(); it != shares.end(); ++it)
-      if (it->get<double>() >= 0.02) all[it.key()] = 0.0;
+      if (it->get<double>() >= 0.02 || it.key() == "forward" || it.key() == "backward" ||
+          it.key() == "step")
+        all[it.key()] = 0.0;
   }
   const std::vector<std::string> columns = in_pipeline_order(all);
   std::string out = fmt::format("{:>5} {:>10} {:>9} {:>8} {:>9} {:>8}", "epoch", "train loss",

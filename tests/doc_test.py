@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""The documentation's commands, run: README.md and docs/**/*.md stay true as the code changes.
+
+Every fenced block must say what it is. Shell blocks are marked in their info string:
+
+    ```sh run                  run it (from a scratch directory of the file's own, in order)
+    ```sh run timeout=300      ... with a time limit other than the default 120 s
+    ```sh run gpu              ... only where replica finds a GPU (elsewhere skipped by name)
+    ```sh skip=hours on CPU    not run, for the reason given (printed, never silent)
+
+and an ```output block after a run block is what it prints: the run's output must have the same
+lines and words, numbers free to differ; a line that is only `...` stands for any number of
+lines, and `...` inside a line for any text. Other blocks are ```text, ```json, ```python, ....
+
+Every command in every shell block, run or skipped, is checked: the program exists, and each
+--flag it uses is one the program lists in its --help (replica programs) or names in its source
+(scripts). A renamed flag, a removed program or a changed output fails with file:line.
+
+    python3 tests/doc_test.py --repo . --bin build/bin [--only README.md] [--list]
+"""
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+FENCE = re.compile(r"^```(.*)$")
+NUMBER = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
+
+
+class Block:
+    def __init__(self, path, line, info, body):
+        self.path, self.line, self.body = path, line, body
+        words = info.split()
+        self.lang = words[0] if words else ""
+        self.attrs = " ".join(words[1:])
+
+    def where(self):
+        return f"{self.path}:{self.line}"
+
+    def run(self):
+        return self.lang == "sh" and re.match(r"^run\b", self.attrs) is not None
+
+    def skip_reason(self):
+        m = re.match(r"^skip=(.+)$", self.attrs)
+        return m.group(1).strip() if m else None
+
+    def needs_gpu(self):
+        return self.run() and re.search(r"\bgpu\b", self.attrs) is not None
+
+    def timeout(self):
+        m = re.search(r"timeout=(\d+)", self.attrs)
+        return int(m.group(1)) if m else 120
+
+
+def blocks_of(path, text):
+    out, lines, i = [], text.split("\n"), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        out.append(Block(path, start, m.group(1).strip(), "\n".join(body)))
+        i += 1
+    return out
+
+
+# ----------------------------------------------------------------------------- commands
+
+def command_lines(body):
+    """The shell lines of a block, heredoc bodies and comments left out, continuations joined."""
+    out, heredoc, pending = [], None, ""
+    for raw in body.split("\n"):
+        if heredoc is not None:
+            if raw.strip() == heredoc:
+                heredoc = None
+            continue
+        line = pending + raw
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        m = re.search(r"<<-?\s*'?\"?(\w+)'?\"?", line)
+        if m:
+            heredoc = m.group(1)
+            line = line[: m.start()]
+        if line.strip() and not line.strip().startswith("#"):
+            out.append(line)
+    return out
+
+
+def segments(line):
+    """Simple commands of a line: split at && || | ; and shell keywords."""
+    try:
+        lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+        lex.whitespace_split = True
+        lex.commenters = "#"
+        tokens = list(lex)
+    except ValueError:
+        return []
+    segs, cur = [], []
+    for t in tokens:
+        if t in (";", "&&", "||", "|", "&", ";;"):
+            segs.append(cur)
+            cur = []
+        elif not cur and t in ("do", "then", "else", "for", "while", "if", "done", "fi"):
+            if t == "for":
+                cur = ["for"]
+            continue
+        else:
+            cur.append(t)
+    segs.append(cur)
+    return [s for s in segs if s and s[0] != "for"]
+
+
+class Programs:
+    """What a program accepts: its --help text for replica programs, its source for scripts."""
+
+    def __init__(self, repo, bindir):
+        self.repo, self.bindir, self.cache = repo, bindir, {}
+
+    def flags(self, name):
+        if name in self.cache:
+            return self.cache[name]
+        result = None
+        if name.startswith("replica-"):
+            exe = os.path.join(self.bindir, name)
+            if os.access(exe, os.X_OK):
+                p = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30)
+                result = ("help", set(re.findall(r"--[A-Za-z0-9][-A-Za-z0-9_]*", p.stdout)))
+        else:
+            src = os.path.join(self.repo, name)
+            if os.path.isfile(src):
+                with open(src, errors="replace") as f:
+                    result = ("source", f.read())
+        self.cache[name] = result
+        return result
+
+
+def program_name(token):
+    base = os.path.basename(token)
+    if base.startswith("replica-"):
+        return base
+    if token.startswith("tools/") or token.startswith("./tools/"):
+        return token.lstrip("./")
+    return None
+
+
+def check_command(tokens, programs):
+    """Problems with one simple command, as messages."""
+    while tokens and (re.match(r"^\w+=", tokens[0]) or tokens[0] in ("env", "sudo", "time", "exec")):
+        tokens = tokens[1:]
+    if tokens and tokens[0] in ("python3", "bash", "sh"):
+        tokens = tokens[1:]
+    if not tokens:
+        return []
+    name = program_name(tokens[0])
+    if name is None:
+        return []
+    known = programs.flags(name)
+    if known is None:
+        return [f"'{tokens[0]}': no such program (looked for {name})"]
+    _, what = known
+    problems, rest = [], tokens[1:]
+    for i, t in enumerate(rest):
+        if t == "--":
+            after = rest[i + 1:]
+            if name == "replica-dp-vs-ddp":  # what follows -- goes to replica-train
+                after = ["replica-train"] + after
+            return problems + check_command(after, programs)
+        if t.startswith("--") and len(t) > 2:
+            flag = t.split("=", 1)[0]
+            if flag not in what:  # a --help's flag set, or a script's source text
+                problems.append(f"{name}: unknown flag {flag}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def normalize(line):
+    line = NUMBER.sub("#", line.rstrip())
+    return re.sub(r"\s+", " ", line).strip()
+
+
+def line_pattern(expected):
+    parts = [re.escape(p) for p in normalize(expected).split("...")]
+    return re.compile("^" + ".*".join(parts) + "$")
+
+
+def same_shape(expected_text, actual_text):
+    """None when the output has the expected shape, else the first expected line not found."""
+    actual = [normalize(l) for l in actual_text.replace("\r", "\n").split("\n") if l.strip()]
+    expected = [l for l in expected_text.split("\n") if l.strip()]
+
+    def match(ei, ai):
+        while ei < len(expected):
+            if expected[ei].strip() == "...":
+                return any(match(ei + 1, k) for k in range(ai, len(actual) + 1))
+            if ai >= len(actual) or not line_pattern(expected[ei]).match(actual[ai]):
+                return False
+            ei, ai = ei + 1, ai + 1
+        return ai == len(actual)
+
+    if match(0, 0):
+        return None
+    # Where a line-by-line reading first goes wrong, for the message.
+    ai, gap = 0, False
+    for e in expected:
+        if e.strip() == "...":
+            gap = True
+            continue
+        pat = line_pattern(e)
+        if gap:
+            k = next((k for k in range(ai, len(actual)) if pat.match(actual[k])), None)
+            if k is None:
+                return f"'{e.strip()}' (after output line {ai}: not found)"
+            ai, gap = k + 1, False
+        elif ai >= len(actual):
+            return f"'{e.strip()}' (the output ended before it)"
+        elif not pat.match(actual[ai]):
+            return f"'{e.strip()}' at output line {ai + 1}, which reads '{actual[ai]}'"
+        else:
+            ai += 1
+    if not gap and ai < len(actual):
+        return f"the end of the output after line {ai}, which goes on: '{actual[ai]}'"
+    return "the lines in another arrangement"
+
+
+# ----------------------------------------------------------------------------- running
+
+def scratch_dir(repo):
+    d = tempfile.mkdtemp(prefix="replica-doc-")
+    for entry in os.listdir(repo):
+        if not entry.startswith("."):
+            os.symlink(os.path.join(repo, entry), os.path.join(d, entry))
+    return d
+
+
+def run_block(block, cwd, bindir):
+    env = dict(os.environ)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    script = "set -e -o pipefail\n" + block.body + "\n"
+    try:
+        p = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True,
+                           text=True, timeout=block.timeout(), errors="replace")
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return None, out
+
+
+def have_gpu(bindir):
+    try:
+        p = subprocess.run([os.path.join(bindir, "replica-train"), "--list-devices"],
+                           capture_output=True, text=True, timeout=60)
+        return re.search(r"^cuda:\d", p.stdout, re.M) is not None
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def doc_files(repo, only):
+    if only:
+        return only
+    files = ["README.md"]
+    for root, _, names in os.walk(os.path.join(repo, "docs")):
+        files += sorted(os.path.relpath(os.path.join(root, n), repo) for n in names if n.endswith(".md"))
+    return files
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repo", default=".")
+    ap.add_argument("--bin", default="build/bin")
+    ap.add_argument("--only", action="append", help="just these files (relative to --repo)")
+    ap.add_argument("--list", action="store_true", help="list the blocks and what would happen")
+    ap.add_argument("--no-run", action="store_true", help="check commands and flags only")
+    args = ap.parse_args()
+    repo, bindir = os.path.abspath(args.repo), os.path.abspath(args.bin)
+    programs = Programs(repo, bindir)
+    gpu = have_gpu(bindir)
+    failures, ran, skipped = [], 0, 0
+
+    for rel in doc_files(repo, args.only):
+        with open(os.path.join(repo, rel)) as f:
+            blocks = blocks_of(rel, f.read())
+        cwd, last_run = None, None
+        for b in blocks:
+            if b.lang == "":
+                failures.append(f"{b.where()}: untagged block: mark it ```sh run, ```sh skip=REASON, "
+                                f"```output or ```text")
+                continue
+            if b.lang == "output":
+                if last_run is None:
+                    failures.append(f"{b.where()}: output block without a run block before it")
+                elif last_run[0] is not None:
+                    rc, out, where = last_run
+                    missing = same_shape(b.body, out)
+                    if missing is not None:
+                        failures.append(f"{b.where()}: the output of {where} changed shape: "
+                                        f"expected {missing}\n--- output ---\n{out[-3000:]}")
+                last_run = None
+                continue
+            if b.lang != "sh":
+                continue
+            for line in command_lines(b.body):
+                for seg in segments(line):
+                    for problem in check_command(seg, programs):
+                        failures.append(f"{b.where()}: {problem}  ({line.strip()[:100]})")
+            if b.needs_gpu() and not gpu:
+                skipped += 1
+                print(f"SKIP {b.where()}: needs a GPU (none found)")
+                last_run = None
+                continue
+            if b.run():
+                if args.list or args.no_run:
+                    print(f"RUN  {b.where()} (timeout {b.timeout()} s)")
+                    last_run = (None, "", b.where())
+                    continue
+                cwd = cwd or scratch_dir(repo)
+                rc, out = run_block(b, cwd, bindir)
+                ran += 1
+                status = "ok" if rc == 0 else ("TIMEOUT" if rc is None else f"exit {rc}")
+                print(f"RUN  {b.where()}: {status}", flush=True)
+                if rc != 0:
+                    failures.append(f"{b.where()}: {status}\n--- output ---\n{out[-3000:]}")
+                    last_run = (None, out, b.where())
+                else:
+                    last_run = (rc, out, b.where())
+            else:
+                reason = b.skip_reason()
+                if reason is None:
+                    failures.append(f"{b.where()}: shell block neither `run` nor `skip=REASON`")
+                else:
+                    skipped += 1
+                    print(f"SKIP {b.where()}: {reason}")
+                last_run = None
+        if cwd:
+            shutil.rmtree(cwd, ignore_errors=True)
+
+    for f in failures:
+        print(f"FAIL {f}", file=sys.stderr)
+    print(f"doc test: {ran} blocks run, {skipped} skipped by name, {len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
