@@ -142,6 +142,12 @@ class DdpEngine final : public TrainEngine {
     });
   }
 
+  std::vector<int64_t> gather_from_ranks(const std::vector<int64_t>& mine) override {
+    std::vector<int64_t> all;
+    ctx_.run([&] { all = group_->all_gather(ctx_, mine); });
+    return all;
+  }
+
   void set_training(bool training) override { model_->set_training(training); }
   void synchronize() override {
     ctx_.run([&] {

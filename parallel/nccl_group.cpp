@@ -142,6 +142,27 @@ class NcclGroup final : public ProcessGroup {
     wait_idle("nccl barrier");
   }
 
+  // Through device memory (NCCL moves device buffers only): int64 values as raw bytes.
+  std::vector<int64_t> all_gather(DeviceContext& ctx, const std::vector<int64_t>& mine) override {
+    std::vector<int64_t> out(mine.size() * size_t(size_));
+    if (mine.empty()) return out;
+    const int64_t words = int64_t(mine.size()) * 2;  // float-sized words of the F32 tensors
+    Tensor host_in = Tensor::empty(host_allocator(), {words});
+    Tensor host_out = Tensor::empty(host_allocator(), {words * size_});
+    std::memcpy(host_in.raw(), mine.data(), mine.size() * sizeof(int64_t));
+    Tensor dev_in = ctx.alloc({words}), dev_out = ctx.alloc({words * size_});
+    ctx.ops().copy(ctx, dev_in, host_in);
+    enqueue("nccl all-gather", ctx, [&] {
+      return ncclAllGather(dev_in.raw(), dev_out.raw(), mine.size(), ncclInt64, comm_, stream_);
+    });
+    wait_idle("nccl all-gather");
+    stream_wait(ctx);
+    ctx.ops().copy(ctx, host_out, dev_out);
+    ctx.synchronize();
+    std::memcpy(out.data(), host_out.raw(), out.size() * sizeof(int64_t));
+    return out;
+  }
+
   void stream_wait(DeviceContext& ctx) override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!enqueued_) return;

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/context.h"
 
@@ -44,6 +45,9 @@ class ProcessGroup {
   virtual void broadcast(DeviceContext& ctx, Tensor& t, int root) = 0;
   // Returns when every rank has arrived (host-blocking, with the timeout).
   virtual void barrier() = 0;
+  // Every rank's `mine` (the same length on every rank), rank 0's first: small per-rank figures
+  // (peak memory, device numbers), exact. Host-blocking; ctx is the rank's device.
+  virtual std::vector<int64_t> all_gather(DeviceContext& ctx, const std::vector<int64_t>& mine) = 0;
 
   // Collectives on a GPU are enqueued, not finished, when they return, and they do not hold up
   // ctx's stream. Before work on ctx's stream reads their results:

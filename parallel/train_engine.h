@@ -53,6 +53,11 @@ class TrainEngine {
   virtual int world_size() const { return 1; }
   // Sums per-process evaluation totals across processes (DDP); the identity otherwise.
   virtual void reduce_metrics(std::vector<double>& values) {}
+  // Every process's `mine` (the same length everywhere), rank 0's first: exact per-rank
+  // figures (DDP); `mine` itself otherwise. Every process must call it.
+  virtual std::vector<int64_t> gather_from_ranks(const std::vector<int64_t>& mine) {
+    return mine;
+  }
   // Ends a multi-process job in order: returns once every process has finished its last
   // collective, so none leaves while a peer still talks to it. The identity otherwise.
   virtual void finish() {}

@@ -1,14 +1,15 @@
-// The training loop shared by every engine: data, epochs, progress, evaluation, checkpoints,
-// resume, trace and the metrics JSON. Programs fill a TrainConfig and call run_training().
+// Training as programs ask for it: they fill a TrainConfig and call run_training(), which runs a
+// TrainLoop (train_loop.h: data, epochs, evaluation, checkpoints, resume) over the engine the
+// config names, and reports through a RunReport (run_report.h: progress, tables, trace, metrics).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "parallel/train_engine.h"
-
-#include <vector>
 
 namespace replica {
 
@@ -46,6 +47,11 @@ struct TrainConfig {
 // Runs training; returns the metrics (also written to config.metrics_json if set).
 // Errors are thrown (replica::UsageError for bad input).
 nlohmann::json run_training(const TrainConfig& config);
+
+// The engine `c` asks for on `devices` (resolve_devices()): single, DP, or this process's DDP
+// rank (joining the rendezvous). Sets c.batch_size from --batch-per-device once the number of
+// devices or ranks is known.
+std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Device>& devices);
 
 // The config as JSON (what --print-config shows and the metrics JSON records under "config").
 nlohmann::json config_json(const TrainConfig& config);

@@ -83,7 +83,7 @@ TEST_CASE("--preset seed trains ResNet-101 with DDP and rank 0 saves the model")
   // The recipe with a small batch and two steps: DDP on 2 ranks, started by replica-train.
   auto r = run(kTrain + " --preset seed --data " + tmp.str("data") +
                    " --devices cpu*2 --batch-per-device 2 --max-steps 2 --no-eval --save-model " +
-                   tmp.str("out/model.safetensors") + " --metrics-json " + tmp.str("m.json"),
+                   tmp.str("model.safetensors") + " --metrics-json " + tmp.str("m.json"),
                300);
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
@@ -93,7 +93,7 @@ TEST_CASE("--preset seed trains ResNet-101 with DDP and rank 0 saves the model")
   CHECK(m["world_size"] == 2);
   CHECK(m["batch_size"] == 4);  // 2 per rank
   CHECK(m["model"] == "resnet101");
-  auto saved = replica::load_checkpoint(tmp.str("out/model.safetensors"));
+  auto saved = replica::load_checkpoint(tmp.str("model.safetensors"));
   const replica::Tensor* conv1 = saved.find("conv1.weight");
   REQUIRE(conv1 != nullptr);
   CHECK(conv1->shape() == replica::Shape{64, 1, 7, 7});  // the article's 1-channel stem
