@@ -11,7 +11,7 @@
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "layers/loss.h"
-#include "parallel/ddp_reducer.h"
+#include "parallel/bucket_reducer.h"
 #include "parallel/engine_steps.h"
 #include "parallel/process_group.h"
 #include "parallel/scatter.h"
@@ -40,9 +40,21 @@ class DdpEngine final : public TrainEngine {
     go.host = d.host;
     go.timeout = d.timeout;
     group_ = make_process_group(go, d.store.get(), ctx_);
-    reducer_ = std::make_unique<DdpReducer>(ctx_, *model_, *group_, d.first_bucket_bytes,
-                                            d.bucket_bytes);
-    model_->set_grad_hook([this](const std::vector<Param*>& ready) { reducer_->on_ready(ready); });
+    // Buckets of gradients all-reduced during backward (nothing to do for one rank).
+    if (group_->size() > 1) {
+      reducer_ = std::make_unique<BucketReducer>(
+          std::vector<Model*>{model_.get()}, d.first_bucket_bytes, d.bucket_bytes,
+          [this](int b) {
+            TraceSpan span("comm", "allreduce");
+            ctx_.activate();
+            const Bucket& bucket = reducer_->buckets()[b];
+            Tensor view = model_->flat_grads().view(bucket.offset, {bucket.numel});
+            group_->allreduce_sum(ctx_, view, /*persistent=*/true);
+          },
+          "wait_allreduce");
+      model_->set_grad_hook(
+          [this](const std::vector<Param*>& ready) { reducer_->on_ready(0, ready); });
+    }
     optimizer_ = make_optimizer(o.optimizer);
     ctx_.run([&] {
       loss_ = ctx_.alloc({1});  // a buffer of its own: micro-batch losses are summed into it
@@ -93,7 +105,7 @@ class DdpEngine final : public TrainEngine {
             ctx_.ops().add(ctx_, loss_, loss, float(micro[k].count) / float(batch.size()));
           }
         }
-        reducer_->begin(/*sync=*/k == last);  // no_sync for all but the last micro-batch
+        if (reducer_) reducer_->begin(1, /*sync=*/k == last);  // no_sync but for the last
         {
           TraceSpan span(track_, "backward", &ctx_);
           model_->backward(ctx_, criterion_.backward(ctx_, batch.size()));
@@ -101,7 +113,11 @@ class DdpEngine final : public TrainEngine {
       }
       {
         TraceSpan span(track_, "finalize", &ctx_);
-        reducer_->finalize();
+        if (reducer_) {
+          reducer_->finish();
+          group_->stream_wait(ctx_);  // GPU: the step's kernels wait for the last bucket
+          ctx_.ops().scale(ctx_, model_->flat_grads(), 1.f / float(group_->size()));  // mean
+        }
       }
       {
         TraceSpan span(track_, "step", &ctx_);
@@ -188,7 +204,8 @@ class DdpEngine final : public TrainEngine {
   }
 
   int64_t comm_bytes_per_step() const override {
-    return group_->size() > 1 ? reducer_->bytes_per_step() : 0;
+    // Every rank all-reduces the whole gradient once per step.
+    return group_->size() > 1 ? model_->num_params() * int64_t(sizeof(float)) : 0;
   }
 
  private:
@@ -226,7 +243,7 @@ class DdpEngine final : public TrainEngine {
   std::string track_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<ProcessGroup> group_;
-  std::unique_ptr<DdpReducer> reducer_;
+  std::unique_ptr<BucketReducer> reducer_;
   std::unique_ptr<Optimizer> optimizer_;
   CrossEntropyLoss criterion_;
   Tensor loss_;

@@ -30,30 +30,27 @@ void sum_in_order(bool tree, int active, Add&& add) {
 RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model*> models,
                          ReduceStrategy strategy, size_t first_bucket_bytes, size_t bucket_bytes)
     : ctx_(std::move(contexts)), models_(std::move(models)), strategy_(strategy) {
-  buckets_ = make_buckets(models_[0]->params(), first_bucket_bytes, bucket_bytes);
-  for (Model* m : models_) bucket_of_.push_back(bucket_of_param(m->params(), buckets_));
   if (LocalNccl::usable(ctx_)) nccl_ = LocalNccl::create(ctx_);
   cuda_ = ctx_[0]->is_cuda() && !nccl_;
-  remaining_.assign(models_.size(), std::vector<int>(buckets_.size(), 0));
-  ready_replicas_.assign(buckets_.size(), 0);
-  queued_.assign(buckets_.size(), false);
+  buckets_ = std::make_unique<BucketReducer>(
+      models_, first_bucket_bytes, bucket_bytes,
+      [this](int b) {
+        TraceSpan span("comm", "reduce");
+        const Bucket& bucket = buckets_->buckets()[b];
+        if (nccl_) {
+          std::vector<Tensor> views;
+          for (auto* m : models_) views.push_back(m->flat_grads().view(bucket.offset, {bucket.numel}));
+          nccl_->reduce_to_root(views, active_);
+        } else {
+          reduce_bucket_cpu(bucket);
+        }
+      },
+      "wait_reduce");
   if (cuda_) {
     for (size_t r = 0; r < ctx_.size(); ++r) grads_written_.push_back(std::make_unique<StreamEvent>());
     bool other_gpu = false;
     for (auto* c : ctx_) other_gpu |= c->device().index != ctx_[0]->device().index;
     if (other_gpu) staging_ = ctx_[0]->alloc({models_[0]->num_params()});
-  } else if (ctx_.size() > 1) {
-    comm_ = std::make_unique<CommQueue>([this](int b) {
-      TraceSpan span("comm", "reduce");
-      if (nccl_) {
-        std::vector<Tensor> views;
-        for (auto* m : models_)
-          views.push_back(m->flat_grads().view(buckets_[b].offset, {buckets_[b].numel}));
-        nccl_->reduce_to_root(views, active_);
-      } else {
-        reduce_bucket_cpu(buckets_[b]);
-      }
-    });
   }
 }
 
@@ -64,26 +61,13 @@ int64_t RootReducer::bytes_per_step(int active) const {
 }
 
 void RootReducer::begin(int active) {
-  std::lock_guard<std::mutex> lock(mutex_);
   active_ = active;
-  for (int r = 0; r < active; ++r)
-    for (size_t b = 0; b < buckets_.size(); ++b)
-      remaining_[r][b] = static_cast<int>(buckets_[b].params.size());
-  std::fill(ready_replicas_.begin(), ready_replicas_.end(), 0);
-  std::fill(queued_.begin(), queued_.end(), false);
-  if (comm_) comm_->reset();
+  // One replica has nothing to reduce; CUDA logical devices reduce after backward.
+  buckets_->begin(active, /*sync=*/active > 1 && !cuda_);
 }
 
 void RootReducer::on_ready(int replica, const std::vector<Param*>& params) {
-  if (active_ <= 1 || cuda_) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const Param* p : params) {
-    const int b = bucket_of_[replica].at(p);
-    if (--remaining_[replica][b] == 0 && ++ready_replicas_[b] == active_ && !queued_[b]) {
-      queued_[b] = true;
-      comm_->push(b);
-    }
-  }
+  buckets_->on_ready(replica, params);
 }
 
 void RootReducer::backward_done(int replica) {
@@ -123,17 +107,7 @@ void RootReducer::finish() {
     reduce_all_cuda();
     return;
   }
-  // Buckets some replica never reported (unused parameters) are reduced now.
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t b = 0; b < buckets_.size(); ++b)
-      if (!queued_[b]) {
-        queued_[b] = true;
-        comm_->push(static_cast<int>(b));
-      }
-  }
-  TraceSpan span("host", "wait_reduce");
-  comm_->wait(static_cast<int>(buckets_.size()));  // rethrows a failed reduction
+  buckets_->finish();  // the buckets of unused parameters too; rethrows a failed reduction
 }
 
 }  // namespace replica

@@ -1,6 +1,6 @@
 // RootReducer: DP's gradient reduction. Each replica's grad hook reports finished parameters;
 // once every active replica has finished a bucket, that bucket is summed into replica 0's
-// gradients while the rest of backward still runs (on CPU devices, by a communication thread).
+// gradients while the rest of backward still runs (a BucketReducer's communication thread).
 // Strategies: to-root (PyTorch's: replica 0 adds every other replica's bucket in turn) and tree
 // (Caffe's: pairs add in log2(N) rounds). Both sum in a fixed order, so results are
 // reproducible; they differ from each other only by floating-point association.
@@ -9,14 +9,11 @@
 // backward on device 0's stream, ordered by events (no host sync).
 #pragma once
 #include <memory>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "layers/model.h"
-#include "parallel/buckets.h"
-#include "parallel/comm_queue.h"
+#include "parallel/bucket_reducer.h"
 #include "parallel/local_nccl.h"
 
 namespace replica {
@@ -43,7 +40,7 @@ class RootReducer {
   // or enqueues the remaining reductions on device 0's stream (CUDA).
   void finish();
 
-  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const std::vector<Bucket>& buckets() const { return buckets_->buckets(); }
   int64_t bytes_per_step(int active) const;  // gradient bytes moved to device 0 in one step
   // NCCL's broadcast for distinct GPUs, or null (then the engine copies).
   LocalNccl* nccl() { return nccl_.get(); }
@@ -55,17 +52,12 @@ class RootReducer {
   std::vector<DeviceContext*> ctx_;
   std::vector<Model*> models_;
   ReduceStrategy strategy_;
-  std::vector<Bucket> buckets_;
-  std::vector<std::unordered_map<const Param*, int>> bucket_of_;  // per replica: Param* -> bucket
   bool cuda_ = false;                 // CUDA devices, reduced by copies on device 0's stream
   std::unique_ptr<LocalNccl> nccl_;   // distinct GPUs: NCCL group reduce per bucket
-
-  std::mutex mutex_;  // guards the readiness bookkeeping below
   int active_ = 0;
-  std::vector<std::vector<int>> remaining_;  // [replica][bucket] params still to come
-  std::vector<int> ready_replicas_;          // [bucket]
-  std::vector<bool> queued_;                 // [bucket]
-  std::unique_ptr<CommQueue> comm_;          // CPU devices and NCCL buckets
+  // Buckets in order, their reduction launched as backward finishes them (CPU devices, NCCL);
+  // CUDA logical devices only use its bucket layout.
+  std::unique_ptr<BucketReducer> buckets_;
 
   std::vector<std::unique_ptr<StreamEvent>> grads_written_;  // CUDA: per replica
   Tensor staging_;  // CUDA: peers on other GPUs land here before the add

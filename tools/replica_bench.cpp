@@ -95,6 +95,7 @@ int run(int argc, char** argv) {
   check_output_file("--csv", o.csv);
   check_output_dir("--trace-dir", o.trace_dir);
   check_output_dir("--report", o.report_dir);
+  REPLICA_USAGE_CHECK(o.compare.empty() || !o.report_dir.empty(), "--compare needs --report DIR");
   for (const auto& f : o.compare)
     REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(f), "--compare '{}': no such file", f);
   if (single && o.warmup < 0) o.warmup = 5;  // dp/ddp: chosen from a measured step time

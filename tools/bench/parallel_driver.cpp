@@ -136,7 +136,6 @@ int run_parallel_suites(const BenchOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   const bool report = !o.report_dir.empty();
   REPLICA_USAGE_CHECK(o.from_results.empty() || report, "--from-results needs --report DIR");
-  REPLICA_USAGE_CHECK(o.compare.empty() || report, "--compare needs --report DIR");
   if (!o.trace_dir.empty() || report) {
     const std::string dir = report ? o.report_dir : o.trace_dir;
     std::error_code ec;
