@@ -19,6 +19,7 @@ namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100000000;  // safetensors' own limit (100 MB)
 constexpr int64_t kMaxDim = int64_t(1) << 40;
+constexpr size_t kMaxJsonDepth = 32;  // a safetensors header needs 3 levels
 
 bool little_endian() {
   const uint16_t x = 1;
@@ -73,6 +74,29 @@ bool read_at(int fd, void* data, size_t n, uint64_t offset, const std::string& p
     offset += static_cast<uint64_t>(r);
   }
   return true;
+}
+
+// Whether arrays and objects in JSON text nest deeper than `limit` (strings skipped). The
+// parser itself is iterative, but copying or printing a parsed value recurses once per level
+// (ordered_json copies its members when an object grows): a header nested 100000 levels deep
+// would overflow the stack.
+bool json_deeper_than(const std::string& text, size_t limit) {
+  size_t depth = 0;
+  bool in_string = false, escaped = false;
+  for (char ch : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (ch == '\\') escaped = true;
+      else if (ch == '"') in_string = false;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      if (++depth > limit) return true;
+    } else if ((ch == ']' || ch == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return false;
 }
 
 std::string dir_of(const std::string& path) {
@@ -185,6 +209,9 @@ Checkpoint load_checkpoint(const std::string& path) {
     throw Error(fmt::format("{}: truncated while reading the header", path));
   const uint64_t data_begin = 8 + n, data_size = file_size - data_begin;
 
+  if (json_deeper_than(text, kMaxJsonDepth))
+    throw Error(fmt::format("{}: corrupt checkpoint header: JSON nested more than {} levels deep",
+                            path, kMaxJsonDepth));
   nlohmann::ordered_json header;
   try {
     header = nlohmann::ordered_json::parse(text);
@@ -213,8 +240,9 @@ Checkpoint load_checkpoint(const std::string& path) {
       }
       continue;
     }
-    auto bad = [&](const std::string& what) {
-      return Error(fmt::format("{}: corrupt header: tensor '{}': {}", path, name, what));
+    // An init-capture: C++17 lambdas cannot capture a structured binding (clang refuses).
+    auto bad = [&path, &tensor = name](const std::string& what) {
+      return Error(fmt::format("{}: corrupt header: tensor '{}': {}", path, tensor, what));
     };
     if (!v.is_object()) throw bad("entry is not an object");
     if (!v.contains("dtype") || !v["dtype"].is_string()) throw bad("missing dtype");
@@ -224,7 +252,10 @@ Checkpoint load_checkpoint(const std::string& path) {
     else if (dt == "I32") e.dtype = DType::I32;
     else throw bad(fmt::format("unsupported dtype '{}' (replica reads F32 and I32)", dt));
     if (!v.contains("shape") || !v["shape"].is_array()) throw bad("missing shape");
-    uint64_t numel = 1;
+    // numel is capped just above the data size; nonzero, the product of the non-zero
+    // dimensions, just above 2^40: a zero dimension must not hide a product that overflows
+    // every later shape computation (shape_numel() multiplies in int64).
+    uint64_t numel = 1, nonzero = 1;
     for (const auto& d : v["shape"]) {
       if (!d.is_number_unsigned() || d.get<uint64_t>() > uint64_t(kMaxDim))
         throw bad(fmt::format("bad dimension {} in shape {}", d.dump(), v["shape"].dump()));
@@ -232,6 +263,8 @@ Checkpoint load_checkpoint(const std::string& path) {
       uint64_t dim = d.get<uint64_t>();
       if (dim != 0 && numel > (data_size + 1) / dim) numel = data_size + 1;  // capped: too large
       else numel *= dim;
+      if (dim != 0)
+        nonzero = nonzero > uint64_t(kMaxDim) / dim ? uint64_t(kMaxDim) + 1 : nonzero * dim;
     }
     const auto& off = v.contains("data_offsets") ? v["data_offsets"] : nlohmann::ordered_json();
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
@@ -246,6 +279,10 @@ Checkpoint load_checkpoint(const std::string& path) {
       throw bad(fmt::format("shape {} needs {} bytes but data_offsets [{}, {}] hold {}",
                             v["shape"].dump(), numel > data_size ? "more than the file's" :
                             std::to_string(numel * 4), e.begin, e.end, e.end - e.begin));
+    if (nonzero > uint64_t(kMaxDim))
+      throw bad(fmt::format("shape {} is too large: its non-zero dimensions multiply to more "
+                            "than 2^40 elements",
+                            v["shape"].dump()));
     entries.push_back(std::move(e));
   }
   std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {

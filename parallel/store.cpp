@@ -200,10 +200,13 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
       REPLICA_CHECK(!text.empty() && *end == '\0' && errno == 0,
                     "store add('{}'): key '{}' holds a value that is not a counter", key, key);
     }
-    value += delta;
-    write_atomically(dir_, path, to_bytes(std::to_string(value)));
+    int64_t sum = 0;
+    REPLICA_CHECK(!__builtin_add_overflow(value, delta, &sum),
+                  "store add('{}'): adding {} to {} overflows the 64-bit counter", key, delta,
+                  value);
+    write_atomically(dir_, path, to_bytes(std::to_string(sum)));
     close(fd);  // releases the lock
-    return value;
+    return sum;
   } catch (...) {
     close(fd);
     throw;

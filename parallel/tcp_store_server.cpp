@@ -92,10 +92,16 @@ struct ServerState {
             return;
           }
         }
-        value += static_cast<int64_t>(get_le(f.fields[1].data(), 8));
-        data[f.fields[0]] = std::to_string(value);
+        const auto delta = static_cast<int64_t>(get_le(f.fields[1].data(), 8));
+        int64_t sum = 0;
+        if (__builtin_add_overflow(value, delta, &sum)) {
+          reply(c, kError, {fmt::format("adding {} to {} overflows the 64-bit counter",
+                                        delta, value)});
+          return;
+        }
+        data[f.fields[0]] = std::to_string(sum);
         changed = true;
-        reply(c, kOk, {u64_field(static_cast<uint64_t>(value))});
+        reply(c, kOk, {u64_field(static_cast<uint64_t>(sum))});
         return;
       }
       case kCheck: {
@@ -237,8 +243,12 @@ void TcpStoreServer::loop() {
         ssize_t got = recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
         if (got > 0)
           c.in.append(buf, static_cast<size_t>(got));
-        else if (got == 0 || (errno != EAGAIN && errno != EINTR))
+        else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
+          // A peer that half-closed after its last request still gets the replies decided
+          // so far (what fits in the socket now), as at shutdown.
+          if (got == 0 && c.out_off < c.out.size()) c.send_pending();
           c.closed = true;
+        }
       }
       if (!c.closed && (re & POLLOUT)) {
         c.send_pending();

@@ -307,3 +307,38 @@ TEST_CASE("checkpoint: atomic write leaves no temporary and never a partial file
     n += entry.path().filename().string().find(".tmp-") != std::string::npos;
   CHECK(n == 0);
 }
+
+// Inputs that once crashed the reader (tools/fuzz/fuzz_checkpoint.cpp runs it on random files).
+TEST_CASE("checkpoint: headers that crashed the reader are errors") {
+  TempDir d;
+  std::string p = d.file("bad");
+  auto load_error = [&](const std::string& header) {
+    put_bytes(p, build(header, {}));
+    return error_of([&] { load_checkpoint(p); });
+  };
+  // A zero dimension made the shape's size 0 while its other dimensions multiply past int64
+  // (UB in shape_numel()).
+  std::string e = load_error(R"({"a": {"dtype": "F32", "shape": [1099511627776, 1099511627776, 0],
+                                        "data_offsets": [0, 0]}})");
+  CHECK_MESSAGE(contains(e, "tensor 'a': shape [1099511627776,1099511627776,0] is too large"), e);
+  CHECK(contains(load_error(R"({"a": {"dtype": "I32", "shape": [0, 2, 1099511627776],
+                                     "data_offsets": [0, 0]}})"),
+                 "is too large"));
+  put_bytes(p, build(R"({"a": {"dtype": "F32", "shape": [0, 1099511627776],
+                               "data_offsets": [0, 0]}})",
+                     {}));
+  Checkpoint empty = load_checkpoint(p);  // 2^40 is still a legal dimension of an empty tensor
+  REQUIRE(empty.tensors.size() == 1);
+  CHECK(empty.tensors[0].second.numel() == 0);
+  // A shape nested 200000 arrays deep overflowed the stack: ordered_json copies an object's
+  // members (recursively) when the object grows, and the error message printed the shape.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  e = load_error(R"({"a": {"dtype": "F32", "shape": [)" + deep + R"(], "data_offsets": [0, 0]}})");
+  CHECK_MESSAGE(contains(e, p + ": corrupt checkpoint header: JSON nested more than 32 levels"), e);
+  CHECK(contains(load_error(R"({"__metadata__": {"k": )" + deep + "}}"), "nested more than"));
+  CHECK(contains(load_error(deep), "nested more than"));
+  // Brackets inside strings do not count; 32 levels are still read (and rejected as a tensor).
+  CHECK(load_error(R"({"__metadata__": {"k": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\"{{"}})").empty());
+  CHECK(contains(load_error(R"({"a": )" + std::string(31, '[') + std::string(31, ']') + "}"),
+                 "tensor 'a': entry is not an object"));
+}

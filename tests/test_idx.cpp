@@ -116,6 +116,20 @@ TEST_CASE("idx: concatenated gzip members are one stream") {
   CHECK(arr.data == std::vector<uint8_t>{10, 20, 30, 40, 50, 60});
 }
 
+TEST_CASE("idx: parse_idx reads a file already in memory, gzip or raw") {
+  std::vector<uint8_t> raw = {0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 3, 1, 2, 3, 4, 5, 6};
+  for (const auto& bytes : {raw, gzip_bytes(raw)}) {
+    IdxArray a = parse_idx(bytes, "mem");
+    CHECK(a.dims == std::vector<int64_t>{2, 1, 3});
+    CHECK(a.data == std::vector<uint8_t>{1, 2, 3, 4, 5, 6});
+  }
+  // Messages name what the caller calls the bytes.
+  std::vector<uint8_t> cut(raw.begin(), raw.end() - 1);
+  CHECK(contains(error_of([&] { parse_idx(cut, "in-memory images"); }),
+                 "in-memory images: truncated"));
+  CHECK(contains(error_of([&] { parse_idx({}, "nothing"); }), "nothing: empty file"));
+}
+
 TEST_CASE("idx: missing, empty, directory") {
   TempDir d;
   CHECK(throws_usage([&] { read_idx(d.file("nope")); }));

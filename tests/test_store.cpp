@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <thread>
 
@@ -268,6 +269,58 @@ TEST_CASE("tcp store: oversized or malformed messages close that connection only
   TcpStoreClient client("127.0.0.1", server.port(), 5s);  // the server still serves
   client.set("fine", to_bytes("yes"));
   CHECK(to_string(client.get("fine")) == "yes");
+}
+
+// Two ADDs whose sum overflows int64 (an input that made the server's add() undefined
+// behaviour; tools/fuzz/fuzz_store.cpp sends random bytes to the server): the second is
+// refused, the counter keeps its value, and the server goes on serving. The raw client
+// half-closes after its requests, and still gets both replies.
+TEST_CASE("tcp store: an add that overflows the counter is an error, not undefined behaviour") {
+  TcpStoreServer server("127.0.0.1", 0);
+  const std::string adds(
+      "\x04\x02\x00\x00\x00\x01\x00\x00\x00n\x08\x00\x00\x00\x00\x03\x00\x00\x00\x00\x00\x2f"
+      "\x04\x02\x00\x00\x00\x01\x00\x00\x00n\x08\x00\x00\x00\xfb\xff\xff\x01\x00\x00\x00\x79",
+      44);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(server.port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(send(fd, adds.data(), adds.size(), MSG_NOSIGNAL) == ssize_t(adds.size()));
+  shutdown(fd, SHUT_WR);
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string replies;
+  char buf[256];
+  for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) replies.append(buf, size_t(n));
+  close(fd);
+  // OK [new value] (1 + 4 + 4 + 8 bytes), then ERROR [message].
+  REQUIRE(replies.size() > 17);
+  CHECK(replies[0] == 0);
+  CHECK(replies[17] == 2);
+  CHECK_MESSAGE(contains(replies, "overflows the 64-bit counter"), replies);
+
+  TcpStoreClient client("127.0.0.1", server.port(), 5s);
+  CHECK(client.add("n", 0) == 0x2f00000000000300);
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  CHECK(client.add("max", max) == max);
+  std::string e = error_of([&] { client.add("max", 1); });
+  CHECK_MESSAGE(contains(e, "store add('max'): adding 1 to 9223372036854775807 overflows"), e);
+  CHECK(client.add("max", -1) == max - 1);
+  const int64_t min = std::numeric_limits<int64_t>::min();
+  CHECK(client.add("min", min) == min);
+  CHECK(contains(error_of([&] { client.add("min", -1); }), "overflows the 64-bit counter"));
+}
+
+TEST_CASE("file store: an add that overflows the counter is an error") {
+  test::TempDir d;
+  FileStore store(d.str("store"), 5s);
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  CHECK(store.add("max", max) == max);
+  std::string e = error_of([&] { store.add("max", 1); });
+  CHECK_MESSAGE(contains(e, "store add('max'): adding 1 to 9223372036854775807 overflows"), e);
+  CHECK(store.add("max", -1) == max - 1);
 }
 
 TEST_CASE("tcp store: a port in use is a usage error that says what to do") {

@@ -152,8 +152,9 @@ Header parse_header(const std::string& path, const uint8_t* b, size_t n, const c
 
 }  // namespace
 
-IdxArray read_idx(const std::string& path) {
-  std::vector<uint8_t> file = read_file_bytes(path);
+IdxArray read_idx(const std::string& path) { return parse_idx(read_file_bytes(path), path); }
+
+IdxArray parse_idx(std::vector<uint8_t> file, const std::string& path) {
   if (file.empty()) throw Error(fmt::format("{}: empty file, expected an IDX file", path));
   IdxArray out;
   if (file.size() >= 2 && file[0] == 0x1f && file[1] == 0x8b) {

@@ -20,6 +20,9 @@ struct IdxArray {
 // Never allocates more than the file actually holds (dimensions are checked first).
 IdxArray read_idx(const std::string& path);
 
+// read_idx() of a file already in memory (gzip or raw); `name` is what the messages call it.
+IdxArray parse_idx(std::vector<uint8_t> bytes, const std::string& name);
+
 // Writes an unsigned-byte IDX file (gzip-compressed when `gzip`), for tests and tools.
 void write_idx(const std::string& path, const std::vector<int64_t>& dims,
                const std::vector<uint8_t>& data, bool gzip);
