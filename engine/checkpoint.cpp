@@ -13,6 +13,7 @@
 
 #include "engine/allocator.h"
 #include "engine/error.h"
+#include "engine/output_files.h"
 
 namespace replica {
 namespace {
@@ -149,11 +150,17 @@ void save_checkpoint(const std::string& path, const Checkpoint& ckpt) {
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(uint64_t(text.size()) >> (8 * i));
 
-  const std::string tmp = fmt::format("{}.tmp-{}", path, ::getpid());
+  // A writer killed mid-write left its <path>.tmp-<pid>: gone before this one is written.
+  remove_stale_temporaries(path);
+  const std::string tmp = temporary_for(path);
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0)
     throw Error(fmt::format("{}: cannot write checkpoint: {}: {}", path, tmp,
                             std::strerror(errno)));
+  mark_temporary(tmp);  // a second Ctrl-C removes it before the process ends
+  struct Unmark {
+    ~Unmark() { clear_temporary(); }
+  } unmark;
   try {
     write_all(fd.get(), len, sizeof len, tmp);
     write_all(fd.get(), text.data(), text.size(), tmp);

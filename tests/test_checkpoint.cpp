@@ -2,6 +2,7 @@
 // PyTorch's safetensors expects, atomic writes, and every kind of corrupt file.
 #include <doctest/doctest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -306,6 +307,28 @@ TEST_CASE("checkpoint: atomic write leaves no temporary and never a partial file
   for (auto& entry : fs::directory_iterator(d.path))
     n += entry.path().filename().string().find(".tmp-") != std::string::npos;
   CHECK(n == 0);
+}
+
+// A process killed while writing leaves <path>.tmp-<pid>: the next write of the same file
+// removes it, never a temporary of a process that still runs.
+TEST_CASE("checkpoint: temporaries of dead writers are removed by the next write") {
+  TempDir d;
+  const std::string path = d.file("checkpoint.safetensors");
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  REQUIRE(dead > 0);
+  waitpid(dead, nullptr, 0);  // reaped: that pid runs no process now
+  const std::string stale = path + ".tmp-" + std::to_string(dead);
+  const std::string alive = path + ".tmp-" + std::to_string(getppid());
+  const std::string other = d.file("other.safetensors.tmp-" + std::to_string(dead));
+  const std::string odd = path + ".tmp-notapid";
+  for (const auto& f : {stale, alive, other, odd}) put_bytes(f, {1, 2, 3});
+  save_checkpoint(path, sample());
+  CHECK_FALSE(fs::exists(stale));
+  CHECK(fs::exists(alive));  // its writer may still be writing
+  CHECK(fs::exists(other));  // another file's
+  CHECK(fs::exists(odd));
+  CHECK(load_checkpoint(path).tensors.size() == sample().tensors.size());
 }
 
 // Inputs that once crashed the reader (tools/fuzz/fuzz_checkpoint.cpp runs it on random files).

@@ -87,6 +87,23 @@ TEST_CASE("an output that cannot be written fails before training, in seconds") 
   CHECK_FALSE(test::fs::exists(missing));
 }
 
+TEST_CASE("a checkpoint left half-written by a killed run is cleaned up by the next run") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  test::fs::create_directories(tmp.path / "ck");
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  waitpid(dead, nullptr, 0);
+  const std::string stale = tmp.str("ck/checkpoint.safetensors.tmp-") + std::to_string(dead);
+  test::put_bytes(stale, {0, 1, 2, 3});
+  auto r = run(kTrain + " --data " + tmp.str("data") + " --devices cpu --max-steps 2 --quiet" +
+                   " --no-eval --checkpoint " + tmp.str("ck"),
+               120);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK_FALSE(test::fs::exists(stale));
+  CHECK(test::fs::exists(tmp.path / "ck" / "checkpoint.safetensors"));
+}
+
 TEST_CASE("bad data directories are one-line errors") {
   test::TempDir tmp;
   expect_clean_error("--data " + tmp.str("missing") + " --max-steps 1", "does not exist");
