@@ -1,7 +1,7 @@
 // What every replica program does at its edges: parse flags with CLI11 (help -> exit 0, a bad
 // flag -> one line and exit 2) and turn errors into one line on stderr: "NAME: error: ..." with
 // exit code 2 for usage errors, 1 for everything else. A rank under replica-launch hands the
-// error to its launcher instead, which prints it once for all ranks (parallel/launcher.h).
+// error to its launcher instead, which prints it once for all ranks (parallel/rendezvous/launcher.h).
 // Header-only: programs link CLI11.
 #pragma once
 #include <algorithm>
@@ -14,7 +14,7 @@
 
 #include "cli/parse_flags.h"
 #include "engine/error.h"
-#include "parallel/launcher.h"
+#include "parallel/rendezvous/launcher.h"
 
 namespace replica {
 

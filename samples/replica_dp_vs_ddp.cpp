@@ -23,7 +23,7 @@
 #include "cli/program.h"
 
 #include "engine/error.h"
-#include "parallel/launcher.h"
+#include "parallel/rendezvous/launcher.h"
 
 using namespace replica;
 namespace fs = std::filesystem;

@@ -14,9 +14,9 @@
 
 #include "engine/data/dataset.h"
 #include "engine/error.h"
-#include "parallel/ddp_engine.h"
-#include "parallel/distributed_sampler.h"
-#include "parallel/store.h"
+#include "parallel/engines/ddp_engine.h"
+#include "parallel/loop/distributed_sampler.h"
+#include "parallel/rendezvous/store.h"
 
 using namespace replica;
 

@@ -14,7 +14,7 @@
 
 #include "engine/data/dataset.h"
 #include "engine/error.h"
-#include "parallel/distributed_sampler.h"
+#include "parallel/loop/distributed_sampler.h"
 
 using namespace replica;
 

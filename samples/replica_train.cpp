@@ -16,9 +16,9 @@
 
 #include "engine/device.h"
 #include "engine/error.h"
-#include "parallel/launcher.h"
-#include "parallel/store.h"
-#include "parallel/trainer.h"
+#include "parallel/rendezvous/launcher.h"
+#include "parallel/rendezvous/store.h"
+#include "parallel/loop/trainer.h"
 #include "samples/train_presets.h"
 
 using namespace replica;

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel/trainer.h"
+#include "parallel/loop/trainer.h"
 
 namespace replica {
 

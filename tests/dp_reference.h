@@ -6,8 +6,8 @@
 
 #include "engine/data/dataset.h"
 #include "layers/loss.h"
-#include "parallel/scatter.h"
-#include "parallel/train_engine.h"
+#include "parallel/engines/scatter.h"
+#include "parallel/engines/train_engine.h"
 
 namespace test {
 

@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_helpers.h"
-#include "parallel/dp_engine.h"
+#include "parallel/engines/dp_engine.h"
 #include "tools/bench/harness.h"
 #include "tools/bench/projection.h"
 #include "tools/bench/report_math.h"

@@ -7,7 +7,7 @@
 
 #include "dp_reference.h"
 #include "gpu_skip.h"
-#include "parallel/dp_engine.h"
+#include "parallel/engines/dp_engine.h"
 
 using namespace replica;
 

@@ -10,7 +10,7 @@
 #include "gpu_skip.h"
 #include "engine/data/dataset.h"
 #include "engine/device.h"
-#include "parallel/train_engine.h"
+#include "parallel/engines/train_engine.h"
 
 using namespace replica;
 

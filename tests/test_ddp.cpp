@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "job_helpers.h"
-#include "parallel/process_group.h"
+#include "parallel/comm/process_group.h"
 
 using test::launch;
 using test::run;

@@ -8,7 +8,7 @@
 #include <fstream>
 
 #include "job_helpers.h"
-#include "parallel/process_group.h"
+#include "parallel/comm/process_group.h"
 
 using test::launch;
 using test::run;

@@ -8,7 +8,7 @@
 #include "dp_reference.h"
 #include <fmt/format.h>
 
-#include "parallel/dp_engine.h"
+#include "parallel/engines/dp_engine.h"
 
 using namespace replica;
 

@@ -10,8 +10,8 @@
 #include "engine/device.h"
 #include "engine/plugin.h"
 #include "engine/plugin_abi.h"
-#include "parallel/nccl_plugin.h"
-#include "parallel/process_group.h"
+#include "parallel/comm/nccl_plugin.h"
+#include "parallel/comm/process_group.h"
 
 using namespace replica;
 

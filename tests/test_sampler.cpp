@@ -12,7 +12,7 @@
 #include "cli_helpers.h"
 #include "engine/data/dataset.h"
 #include "engine/error.h"
-#include "parallel/distributed_sampler.h"
+#include "parallel/loop/distributed_sampler.h"
 
 using namespace replica;
 

@@ -17,8 +17,8 @@
 #include "engine/error.h"
 #include "engine/ops.h"
 #include "engine/device.h"
-#include "parallel/process_group.h"
-#include "parallel/store.h"
+#include "parallel/comm/process_group.h"
+#include "parallel/rendezvous/store.h"
 
 using namespace replica;
 
@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
     int rc = 0;
     if (do_check) rc = check(*pg, ctx);
     if (do_bench) bench(*pg, ctx, parse_bytes(min_s), parse_bytes(max_s), iters);
-    pg->barrier();
+    pg->leave(ctx);
     return rc;
   });
 }

@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/context.h"
-#include "parallel/process_group.h"
+#include "parallel/comm/process_group.h"
 #include "tools/bench/suites.h"
 
 namespace replica::bench {

@@ -16,7 +16,7 @@
 
 #include "engine/cudart.h"
 #include "engine/device.h"
-#include "parallel/nccl_plugin.h"
+#include "parallel/comm/nccl_plugin.h"
 
 #ifdef REPLICA_WITH_GLOO
 #include <gloo/config.h>

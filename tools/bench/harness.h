@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/trace.h"
-#include "parallel/train_engine.h"
+#include "parallel/engines/train_engine.h"
 
 namespace replica::bench {
 

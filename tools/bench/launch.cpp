@@ -18,7 +18,7 @@
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
-#include "parallel/launcher.h"
+#include "parallel/rendezvous/launcher.h"
 #include "tools/bench/suites.h"
 
 namespace replica::bench {

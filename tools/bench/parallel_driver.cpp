@@ -14,8 +14,8 @@
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
-#include "parallel/run_summary.h"
-#include "parallel/launcher.h"
+#include "parallel/loop/run_summary.h"
+#include "parallel/rendezvous/launcher.h"
 #include "tools/bench/alpha_beta.h"
 #include "tools/bench/environment.h"
 #include "tools/bench/options.h"

@@ -11,7 +11,7 @@
 
 #include "engine/error.h"
 #include "layers/model.h"
-#include "parallel/buckets.h"
+#include "parallel/comm/buckets.h"
 #include "tools/bench/report_math.h"
 
 namespace replica::bench {
@@ -156,7 +156,7 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"env", env},
   };
   if (ddp) {
-    // NCCL between ranks that share a GPU runs over sockets (parallel/nccl_group.cpp).
+    // NCCL between ranks that share a GPU runs over sockets (parallel/comm/nccl_group.cpp).
     row["backend"] = c.backend == "nccl" && devices_share_hardware(c.devices) ? "nccl-sockets"
                                                                                 : c.backend;
     row["rank_window_seconds"] = rank_windows;

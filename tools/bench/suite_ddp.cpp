@@ -9,9 +9,9 @@
 #include <fmt/format.h>
 
 #include "engine/error.h"
-#include "parallel/run_summary.h"
-#include "parallel/ddp_engine.h"
-#include "parallel/store.h"
+#include "parallel/loop/run_summary.h"
+#include "parallel/engines/ddp_engine.h"
+#include "parallel/rendezvous/store.h"
 #include "tools/bench/alpha_beta.h"
 #include "tools/bench/suites.h"
 
@@ -81,9 +81,8 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
     auto group = make_process_group(go, rv.store.get(), ctx);
     const double grad_bytes = double(model_facts(o.run.model, o.run.input_shape).params) * 4;
     nlohmann::json points = allreduce_sweep(*group, ctx, sweep_sizes(grad_bytes));
-    group->barrier();
     if (rv.rank == 0) write_json_file(out + ".json", {{"points", points}});
-    group->barrier();  // rank 0 hosts the store: nobody leaves while another still uses it
+    group->leave(ctx);  // rank 0 hosts the store: nobody leaves while another still uses it
     return 0;
   }
 

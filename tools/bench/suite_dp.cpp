@@ -1,5 +1,5 @@
 // DP: make_dp_engine over the first n devices, in this process.
-#include "parallel/dp_engine.h"
+#include "parallel/engines/dp_engine.h"
 #include "tools/bench/suites.h"
 
 namespace replica::bench {

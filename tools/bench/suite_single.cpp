@@ -27,7 +27,7 @@
 
 #include "engine/cpu/cpu_backend.h"
 #include "engine/error.h"
-#include "parallel/train_engine.h"
+#include "parallel/engines/train_engine.h"
 #include "tools/bench/harness.h"
 #include "tools/bench/options.h"
 

@@ -1,5 +1,5 @@
-// libFuzzer target for the TCP store's wire protocol (parallel/tcp_protocol.h) and the server's
-// handling of it (parallel/tcp_store_server.cpp), built and run by tools/fuzz.sh. Each input is
+// libFuzzer target for the TCP store's wire protocol (parallel/rendezvous/tcp_protocol.h) and the server's
+// handling of it (parallel/rendezvous/tcp_store_server.cpp), built and run by tools/fuzz.sh. Each input is
 // the byte stream one client sends:
 //   1. parse_frame() reads it frame by frame, as requests (what the server does) and as replies
 //      (what the client does); a frame it accepts must encode() back to the same bytes;
@@ -19,8 +19,8 @@
 #include <cstring>
 #include <string>
 
-#include "parallel/store.h"
-#include "parallel/tcp_protocol.h"
+#include "parallel/rendezvous/store.h"
+#include "parallel/rendezvous/tcp_protocol.h"
 
 namespace {
 

@@ -1,0 +1,302 @@
+// The NCCL process group, inside libreplica_nccl.so (with local_nccl.cpp).
+//
+// Communicators are non-blocking (config.blocking = 0), so a missing or stopped peer ends in a
+// timeout rather than a hang. NCCL's contract for them: any call may return ncclInProgress,
+// which is not an error but "not settled yet"; the communicator must then be polled with
+// ncclCommGetAsyncError until it reports success or a real error, before the next NCCL call or
+// stream work. check() does that for every call, bounded by the group's timeout, then aborts
+// the communicator and fails naming the rank, the call and (through the peer monitor) the rank
+// that stopped answering.
+//
+// Collectives run on a stream of the group's own: an event recorded on the caller's stream
+// orders each after the work that produced its input, and the caller's stream waits for them
+// only when it asks (stream_wait), so bucket all-reduces overlap the rest of backward.
+//
+// Ranks that share one GPU (cuda:0*N) are each given an NCCL_HOSTID of their own, over the
+// socket transport: NCCL otherwise refuses them ("Duplicate GPU detected"). That runs NCCL's
+// real set-up, collectives and failures on a one-GPU machine; it measures no interconnect.
+#include <nccl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "engine/cuda/cuda_check.h"
+#include "engine/error.h"
+#include "engine/ops.h"
+#include "engine/plugin_abi.h"
+#include "parallel/comm/nccl_plugin.h"
+#include "parallel/comm/peer_monitor.h"
+#include "parallel/rendezvous/store.h"
+
+namespace replica {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string hostname() {
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  return host;
+}
+
+// Where this rank's GPU is: two ranks with the same string use one GPU.
+std::string gpu_identity(int ordinal) {
+  char bus[64] = {0};
+  REPLICA_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, ordinal));
+  return hostname() + "/" + bus;
+}
+
+// Set only where the user has not: their setting wins.
+void set_default_env(const char* name, const std::string& value) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) setenv(name, value.c_str(), 1);
+}
+
+class NcclGroup final : public ProcessGroup {
+ public:
+  NcclGroup(const GroupOptions& o, Store& store, DeviceContext& ctx,
+            std::unique_ptr<PeerMonitor> monitor)
+      : ProcessGroup(o.rank, o.size, std::move(monitor), &store, o.timeout), ctx_(&ctx) {
+    // Groups are made in the same order on every rank: the count keeps their keys apart.
+    static std::atomic<int> groups{0};
+    const std::string prefix = fmt::format("nccl/{}/", groups++);
+    ctx.activate();
+    agree_on_placement(store, prefix);
+
+    ncclUniqueId id;
+    if (rank_ == 0) {
+      check("ncclGetUniqueId", ncclGetUniqueId(&id), /*comm_known=*/false);
+      store.set(prefix + "unique_id",
+                to_bytes(std::string_view(reinterpret_cast<const char*>(&id), sizeof id)));
+    }
+    const Bytes bytes = store.get(prefix + "unique_id");
+    REPLICA_CHECK(bytes.size() == sizeof id, "nccl: malformed unique id in the store");
+    std::memcpy(&id, bytes.data(), sizeof id);
+
+    int least = 0, greatest = 0;
+    REPLICA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    REPLICA_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+    REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming));
+    REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    check("ncclCommInitRankConfig (communicator setup)",
+          ncclCommInitRankConfig(&comm_, size_, id, rank_, &config), /*comm_known=*/true);
+    token_ = ctx.alloc({1});
+    ctx.ops().fill(ctx, token_, 0.f);
+  }
+
+  ~NcclGroup() override {
+    if (comm_) {
+      // Finalize flushes what is still in flight; a peer that never comes makes it time out,
+      // and then the communicator is aborted instead.
+      try {
+        ctx_->activate();
+        check("ncclCommFinalize", ncclCommFinalize(comm_), true,
+              std::min(timeout_, std::chrono::milliseconds(30000)));
+        ncclCommDestroy(comm_);
+      } catch (...) {
+        if (comm_) ncclCommAbort(comm_);
+      }
+      comm_ = nullptr;
+    }
+    if (done_) cudaEventDestroy(done_);
+    if (inputs_ready_) cudaEventDestroy(inputs_ready_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  std::string backend() const override { return "nccl"; }
+  std::string describe() const override {
+    if (!shared_gpu_) return "nccl";
+    return fmt::format("nccl over sockets, {} ranks on {} GPU{} (a correctness mode: no "
+                       "interconnect is measured)",
+                       size_, gpus_, gpus_ == 1 ? "" : "s");
+  }
+  bool shared_gpu() const override { return shared_gpu_; }
+
+  void allreduce_sum(DeviceContext& ctx, Tensor& t, bool) override {
+    if (t.numel() == 0) return;
+    enqueue("nccl all-reduce", ctx, [&] {
+      return ncclAllReduce(t.raw(), t.raw(), size_t(t.numel()), ncclFloat, ncclSum, comm_,
+                           stream_);
+    });
+  }
+
+  void broadcast(DeviceContext& ctx, Tensor& t, int root) override {
+    if (t.numel() == 0) return;
+    enqueue("nccl broadcast", ctx, [&] {
+      return ncclBroadcast(t.raw(), t.raw(), size_t(t.numel()), ncclFloat, root, comm_, stream_);
+    });
+  }
+
+  // Every rank must arrive: an all-reduce of one float, then the host waits (with the timeout).
+  void barrier() override {
+    allreduce_sum(*ctx_, token_, false);
+    wait_idle("nccl barrier");
+  }
+
+  // Through device memory (NCCL moves device buffers only): int64 values as raw bytes.
+  std::vector<int64_t> all_gather(DeviceContext& ctx, const std::vector<int64_t>& mine) override {
+    std::vector<int64_t> out(mine.size() * size_t(size_));
+    if (mine.empty()) return out;
+    const int64_t words = int64_t(mine.size()) * 2;  // float-sized words of the F32 tensors
+    Tensor host_in = Tensor::empty(host_allocator(), {words});
+    Tensor host_out = Tensor::empty(host_allocator(), {words * size_});
+    std::memcpy(host_in.raw(), mine.data(), mine.size() * sizeof(int64_t));
+    Tensor dev_in = ctx.alloc({words}), dev_out = ctx.alloc({words * size_});
+    ctx.ops().copy(ctx, dev_in, host_in);
+    enqueue("nccl all-gather", ctx, [&] {
+      return ncclAllGather(dev_in.raw(), dev_out.raw(), mine.size(), ncclInt64, comm_, stream_);
+    });
+    wait_idle("nccl all-gather");
+    stream_wait(ctx);
+    ctx.ops().copy(ctx, host_out, dev_out);
+    ctx.synchronize();
+    std::memcpy(out.data(), host_out.raw(), out.size() * sizeof(int64_t));
+    return out;
+  }
+
+  void stream_wait(DeviceContext& ctx) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!enqueued_) return;
+    ctx.activate();
+    REPLICA_CUDA_CHECK(cudaStreamWaitEvent(cuda_state(ctx).stream, done_, 0));
+  }
+
+  void synchronize(DeviceContext&) override { wait_idle(last_); }
+
+ private:
+  // Every rank publishes where its GPU is; when two share one, every rank takes a host id of
+  // its own (all must agree, or NCCL would see some as one host and refuse).
+  void agree_on_placement(Store& store, const std::string& prefix) {
+    store.set(prefix + fmt::format("gpu/{}", rank_), to_bytes(gpu_identity(ctx_->device().index)));
+    std::set<std::string> gpus, hosts;
+    for (int r = 0; r < size_; ++r) {
+      const std::string id = to_string(store.get(prefix + fmt::format("gpu/{}", r)));
+      gpus.insert(id);
+      hosts.insert(id.substr(0, id.rfind('/')));
+    }
+    gpus_ = int(gpus.size());
+    shared_gpu_ = gpus_ < size_;
+    if (!shared_gpu_) return;
+    setenv("NCCL_HOSTID", fmt::format("replica-{}-rank{}", hostname(), rank_).c_str(), 1);
+    setenv("NCCL_NET", "Socket", 1);
+    if (hosts.size() == 1) set_default_env("NCCL_SOCKET_IFNAME", "lo");
+  }
+
+  // Runs one NCCL call on the group's stream, after the work already on ctx's stream.
+  template <class Call>
+  void enqueue(const char* what, DeviceContext& ctx, Call&& call) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    REPLICA_CHECK(comm_ != nullptr, "{} on rank {}: the communicator was aborted by an earlier "
+                  "failure", what, rank_);
+    entering(what);
+    last_ = what;
+    ctx.activate();
+    REPLICA_CUDA_CHECK(cudaEventRecord(inputs_ready_, cuda_state(ctx).stream));
+    REPLICA_CUDA_CHECK(cudaStreamWaitEvent(stream_, inputs_ready_, 0));
+    check(what, call(), true);
+    REPLICA_CUDA_CHECK(cudaEventRecord(done_, stream_));
+    enqueued_ = true;
+  }
+
+  // The non-blocking contract: ncclInProgress -> poll until the communicator settles.
+  void check(const char* what, ncclResult_t r, bool comm_known,
+             std::chrono::milliseconds limit = std::chrono::milliseconds(0)) {
+    if (r == ncclSuccess) return;
+    if (r != ncclInProgress || !comm_known || !comm_)
+      abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(r), last_error()));
+    const auto budget = limit.count() ? limit : timeout_;
+    const auto deadline = Clock::now() + budget;
+    auto nap = std::chrono::microseconds(20);
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+      if (q != ncclSuccess) state = q;
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress)
+        abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(state), last_error()));
+      if (Clock::now() > deadline)
+        abort_and_fail(what, fmt::format("not settled after {:.1f} s", budget.count() / 1000.0));
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(5000));
+    }
+  }
+
+  // Host wait for the group's stream, watching NCCL's asynchronous errors and the timeout.
+  void wait_idle(const char* what) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!comm_ || !enqueued_) return;
+    const auto deadline = Clock::now() + timeout_;
+    auto nap = std::chrono::microseconds(20);
+    for (;;) {
+      cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) REPLICA_CUDA_CHECK(q);
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &state);
+      if (state != ncclSuccess && state != ncclInProgress)
+        abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(state), last_error()));
+      if (Clock::now() > deadline)
+        abort_and_fail(what, fmt::format("not finished after {:.1f} s",
+                                         timeout_.count() / 1000.0));
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(2000));
+    }
+  }
+
+  std::string last_error() const {
+    const char* e = ncclGetLastError(comm_);
+    return e && *e ? e : "no further detail from NCCL";
+  }
+
+  // Aborting stops the kernels still waiting for a peer, so the process can report and exit.
+  [[noreturn]] void abort_and_fail(const char* what, const std::string& detail) {
+    if (comm_) ncclCommAbort(comm_);
+    comm_ = nullptr;
+    fail(what, detail + "; communicator aborted");
+  }
+
+  DeviceContext* ctx_;  // outlives the group (both owned by the DDP engine)
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
+  std::mutex mutex_;  // one NCCL call sequence at a time (reducer thread, training thread)
+  bool enqueued_ = false;
+  const char* last_ = "nccl collective";
+  bool shared_gpu_ = false;
+  int gpus_ = 1;
+  Tensor token_;
+};
+
+}  // namespace
+
+namespace nccl {
+
+std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, Store& store,
+                                         DeviceContext& ctx,
+                                         std::unique_ptr<PeerMonitor> monitor) {
+  return std::make_unique<NcclGroup>(options, store, ctx, std::move(monitor));
+}
+
+std::string version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
+  return fmt::format("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100);
+}
+
+}  // namespace nccl
+}  // namespace replica
+
+extern "C" const void* replica_nccl_plugin(int abi) {
+  using namespace replica;
+  static const NcclPluginApi api = {nccl::make_group, nccl::make_local, nccl::version};
+  return abi == REPLICA_PLUGIN_ABI ? &api : nullptr;
+}

@@ -1,0 +1,40 @@
+// The NCCL plugin (libreplica_nccl.so, built from nccl_group.cpp and local_nccl.cpp): the table it
+// hands out, and how the rest of parallel/ reaches it. Loaded the first time a program asks for
+// NCCL, so no other program loads NCCL or the CUDA stack (engine/plugin.h).
+#pragma once
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/context.h"
+#include "parallel/comm/local_nccl.h"
+#include "parallel/comm/process_group.h"
+
+namespace replica {
+
+class PeerMonitor;
+
+struct NcclPluginApi {
+  std::unique_ptr<ProcessGroup> (*make_group)(const GroupOptions& options, Store& store,
+                                              DeviceContext& ctx,
+                                              std::unique_ptr<PeerMonitor> monitor);
+  std::unique_ptr<LocalNccl> (*make_local)(const std::vector<DeviceContext*>& contexts);
+  std::string (*version)();  // "2.28.9"
+};
+
+// The plugin's table, or null when NCCL cannot be used here (*why: one line saying why).
+const NcclPluginApi* nccl_plugin(std::string* why = nullptr);
+
+// NCCL's version ("2.28.9"), or why there is none ("not built (...)").
+std::string nccl_version();
+
+// Defined inside the plugin; the rest of the project calls them through the table.
+namespace nccl {
+std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, Store& store,
+                                         DeviceContext& ctx, std::unique_ptr<PeerMonitor> monitor);
+std::unique_ptr<LocalNccl> make_local(const std::vector<DeviceContext*>& contexts);
+std::string version();
+}  // namespace nccl
+
+}  // namespace replica

@@ -1,0 +1,112 @@
+// The process group's shared parts: the group of one, the factory, failure reports.
+#include "parallel/comm/process_group.h"
+
+#include <atomic>
+#include <thread>
+
+#include "engine/error.h"
+#include "parallel/comm/nccl_plugin.h"
+#include "parallel/comm/peer_monitor.h"
+#include "parallel/rendezvous/store.h"
+
+namespace replica {
+
+namespace {
+
+class SingleProcessGroup final : public ProcessGroup {
+ public:
+  SingleProcessGroup() : ProcessGroup(0, 1) {}
+  std::string backend() const override { return "none"; }
+  void allreduce_sum(DeviceContext&, Tensor&, bool) override {}
+  void broadcast(DeviceContext&, Tensor&, int) override {}
+  void barrier() override {}
+  std::vector<int64_t> all_gather(DeviceContext&, const std::vector<int64_t>& mine) override {
+    return mine;
+  }
+};
+
+}  // namespace
+
+CommBackend parse_comm_backend(const std::string& name) {
+  if (name == "gloo") return CommBackend::Gloo;
+  if (name == "nccl") return CommBackend::Nccl;
+  throw UsageError(fmt::format("unknown --backend '{}' (gloo, nccl)", name));
+}
+
+const char* comm_backend_name(CommBackend backend) {
+  return backend == CommBackend::Nccl ? "nccl" : "gloo";
+}
+
+ProcessGroup::ProcessGroup(int rank, int size, std::unique_ptr<PeerMonitor> monitor,
+                           Store* store, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), monitor_(std::move(monitor)), store_(store), timeout_(timeout) {}
+
+void ProcessGroup::leave(DeviceContext& ctx) {
+  if (size_ <= 1 || !store_) return;
+  synchronize(ctx);
+  // Groups leave in the same order on every rank: the count keeps their keys apart.
+  static std::atomic<int> leaves{0};
+  const std::string prefix = fmt::format("leave/{}/", leaves++);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  auto wait_for_all = [&](const std::string& key) {
+    int64_t count;
+    while ((count = store_->add(key, 0)) < size_) {
+      REPLICA_CHECK(std::chrono::steady_clock::now() < deadline,
+                    "rank {}: only {} of {} ranks reached the end of the job ({})", rank_, count,
+                    size_, key);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  };
+  store_->add(prefix + "done", 1);
+  wait_for_all(prefix + "done");
+  store_->add(prefix + "left", 1);
+  if (rank_ == 0) wait_for_all(prefix + "left");
+}
+ProcessGroup::~ProcessGroup() = default;
+
+void ProcessGroup::entering(const char* what) {
+  if (monitor_) monitor_->entering(what);
+}
+
+void ProcessGroup::fail(const std::string& what, const std::string& detail) const {
+  if (!monitor_)
+    throw Error(fmt::format("{} failed on rank {} of {}: {}", what, rank_, size_, detail));
+  PeerMonitor::Finding f = monitor_->diagnose();
+  throw PeerFailure(fmt::format("{} failed on rank {} of {}: {} ({})", what, rank_, size_,
+                                f.text, detail),
+                    f.silent);
+}
+
+std::string nccl_problem() {
+  std::string why;
+  return nccl_plugin(&why) ? "" : why;
+}
+
+std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& o, Store* store,
+                                                 DeviceContext& ctx) {
+  if (o.size <= 1) return std::make_unique<SingleProcessGroup>();
+  REPLICA_USAGE_CHECK(store != nullptr, "a process group of {} ranks needs a rendezvous store",
+                      o.size);
+  // Beating before the group connects: a failure while connecting is diagnosed too.
+  auto monitor = std::make_unique<PeerMonitor>(
+      store->connect_again(std::min(o.timeout, std::chrono::milliseconds(5000))), o.rank, o.size);
+  if (o.backend == CommBackend::Nccl) {
+    std::string why;
+    const NcclPluginApi* nccl = nccl_plugin(&why);
+    REPLICA_USAGE_CHECK(nccl != nullptr, "--backend nccl: NCCL {}", why);
+    REPLICA_USAGE_CHECK(ctx.is_cuda(), "--backend nccl needs a GPU per rank (this rank has {})",
+                        ctx.device().str());
+    return nccl->make_group(o, *store, ctx, std::move(monitor));
+  }
+  return make_gloo_group(o, *store, std::move(monitor));
+}
+
+#ifndef REPLICA_WITH_GLOO
+bool gloo_available() { return false; }
+std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions&, Store&,
+                                              std::unique_ptr<PeerMonitor>) {
+  throw UsageError("this build of replica has no Gloo backend (install libgloo-dev, rebuild)");
+}
+#endif
+
+}  // namespace replica

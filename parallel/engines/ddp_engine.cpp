@@ -1,0 +1,243 @@
+// DDP: forward and loss on the local batch, backward with bucketed all-reduce launched from the
+// grad hook, finalize (wait + average), local optimizer step. BatchNorm buffers are broadcast
+// from rank 0 before each forward (PyTorch's broadcast_buffers=True), so every rank normalises
+// with the same running statistics in eval mode.
+#include "parallel/engines/ddp_engine.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "engine/error.h"
+#include "engine/trace.h"
+#include "layers/loss.h"
+#include "parallel/comm/bucket_reducer.h"
+#include "parallel/engines/engine_steps.h"
+#include "parallel/comm/process_group.h"
+#include "parallel/engines/scatter.h"
+#include "parallel/rendezvous/store.h"
+
+namespace replica {
+
+namespace {
+
+class DdpEngine final : public TrainEngine {
+ public:
+  DdpEngine(const Device& device, const EngineOptions& o, const DdpOptions& d)
+      : ctx_(device, ContextOptions{o.threads_per_device, o.deterministic}),
+        store_(d.store),
+        track_(fmt::format("rank{} {}", d.rank, device.str())),
+        check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),
+        accumulate_(d.accumulate) {
+    REPLICA_USAGE_CHECK(d.accumulate >= 1, "--accumulate must be at least 1, got {}", d.accumulate);
+    ctx_.activate();
+    model_ = make_model(o.model, o.input_shape, o.num_classes);
+    ctx_.run([&] { model_->materialize(ctx_, o.seed); });
+    GroupOptions go;
+    go.backend = d.backend;
+    go.rank = d.rank;
+    go.size = d.world_size;
+    go.host = d.host;
+    go.timeout = d.timeout;
+    group_ = make_process_group(go, d.store.get(), ctx_);
+    // Buckets of gradients all-reduced during backward (nothing to do for one rank).
+    if (group_->size() > 1) {
+      reducer_ = std::make_unique<BucketReducer>(
+          std::vector<Model*>{model_.get()}, d.first_bucket_bytes, d.bucket_bytes,
+          [this](int b) {
+            TraceSpan span("comm", "allreduce");
+            ctx_.activate();
+            const Bucket& bucket = reducer_->buckets()[b];
+            Tensor view = model_->flat_grads().view(bucket.offset, {bucket.numel});
+            group_->allreduce_sum(ctx_, view, /*persistent=*/true);
+          },
+          "wait_allreduce");
+      model_->set_grad_hook(
+          [this](const std::vector<Param*>& ready) { reducer_->on_ready(0, ready); });
+    }
+    optimizer_ = make_optimizer(o.optimizer);
+    ctx_.run([&] {
+      loss_ = ctx_.alloc({1});  // a buffer of its own: micro-batch losses are summed into it
+      ctx_.ops().fill(ctx_, loss_, 0.f);
+    });
+    sync_from_rank0();  // identical starting point on every rank
+  }
+
+  std::string mode() const override { return "ddp"; }
+  std::string comm_description() const override { return group_->describe(); }
+  bool shares_gpu() const override { return group_->shared_gpu(); }
+  std::vector<Device> devices() const override { return {ctx_.device()}; }
+  int rank() const override { return group_->rank(); }
+  int world_size() const override { return group_->size(); }
+
+  void train_step(const Batch& batch) override {
+    REPLICA_CHECK(batch.size() > 0, "empty batch");
+    ctx_.run([&] {
+      Tensor x, y;
+      {
+        TraceSpan span(track_, "h2d", &ctx_);
+        x = batch_to_device(ctx_, batch, batch.images);
+        y = batch_to_device(ctx_, batch, batch.labels);
+      }
+      if (model_->num_buffer_elements() > 0 && group_->size() > 1) {
+        TraceSpan span(track_, "broadcast_buffers", &ctx_);
+        group_->broadcast(ctx_, model_->flat_buffers(), 0);
+        group_->stream_wait(ctx_);  // the forward reads them
+      }
+      model_->zero_grad(ctx_);
+      // K micro-batches (torch.chunk sizes); the loss gradient of each is scaled by
+      // 1/(local batch), so the accumulated gradient is that of the whole local batch.
+      const auto micro = scatter_chunks(batch.size(), accumulate_);
+      int last = 0;
+      for (int k = 0; k < accumulate_; ++k)
+        if (micro[k].count > 0) last = k;
+      for (int k = 0; k <= last; ++k) {
+        Tensor xk = x.slice_rows(micro[k].begin, micro[k].begin + micro[k].count);
+        Tensor yk = y.slice_rows(micro[k].begin, micro[k].begin + micro[k].count);
+        {
+          TraceSpan span(track_, "forward", &ctx_);
+          Tensor logits = model_->forward(ctx_, xk);
+          Tensor loss = criterion_.forward(ctx_, logits, yk);
+          if (last == 0) {
+            loss_ = loss;
+          } else {
+            if (k == 0) ctx_.ops().fill(ctx_, loss_, 0.f);
+            ctx_.ops().add(ctx_, loss_, loss, float(micro[k].count) / float(batch.size()));
+          }
+        }
+        if (reducer_) reducer_->begin(1, /*sync=*/k == last);  // no_sync but for the last
+        {
+          TraceSpan span(track_, "backward", &ctx_);
+          model_->backward(ctx_, criterion_.backward(ctx_, batch.size()));
+        }
+      }
+      {
+        TraceSpan span(track_, "finalize", &ctx_);
+        if (reducer_) {
+          reducer_->finish();
+          group_->stream_wait(ctx_);  // GPU: the step's kernels wait for the last bucket
+          ctx_.ops().scale(ctx_, model_->flat_grads(), 1.f / float(group_->size()));  // mean
+        }
+      }
+      {
+        TraceSpan span(track_, "step", &ctx_);
+        optimizer_->step(ctx_, model_->flat_params(), model_->flat_grads());
+      }
+      if (check_sync_) verify_in_sync();
+    });
+    if (macs_per_sample_ == 0) macs_per_sample_ = model_->last_forward_macs() / batch.size();
+  }
+
+  float last_loss() override {
+    Tensor host = Tensor::empty(host_allocator(), {1});
+    ctx_.run([&] {
+      ctx_.ops().copy(ctx_, host, loss_);
+      group_->synchronize(ctx_);
+      ctx_.synchronize();
+    });
+    return host.f32()[0];
+  }
+
+  void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
+    evaluate_batch(ctx_, *model_, criterion_, batch.images, batch.labels, loss_sum, correct);
+  }
+
+  // Sums each rank's evaluation totals, so every rank reports the same metrics.
+  void reduce_metrics(std::vector<double>& values) override {
+    if (group_->size() <= 1 || values.empty()) return;
+    ctx_.run([&] {
+      Tensor host = Tensor::empty(host_allocator(), {int64_t(values.size())});
+      for (size_t i = 0; i < values.size(); ++i) host.f32()[i] = float(values[i]);
+      Tensor dev = batch_to_device(ctx_, host);
+      group_->allreduce_sum(ctx_, dev);
+      group_->stream_wait(ctx_);
+      ctx_.ops().copy(ctx_, host, dev);
+      group_->synchronize(ctx_);
+      ctx_.synchronize();
+      for (size_t i = 0; i < values.size(); ++i) values[i] = host.f32()[i];
+    });
+  }
+
+  std::vector<int64_t> gather_from_ranks(const std::vector<int64_t>& mine) override {
+    std::vector<int64_t> all;
+    ctx_.run([&] { all = group_->all_gather(ctx_, mine); });
+    return all;
+  }
+
+  void set_training(bool training) override { model_->set_training(training); }
+  void synchronize() override {
+    ctx_.run([&] {
+      group_->synchronize(ctx_);
+      ctx_.synchronize();
+    });
+  }
+  Model& model() override { return *model_; }
+  DeviceContext& primary() override { return ctx_; }
+  Optimizer& optimizer() override { return *optimizer_; }
+  void state_loaded() override { sync_from_rank0(); }
+  std::vector<size_t> peak_memory_bytes() const override {
+    return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
+  }
+  double forward_macs_per_sample() const override { return macs_per_sample_; }
+  void finish() override {
+    ctx_.run([&] { group_->leave(ctx_); });
+  }
+
+  int64_t comm_bytes_per_step() const override {
+    // Every rank all-reduces the whole gradient once per step.
+    return group_->size() > 1 ? model_->num_params() * int64_t(sizeof(float)) : 0;
+  }
+
+ private:
+  // Debug check (REPLICA_DDP_CHECK_SYNC=1): rank 0's parameters, broadcast, must equal this
+  // rank's bit for bit after every step.
+  void verify_in_sync() {
+    if (group_->size() <= 1) return;
+    Tensor mine = Tensor::empty(host_allocator(), {model_->num_params()});
+    Tensor theirs = ctx_.alloc({model_->num_params()});
+    ctx_.ops().copy(ctx_, theirs, model_->flat_params());
+    group_->broadcast(ctx_, theirs, 0);
+    group_->stream_wait(ctx_);
+    Tensor host = Tensor::empty(host_allocator(), {model_->num_params()});
+    ctx_.ops().copy(ctx_, mine, model_->flat_params());
+    ctx_.ops().copy(ctx_, host, theirs);
+    group_->synchronize(ctx_);
+    ctx_.synchronize();
+    REPLICA_CHECK(std::memcmp(mine.raw(), host.raw(), mine.bytes()) == 0,
+                  "rank {}: parameters differ from rank 0's after step {}", group_->rank(),
+                  optimizer_->steps());
+  }
+
+  void sync_from_rank0() {
+    if (group_->size() <= 1) return;
+    ctx_.run([&] {
+      group_->broadcast(ctx_, model_->flat_params(), 0);
+      if (model_->num_buffer_elements() > 0) group_->broadcast(ctx_, model_->flat_buffers(), 0);
+      group_->stream_wait(ctx_);
+      group_->synchronize(ctx_);
+    });
+  }
+
+  DeviceContext ctx_;
+  std::shared_ptr<Store> store_;  // the rendezvous store, alive as long as the group uses it
+  std::string track_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<ProcessGroup> group_;
+  std::unique_ptr<BucketReducer> reducer_;
+  std::unique_ptr<Optimizer> optimizer_;
+  CrossEntropyLoss criterion_;
+  Tensor loss_;
+  double macs_per_sample_ = 0;
+  bool check_sync_;
+  int accumulate_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_ddp_engine(const Device& device, const EngineOptions& options,
+                                             const DdpOptions& ddp) {
+  REPLICA_USAGE_CHECK(ddp.world_size == 1 || ddp.store != nullptr,
+                      "DDP with {} ranks needs a rendezvous store", ddp.world_size);
+  return std::make_unique<DdpEngine>(device, options, ddp);
+}
+
+}  // namespace replica

@@ -1,0 +1,270 @@
+// DataParallel: one process, one long-lived worker thread per device, one model replica each.
+// An iteration: scatter the batch (each worker copies its own chunk), forward on every replica,
+// gather the outputs on device 0, loss and its gradient there, scatter the output gradient,
+// backward on every replica while buckets of gradients are summed into replica 0, optimizer
+// step on device 0, broadcast the parameters and buffers (BatchNorm statistics follow device 0).
+#include <algorithm>
+#include <thread>
+
+#include "engine/error.h"
+#include "engine/trace.h"
+#include "layers/loss.h"
+#include "parallel/engines/dp_engine.h"
+#include "parallel/engines/engine_steps.h"
+#include "parallel/comm/root_reducer.h"
+#include "parallel/engines/scatter.h"
+#include "parallel/engines/worker_pool.h"
+
+namespace replica {
+
+namespace {
+
+class DataParallelEngine final : public TrainEngine {
+ public:
+  DataParallelEngine(const std::vector<Device>& devices, const EngineOptions& o,
+                     const DpOptions& dp)
+      : pool_(static_cast<int>(devices.size())) {
+    const int n = static_cast<int>(devices.size());
+    int threads = o.threads_per_device;
+    if (threads == 0) {
+      threads = std::max(1, cpu_cores() / n);
+    }
+    replicas_.resize(n);
+    // Contexts and replicas are created on their own worker threads (CUDA: current device).
+    pool_.run([&](int i) {
+      Replica& r = replicas_[i];
+      r.ctx = std::make_unique<DeviceContext>(devices[i], ContextOptions{threads, o.deterministic});
+      r.track = devices[i].str();
+      r.model = make_model(o.model, o.input_shape, o.num_classes);
+      r.ctx->run([&] { r.model->materialize(*r.ctx, o.seed); });
+      r.model->set_grad_hook([this, i](const std::vector<Param*>& ready) {
+        reducer_->on_ready(i, ready);
+      });
+    });
+    std::vector<DeviceContext*> ctxs;
+    std::vector<Model*> models;
+    for (auto& r : replicas_) {
+      ctxs.push_back(r.ctx.get());
+      models.push_back(r.model.get());
+    }
+    reducer_ = std::make_unique<RootReducer>(ctxs, models, dp.strategy, dp.first_bucket_bytes,
+                                             dp.bucket_bytes);
+    optimizer_ = make_optimizer(o.optimizer);
+    DeviceContext& c0 = primary();
+    c0.run([&] {
+      loss_ = c0.alloc({1});
+      c0.ops().fill(c0, loss_, 0.f);
+    });
+  }
+
+  std::string mode() const override { return "dp"; }
+  std::vector<Device> devices() const override {
+    std::vector<Device> d;
+    for (const auto& r : replicas_) d.push_back(r.ctx->device());
+    return d;
+  }
+
+  void train_step(const Batch& batch) override {
+    const int64_t total = batch.size();
+    REPLICA_CHECK(total > 0, "empty batch");
+    const int n = static_cast<int>(replicas_.size());
+    const auto chunks = scatter_chunks(total, n);
+    int active = 0;
+    while (active < n && chunks[active].count > 0) ++active;
+    last_active_ = active;
+    DeviceContext& c0 = primary();
+
+    // Scatter + forward: each worker takes its own chunk of the host batch.
+    pool_.run([&](int i) {
+      Replica& r = replicas_[i];
+      if (i >= active) {
+        // Idle this step (small batch): zero gradients, which a NCCL reduce still includes.
+        r.ctx->run([&] { r.model->zero_grad(*r.ctx); });
+        return;
+      }
+      r.ctx->run([&] {
+        {
+          TraceSpan span(r.track, "scatter", r.ctx.get());
+          r.x = batch_to_device(*r.ctx, batch, batch.images.slice_rows(chunks[i].begin,
+                                                                chunks[i].begin + chunks[i].count));
+        }
+        TraceSpan span(r.track, "forward", r.ctx.get());
+        r.model->zero_grad(*r.ctx);
+        r.logits = r.model->forward(*r.ctx, r.x);
+        r.forward_done->record(*r.ctx);
+      });
+    });
+
+    // Gather outputs on device 0; loss and its gradient over the whole batch there.
+    Tensor dlogits;
+    c0.run([&] {
+      TraceSpan span(replicas_[0].track, "gather_loss", &c0);
+      const int64_t classes = replicas_[0].logits.dim(1);
+      Tensor all = active == 1 ? replicas_[0].logits : c0.alloc({total, classes});
+      if (active > 1) {
+        for (int i = 0; i < active; ++i) {
+          replicas_[i].forward_done->wait(c0);
+          Tensor rows = all.slice_rows(chunks[i].begin, chunks[i].begin + chunks[i].count);
+          c0.ops().copy(c0, rows, replicas_[i].logits);
+        }
+      }
+      Tensor labels = batch_to_device(c0, batch, batch.labels);
+      loss_ = criterion_.forward(c0, all, labels);
+      dlogits = criterion_.backward(c0);
+      loss_done_.record(c0);
+    });
+
+    // Backward on every replica; buckets reduce into replica 0 as they complete.
+    reducer_->begin(active);
+    pool_.run([&](int i) {
+      Replica& r = replicas_[i];
+      if (i >= active) return;
+      r.ctx->run([&] {
+        Tensor dl = dlogits.slice_rows(chunks[i].begin, chunks[i].begin + chunks[i].count);
+        {
+          TraceSpan span(r.track, "scatter_grad", r.ctx.get());
+          loss_done_.wait(*r.ctx);
+          if (r.ctx->is_cuda() && i > 0) {
+            Tensor local = r.ctx->alloc(dl.shape());
+            r.ctx->ops().copy(*r.ctx, local, dl);
+            dl = local;
+          }
+        }
+        TraceSpan span(r.track, "backward", r.ctx.get());
+        r.logits = Tensor();
+        r.model->backward(*r.ctx, dl);
+        reducer_->backward_done(i);
+        r.x = Tensor();
+      });
+    });
+    {
+      TraceSpan span(replicas_[0].track, "reduce", &c0);
+      c0.run([&] { reducer_->finish(); });
+    }
+
+    // Step on device 0, then broadcast parameters and buffers.
+    c0.run([&] {
+      TraceSpan span(replicas_[0].track, "step", &c0);
+      optimizer_->step(c0, replicas_[0].model->flat_params(), replicas_[0].model->flat_grads());
+      step_done_.record(c0);
+    });
+    if (n > 1) broadcast();
+    if (macs_per_sample_ == 0) {
+      double macs = 0;
+      for (int i = 0; i < active; ++i) macs += replicas_[i].model->last_forward_macs();
+      macs_per_sample_ = macs / total;
+    }
+  }
+
+  float last_loss() override {
+    DeviceContext& c0 = primary();
+    Tensor host = Tensor::empty(host_allocator(), {1});
+    c0.run([&] {
+      c0.ops().copy(c0, host, loss_);
+      c0.synchronize();
+    });
+    return host.f32()[0];
+  }
+
+  // Evaluation: each replica takes its chunk of the batch (every replica holds the same
+  // parameters); the per-chunk loss sums and hit counts are added up.
+  void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
+    const int n = static_cast<int>(replicas_.size());
+    const auto chunks = scatter_chunks(batch.size(), n);
+    std::vector<double> losses(n, 0.0);
+    std::vector<int64_t> hits(n, 0);
+    pool_.run([&](int i) {
+      if (chunks[i].count == 0) return;
+      Replica& r = replicas_[i];
+      const int64_t b = chunks[i].begin, e = b + chunks[i].count;
+      CrossEntropyLoss criterion;  // per worker: the criterion keeps state between calls
+      evaluate_batch(*r.ctx, *r.model, criterion, batch.images.slice_rows(b, e),
+                     batch.labels.slice_rows(b, e), losses[i], hits[i]);
+    });
+    for (int i = 0; i < n; ++i) {
+      loss_sum += losses[i];
+      correct += hits[i];
+    }
+  }
+
+  void set_training(bool training) override {
+    for (auto& r : replicas_) r.model->set_training(training);
+  }
+  void synchronize() override {
+    pool_.run([&](int i) { replicas_[i].ctx->synchronize(); });
+  }
+  Model& model() override { return *replicas_[0].model; }
+  DeviceContext& primary() override { return *replicas_[0].ctx; }
+  Optimizer& optimizer() override { return *optimizer_; }
+  void state_loaded() override {
+    primary().run([&] { step_done_.record(primary()); });
+    broadcast();
+  }
+  std::vector<size_t> peak_memory_bytes() const override {
+    std::vector<size_t> out;
+    for (const auto& r : replicas_) out.push_back(r.ctx->allocator().peak_bytes());
+    return out;
+  }
+  double forward_macs_per_sample() const override { return macs_per_sample_; }
+  int64_t comm_bytes_per_step() const override { return reducer_->bytes_per_step(last_active_); }
+
+ private:
+  struct Replica {
+    std::unique_ptr<DeviceContext> ctx;
+    std::unique_ptr<Model> model;
+    std::string track;
+    Tensor x, logits;
+    std::unique_ptr<StreamEvent> forward_done = std::make_unique<StreamEvent>();
+  };
+
+  // Parameters and buffers of replica 0 to every other replica, each on its own worker.
+  void broadcast() {
+    Model& m0 = *replicas_[0].model;
+    if (LocalNccl* nccl = reducer_->nccl()) {
+      TraceSpan span(replicas_[0].track, "broadcast");
+      std::vector<Tensor> params, buffers;
+      for (auto& r : replicas_) {
+        params.push_back(r.model->flat_params());
+        buffers.push_back(r.model->flat_buffers());
+      }
+      nccl->broadcast_from_root(params);
+      if (m0.num_buffer_elements() > 0) nccl->broadcast_from_root(buffers);
+      return;
+    }
+    pool_.run([&](int i) {
+      if (i == 0) return;
+      Replica& r = replicas_[i];
+      r.ctx->run([&] {
+        TraceSpan span(r.track, "broadcast", r.ctx.get());
+        step_done_.wait(*r.ctx);
+        r.ctx->ops().copy(*r.ctx, r.model->flat_params(), m0.flat_params());
+        if (m0.num_buffer_elements() > 0)
+          r.ctx->ops().copy(*r.ctx, r.model->flat_buffers(), m0.flat_buffers());
+      });
+    });
+  }
+
+  WorkerPool pool_;
+  std::vector<Replica> replicas_;
+  std::unique_ptr<RootReducer> reducer_;
+  std::unique_ptr<Optimizer> optimizer_;
+  CrossEntropyLoss criterion_;
+  Tensor loss_;
+  StreamEvent loss_done_, step_done_;
+  double macs_per_sample_ = 0;
+  int last_active_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_dp_engine(const std::vector<Device>& devices,
+                                            const EngineOptions& options, const DpOptions& dp) {
+  REPLICA_CHECK(!devices.empty(), "DP needs at least one device");
+  for (const auto& d : devices)
+    REPLICA_USAGE_CHECK(d.type == devices[0].type,
+                        "DP devices must all be CPU or all CUDA (got {} and {})",
+                        devices[0].str(), d.str());
+  return std::make_unique<DataParallelEngine>(devices, options, dp);
+}
+
+}  // namespace replica

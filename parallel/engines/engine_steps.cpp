@@ -1,0 +1,40 @@
+#include "parallel/engines/engine_steps.h"
+
+#include "engine/ops.h"
+
+namespace replica {
+
+Tensor batch_to_device(DeviceContext& ctx, const Tensor& host) {
+  if (!ctx.is_cuda()) return host;
+  Tensor t = ctx.alloc(host.shape(), host.dtype());
+  ctx.ops().copy(ctx, t, host);
+  return t;
+}
+
+Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& part) {
+  Tensor t = batch_to_device(ctx, part);
+  batch.copies->add(ctx);
+  return t;
+}
+
+void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
+                    const Tensor& images, const Tensor& labels, double& loss_sum,
+                    int64_t& correct) {
+  ctx.run([&] {
+    Tensor x = batch_to_device(ctx, images), y = batch_to_device(ctx, labels);
+    Tensor logits = model.forward(ctx, x);
+    Tensor loss = criterion.forward(ctx, logits, y);
+    Tensor hits = ctx.alloc({1}, DType::I32);
+    ctx.ops().fill(ctx, hits, 0.f);
+    ctx.ops().count_correct(ctx, logits, y, hits);
+    Tensor host_loss = Tensor::empty(host_allocator(), {1});
+    Tensor host_hits = Tensor::empty(host_allocator(), {1}, DType::I32);
+    ctx.ops().copy(ctx, host_loss, loss);
+    ctx.ops().copy(ctx, host_hits, hits);
+    ctx.synchronize();
+    loss_sum += double(host_loss.f32()[0]) * images.dim(0);
+    correct += host_hits.i32()[0];
+  });
+}
+
+}  // namespace replica

@@ -1,0 +1,96 @@
+// The single-device engine: the reference every parallel engine is checked against.
+#include <algorithm>
+
+#include "engine/error.h"
+#include "engine/trace.h"
+#include "layers/loss.h"
+#include "parallel/engines/engine_steps.h"
+#include "parallel/engines/train_engine.h"
+
+namespace replica {
+
+namespace {
+
+class SingleDeviceEngine final : public TrainEngine {
+ public:
+  SingleDeviceEngine(const Device& device, const EngineOptions& o)
+      : ctx_(device, ContextOptions{o.threads_per_device, o.deterministic}),
+        track_(device.str()) {
+    model_ = make_model(o.model, o.input_shape, o.num_classes);
+    ctx_.run([&] { model_->materialize(ctx_, o.seed); });
+    optimizer_ = make_optimizer(o.optimizer);
+    loss_ = ctx_.alloc({1});
+    ctx_.ops().fill(ctx_, loss_, 0.f);
+  }
+
+  std::string mode() const override { return "single"; }
+  std::vector<Device> devices() const override { return {ctx_.device()}; }
+
+  void train_step(const Batch& batch) override {
+    REPLICA_CHECK(batch.size() > 0, "empty batch");
+    ctx_.run([&] {
+      Tensor x, y;
+      {
+        TraceSpan span(track_, "h2d", &ctx_);
+        x = batch_to_device(ctx_, batch, batch.images);
+        y = batch_to_device(ctx_, batch, batch.labels);
+      }
+      {
+        TraceSpan span(track_, "forward", &ctx_);
+        model_->zero_grad(ctx_);
+        logits_ = model_->forward(ctx_, x);
+        loss_ = criterion_.forward(ctx_, logits_, y);
+      }
+      {
+        TraceSpan span(track_, "backward", &ctx_);
+        Tensor dlogits = criterion_.backward(ctx_);
+        logits_ = Tensor();
+        model_->backward(ctx_, dlogits);
+      }
+      {
+        TraceSpan span(track_, "step", &ctx_);
+        optimizer_->step(ctx_, model_->flat_params(), model_->flat_grads());
+      }
+    });
+    if (macs_per_sample_ == 0) macs_per_sample_ = model_->last_forward_macs() / batch.size();
+  }
+
+  float last_loss() override {
+    Tensor host = Tensor::empty(host_allocator(), {1});
+    ctx_.ops().copy(ctx_, host, loss_);
+    ctx_.synchronize();
+    return host.f32()[0];
+  }
+
+  void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
+    evaluate_batch(ctx_, *model_, criterion_, batch.images, batch.labels, loss_sum, correct);
+  }
+
+  void set_training(bool training) override { model_->set_training(training); }
+  void synchronize() override { ctx_.synchronize(); }
+  Model& model() override { return *model_; }
+  DeviceContext& primary() override { return ctx_; }
+  Optimizer& optimizer() override { return *optimizer_; }
+  std::vector<size_t> peak_memory_bytes() const override {
+    return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
+  }
+  double forward_macs_per_sample() const override { return macs_per_sample_; }
+
+ private:
+  DeviceContext ctx_;
+  std::string track_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Optimizer> optimizer_;
+  CrossEntropyLoss criterion_;
+  Tensor loss_, logits_;
+  double macs_per_sample_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_single_device_engine(const Device& device,
+                                                       const EngineOptions& options) {
+  return std::make_unique<SingleDeviceEngine>(device, options);
+}
+
+}  // namespace replica

@@ -1,0 +1,132 @@
+#include "parallel/loop/checkpointing.h"
+
+#include <filesystem>
+
+#include "engine/checkpoint.h"
+#include "engine/error.h"
+
+namespace replica {
+
+namespace {
+
+Tensor to_host(DeviceContext& ctx, const Tensor& t) {
+  Tensor h = Tensor::empty(host_allocator(), t.shape(), t.dtype());
+  ctx.ops().copy(ctx, h, t);
+  return h;
+}
+
+std::string meta(const Checkpoint& c, const std::string& key, const std::string& path) {
+  auto it = c.metadata.find(key);
+  REPLICA_USAGE_CHECK(it != c.metadata.end(), "{}: not a replica training checkpoint (no '{}')",
+                      path, key);
+  return it->second;
+}
+
+// The primary replica's parameters and buffers as host tensors (names prefixed as given) and the
+// model's metadata: what a training checkpoint and a model file both hold. `extra` runs inside
+// the same device context, before the one synchronize.
+template <class Extra>
+Checkpoint model_snapshot(TrainEngine& engine, const std::string& format,
+                          const std::string& param_prefix, const std::string& buffer_prefix,
+                          Extra&& extra) {
+  DeviceContext& ctx = engine.primary();
+  Model& model = engine.model();
+  Checkpoint c;
+  ctx.run([&] {
+    for (Param* p : model.params())
+      c.tensors.emplace_back(param_prefix + p->name, to_host(ctx, p->value));
+    for (Buffer* b : model.buffers())
+      c.tensors.emplace_back(buffer_prefix + b->name, to_host(ctx, b->value));
+    extra(ctx, c);
+    ctx.synchronize();
+  });
+  c.metadata = {{"format", format},
+                {"model", model.spec().name},
+                {"input_shape", shape_str(model.spec().input_shape)},
+                {"num_classes", std::to_string(model.spec().num_classes)}};
+  return c;
+}
+
+}  // namespace
+
+std::string checkpoint_path(const std::string& dir) {
+  return (std::filesystem::path(dir) / "checkpoint.safetensors").string();
+}
+
+void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const RunPosition& pos,
+                              uint64_t seed, int64_t batch_size) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  REPLICA_USAGE_CHECK(!ec, "cannot create checkpoint directory '{}': {}", dir, ec.message());
+  Checkpoint c = model_snapshot(engine, "replica-checkpoint-v1", "model.", "buffer.",
+                                [&](DeviceContext& ctx, Checkpoint& ck) {
+                                  for (auto& [name, t] : engine.optimizer().state())
+                                    ck.tensors.emplace_back("optim." + name, to_host(ctx, t));
+                                });
+  c.metadata.insert({{"optimizer", engine.optimizer().name()},
+                     {"optimizer_steps", std::to_string(engine.optimizer().steps())},
+                     {"seed", std::to_string(seed)},
+                     {"batch_size", std::to_string(batch_size)},
+                     {"epoch", std::to_string(pos.epoch)},
+                     {"batch_in_epoch", std::to_string(pos.batch_in_epoch)},
+                     {"step", std::to_string(pos.global_step)}});
+  save_checkpoint(checkpoint_path(dir), c);
+}
+
+void save_model_weights(const std::string& path, TrainEngine& engine) {
+  // state_dict names: no prefixes, no optimizer state.
+  Checkpoint c =
+      model_snapshot(engine, "replica-model-v1", "", "", [](DeviceContext&, Checkpoint&) {});
+  save_checkpoint(path, c);
+}
+
+RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine, uint64_t seed,
+                                     int64_t batch_size) {
+  const std::string path = checkpoint_path(dir);
+  REPLICA_USAGE_CHECK(std::filesystem::exists(path), "--resume: no checkpoint at '{}'", path);
+  Checkpoint c = load_checkpoint(path);
+  REPLICA_USAGE_CHECK(meta(c, "format", path) == "replica-checkpoint-v1",
+                      "{}: unknown checkpoint format '{}'", path, meta(c, "format", path));
+  Model& model = engine.model();
+  const std::string saved_model = meta(c, "model", path);
+  REPLICA_USAGE_CHECK(saved_model == model.spec().name && meta(c, "input_shape", path) ==
+                                                              shape_str(model.spec().input_shape),
+                      "{}: checkpoint is of model {} {}, this run trains {} {}", path, saved_model,
+                      meta(c, "input_shape", path), model.spec().name,
+                      shape_str(model.spec().input_shape));
+  REPLICA_USAGE_CHECK(meta(c, "optimizer", path) == engine.optimizer().name(),
+                      "{}: checkpoint was trained with {}, this run uses {}", path,
+                      meta(c, "optimizer", path), engine.optimizer().name());
+  REPLICA_USAGE_CHECK(std::stoll(meta(c, "batch_size", path)) == batch_size,
+                      "{}: checkpoint was trained with batch size {}, this run uses {}", path,
+                      meta(c, "batch_size", path), batch_size);
+  if (std::stoull(meta(c, "seed", path)) != seed)
+    throw UsageError(fmt::format("{}: checkpoint was trained with --seed {}, this run uses {}",
+                                 path, meta(c, "seed", path), seed));
+  DeviceContext& ctx = engine.primary();
+  auto restore = [&](const std::string& name, Tensor& dst) {
+    const Tensor* src = c.find(name);
+    REPLICA_USAGE_CHECK(src != nullptr, "{}: tensor '{}' missing", path, name);
+    REPLICA_USAGE_CHECK(src->shape() == dst.shape(), "{}: tensor '{}' has shape {}, expected {}",
+                        path, name, shape_str(src->shape()), shape_str(dst.shape()));
+    ctx.ops().copy(ctx, dst, *src);
+  };
+  std::vector<std::pair<std::string, Tensor>> optim_state;
+  for (const auto& [name, t] : c.tensors)
+    if (name.rfind("optim.", 0) == 0) optim_state.emplace_back(name.substr(6), t);
+  ctx.run([&] {
+    for (Param* p : model.params()) restore("model." + p->name, p->value);
+    for (Buffer* b : model.buffers()) restore("buffer." + b->name, b->value);
+    engine.optimizer().load_state(ctx, model.num_params(),
+                                  std::stoll(meta(c, "optimizer_steps", path)), optim_state);
+    ctx.synchronize();
+  });
+  engine.state_loaded();
+  RunPosition pos;
+  pos.epoch = std::stoll(meta(c, "epoch", path));
+  pos.batch_in_epoch = std::stoll(meta(c, "batch_in_epoch", path));
+  pos.global_step = std::stoll(meta(c, "step", path));
+  return pos;
+}
+
+}  // namespace replica

@@ -1,0 +1,33 @@
+// Saving and restoring a training run: the primary replica's parameters and buffers, the
+// optimizer state and the loop position, as one safetensors-compatible file.
+#pragma once
+#include <string>
+
+#include "parallel/engines/train_engine.h"
+
+namespace replica {
+
+struct RunPosition {
+  int64_t epoch = 0;          // epoch in progress (0-based)
+  int64_t batch_in_epoch = 0; // batches of that epoch already trained
+  int64_t global_step = 0;    // optimizer steps so far
+};
+
+std::string checkpoint_path(const std::string& dir);  // dir/checkpoint.safetensors
+
+// Writes atomically (never a half-written file). Tensors: "model.<param>", "buffer.<name>",
+// "optim.<state>"; metadata: format, model, optimizer, seed, epoch, batch_in_epoch, step.
+void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const RunPosition& pos,
+                              uint64_t seed, int64_t batch_size);
+
+// Restores into the engine (then engine.state_loaded()) and returns the position. Errors if the
+// checkpoint belongs to another model, optimizer or batch size.
+RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine, uint64_t seed,
+                                     int64_t batch_size);
+
+// The trained model alone, as PyTorch's state_dict would hold it: parameters and buffers under
+// their torchvision names (e.g. "layer1.0.conv1.weight"), written atomically. Loads with
+// safetensors.torch.load_file() into model.load_state_dict().
+void save_model_weights(const std::string& path, TrainEngine& engine);
+
+}  // namespace replica

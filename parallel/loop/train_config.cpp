@@ -1,0 +1,107 @@
+// Validating and describing a TrainConfig, and the devices it resolves to (parallel/loop/trainer.h).
+#include <string>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "engine/error.h"
+#include "engine/output_files.h"
+#include "layers/optimizer.h"
+#include "parallel/rendezvous/store.h"
+#include "parallel/loop/trainer.h"
+
+namespace replica {
+
+nlohmann::json config_json(const TrainConfig& c) {
+  const OptimizerOptions& o = c.engine.optimizer;
+  // Floats as typed (0.001, not 0.0010000000474974513).
+  auto decimal = [](float v) { return std::stod(fmt::format("{}", v)); };
+  return {{"model", c.engine.model},
+          {"input_shape", fmt::format("{}", fmt::join(c.engine.input_shape, "x"))},
+          {"num_classes", c.engine.num_classes},
+          {"mode", c.mode},
+          {"devices", c.devices.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.devices)},
+          {"threads_per_device", c.engine.threads_per_device},
+          {"data", c.synthetic ? nlohmann::json(nullptr) : nlohmann::json(c.data_dir)},
+          {"synthetic", c.synthetic},
+          {"synthetic_size", c.synthetic_size},
+          {"epochs", c.epochs},
+          {"max_steps", c.max_steps},
+          // The global batch, once known (with --batch-per-device, after devices are counted).
+          {"batch_size", c.batch_per_device > 0 ? nlohmann::json(nullptr) : nlohmann::json(c.batch_size)},
+          {"batch_per_device", c.batch_per_device},
+          {"optimizer", o.name},
+          {"lr", decimal(o.lr)},
+          {"lr_schedule", c.lr_schedule},
+          {"momentum", decimal(o.momentum)},
+          {"weight_decay", decimal(o.weight_decay)},
+          {"nesterov", o.nesterov},
+          {"seed", c.engine.seed},
+          {"deterministic", c.engine.deterministic},
+          {"reduce", c.reduce},
+          {"bucket_cap_mb", c.bucket_cap_mb},
+          {"backend", c.backend},
+          {"accumulate", c.accumulate},
+          {"log_every", c.log_every},
+          {"checkpoint", c.checkpoint_dir},
+          {"save_model", c.save_model}};
+}
+
+void validate(const TrainConfig& c) {
+  REPLICA_USAGE_CHECK(c.batch_size >= 1, "--batch-size must be at least 1, got {}", c.batch_size);
+  REPLICA_USAGE_CHECK(c.batch_per_device >= 0, "--batch-per-device must be at least 1, got {}",
+                      c.batch_per_device);
+  REPLICA_USAGE_CHECK(c.epochs >= 1, "--epochs must be at least 1, got {}", c.epochs);
+  REPLICA_USAGE_CHECK(c.max_steps >= 0, "--max-steps must be >= 0, got {}", c.max_steps);
+  REPLICA_USAGE_CHECK(c.log_every >= 1, "--log-every must be at least 1");
+  scheduled_lr(c.lr_schedule, 1.f, 0, 1);  // validates the name
+  REPLICA_USAGE_CHECK(c.synthetic || !c.data_dir.empty(), "give --data DIR or --synthetic");
+  REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
+  REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
+  // What the run writes at its end must be writable now, not after hours of training.
+  check_output_dir("--checkpoint", c.checkpoint_dir);
+  check_output_file("--save-model", c.save_model);
+  check_output_file("--metrics-json", c.metrics_json);
+  check_output_file("--trace", c.trace_file);
+  REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
+  REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp" || c.mode == "ddp",
+                      "unknown --mode '{}' (dp, ddp, single)", c.mode);
+  REPLICA_USAGE_CHECK(c.backend == "auto" || c.backend == "gloo" || c.backend == "nccl",
+                      "unknown --backend '{}' (auto, gloo, nccl)", c.backend);
+  REPLICA_USAGE_CHECK(c.timeout_s > 0, "--timeout must be positive, got {}", c.timeout_s);
+  REPLICA_USAGE_CHECK(c.accumulate >= 1, "--accumulate must be at least 1, got {}", c.accumulate);
+  REPLICA_USAGE_CHECK(c.accumulate == 1 || c.mode == "ddp", "--accumulate applies to --mode ddp");
+  REPLICA_USAGE_CHECK(c.reduce == "root" || c.reduce == "tree",
+                      "unknown --reduce '{}' (root, tree)", c.reduce);
+  REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
+                      "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
+  resolve_devices(c);
+}
+
+std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out) {
+  std::string spec = c.devices;
+  if (spec.empty()) {
+    if (cuda_device_count() > 0) spec = "cuda";
+    else spec = (c.mode == "dp" && cpu_cores() > 1) ? fmt::format("cpu*{}", cpu_cores()) : "cpu";
+  }
+  if (spec_out) *spec_out = spec;
+  auto devices = parse_devices(spec, c.mode != "single");
+  if (c.mode == "ddp") {
+    // One device per process: the LOCAL_RANK-th of the list (torchrun's convention).
+    const Rendezvous env = rendezvous_env_ranks();
+    if (c.devices.empty() && cuda_device_count() > 0)
+      return {Device{DeviceType::CUDA, env.local_rank % cuda_device_count(), 0}};
+    if (c.devices.empty()) return {Device{DeviceType::CPU, env.local_rank, 0}};
+    return {devices[env.local_rank % devices.size()]};
+  }
+  if (c.mode == "dp" && devices.size() > 1 && c.engine.threads_per_device > 0) {
+    REPLICA_USAGE_CHECK(devices[0].is_cuda() ||
+                            int(devices.size()) * c.engine.threads_per_device <= 4 * cpu_cores(),
+                        "{} devices x {} threads is far more than the {} cores here",
+                        devices.size(), c.engine.threads_per_device, cpu_cores());
+  }
+  return devices;
+}
+
+
+}  // namespace replica

@@ -1,0 +1,226 @@
+#include "parallel/loop/train_loop.h"
+
+#include <signal.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "engine/error.h"
+#include "engine/trace.h"
+#include "parallel/loop/run_summary.h"
+#include "parallel/loop/stop_request.h"
+
+namespace replica {
+
+bool StopAgreement::after_step(TrainEngine& engine, int64_t steps_run) {
+  if (engine.world_size() <= 1) return StopRequest::requested();
+  if (steps_run == 1) t_first_ = Tracer::now_us();
+  const bool calibrate = steps_run == kCalibrationSteps;
+  if (!calibrate && steps_run % every_ != 0) return false;
+  std::vector<double> v = {StopRequest::requested() ? 1.0 : 0.0, 0.0};
+  if (calibrate && engine.rank() == 0) {
+    const double step_s = (Tracer::now_us() - t_first_) / 1e6 / double(kCalibrationSteps - 1);
+    v[1] = double(std::clamp<int64_t>(int64_t(std::ceil(kStopCheckSeconds / step_s)), 1, 1000));
+  }
+  engine.reduce_metrics(v);
+  if (calibrate) every_ = std::max<int64_t>(1, int64_t(v[1]));
+  return v[0] > 0;
+}
+
+TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
+  if (c_.synthetic) {
+    const auto& in = c_.engine.input_shape;
+    const int classes = int(c_.engine.num_classes);
+    train_ = make_synthetic(c_.synthetic_size, in, classes, c_.engine.seed);
+    test_ = make_synthetic(std::max<int64_t>(c_.synthetic_size / 10, 1), in, classes,
+                           c_.engine.seed + 0x7E57ull);
+  } else {
+    train_ = open_mnist(c_.data_dir, true);
+    test_ = open_mnist(c_.data_dir, false);
+    REPLICA_USAGE_CHECK(test_->sample_shape() == train_->sample_shape(),
+                        "{}: train images are {}, test images {}", c_.data_dir,
+                        shape_str(train_->sample_shape()), shape_str(test_->sample_shape()));
+    c_.engine.input_shape = train_->sample_shape();  // the model fits the data
+  }
+  c_.engine.num_classes = std::max<int64_t>(c_.engine.num_classes, train_->num_classes());
+  std::string device_spec;
+  std::vector<Device> devices = resolve_devices(c_, &device_spec);
+  engine_ = make_engine(c_, devices);
+  world_ = engine_->world_size();
+  report_ = std::make_unique<RunReport>(c_, *engine_, device_spec);
+  const int64_t local_batch = c_.batch_size / world_;
+  report_->say(fmt::format("replica: {} on {} ({} mode{}), batch {}, {}",
+                           engine_->model().summary(),
+                           world_ > 1 ? fmt::format("{} ranks", world_) : device_spec,
+                           engine_->mode(),
+                           world_ > 1 ? fmt::format(", {} per rank", local_batch) : "",
+                           c_.batch_size, train_->describe()));
+  if (world_ > 1) report_->say("collectives: " + engine_->comm_description());
+
+  // Which training samples this process reads: the DistributedSampler's share (DDP). With one
+  // process the share is the whole epoch order, epoch_order(n, seed, epoch, shuffle).
+  SamplerOptions so;
+  so.dataset_size = train_->size();
+  so.num_replicas = world_;
+  so.rank = engine_->rank();
+  so.shuffle = c_.shuffle;
+  so.seed = c_.engine.seed;
+  so.drop_last = c_.drop_last;
+  sampler_ = std::make_unique<DistributedSampler>(so);
+  loader_ = std::make_unique<Loader>(*train_, local_batch, c_.drop_last);
+  per_epoch_ = loader_->batches_per_epoch(sampler_->num_samples());
+  REPLICA_USAGE_CHECK(per_epoch_ > 0, "no complete batch of {} in {} samples with drop_last",
+                      c_.batch_size, train_->size());
+  planned_steps_ = c_.max_steps > 0 ? std::min(c_.max_steps, per_epoch_ * c_.epochs)
+                                    : per_epoch_ * c_.epochs;
+  if (c_.resume) {
+    pos_ = load_training_checkpoint(c_.checkpoint_dir, *engine_, c_.engine.seed, c_.batch_size);
+    report_->say(fmt::format("resumed from {} at epoch {}, step {}",
+                             checkpoint_path(c_.checkpoint_dir), pos_.epoch + 1,
+                             pos_.global_step));
+  }
+}
+
+TrainLoop::~TrainLoop() = default;
+
+nlohmann::json TrainLoop::run() {
+  Tracer::global().reset_totals();
+  t_start_us_ = Tracer::now_us();
+  for (int64_t epoch = pos_.epoch; epoch < c_.epochs && !stop_; ++epoch) run_epoch(epoch);
+  totals_.steps = pos_.global_step;
+
+  report_->gather_ranks();      // every rank takes part
+  report_->write_rank_trace();  // DDP: each rank's own, before the ranks part
+  engine_->finish();            // DDP: every rank done with its collectives before any leaves
+  const nlohmann::json m = report_->metrics(totals_);
+  report_->finish(totals_, m);
+  return m;
+}
+
+void TrainLoop::run_epoch(int64_t epoch) {
+  Tracer& tracer = Tracer::global();
+  const int64_t first = epoch == pos_.epoch ? pos_.batch_in_epoch : 0;
+  sampler_->set_epoch(epoch);
+  loader_->start_epoch(sampler_->indices(), epoch, first);
+  const int64_t t_epoch = Tracer::now_us();
+  const PhaseTotals phases_before = tracer.phase_totals_us();
+  const int64_t samples_before = totals_.samples, steps_before = totals_.steps_this_run;
+  // Released one step later: a batch's release waits for its device copies (pinned buffers are
+  // refilled), and by then they ran long ago, so the host stays a step ahead of the GPU.
+  std::shared_ptr<Batch> previous;
+  int64_t b = first;
+  for (; b < per_epoch_; ++b) {
+    if (c_.max_steps > 0 && pos_.global_step >= c_.max_steps) {
+      stop_ = true;
+      break;
+    }
+    engine_->optimizer().set_lr(
+        scheduled_lr(c_.lr_schedule, c_.engine.optimizer.lr, pos_.global_step, planned_steps_));
+    std::shared_ptr<Batch> batch;
+    {
+      TraceSpan span("host", "data_wait");
+      batch = loader_->next();
+    }
+    if (!batch) break;
+    engine_->train_step(*batch);
+    previous = batch;
+    ++pos_.global_step;
+    ++totals_.steps_this_run;
+    totals_.samples += batch->size() * world_;  // every rank trains a batch of the same size
+    const bool interrupted =
+        c_.stop_on_signal && stop_agreement_.after_step(*engine_, totals_.steps_this_run);
+    const bool last_step =
+        (b + 1 == per_epoch_) || pos_.global_step == c_.max_steps || interrupted;
+    if (pos_.global_step % c_.log_every == 0 || last_step) log_step(epoch, b, last_step);
+    if (interrupted) {
+      stop_ = true;
+      totals_.stop_signal = StopRequest::signal() ? StopRequest::signal() : SIGINT;  // a peer's
+      ++b;  // this batch is done
+      break;
+    }
+  }
+  engine_->synchronize();
+  previous.reset();
+  report_->end_progress();
+  const double seconds = (Tracer::now_us() - t_epoch) / 1e6;
+  totals_.train_seconds += seconds;
+  const bool complete = b >= per_epoch_;
+  pos_.epoch = complete ? epoch + 1 : epoch;
+  pos_.batch_in_epoch = complete ? 0 : b;
+  const int64_t steps = totals_.steps_this_run - steps_before;
+  const int64_t samples = totals_.samples - samples_before;
+  nlohmann::json e = {{"epoch", epoch + 1},
+                      {"complete", complete},
+                      {"steps", steps},
+                      {"train_loss", totals_.final_loss},
+                      {"samples", samples},
+                      {"seconds", seconds},
+                      {"samples_per_sec", samples / std::max(seconds, 1e-9)},
+                      {"phase_ms_per_step",
+                       phase_ms_per_step(tracer.phase_totals_us(), phases_before, steps)}};
+  // An interrupted run stops at once: no evaluation (a resumed run evaluates this epoch).
+  if (c_.evaluate && !totals_.stop_signal) {
+    evaluate();
+    e["test_loss"] = totals_.test_loss;
+    e["test_accuracy"] = totals_.test_accuracy;
+  }
+  if (!c_.checkpoint_dir.empty() && report_->lead()) {
+    TraceSpan span("host", "checkpoint");
+    save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed, c_.batch_size);
+  }
+  report_->epoch_done(e, complete                ? "done"
+                         : totals_.stop_signal ? "interrupted"
+                                               : "ended (--max-steps)");
+}
+
+void TrainLoop::log_step(int64_t epoch, int64_t b, bool last_step) {
+  const float loss = engine_->last_loss();  // this process's (DDP: its share of the batch)
+  totals_.final_loss = loss;
+  if (world_ > 1 && last_step) {  // the whole batch's loss: the mean over the ranks
+    std::vector<double> v = {loss};
+    engine_->reduce_metrics(v);
+    totals_.final_loss = float(v[0] / world_);
+  }
+  REPLICA_USAGE_CHECK(std::isfinite(totals_.final_loss),
+                      "training diverged: loss is {} at step {} (lower --lr?)",
+                      totals_.final_loss, pos_.global_step);
+  const double elapsed = (Tracer::now_us() - t_start_us_) / 1e6;
+  const double rate = totals_.samples / std::max(elapsed, 1e-9);
+  const double eta = (planned_steps_ - pos_.global_step) * c_.batch_size / rate;
+  // The step counter counts what bounds the run: the epoch's batches, or --max-steps.
+  const bool steps_bound = planned_steps_ < per_epoch_ * c_.epochs;
+  report_->progress(fmt::format("epoch {}/{}  step {:>5}/{}  {} {:.4f}  {:.0f} samples/s  ETA {}",
+                                epoch + 1, c_.epochs, steps_bound ? pos_.global_step : b + 1,
+                                steps_bound ? planned_steps_ : per_epoch_,
+                                world_ > 1 ? "rank-0 loss" : "loss", loss, rate,
+                                fmt_duration(eta)));
+}
+
+// Each process evaluates its interleaved shard (rank, rank+R, ...: no padding, so nothing is
+// counted twice); the totals are summed across processes, so every rank reports the same. The
+// global evaluation batch is the same in every mode: DDP ranks take their share of it.
+void TrainLoop::evaluate() {
+  TraceSpan span("host", "evaluate");
+  engine_->set_training(false);
+  const int64_t batch = std::max<int64_t>(1, std::max<int64_t>(c_.batch_size, 256) / world_);
+  Loader loader(*test_, batch, false);
+  std::vector<int64_t> shard;
+  for (int64_t i = engine_->rank(); i < test_->size(); i += world_) shard.push_back(i);
+  double loss_sum = 0;
+  int64_t correct = 0, seen = 0;
+  if (!shard.empty()) {
+    loader.start_epoch(std::move(shard), 0);
+    while (auto b = loader.next()) {
+      engine_->eval_batch(*b, loss_sum, correct);
+      seen += b->size();
+    }
+  }
+  std::vector<double> totals = {loss_sum, double(correct), double(seen)};
+  engine_->reduce_metrics(totals);
+  engine_->set_training(true);
+  totals_.evaluated = true;
+  totals_.test_loss = totals[2] ? totals[0] / totals[2] : 0.0;
+  totals_.test_accuracy = totals[2] ? totals[1] / totals[2] : 0.0;
+}
+
+}  // namespace replica

@@ -1,0 +1,85 @@
+// The training entry point (trainer.h): the engine a config asks for, and run_training(), which
+// installs the Ctrl-C handlers and runs a TrainLoop (train_loop.h).
+#include "parallel/loop/trainer.h"
+
+#include <algorithm>
+
+#include "engine/error.h"
+#include "engine/trace.h"
+#include "parallel/engines/ddp_engine.h"
+#include "parallel/engines/dp_engine.h"
+#include "parallel/loop/stop_request.h"
+#include "parallel/rendezvous/store.h"
+#include "parallel/loop/train_loop.h"
+
+namespace replica {
+
+std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Device>& devices) {
+  // Gradient buckets (DP and DDP): 1 MB first, so communication starts early, then the cap.
+  const size_t bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
+  const size_t first_bucket_bytes = std::min(bucket_bytes, size_t(1) << 20);
+  if (c.mode == "single") {
+    if (c.batch_per_device > 0) c.batch_size = c.batch_per_device;
+    return make_single_device_engine(devices[0], c.engine);
+  }
+  if (c.mode == "dp") {
+    if (c.batch_per_device > 0) c.batch_size = c.batch_per_device * int64_t(devices.size());
+    DpOptions dp;
+    dp.strategy = parse_reduce_strategy(c.reduce);
+    dp.bucket_bytes = bucket_bytes;
+    dp.first_bucket_bytes = first_bucket_bytes;
+    return make_dp_engine(devices, c.engine, dp);
+  }
+  Rendezvous rv = rendezvous_env_ranks();
+  DdpOptions ddp;
+  ddp.timeout = std::chrono::milliseconds(int64_t(c.timeout_s * 1000));
+  if (rv.world_size > 1) {
+    RendezvousOptions ro;
+    ro.init_method = c.init_method;
+    ro.timeout = ddp.timeout;
+    rv = rendezvous(ro);
+  }
+  if (c.batch_per_device > 0) c.batch_size = c.batch_per_device * rv.world_size;
+  REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
+                      "--batch-size {} is the global batch: it must divide by the {} ranks",
+                      c.batch_size, rv.world_size);
+  ddp.accumulate = c.accumulate;
+  ddp.rank = rv.rank;
+  ddp.world_size = rv.world_size;
+  ddp.store = rv.store;
+  if (const char* addr = std::getenv("MASTER_ADDR")) ddp.host = addr;
+  ddp.bucket_bytes = bucket_bytes;
+  ddp.first_bucket_bytes = first_bucket_bytes;
+  const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
+  ddp.backend = parse_comm_backend(c.backend != "auto" ? c.backend : own_gpu ? "nccl" : "gloo");
+  if (devices[0].is_cpu() && c.engine.threads_per_device == 0)
+    c.engine.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
+  return make_ddp_engine(devices[0], c.engine, ddp);
+}
+
+namespace {
+
+// Restores the signal handlers however run_training ends.
+struct StopHandlers {
+  explicit StopHandlers(bool on) : on_(on) {
+    if (on_) StopRequest::install();
+  }
+  ~StopHandlers() {
+    if (on_) StopRequest::uninstall();
+  }
+  bool on_;
+};
+
+}  // namespace
+
+nlohmann::json run_training(const TrainConfig& config) {
+  validate(config);
+  Tracer& tracer = Tracer::global();
+  tracer.set_recording(!config.trace_file.empty());
+  tracer.set_sync_device(!config.trace_file.empty());
+  StopHandlers handlers(config.stop_on_signal);
+  TrainLoop loop(config);
+  return loop.run();
+}
+
+}  // namespace replica

@@ -1,0 +1,179 @@
+// Key-value stores for DDP rendezvous: rank 0 hosts a small TCP store (env://, tcp://), or the
+// ranks share a directory (file://). The store carries the NCCL unique id, backs Gloo's store
+// interface (parallel/comm/gloo_store.h) and implements the join barrier of rendezvous().
+//
+// Every blocking operation has a timeout; a timeout throws replica::Error naming the operation,
+// the keys and how long it waited. Keys are at most kMaxKeyBytes, values at most kMaxValueBytes.
+// add() counters are stored as decimal text, so get() of a counter returns e.g. "3".
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace replica {
+
+using Bytes = std::vector<char>;
+
+inline Bytes to_bytes(std::string_view s) { return Bytes(s.begin(), s.end()); }
+inline std::string to_string(const Bytes& b) { return std::string(b.begin(), b.end()); }
+
+class Store {
+ public:
+  static constexpr size_t kMaxKeyBytes = 4096;
+  static constexpr size_t kMaxValueBytes = size_t(64) << 20;
+  static constexpr size_t kMaxKeysPerRequest = 65536;
+
+  explicit Store(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  virtual ~Store() = default;
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  virtual void set(const std::string& key, const Bytes& value) = 0;
+  // Waits for the key up to timeout().
+  virtual Bytes get(const std::string& key) = 0;
+  // Waits until every key is set or the timeout passes; returns the keys still missing then
+  // (empty: all set). Throws replica::Error when the store fails (e.g. its server went away).
+  virtual std::vector<std::string> wait_for(const std::vector<std::string>& keys,
+                                            std::chrono::milliseconds timeout) = 0;
+  // wait_for() that throws replica::Error naming the missing keys and the time waited.
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
+  void wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
+  // Atomically adds delta to the counter at key (absent: 0) and returns the new value.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // True when every key is set (does not wait).
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  // Where the store lives, for messages: "127.0.0.1:29500", "file:///tmp/x".
+  virtual std::string describe() const = 0;
+  // A new connection to the same store with its own timeout, for a thread that must not queue
+  // behind another thread's blocking wait (the peer monitor's heartbeat).
+  virtual std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const = 0;
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+
+ protected:
+  std::chrono::milliseconds timeout_;
+};
+
+// Throws replica::Error when a key or value breaks the size limits (op names the operation).
+void check_key(const std::string& key, const char* op);
+void check_value(const std::string& key, const Bytes& value);
+// "'a', 'b'" (at most 8 keys, then "and N more").
+std::string format_keys(const std::vector<std::string>& keys);
+// "1.5 s"
+std::string format_duration(std::chrono::milliseconds d);
+
+// A TCP key-value server: one thread, poll()-based, waits resolved server-side. Binds host:port
+// (host "": every interface; port 0: any free port, see port()); throws UsageError when the port is
+// in use. A malformed or oversized message closes that connection only. The destructor stops the
+// thread promptly: it answers pending waits with "shut down" (naming their missing keys) and
+// delivers the replies already decided (for up to a second), so a rank waiting on rank 0 learns
+// what was missing.
+class TcpStoreServer {
+ public:
+  TcpStoreServer(const std::string& host, int port);
+  ~TcpStoreServer();
+  TcpStoreServer(const TcpStoreServer&) = delete;
+  TcpStoreServer& operator=(const TcpStoreServer&) = delete;
+
+  int port() const { return port_; }
+  const std::string& host() const { return host_; }
+
+ private:
+  void loop();
+
+  std::string host_;
+  int port_ = 0;
+  int listen_fd_ = -1;
+  int wake_pipe_[2] = {-1, -1};
+  std::thread thread_;
+};
+
+// A client of TcpStoreServer. Connects with retries until timeout (the server may start later);
+// reconnects on the next operation after an I/O error. Operations are serialised by a mutex: a
+// thread blocked in wait()/get() holds the connection, so use one client per thread when
+// threads wait on each other. Optionally owns the server (rank 0), so both live as long as the
+// store.
+class TcpStoreClient : public Store {
+ public:
+  TcpStoreClient(const std::string& host, int port,
+                 std::chrono::milliseconds timeout = std::chrono::seconds(120));
+  ~TcpStoreClient() override;
+
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  std::vector<std::string> wait_for(const std::vector<std::string>& keys,
+                                    std::chrono::milliseconds timeout) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  bool check(const std::vector<std::string>& keys) override;
+  std::string describe() const override;
+  std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const override;
+
+  // Keeps the server alive for as long as this client (rank 0's store). Destroyed after the
+  // client's connection is closed.
+  void adopt_server(std::unique_ptr<TcpStoreServer> server);
+
+ private:
+  struct Impl;
+  std::unique_ptr<TcpStoreServer> server_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Keys as files in a shared directory (created if missing), written atomically (temp file +
+// rename); reads poll until the timeout; add() holds flock() on a per-key lock file. Use a fresh
+// directory per run: keys from an earlier run would be seen as set.
+class FileStore : public Store {
+ public:
+  explicit FileStore(const std::string& dir,
+                     std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  std::vector<std::string> wait_for(const std::vector<std::string>& keys,
+                                    std::chrono::milliseconds timeout) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  bool check(const std::vector<std::string>& keys) override;
+  std::string describe() const override { return "file://" + dir_; }
+  std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const override {
+    return std::make_unique<FileStore>(dir_, timeout);
+  }
+
+  // The file that holds key (for tests and messages).
+  std::string path_for(const std::string& key) const;
+
+ private:
+  std::string dir_;
+};
+
+struct RendezvousOptions {
+  // "env://" (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), "tcp://host:port" or
+  // "file://DIR". tcp:// and file:// take rank/world size from below, else from the environment.
+  std::string init_method = "env://";
+  int rank = -1;        // -1: from the environment
+  int world_size = -1;  // -1: from the environment
+  std::chrono::milliseconds timeout = std::chrono::seconds(120);
+};
+
+struct Rendezvous {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::shared_ptr<Store> store;
+};
+
+// Rank and world size from the environment: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE
+// (replica-launch, torchrun), else OMPI_COMM_WORLD_*, else SLURM_PROCID/SLURM_NTASKS/
+// SLURM_LOCALID, else a single process. store stays null.
+Rendezvous rendezvous_env_ranks();
+
+// Connects every rank to one store (rank 0 hosts the TCP server) and joins: each rank counts
+// itself in, then all wait until world_size ranks have joined. A timeout names the missing
+// ranks; a rank that joins twice (or a reused file:// directory) is an error.
+Rendezvous rendezvous(const RendezvousOptions& options = {});
+
+}  // namespace replica
