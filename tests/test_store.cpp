@@ -241,23 +241,34 @@ TEST_CASE("tcp store: set, add and wait across processes") {
   for (pid_t k : kids) CHECK(wait_child(k) == 0);
 }
 
+namespace {
+
+// A client that writes raw bytes to the server, half-closes, and reads what comes back until
+// the server closes the connection (or 5 s pass).
+std::string raw_exchange(int port, const std::string& bytes) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == ssize_t(bytes.size()));
+  shutdown(fd, SHUT_WR);
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string replies;
+  char buf[256];
+  for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) replies.append(buf, size_t(n));
+  close(fd);
+  return replies;
+}
+
+}  // namespace
+
 TEST_CASE("tcp store: oversized or malformed messages close that connection only") {
   TcpStoreServer server("127.0.0.1", 0);
-  auto raw = [&](const std::string& bytes) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<uint16_t>(server.port()));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-    timeval tv{5, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    char c;
-    ssize_t got = recv(fd, &c, 1, 0);
-    close(fd);
-    return got;  // 0: the server closed the connection
-  };
+  // Nothing comes back: the server closed the connection.
+  auto raw = [&](const std::string& bytes) { return raw_exchange(server.port(), bytes).size(); };
   // SET whose value claims 100 MiB: refused from the header, before any of it arrives.
   std::string huge_set = std::string("\x01\x02\x00\x00\x00", 5) +
                          std::string("\x01\x00\x00\x00", 4) + "k" +
@@ -281,20 +292,7 @@ TEST_CASE("tcp store: an add that overflows the counter is an error, not undefin
       "\x04\x02\x00\x00\x00\x01\x00\x00\x00n\x08\x00\x00\x00\x00\x03\x00\x00\x00\x00\x00\x2f"
       "\x04\x02\x00\x00\x00\x01\x00\x00\x00n\x08\x00\x00\x00\xfb\xff\xff\x01\x00\x00\x00\x79",
       44);
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(server.port()));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  REQUIRE(send(fd, adds.data(), adds.size(), MSG_NOSIGNAL) == ssize_t(adds.size()));
-  shutdown(fd, SHUT_WR);
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  std::string replies;
-  char buf[256];
-  for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) replies.append(buf, size_t(n));
-  close(fd);
+  const std::string replies = raw_exchange(server.port(), adds);
   // OK [new value] (1 + 4 + 4 + 8 bytes), then ERROR [message].
   REQUIRE(replies.size() > 17);
   CHECK(replies[0] == 0);
