@@ -53,10 +53,16 @@ if command -v nvidia-smi >/dev/null; then
 fi
 if [ ! -f "$build/build.ninja" ]; then
   [ -n "$gpu_archs" ] && cmake_args+=("-DCMAKE_CUDA_ARCHITECTURES=$gpu_archs")
+  # No GPU and only the main job: CUDA is not even looked for (5 s of configuring), until a
+  # later --all turns it on.
+  [ -z "$gpu_archs" ] && [ "$all" = 0 ] && cmake_args+=(-DREPLICA_CUDA=OFF -DREPLICA_CUDA_DEFERRED=ON)
   # shellcheck disable=SC2086
   cmake -S "$here" -B "$build" "${cmake_args[@]}" ${REPLICA_CMAKE_ARGS:-} >/dev/null
 elif [ -n "$gpu_archs" ] && ! grep -q "^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=$gpu_archs\$" "$build/CMakeCache.txt"; then
-  cmake "$build" "-DCMAKE_CUDA_ARCHITECTURES=$gpu_archs" >/dev/null
+  cmake "$build" -DREPLICA_CUDA=ON -DREPLICA_CUDA_DEFERRED=OFF "-DCMAKE_CUDA_ARCHITECTURES=$gpu_archs" >/dev/null
+fi
+if [ "$all" = 1 ] && grep -q "^REPLICA_CUDA_DEFERRED:BOOL=ON" "$build/CMakeCache.txt"; then
+  cmake "$build" -DREPLICA_CUDA=ON -DREPLICA_CUDA_DEFERRED=OFF >/dev/null
 fi
 
 targets=()
