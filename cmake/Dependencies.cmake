@@ -67,7 +67,9 @@ if(REPLICA_CUDA)
       endforeach()
       find_path(${var}_INCLUDE_DIR ${header} HINTS ${_hints} ${CUDAToolkit_INCLUDE_DIRS}
                 PATH_SUFFIXES include)
-      find_library(${var}_LIBRARY NAMES ${lib} lib${lib}.so.${soversion}
+      # NAMES_PER_DIR: the first directory with either name wins, so the library comes from
+      # where the header came from (a ROOT's versioned-only copy before the toolkit's).
+      find_library(${var}_LIBRARY NAMES ${lib} lib${lib}.so.${soversion} NAMES_PER_DIR
                    HINTS ${_hints} ${CUDAToolkit_LIBRARY_DIR} PATH_SUFFIXES lib lib64)
     endmacro()
     replica_find_cuda_lib(CUDNN cudnn.h cudnn 9 CUDNN_ROOT cudnn)
