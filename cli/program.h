@@ -14,7 +14,7 @@
 
 #include "cli/parse_flags.h"
 #include "engine/error.h"
-#include "parallel/rendezvous/launcher.h"
+#include "parallel/rendezvous/rank_errors.h"
 
 namespace replica {
 

@@ -16,7 +16,7 @@
 #include "engine/error.h"
 #include "parallel/engines/ddp_engine.h"
 #include "parallel/loop/distributed_sampler.h"
-#include "parallel/rendezvous/store.h"
+#include "parallel/rendezvous/rendezvous.h"
 
 using namespace replica;
 

@@ -21,7 +21,7 @@
 
 #include "cli_helpers.h"
 #include "engine/error.h"
-#include "parallel/rendezvous/store.h"
+#include "parallel/rendezvous/rendezvous.h"
 
 using namespace replica;
 using namespace std::chrono_literals;

@@ -18,7 +18,7 @@
 #include "engine/ops.h"
 #include "engine/device.h"
 #include "parallel/comm/process_group.h"
-#include "parallel/rendezvous/store.h"
+#include "parallel/rendezvous/rendezvous.h"
 
 using namespace replica;
 

@@ -26,13 +26,18 @@ Health parse_health(const Bytes& value) {
   return h;
 }
 
-std::string list_ranks(const std::vector<int>& ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+}  // namespace
+
+std::string rank_list(std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  if (ranks.size() == 1) return fmt::format("rank {}", ranks[0]);
+  const bool run = ranks.back() - ranks.front() + 1 == int(ranks.size());
+  if (run && ranks.size() > 2) return fmt::format("ranks {}-{}", ranks.front(), ranks.back());
+  std::string out = "ranks ";
   for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
   return out;
 }
-
-}  // namespace
 
 PeerMonitor::PeerMonitor(std::unique_ptr<Store> store, int rank, int world,
                          std::chrono::milliseconds interval)
@@ -107,7 +112,7 @@ PeerMonitor::Finding PeerMonitor::diagnose() const {
   if (!f.silent.empty()) {
     const Health& h = after[size_t(f.silent.front())];
     f.text = fmt::format(
-        "{} stopped answering (no heartbeat for {:.1f} s{})", list_ranks(f.silent),
+        "{} stopped answering (no heartbeat during a {:.1f} s watch{})", rank_list(f.silent),
         window.count() / 1000.0,
         f.silent.size() == 1 && h.present
             ? fmt::format("; it last entered collective #{}, a {}", h.entered, h.last)
@@ -117,7 +122,7 @@ PeerMonitor::Finding PeerMonitor::diagnose() const {
     f.text = fmt::format(
         "every rank is alive, but {} has not reached collective #{} (it has entered {}, the last "
         "a {}): the ranks are out of step",
-        list_ranks(behind), mine, h.entered, h.last);
+        rank_list(behind), mine, h.entered, h.last);
   } else {
     f.text = "every rank is alive and has entered the same collectives";
   }

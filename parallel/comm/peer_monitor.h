@@ -73,4 +73,7 @@ class PeerMonitor {
   std::thread thread_;
 };
 
+// "rank 3", "ranks 0-3", "ranks 0, 2": how messages name ranks.
+std::string rank_list(std::vector<int> ranks);
+
 }  // namespace replica

@@ -72,12 +72,7 @@ class DdpEngine final : public TrainEngine {
   void train_step(const Batch& batch) override {
     REPLICA_CHECK(batch.size() > 0, "empty batch");
     ctx_.run([&] {
-      Tensor x, y;
-      {
-        TraceSpan span(track_, "h2d", &ctx_);
-        x = batch_to_device(ctx_, batch, batch.images);
-        y = batch_to_device(ctx_, batch, batch.labels);
-      }
+      auto [x, y] = whole_batch_to_device(ctx_, batch, track_);
       if (model_->num_buffer_elements() > 0 && group_->size() > 1) {
         TraceSpan span(track_, "broadcast_buffers", &ctx_);
         group_->broadcast(ctx_, model_->flat_buffers(), 0);

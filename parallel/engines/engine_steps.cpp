@@ -1,6 +1,7 @@
 #include "parallel/engines/engine_steps.h"
 
 #include "engine/ops.h"
+#include "engine/trace.h"
 
 namespace replica {
 
@@ -15,6 +16,12 @@ Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& par
   Tensor t = batch_to_device(ctx, part);
   batch.copies->add(ctx);
   return t;
+}
+
+DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
+                                  const std::string& track) {
+  TraceSpan span(track, "h2d", &ctx);
+  return {batch_to_device(ctx, batch, batch.images), batch_to_device(ctx, batch, batch.labels)};
 }
 
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,

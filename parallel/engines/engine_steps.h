@@ -12,6 +12,13 @@ Tensor batch_to_device(DeviceContext& ctx, const Tensor& host);
 // then knows the copy may still be reading its pinned buffer (Batch::copies).
 Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& part);
 
+// The whole batch, images and labels, on ctx's device: traced as "h2d" on `track`.
+struct DeviceBatch {
+  Tensor images, labels;
+};
+DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
+                                  const std::string& track);
+
 // Eval-mode forward of one batch on `model` (ctx's device): adds the summed loss and the number
 // of correct predictions. Reads two numbers back (a host sync: evaluation only).
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,

@@ -29,12 +29,7 @@ class SingleDeviceEngine final : public TrainEngine {
   void train_step(const Batch& batch) override {
     REPLICA_CHECK(batch.size() > 0, "empty batch");
     ctx_.run([&] {
-      Tensor x, y;
-      {
-        TraceSpan span(track_, "h2d", &ctx_);
-        x = batch_to_device(ctx_, batch, batch.images);
-        y = batch_to_device(ctx_, batch, batch.labels);
-      }
+      auto [x, y] = whole_batch_to_device(ctx_, batch, track_);
       {
         TraceSpan span(track_, "forward", &ctx_);
         model_->zero_grad(ctx_);

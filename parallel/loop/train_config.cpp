@@ -7,7 +7,7 @@
 #include "engine/error.h"
 #include "engine/output_files.h"
 #include "layers/optimizer.h"
-#include "parallel/rendezvous/store.h"
+#include "parallel/rendezvous/rendezvous.h"
 #include "parallel/loop/trainer.h"
 
 namespace replica {

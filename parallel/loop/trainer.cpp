@@ -9,7 +9,7 @@
 #include "parallel/engines/ddp_engine.h"
 #include "parallel/engines/dp_engine.h"
 #include "parallel/loop/stop_request.h"
-#include "parallel/rendezvous/store.h"
+#include "parallel/rendezvous/rendezvous.h"
 #include "parallel/loop/train_loop.h"
 
 namespace replica {

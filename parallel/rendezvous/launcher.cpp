@@ -16,16 +16,9 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <map>
-#include <set>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/error.h"
-#include "engine/output_files.h"
-#include "parallel/comm/peer_monitor.h"
+#include "parallel/rendezvous/rank_errors.h"
 
 extern char** environ;
 
@@ -34,81 +27,6 @@ namespace replica {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Where a rank leaves its fatal error for the launcher (one JSON file per rank).
-constexpr const char* kErrorDirVar = "REPLICA_ERROR_DIR";
-
-// A directory of the launch's own for the ranks' error reports, removed at the end.
-class ErrorDir {
- public:
-  ErrorDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/replica-launch-XXXXXX";
-    if (mkdtemp(pattern.data())) path_ = pattern;
-  }
-  ~ErrorDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-struct RankReport {
-  int rank = 0;
-  std::string program, message;
-  std::vector<int> silent;  // ranks this one found had stopped answering
-};
-
-std::vector<RankReport> read_reports(const std::string& dir, int first_rank, int count) {
-  std::vector<RankReport> out;
-  for (int r = first_rank; r < first_rank + count && !dir.empty(); ++r) {
-    std::ifstream in(fmt::format("{}/rank{}.json", dir, r));
-    if (!in) continue;
-    const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-    if (j.is_discarded()) continue;
-    RankReport rep;
-    rep.rank = r;
-    rep.program = j.value("program", std::string("rank"));
-    rep.message = j.value("message", std::string());
-    rep.silent = j.value("silent", std::vector<int>());
-    out.push_back(std::move(rep));
-  }
-  return out;
-}
-
-// "rank 3", "ranks 0-3", "ranks 0, 2"
-std::string rank_list(std::vector<int> ranks) {
-  std::sort(ranks.begin(), ranks.end());
-  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
-  if (ranks.size() == 1) return fmt::format("rank {}", ranks[0]);
-  const bool run = ranks.back() - ranks.front() + 1 == int(ranks.size());
-  if (run && ranks.size() > 2) return fmt::format("ranks {}-{}", ranks.front(), ranks.back());
-  std::string out = "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
-  return out;
-}
-
-// Each distinct message once, with the ranks it came from ("every rank" when all did).
-void print_reports(const std::vector<RankReport>& reports, int world_on_node) {
-  std::vector<std::pair<std::string, std::vector<int>>> distinct;  // in rank order
-  for (const auto& r : reports) {
-    const std::string line = r.program + ": error: " + r.message;
-    auto it = std::find_if(distinct.begin(), distinct.end(),
-                           [&](const auto& d) { return d.first == line; });
-    if (it == distinct.end()) distinct.push_back({line, {r.rank}});
-    else it->second.push_back(r.rank);
-  }
-  for (const auto& [line, ranks] : distinct) {
-    const std::string who = distinct.size() == 1 && int(ranks.size()) == world_on_node &&
-                                    world_on_node > 1
-                                ? "every rank"
-                                : rank_list(ranks);
-    std::fprintf(stderr, "%s [%s]\n", line.c_str(), who.c_str());
-  }
-}
 
 struct Child {
   int rank = 0;
@@ -159,7 +77,7 @@ Child start_rank(const LaunchOptions& o, const std::string& program, int local, 
                          {"GROUP_RANK", std::to_string(o.node_rank)},
                          {"MASTER_ADDR", o.master_addr},
                          {"MASTER_PORT", std::to_string(o.master_port)},
-                         {kErrorDirVar, error_dir}});
+                         {RankErrors::kEnvVar, error_dir}});
   std::vector<std::string> command = o.command;
   std::vector<char*> envp, args;
   for (auto& e : env) envp.push_back(e.data());
@@ -255,6 +173,107 @@ std::string current_executable() {
   return std::string(buf, size_t(n));
 }
 
+namespace {
+
+// What happened while the ranks ran.
+struct Outcome {
+  int forwarded = 0;          // the signal the launcher got and passed on
+  const Child* failed = nullptr;  // the first rank that did not exit 0 on its own
+  int failed_status = 0;
+};
+
+// Waits for every rank to end. The first failure (or a SIGINT/SIGTERM/SIGHUP to the launcher)
+// stops the others: SIGTERM (SIGCONT too, so a stopped rank acts on it) or the forwarded signal,
+// then SIGKILL after the grace period or at a second signal.
+Outcome watch_ranks(const LaunchOptions& o, std::vector<Child>& children, const sigset_t& watched) {
+  Outcome out;
+  bool stopping = false, killed = false;
+  Clock::time_point deadline, give_up;
+  const auto kill_grace = std::chrono::seconds(5);
+  auto stop_within = [&](std::chrono::milliseconds grace) {
+    stopping = true;
+    deadline = Clock::now() + grace;
+  };
+  auto kill_all = [&] {
+    killed = true;
+    give_up = Clock::now() + kill_grace;
+    signal_groups(children, SIGKILL, false);
+  };
+  while (std::any_of(children.begin(), children.end(), [](const Child& c) { return c.running; })) {
+    auto wait = std::chrono::milliseconds(500);
+    if (stopping && !killed)
+      wait = std::clamp(
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+          std::chrono::milliseconds(1), wait);
+    timespec ts{0, static_cast<long>(wait.count()) * 1000000L};
+    siginfo_t info;
+    const int sig = sigtimedwait(&watched, &info, &ts);
+    if (sig == SIGINT || sig == SIGTERM || sig == SIGHUP) {
+      if (!stopping) {
+        out.forwarded = sig;
+        stop_within(o.signal_grace);
+        signal_groups(children, sig, true);
+      } else if (!killed) {  // a second signal: no more patience
+        if (!out.forwarded) out.forwarded = sig;
+        kill_all();
+      }
+    }
+    int status = 0;
+    for (pid_t pid; (pid = waitpid(-1, &status, WNOHANG)) > 0;) {
+      for (auto& c : children) {
+        if (c.pid != pid) continue;
+        c.running = false;
+        if ((WIFEXITED(status) && WEXITSTATUS(status) == 0) || stopping) continue;
+        out.failed = &c;
+        out.failed_status = status;
+        stop_within(o.failure_grace);
+        signal_groups(children, SIGTERM, false);  // the failed rank's group too: its children
+        signal_groups(children, SIGCONT, false);  // a stopped (SIGSTOP) rank acts on it too
+      }
+    }
+    if (stopping && !killed && Clock::now() >= deadline) kill_all();
+    if (killed && Clock::now() >= give_up) break;  // stuck in the kernel: nothing more to do
+  }
+  if (stopping) signal_groups(children, SIGKILL, false);  // leftovers of the ranks' groups
+  return out;
+}
+
+// The launcher's own last line, and its exit code.
+int report_outcome(const LaunchOptions& o, const std::vector<Child>& children, const Outcome& out,
+                   const std::vector<int>& culprits) {
+  const char* name = o.name.c_str();
+  if (out.forwarded) {
+    std::fprintf(stderr, "%s: received %s: stopped %zu rank%s\n", name,
+                 signal_name(out.forwarded).c_str(), children.size(),
+                 children.size() == 1 ? "" : "s");
+    return 128 + out.forwarded;
+  }
+  if (!out.failed) return 0;
+  const Child& f = *out.failed;
+  if (!culprits.empty()) {
+    std::string who;
+    for (int r : culprits) {
+      auto c = std::find_if(children.begin(), children.end(),
+                            [&](const Child& k) { return k.rank == r; });
+      who += fmt::format("{}rank {}{}", who.empty() ? "" : ", ", r,
+                         c != children.end() ? fmt::format(" (pid {})", c->pid) : "");
+    }
+    std::fprintf(stderr, "%s: %s stopped answering: rank %d failed waiting for it; stopped all "
+                 "%zu ranks\n",
+                 name, who.c_str(), f.rank, children.size());
+  } else if (WIFEXITED(out.failed_status)) {
+    std::fprintf(stderr, "%s: rank %d (pid %d) exited with code %d\n", name, f.rank,
+                 static_cast<int>(f.pid), WEXITSTATUS(out.failed_status));
+  } else {
+    const int sig = WTERMSIG(out.failed_status);
+    std::fprintf(stderr, "%s: rank %d (pid %d) was killed by signal %d (%s)\n", name, f.rank,
+                 static_cast<int>(f.pid), sig, signal_name(sig).c_str());
+  }
+  return 1;
+}
+
+}  // namespace
+
 int launch_ranks(const LaunchOptions& o) {
   REPLICA_USAGE_CHECK(!o.command.empty(), "no program to run");
   const std::string program = resolve_program(o.command.front());
@@ -267,134 +286,22 @@ int launch_ranks(const LaunchOptions& o) {
   const pid_t launcher = getpid();
   const bool tty_stdin = isatty(STDIN_FILENO);
 
-  ErrorDir errors;
+  RankErrors errors;
   std::vector<Child> children;
   try {
     for (int local = 0; local < o.nproc_per_node; ++local)
-      start_rank(o, program, local, launcher, tty_stdin, old_mask, errors.path(), children);
+      start_rank(o, program, local, launcher, tty_stdin, old_mask, errors.dir(), children);
   } catch (...) {
     sigprocmask(SIG_SETMASK, &old_mask, nullptr);
     throw;
   }
-
-  int forwarded = 0;  // the signal the launcher got and passed on
-  const Child* failed = nullptr;
-  int failed_status = 0;
-  bool stopping = false, killed = false;
-  Clock::time_point deadline, give_up;
-  const auto kill_grace = std::chrono::seconds(5);
-  auto running = [&] {
-    return std::count_if(children.begin(), children.end(),
-                         [](const Child& c) { return c.running; });
-  };
-  while (running() > 0) {
-    auto now = Clock::now();
-    auto wait = std::chrono::milliseconds(500);
-    if (stopping && !killed)
-      wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now),
-                        std::chrono::milliseconds(1), wait);
-    timespec ts{0, static_cast<long>(wait.count()) * 1000000L};
-    siginfo_t info;
-    int sig = sigtimedwait(&watched, &info, &ts);
-    if (sig == SIGINT || sig == SIGTERM || sig == SIGHUP) {
-      if (!stopping) {
-        forwarded = sig;
-        stopping = true;
-        deadline = Clock::now() + o.signal_grace;
-        signal_groups(children, sig, true);
-      } else if (!killed) {  // a second signal: no more patience
-        if (!forwarded) forwarded = sig;
-        killed = true;
-        give_up = Clock::now() + kill_grace;
-        signal_groups(children, SIGKILL, false);
-      }
-    }
-    int status = 0;
-    for (pid_t pid; (pid = waitpid(-1, &status, WNOHANG)) > 0;) {
-      for (auto& c : children) {
-        if (c.pid != pid) continue;
-        c.running = false;
-        bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && !stopping) {
-          failed = &c;
-          failed_status = status;
-          stopping = true;
-          deadline = Clock::now() + o.failure_grace;
-          signal_groups(children, SIGTERM, false);  // the failed rank's group too: its children
-          signal_groups(children, SIGCONT, false);  // a stopped (SIGSTOP) rank acts on it too
-        }
-      }
-    }
-    if (stopping && !killed && Clock::now() >= deadline) {
-      killed = true;
-      give_up = Clock::now() + kill_grace;
-      signal_groups(children, SIGKILL, false);
-    }
-    if (killed && Clock::now() >= give_up) break;  // stuck in the kernel: nothing more to do
-  }
-  if (stopping) signal_groups(children, SIGKILL, false);  // leftovers of the ranks' groups
+  const Outcome out = watch_ranks(o, children, watched);
   // The signals stay blocked: the caller is about to exit, and a second Ctrl-C pressed just
   // now must not kill it before it reports.
-
-  const int first_rank = o.node_rank * o.nproc_per_node;
-  std::vector<RankReport> reports = read_reports(errors.path(), first_rank, o.nproc_per_node);
-  // What the rank that failed first found: the culprit, when it names one.
-  std::vector<int> culprits;
-  for (const auto& r : reports)
-    if (failed && r.rank == failed->rank) culprits = r.silent;
-  // Ranks that failed because the first one had (a peer gone after the job was stopped) only
-  // repeat the story: left out.
-  reports.erase(std::remove_if(reports.begin(), reports.end(),
-                               [&](const RankReport& r) {
-                                 return failed && r.rank != failed->rank &&
-                                        std::find(r.silent.begin(), r.silent.end(),
-                                                  failed->rank) != r.silent.end();
-                               }),
-                reports.end());
-  print_reports(reports, o.nproc_per_node);
-  if (forwarded) {
-    std::fprintf(stderr, "%s: received %s: stopped %zu rank%s\n", o.name.c_str(),
-                 signal_name(forwarded).c_str(), children.size(),
-                 children.size() == 1 ? "" : "s");
-    return 128 + forwarded;
-  }
-  if (!failed) return 0;
-  if (!culprits.empty()) {
-    std::string who;
-    for (int r : culprits) {
-      auto c = std::find_if(children.begin(), children.end(),
-                            [&](const Child& k) { return k.rank == r; });
-      who += fmt::format("{}rank {}{}", who.empty() ? "" : ", ", r,
-                         c != children.end() ? fmt::format(" (pid {})", c->pid) : "");
-    }
-    std::fprintf(stderr, "%s: %s stopped answering: rank %d failed waiting for it; stopped all "
-                 "%zu ranks\n",
-                 o.name.c_str(), who.c_str(), failed->rank, children.size());
-    return 1;
-  }
-  if (WIFEXITED(failed_status))
-    std::fprintf(stderr, "%s: rank %d (pid %d) exited with code %d\n", o.name.c_str(),
-                 failed->rank, static_cast<int>(failed->pid), WEXITSTATUS(failed_status));
-  else
-    std::fprintf(stderr, "%s: rank %d (pid %d) was killed by signal %d (%s)\n", o.name.c_str(),
-                 failed->rank, static_cast<int>(failed->pid), WTERMSIG(failed_status),
-                 signal_name(WTERMSIG(failed_status)).c_str());
-  return 1;
-}
-
-bool report_error_to_launcher(const std::string& program, const std::exception& error,
-                              int exit_code) {
-  const char* dir = std::getenv(kErrorDirVar);
-  const char* rank = std::getenv("RANK");
-  if (!dir || !*dir || !rank || !*rank) return false;
-  nlohmann::json j = {{"program", program}, {"message", error.what()}, {"exit_code", exit_code}};
-  if (const auto* pf = dynamic_cast<const PeerFailure*>(&error)) j["silent"] = pf->ranks();
-  try {
-    write_file_atomically(fmt::format("{}/rank{}.json", dir, rank), j.dump() + "\n");
-    return true;
-  } catch (const std::exception&) {
-    return false;
-  }
+  const int failed_rank = out.failed ? out.failed->rank : -1;
+  const std::vector<int> culprits =
+      errors.print(o.node_rank * o.nproc_per_node, o.nproc_per_node, failed_rank);
+  return report_outcome(o, children, out, culprits);
 }
 
 }  // namespace replica

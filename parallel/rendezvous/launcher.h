@@ -28,16 +28,11 @@ struct LaunchOptions {
 
 // Starts the ranks and waits for them. Returns 0 when every rank exited 0; 128 + signal after
 // a forwarded signal; 1 when a rank failed. A rank's fatal error comes back through
-// report_error_to_launcher(): the launcher prints each distinct message once, naming the ranks
-// it came from, and its last line names the rank that failed first, or the rank the others
-// found had stopped answering (a PeerFailure). Throws UsageError when the program cannot run.
+// report_error_to_launcher() (rank_errors.h): the launcher prints each distinct message once,
+// naming the ranks it came from, and its last line names the rank that failed first, or the rank
+// the others found had stopped answering (a PeerFailure). Throws UsageError when the program
+// cannot run.
 int launch_ranks(const LaunchOptions& options);
-
-// For a rank started by launch_ranks (REPLICA_ERROR_DIR is set): hands its fatal error to the
-// launcher instead of printing it, and returns true. False when not under such a launcher, or
-// the report cannot be written; the caller prints the error itself then.
-bool report_error_to_launcher(const std::string& program, const std::exception& error,
-                              int exit_code);
 
 // The executable for `program`: as given when it holds a '/', else searched in PATH.
 std::string resolve_program(const std::string& program);

@@ -149,31 +149,4 @@ class FileStore : public Store {
   std::string dir_;
 };
 
-struct RendezvousOptions {
-  // "env://" (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), "tcp://host:port" or
-  // "file://DIR". tcp:// and file:// take rank/world size from below, else from the environment.
-  std::string init_method = "env://";
-  int rank = -1;        // -1: from the environment
-  int world_size = -1;  // -1: from the environment
-  std::chrono::milliseconds timeout = std::chrono::seconds(120);
-};
-
-struct Rendezvous {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  std::shared_ptr<Store> store;
-};
-
-// Rank and world size from the environment: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE
-// (replica-launch, torchrun), else OMPI_COMM_WORLD_*, else SLURM_PROCID/SLURM_NTASKS/
-// SLURM_LOCALID, else a single process. store stays null.
-Rendezvous rendezvous_env_ranks();
-
-// Connects every rank to one store (rank 0 hosts the TCP server) and joins: each rank counts
-// itself in, then all wait until world_size ranks have joined. A timeout names the missing
-// ranks; a rank that joins twice (or a reused file:// directory) is an error.
-Rendezvous rendezvous(const RendezvousOptions& options = {});
-
 }  // namespace replica

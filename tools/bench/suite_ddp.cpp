@@ -11,7 +11,7 @@
 #include "engine/error.h"
 #include "parallel/loop/run_summary.h"
 #include "parallel/engines/ddp_engine.h"
-#include "parallel/rendezvous/store.h"
+#include "parallel/rendezvous/rendezvous.h"
 #include "tools/bench/alpha_beta.h"
 #include "tools/bench/suites.h"
 

@@ -1,0 +1,186 @@
+// FileStore: the ranks share a directory (file://DIR), a file per key. Each value is written to a
+// temporary and renamed into place, so a reader sees a whole value or none; add() holds an flock
+// on a lock file per key. The temporaries are named per process and per write (a counter), as
+// several threads of one rank may set keys at once; engine/output_files' single-writer files do
+// not allow that.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "engine/error.h"
+#include "parallel/rendezvous/store.h"
+
+namespace replica {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Polls `ready` with a growing sleep (1 ms .. 50 ms) until it returns true or the deadline.
+template <typename F>
+bool poll_until(Clock::time_point deadline, F ready) {
+  milliseconds nap(1);
+  for (;;) {
+    if (ready()) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::min(
+        nap, std::chrono::duration_cast<milliseconds>(deadline - Clock::now()) + milliseconds(1)));
+    nap = std::min(nap * 2, milliseconds(50));
+  }
+}
+
+bool read_file(const std::string& path, Bytes* out) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    REPLICA_CHECK(errno == ENOENT, "file store: cannot read '{}' ({})", path, errno_text());
+    return false;
+  }
+  out->clear();
+  char buf[1 << 16];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) out->insert(out->end(), buf, buf + n);
+  int err = errno;
+  close(fd);
+  REPLICA_CHECK(n == 0, "file store: cannot read '{}' ({})", path, std::strerror(err));
+  return true;
+}
+
+void write_atomically(const std::string& dir, const std::string& path, const Bytes& value) {
+  static std::atomic<uint64_t> counter{0};
+  std::string tmp = fmt::format("{}/.tmp-{}-{}", dir, getpid(), counter++);
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REPLICA_CHECK(fd >= 0, "file store: cannot create '{}' ({})", tmp, errno_text());
+  size_t off = 0;
+  while (off < value.size()) {
+    ssize_t n = write(fd, value.data() + off, value.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      std::string why = errno_text();
+      close(fd);
+      unlink(tmp.c_str());
+      throw Error(fmt::format("file store: cannot write '{}' ({})", tmp, why));
+    }
+    off += static_cast<size_t>(n);
+  }
+  close(fd);
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string why = errno_text();
+    unlink(tmp.c_str());
+    throw Error(fmt::format("file store: cannot rename '{}' to '{}' ({})", tmp, path, why));
+  }
+}
+
+uint64_t fnv1a(const std::string& s, uint64_t h) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+FileStore::FileStore(const std::string& dir, milliseconds timeout) : Store(timeout), dir_(dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  REPLICA_USAGE_CHECK(std::filesystem::is_directory(dir),
+                      "cannot create the file store directory '{}' ({})", dir,
+                      ec ? ec.message() : "not a directory");
+}
+
+// Safe characters stay, others become %XX; long keys become two 64-bit hashes.
+std::string FileStore::path_for(const std::string& key) const {
+  std::string name = "k-";
+  for (unsigned char c : key) {
+    if (std::isalnum(c) || c == '.' || c == '_' || c == '-')
+      name += static_cast<char>(c);
+    else
+      name += fmt::format("%{:02X}", c);
+  }
+  if (name.size() > 200)
+    name = fmt::format("h-{:016x}{:016x}", fnv1a(key, 14695981039346656037ull),
+                       fnv1a(key, 0x9e3779b97f4a7c15ull));
+  return dir_ + "/" + name;
+}
+
+void FileStore::set(const std::string& key, const Bytes& value) {
+  check_key(key, "set");
+  check_value(key, value);
+  write_atomically(dir_, path_for(key), value);
+}
+
+Bytes FileStore::get(const std::string& key) {
+  check_key(key, "get");
+  Bytes out;
+  std::string path = path_for(key);
+  if (!poll_until(Clock::now() + timeout_, [&] { return read_file(path, &out); }))
+    throw Error(fmt::format("store get('{}') timed out after {}: the key was never set (store {})",
+                            key, format_duration(timeout_), describe()));
+  return out;
+}
+
+std::vector<std::string> FileStore::wait_for(const std::vector<std::string>& keys,
+                                             milliseconds timeout) {
+  for (const auto& k : keys) check_key(k, "wait");
+  std::vector<std::string> missing;
+  poll_until(Clock::now() + timeout, [&] {
+    missing.clear();
+    for (const auto& k : keys)
+      if (access(path_for(k).c_str(), F_OK) != 0) missing.push_back(k);
+    return missing.empty();
+  });
+  return missing;
+}
+
+bool FileStore::check(const std::vector<std::string>& keys) {
+  for (const auto& k : keys) {
+    check_key(k, "check");
+    if (access(path_for(k).c_str(), F_OK) != 0) return false;
+  }
+  return true;
+}
+
+int64_t FileStore::add(const std::string& key, int64_t delta) {
+  check_key(key, "add");
+  std::string path = path_for(key);
+  std::string lock_path = dir_ + "/l" + path.substr(dir_.size() + 2);
+  int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  REPLICA_CHECK(fd >= 0, "file store: cannot open the lock '{}' ({})", lock_path, errno_text());
+  while (flock(fd, LOCK_EX) != 0) {
+    if (errno == EINTR) continue;
+    std::string why = errno_text();
+    close(fd);
+    throw Error(fmt::format("file store: cannot lock '{}' ({})", lock_path, why));
+  }
+  try {
+    Bytes old;
+    int64_t value = 0;
+    if (read_file(path, &old)) {
+      std::string text = to_string(old);
+      char* end = nullptr;
+      errno = 0;
+      value = std::strtoll(text.c_str(), &end, 10);
+      REPLICA_CHECK(!text.empty() && *end == '\0' && errno == 0,
+                    "store add('{}'): key '{}' holds a value that is not a counter", key, key);
+    }
+    int64_t sum = 0;
+    REPLICA_CHECK(!__builtin_add_overflow(value, delta, &sum),
+                  "store add('{}'): adding {} to {} overflows the 64-bit counter", key, delta,
+                  value);
+    write_atomically(dir_, path, to_bytes(std::to_string(sum)));
+    close(fd);  // releases the lock
+    return sum;
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+}
+
+}  // namespace replica
