@@ -1,8 +1,9 @@
 // replica-bench's report arithmetic on fixed inputs with hand-computed results (efficiency,
 // bytes per step, algbw/busbw factors, the alpha-beta fit, the projection and its error), the
 // engines' byte counts against the formulas, and the program itself: a short DP/DDP run with
-// traces, a report rendered from a committed fixture with PyTorch rows beside it, bad input,
-// a dead DDP rank, and the PyTorch script's message when PyTorch is missing.
+// traces, a report rendered from a committed fixture with PyTorch rows beside it or over a
+// declared link, bad input, a dead DDP rank, and the PyTorch script's message when PyTorch is
+// missing.
 #include <doctest/doctest.h>
 
 #include <fstream>
@@ -11,8 +12,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_helpers.h"
+#include "engine/error.h"
 #include "parallel/engines/dp_engine.h"
 #include "tools/bench/harness.h"
+#include "tools/bench/link.h"
 #include "tools/bench/projection.h"
 #include "tools/bench/report_math.h"
 #include "tools/bench/rows.h"
@@ -152,8 +155,39 @@ TEST_CASE("projection on fixed inputs") {
     CHECK(p4.samples_per_sec == Approx(128 / 10.9075e-3));  // 11,735.0
     CHECK(p4.efficiency == Approx(10.0 / 10.9075));
   }
+  SUBCASE("DP on separate GPUs: NCCL's reduce and broadcast pipeline along a chain") {
+    DpModel m{compute, grad, {1e-6, 10e9}, {2e-6, 20e9}};
+    m.pipelined = true;
+    // n = 4: R = 2 * 3 * 1 us + 4 MB / 10 GB/s = 0.406 ms, hidden 0.75 R = 0.3045 ms,
+    // B = 3 * 2 us + 4 MB / 20 GB/s = 0.206 ms; T = 10 + 0.406 - 0.3045 + 0.206 = 10.3075 ms.
+    const Projected p4 = project_dp(m, 4);
+    CHECK(p4.hidden_s == Approx(0.3045e-3));
+    CHECK(p4.comm_s == Approx(0.612e-3));
+    CHECK(p4.step_s == Approx(10.3075e-3));
+    CHECK(project_dp(m, 1).step_s == Approx(10e-3));
+  }
   CHECK(relative_error(110, 100) == Approx(0.1));
   CHECK(relative_error(90, 100) == Approx(-0.1));
+}
+
+TEST_CASE("declared links: the published figures per direction, or GB/s given by hand") {
+  CHECK(parse_link("nvlink4").bytes_per_s == Approx(450e9));
+  CHECK(parse_link("NVLink3").bytes_per_s == Approx(300e9));
+  CHECK(parse_link("pcie4").bytes_per_s == Approx(31.5e9));
+  CHECK(parse_link("pcie5").bytes_per_s == Approx(63e9));
+  CHECK(parse_link("pcie5").published.find("128b/130b") != std::string::npos);
+  CHECK(parse_link("25").bytes_per_s == Approx(25e9));
+  CHECK(parse_link("12.5GB/s").bytes_per_s == Approx(12.5e9));
+  CHECK(parse_link("12.5 GB/s").name == "12.5 GB/s");
+  for (const char* bad : {"nvlink9", "0", "-3", "fast", "", "1e9", "nan", "25 MB/s"}) {
+    INFO(bad);
+    CHECK_THROWS_AS(parse_link(bad), UsageError);
+  }
+  try {
+    parse_link("nvlink9");
+  } catch (const UsageError& e) {
+    CHECK(std::string(e.what()).find("nvlink4") != std::string::npos);
+  }
 }
 
 TEST_CASE("device counts: powers of two and the largest") {
@@ -291,6 +325,32 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
         std::string::npos);
 }
 
+TEST_CASE("replica-bench --report --link projects to separate GPUs over the declared link") {
+  test::TempDir tmp;
+  const auto r = test::run(kBench + " --report " + tmp.str("out") + " --from-results " +
+                           kFixture + " --link nvlink4");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  const auto projection = nlohmann::json::parse(read_file(tmp.str("out/projection.json")));
+  REQUIRE(projection.size() == 1);
+  const auto& g = projection[0];
+  CHECK(g["link"]["name"] == "nvlink4");
+  // The bandwidths are the link's; the latencies stay the measured ones (the fixture's 50 us).
+  CHECK(g["ddp"]["inputs"]["ring"]["beta_gbps"] == Approx(450));
+  CHECK(g["ddp"]["inputs"]["ring"]["alpha_us"] == Approx(50));
+  CHECK(g["dp"]["inputs"]["reduce"]["beta_gbps"] == Approx(450));
+  CHECK(g["dp"]["inputs"]["broadcast"]["beta_gbps"] == Approx(450));
+  CHECK(g["dp"]["formula"].get<std::string>().find("K (n-1) alpha_r + S / beta_r") !=
+        std::string::npos);
+  const std::string md = read_file(tmp.str("out/report.md"));
+  INFO(md);
+  CHECK(md.find("declared link: nvlink4**, 450.0 GB/s per direction") != std::string::npos);
+  CHECK(md.find("No error table") != std::string::npos);
+  CHECK(md.find("| 2 | 2700.0 | 2923.2 | +8.3% |") == std::string::npos);
+  // DDP T(2) = 64/1480 s + 2 x 50 us + 444,400 B / 450 GB/s = 43.344 ms.
+  CHECK(md.find("| 2 (projection) | 43.34 |") != std::string::npos);
+}
+
 TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   test::TempDir tmp;
   expect_clean_error("--suite ring", "--suite");
@@ -301,6 +361,8 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite ddp --backend mpi", "--backend");
   expect_clean_error("--suite single --report " + tmp.str("r"), "--report");
   expect_clean_error("--suite dp --compare x.jsonl", "--compare needs --report");
+  expect_clean_error("--suite dp --link nvlink4", "--link needs --report");
+  expect_clean_error("--report " + tmp.str("r") + " --link warp", "--link 'warp'");
   expect_clean_error("--report " + tmp.str("r") + " --from-results " + tmp.str("none"),
                      "results.jsonl");
   {

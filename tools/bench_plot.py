@@ -77,8 +77,10 @@ def plot_scaling(rows, compare, projection, out, key, ylabel, fname, title):
             px = [q["devices"] for q in p]
             py = [q["samples_per_sec" if key == "samples_per_sec" else "efficiency"] *
                   (100 if key == "efficiency" else 1) for q in p]
+            link = proj.get("link")
+            what = ("over %s, declared" % link["name"]) if link else "alpha-beta model"
             ax.plot(px, py, "--", color=COLORS[mode], alpha=0.8,
-                    label="%s projection (alpha-beta model)" % NAMES[mode])
+                    label="%s projection (%s)" % (NAMES[mode], what))
             counts = sorted(set(counts) | set(px))
     for mode in ("dp", "ddp"):
         xs, rs = series(compare, mode)

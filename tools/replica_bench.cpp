@@ -3,6 +3,7 @@
 //   replica-bench --suite dp,ddp --json out.jsonl   DP and DDP on 1, 2, 4, ... N devices
 //   replica-bench --report out                      both suites, plots, traces, projection: out/report.md
 //   replica-bench --report out --compare pytorch.jsonl   PyTorch's rows beside replica's
+//   replica-bench --report out --link nvlink4       project to separate GPUs joined by NVLink 4
 // Suites: tools/bench/suite_single.cpp, suite_dp.cpp, suite_ddp.cpp; the report arithmetic:
 // tools/bench/report_math.h.
 #include <algorithm>
@@ -14,6 +15,7 @@
 
 #include "cli/program.h"
 #include "engine/output_files.h"
+#include "tools/bench/link.h"
 #include "tools/bench/options.h"
 
 using namespace replica;
@@ -74,6 +76,9 @@ int run(int argc, char** argv) {
                  "beside replica's (repeatable)");
   app.add_option("--from-results", o.from_results,
                  "--report: render from DIR's saved results.jsonl/alpha_beta.json, measure nothing");
+  app.add_option("--link", o.link,
+                 "--report: project to separate GPUs joined by this link instead of the measured "
+                 "bandwidth: nvlink3 | nvlink4 | pcie4 | pcie5 | GB/s per direction");
   app.add_flag("--skip-alpha-beta", o.skip_alpha_beta,
                "--report: do not measure the communication primitives (the projection then "
                "uses the measured 2-device runs)");
@@ -96,6 +101,8 @@ int run(int argc, char** argv) {
   check_output_dir("--trace-dir", o.trace_dir);
   check_output_dir("--report", o.report_dir);
   REPLICA_USAGE_CHECK(o.compare.empty() || !o.report_dir.empty(), "--compare needs --report DIR");
+  REPLICA_USAGE_CHECK(o.link.empty() || !o.report_dir.empty(), "--link needs --report DIR");
+  if (!o.link.empty()) parse_link(o.link);  // a wrong name fails now, not after the runs
   for (const auto& f : o.compare)
     REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(f), "--compare '{}': no such file", f);
   if (single && o.warmup < 0) o.warmup = 5;  // dp/ddp: chosen from a measured step time

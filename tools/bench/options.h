@@ -30,6 +30,7 @@ struct BenchOptions {
   std::string report_dir;
   std::vector<std::string> compare;  // JSON-lines files of other engines' rows
   std::string from_results;          // re-render a report from this directory's results
+  std::string link;                  // declared interconnect for the projection (link.h)
   bool skip_alpha_beta = false;
   std::string worker, worker_out;    // hidden: a DDP rank of this program
   std::string command_line;          // for the report

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -213,7 +214,9 @@ int run_parallel_suites(const BenchOptions& o) {
     compare_files.push_back("compare.jsonl");
   }
   add_scaling(compare);
-  const json projection = build_projection(rows, alpha_beta);
+  std::optional<Link> link;
+  if (!o.link.empty()) link = parse_link(o.link);
+  const json projection = build_projection(rows, alpha_beta, link ? &*link : nullptr);
   // Everything is read by now, so rewriting the files of a re-rendered directory is safe.
   const std::string results = (dir / "results.jsonl").string();
   std::ofstream(results, std::ios::trunc).close();

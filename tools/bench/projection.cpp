@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "tools/bench/link.h"
 #include "tools/bench/report_math.h"
 
 namespace replica::bench {
@@ -72,6 +73,14 @@ json shared_inputs(const ComputeInputs& compute, const GradientInputs& grad) {
           {"w", overlappable_fraction(grad)}};
 }
 
+// A declared link replaces the measured bandwidth; the latency stays what was measured.
+void declare(AlphaBeta& ab, const Link* link, std::string& source) {
+  if (!link) return;
+  ab.beta_bytes_per_s = link->bytes_per_s;
+  source = fmt::format("beta: the declared link {}; alpha {}", link->name,
+                       source == "not measured" ? "0, not measured" : source);
+}
+
 json ab_json(const AlphaBeta& ab) {
   return {{"alpha_us", ab.alpha_s * 1e6}, {"beta_gbps", ab.beta_bytes_per_s / 1e9}};
 }
@@ -104,7 +113,8 @@ const std::vector<int>& projection_counts() {
   return c;
 }
 
-json build_projection(const std::vector<json>& rows, const json& alpha_beta) {
+json build_projection(const std::vector<json>& rows, const json& alpha_beta,
+                      const Link* link) {
   std::map<std::string, std::vector<const json*>> groups;
   for (const auto& r : rows)
     if (r.value("engine", "replica") == "replica")
@@ -120,12 +130,17 @@ json build_projection(const std::vector<json>& rows, const json& alpha_beta) {
     bool shared = false;
     for (const json* r : g) shared |= r->value("devices_share_gpu", false);
     entry["devices_share_gpu"] = shared;
+    if (link)
+      entry["link"] = {{"name", link->name},
+                       {"gbps", link->bytes_per_s / 1e9},
+                       {"published", link->published}};
     if (const json* one = find_row(g, "ddp", 1)) {
       DdpModel m{compute_inputs(*one), gradient_inputs(*one), {}};
       std::string source;
       const json ar = ab.contains("ddp_allreduce") ? ab["ddp_allreduce"] : json();
       // From a measured row: all-reduce time of S over 2 ranks = S / beta (ring, n = 2).
       m.ring = communication(ar, find_row(g, "ddp", 2), "comm_ms", m.grad.bytes, 1.0, source);
+      declare(m.ring, link, source);
       if (m.ring.beta_bytes_per_s > 0) {
         json c = curve(g, "ddp", [&](int n) { return project_ddp(m, n); });
         c["formula"] =
@@ -145,11 +160,17 @@ json build_projection(const std::vector<json>& rows, const json& alpha_beta) {
                                m.grad.bytes, 1.0, rs);
       m.broadcast = communication(ab.contains("dp_broadcast") ? ab["dp_broadcast"] : json(), two,
                                   "broadcast_ms", m.grad.bytes, 1.0, bs);
+      declare(m.reduce, link, rs);
+      declare(m.broadcast, link, bs);
+      m.pipelined = link != nullptr;  // separate GPUs: NCCL's pipelined reduce and broadcast
       if (m.reduce.beta_bytes_per_s > 0 && m.broadcast.beta_bytes_per_s > 0) {
         json c = curve(g, "dp", [&](int n) { return project_dp(m, n); });
         c["formula"] =
-            "T(n) = T1 + R(n) - min(w R(n), Tb) + B(n),  R(n) = (n-1)(K alpha_r + S / beta_r),  "
-            "B(n) = (n-1)(alpha_b + S / beta_b),  samples/s = n b / T(n)";
+            m.pipelined
+                ? "T(n) = T1 + R(n) - min(w R(n), Tb) + B(n),  R(n) = K (n-1) alpha_r + S / "
+                  "beta_r,  B(n) = (n-1) alpha_b + S / beta_b,  samples/s = n b / T(n)"
+                : "T(n) = T1 + R(n) - min(w R(n), Tb) + B(n),  R(n) = (n-1)(K alpha_r + S / "
+                  "beta_r),  B(n) = (n-1)(alpha_b + S / beta_b),  samples/s = n b / T(n)";
         c["inputs"] = shared_inputs(m.compute, m.grad);
         c["inputs"]["reduce"] = ab_json(m.reduce);
         c["inputs"]["broadcast"] = ab_json(m.broadcast);

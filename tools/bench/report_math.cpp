@@ -114,9 +114,13 @@ Projected project_ddp(const DdpModel& m, int n) {
 
 Projected project_dp(const DpModel& m, int n) {
   if (n < 2) return finish(m.compute, n, 0, 0, 0);
+  const double S = m.grad.bytes, K = m.grad.buckets;
   const double reduce =
-      (n - 1) * (m.grad.buckets * m.reduce.alpha_s + m.grad.bytes / m.reduce.beta_bytes_per_s);
-  const double broadcast = (n - 1) * m.broadcast.seconds(m.grad.bytes);
+      m.pipelined ? K * (n - 1) * m.reduce.alpha_s + S / m.reduce.beta_bytes_per_s
+                  : (n - 1) * (K * m.reduce.alpha_s + S / m.reduce.beta_bytes_per_s);
+  const double broadcast = m.pipelined
+                               ? (n - 1) * m.broadcast.alpha_s + S / m.broadcast.beta_bytes_per_s
+                               : (n - 1) * m.broadcast.seconds(S);
   const double hidden = std::min(overlappable_fraction(m.grad) * reduce, m.compute.backward_s);
   return finish(m.compute, n, reduce, hidden, broadcast);
 }

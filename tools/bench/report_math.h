@@ -72,13 +72,17 @@ struct DdpModel {
   GradientInputs grad;
   AlphaBeta ring;  // per-message latency, per-link bandwidth
 };
-// DP on n devices: T(n) = T1 + R(n) - min(w R(n), Tb) + B(n), everything through device 0:
-// reduce R(n) = (n-1)(K alpha_r + S / beta_r) (device 0 adds each replica's buckets in turn),
-// broadcast B(n) = (n-1)(alpha_b + S / beta_b) (device 0's parameters copied to each replica).
+// DP on n devices: T(n) = T1 + R(n) - min(w R(n), Tb) + B(n). On devices that share memory
+// (CPU devices, logical devices of one GPU) everything goes through device 0: reduce
+// R(n) = (n-1)(K alpha_r + S / beta_r) (device 0 adds each replica's buckets in turn), broadcast
+// B(n) = (n-1)(alpha_b + S / beta_b) (device 0's parameters copied to each replica). On separate
+// GPUs DP uses NCCL's reduce and broadcast, which pipeline chunks along a chain, so every link
+// carries S once: R(n) = K (n-1) alpha_r + S / beta_r, B(n) = (n-1) alpha_b + S / beta_b.
 struct DpModel {
   ComputeInputs compute;
   GradientInputs grad;
   AlphaBeta reduce, broadcast;
+  bool pipelined = false;  // separate GPUs (NCCL), else through device 0
 };
 
 struct Projected {

@@ -182,9 +182,20 @@ std::string projection_section(const json& projection) {
   for (const auto& g : projection) {
     s += fmt::format("\n### {} {}, {} samples per device\n", g.value("model", "?"),
                      g.value("input_shape", "?"), g.value("batch_per_device", int64_t(0)));
-    if (g.value("devices_share_gpu", false))
+    const bool declared = g.contains("link");
+    if (declared)
+      s += fmt::format(
+          "\nProjected to **separate GPUs joined by a declared link: {}**, {:.1f} GB/s per "
+          "direction ({}). T1 and the latencies are the ones measured here; the bandwidth is the "
+          "link's published figure, not a measurement, and DP is modelled as on separate GPUs "
+          "(NCCL's pipelined reduce and broadcast). What would prove it wrong: the same bench on "
+          "n such GPUs, measured samples/s well off the projected.\n",
+          g["link"].value("name", "?"), num(g["link"], "gbps"),
+          g["link"].value("published", "?"));
+    else if (g.value("devices_share_gpu", false))
       s += "\nThese devices share one GPU: T1 and the bandwidths are those of a shared GPU, so "
-           "the projection says little about separate GPUs.\n";
+           "the projection says little about separate GPUs (declare the link between GPUs "
+           "with `--link`).\n";
     for (const char* mode : {"dp", "ddp"}) {
       if (!g.contains(mode)) continue;
       const json& m = g[mode];
@@ -210,10 +221,14 @@ std::string projection_section(const json& projection) {
            "efficiency |\n|---:|---:|---:|---:|---:|---:|\n";
       for (const auto& p : m["points"]) {
         const int n = p.value("devices", 0);
-        if (n != 8 && n != 16 && n != 64) continue;
+        if (n != 8 && n != 16 && n != 64 && !(declared && (n == 2 || n == 4))) continue;
         s += fmt::format("| {} (projection) | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {:.1f}% |\n", n,
                          num(p, "step_ms"), num(p, "comm_ms"), num(p, "hidden_ms"),
                          num(p, "samples_per_sec"), 100 * num(p, "efficiency"));
+      }
+      if (declared) {
+        s += "\nNo error table: the devices measured here are not joined by the declared link.\n";
+        continue;
       }
       s += "\nModel against measurement (relative error of samples/s; 1 device is the model's "
            "input T1, so 0 by construction):\n\n| devices | measured | model | error |\n"
@@ -345,16 +360,26 @@ void write_report(const ReportInputs& in) {
   md += "\n## Communication\n\n" + comm_section(rows, in.alpha_beta);
   md += "\n## Memory per device\n\n" + image("memory.png", "peak memory per device") + "\n" +
         memory_section(rows);
-  md += "\n## Projection to 8, 16 and 64 devices\n\n";
+  const bool declared_link = in.projection.is_array() && !in.projection.empty() &&
+                             in.projection[0].contains("link");
+  md += declared_link ? fmt::format("\n## Projection to 2-64 GPUs joined by {}\n\n",
+                                    in.projection[0]["link"].value("name", "?"))
+                      : "\n## Projection to 8, 16 and 64 devices\n\n";
   if (in.projection.is_array() && !in.projection.empty()) {
     md += "An explicit alpha-beta model, drawn **dashed and labelled projection** in the plots. "
           "Compute per device is the measured 1-device step T1 (weak scaling keeps it constant "
           "as if every device had its own cores or GPU); communication is the alpha-beta fit of "
           "the primitive each strategy uses. DDP: a ring all-reduce of the K gradient buckets, of "
           "which all but the last bucket (fraction w of the bytes) may overlap the backward pass "
-          "Tb. DP: everything passes through device 0: it adds the n-1 replicas' gradients in "
-          "turn (overlapping backward the same way), then its parameters are copied to the n-1 "
-          "replicas one after another. Not modelled: contention for shared cores or memory "
+          "Tb. DP: ";
+    md += declared_link
+              ? "on separate GPUs, NCCL's reduce into device 0 and broadcast out of it pipeline "
+                "chunks along a chain, so every link carries the S gradient bytes once "
+                "(overlapping backward the same way). "
+              : "everything passes through device 0: it adds the n-1 replicas' gradients in "
+                "turn (overlapping backward the same way), then its parameters are copied to the "
+                "n-1 replicas one after another. ";
+    md += "Not modelled: contention for shared cores or memory "
           "bandwidth, DP's gather and loss over the global batch, stragglers. Every number "
           "needed to redo it by hand follows.\n";
     md += projection_section(in.projection);
