@@ -72,77 +72,11 @@ class DataParallelEngine final : public TrainEngine {
     int active = 0;
     while (active < n && chunks[active].count > 0) ++active;
     last_active_ = active;
+
+    scatter_forward(batch, chunks, active);
+    const Tensor dlogits = gather_loss(batch, chunks, active);
+    backward_reduce(dlogits, chunks, active);
     DeviceContext& c0 = primary();
-
-    // Scatter + forward: each worker takes its own chunk of the host batch.
-    pool_.run([&](int i) {
-      Replica& r = replicas_[i];
-      if (i >= active) {
-        // Idle this step (small batch): zero gradients, which a NCCL reduce still includes.
-        r.ctx->run([&] { r.model->zero_grad(*r.ctx); });
-        return;
-      }
-      r.ctx->run([&] {
-        {
-          TraceSpan span(r.track, "scatter", r.ctx.get());
-          r.x = batch_to_device(*r.ctx, batch, batch.images.slice_rows(chunks[i].begin,
-                                                                chunks[i].begin + chunks[i].count));
-        }
-        TraceSpan span(r.track, "forward", r.ctx.get());
-        r.model->zero_grad(*r.ctx);
-        r.logits = r.model->forward(*r.ctx, r.x);
-        r.forward_done->record(*r.ctx);
-      });
-    });
-
-    // Gather outputs on device 0; loss and its gradient over the whole batch there.
-    Tensor dlogits;
-    c0.run([&] {
-      TraceSpan span(replicas_[0].track, "gather_loss", &c0);
-      const int64_t classes = replicas_[0].logits.dim(1);
-      Tensor all = active == 1 ? replicas_[0].logits : c0.alloc({total, classes});
-      if (active > 1) {
-        for (int i = 0; i < active; ++i) {
-          replicas_[i].forward_done->wait(c0);
-          Tensor rows = all.slice_rows(chunks[i].begin, chunks[i].begin + chunks[i].count);
-          c0.ops().copy(c0, rows, replicas_[i].logits);
-        }
-      }
-      Tensor labels = batch_to_device(c0, batch, batch.labels);
-      loss_ = criterion_.forward(c0, all, labels);
-      dlogits = criterion_.backward(c0);
-      loss_done_.record(c0);
-    });
-
-    // Backward on every replica; buckets reduce into replica 0 as they complete.
-    reducer_->begin(active);
-    pool_.run([&](int i) {
-      Replica& r = replicas_[i];
-      if (i >= active) return;
-      r.ctx->run([&] {
-        Tensor dl = dlogits.slice_rows(chunks[i].begin, chunks[i].begin + chunks[i].count);
-        {
-          TraceSpan span(r.track, "scatter_grad", r.ctx.get());
-          loss_done_.wait(*r.ctx);
-          if (r.ctx->is_cuda() && i > 0) {
-            Tensor local = r.ctx->alloc(dl.shape());
-            r.ctx->ops().copy(*r.ctx, local, dl);
-            dl = local;
-          }
-        }
-        TraceSpan span(r.track, "backward", r.ctx.get());
-        r.logits = Tensor();
-        r.model->backward(*r.ctx, dl);
-        reducer_->backward_done(i);
-        r.x = Tensor();
-      });
-    });
-    {
-      TraceSpan span(replicas_[0].track, "reduce", &c0);
-      c0.run([&] { reducer_->finish(); });
-    }
-
-    // Step on device 0, then broadcast parameters and buffers.
     c0.run([&] {
       TraceSpan span(replicas_[0].track, "step", &c0);
       optimizer_->step(c0, replicas_[0].model->flat_params(), replicas_[0].model->flat_grads());
@@ -216,6 +150,82 @@ class DataParallelEngine final : public TrainEngine {
     Tensor x, logits;
     std::unique_ptr<StreamEvent> forward_done = std::make_unique<StreamEvent>();
   };
+
+  // Scatter + forward: each worker copies its own chunk of the host batch and runs forward.
+  void scatter_forward(const Batch& batch, const std::vector<Chunk>& chunks, int active) {
+    pool_.run([&](int i) {
+      Replica& r = replicas_[i];
+      if (i >= active) {
+        // Idle this step (small batch): zero gradients, which a NCCL reduce still includes.
+        r.ctx->run([&] { r.model->zero_grad(*r.ctx); });
+        return;
+      }
+      const int64_t b = chunks[i].begin, e = b + chunks[i].count;
+      r.ctx->run([&] {
+        {
+          TraceSpan span(r.track, "scatter", r.ctx.get());
+          r.x = batch_to_device(*r.ctx, batch, batch.images.slice_rows(b, e));
+        }
+        TraceSpan span(r.track, "forward", r.ctx.get());
+        r.model->zero_grad(*r.ctx);
+        r.logits = r.model->forward(*r.ctx, r.x);
+        r.forward_done->record(*r.ctx);
+      });
+    });
+  }
+
+  // Gathers the outputs on device 0; the loss and its gradient over the whole batch there.
+  Tensor gather_loss(const Batch& batch, const std::vector<Chunk>& chunks, int active) {
+    DeviceContext& c0 = primary();
+    Tensor dlogits;
+    c0.run([&] {
+      TraceSpan span(replicas_[0].track, "gather_loss", &c0);
+      const int64_t classes = replicas_[0].logits.dim(1);
+      Tensor all = active == 1 ? replicas_[0].logits : c0.alloc({batch.size(), classes});
+      if (active > 1) {
+        for (int i = 0; i < active; ++i) {
+          replicas_[i].forward_done->wait(c0);
+          Tensor rows = all.slice_rows(chunks[i].begin, chunks[i].begin + chunks[i].count);
+          c0.ops().copy(c0, rows, replicas_[i].logits);
+        }
+      }
+      Tensor labels = batch_to_device(c0, batch, batch.labels);
+      loss_ = criterion_.forward(c0, all, labels);
+      dlogits = criterion_.backward(c0);
+      loss_done_.record(c0);
+    });
+    return dlogits;
+  }
+
+  // Backward on every replica from its rows of the output gradient; buckets reduce into
+  // replica 0 as they complete, and device 0 waits for the last one.
+  void backward_reduce(const Tensor& dlogits, const std::vector<Chunk>& chunks, int active) {
+    reducer_->begin(active);
+    pool_.run([&](int i) {
+      Replica& r = replicas_[i];
+      if (i >= active) return;
+      r.ctx->run([&] {
+        Tensor dl = dlogits.slice_rows(chunks[i].begin, chunks[i].begin + chunks[i].count);
+        {
+          TraceSpan span(r.track, "scatter_grad", r.ctx.get());
+          loss_done_.wait(*r.ctx);
+          if (r.ctx->is_cuda() && i > 0) {
+            Tensor local = r.ctx->alloc(dl.shape());
+            r.ctx->ops().copy(*r.ctx, local, dl);
+            dl = local;
+          }
+        }
+        TraceSpan span(r.track, "backward", r.ctx.get());
+        r.logits = Tensor();
+        r.model->backward(*r.ctx, dl);
+        reducer_->backward_done(i);
+        r.x = Tensor();
+      });
+    });
+    DeviceContext& c0 = primary();
+    TraceSpan span(replicas_[0].track, "reduce", &c0);
+    c0.run([&] { reducer_->finish(); });
+  }
 
   // Parameters and buffers of replica 0 to every other replica, each on its own worker.
   void broadcast() {
