@@ -351,6 +351,27 @@ TEST_CASE("replica-bench --report --link projects to separate GPUs over the decl
   CHECK(md.find("| 2 (projection) | 43.34 |") != std::string::npos);
 }
 
+TEST_CASE("replica-bench --suite loader: the input pipeline's rate per thread count") {
+  test::TempDir tmp;
+  const auto r = test::run(kBench + " --suite loader --input-shape 3x32x32 --batch 8 --warmup 1 "
+                                    "--steps 3 --repeat 1 --threads 1,2 --json " +
+                           tmp.str("loader.jsonl"));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("suite loader, synthetic (seed 0): 32 x 3x32x32") != std::string::npos);
+  const auto rows = read_lines(tmp.str("loader.jsonl"));
+  REQUIRE(rows.size() == 2);
+  CHECK(rows[0]["threads"] == 1);
+  CHECK(rows[1]["threads"] == 2);
+  CHECK(rows[0]["speedup"] == Approx(1.0));
+  for (const auto& row : rows) {
+    CHECK(row["samples_per_sec"].get<double>() > 0);
+    // MB/s = samples/s x 3*32*32 floats x 4 bytes.
+    CHECK(row["mb_per_sec"].get<double>() ==
+          Approx(row["samples_per_sec"].get<double>() * 12288 / 1e6));
+  }
+}
+
 TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   test::TempDir tmp;
   expect_clean_error("--suite ring", "--suite");
@@ -362,6 +383,9 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite single --report " + tmp.str("r"), "--report");
   expect_clean_error("--suite dp --compare x.jsonl", "--compare needs --report");
   expect_clean_error("--suite dp --link nvlink4", "--link needs --report");
+  expect_clean_error("--suite loader --csv " + tmp.str("x.csv"),
+                     "--suite loader takes --json only");
+  expect_clean_error("--suite loader --threads 0", "--threads");
   expect_clean_error("--report " + tmp.str("r") + " --link warp", "--link 'warp'");
   expect_clean_error("--report " + tmp.str("r") + " --from-results " + tmp.str("none"),
                      "results.jsonl");

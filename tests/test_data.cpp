@@ -9,6 +9,8 @@
 #include <set>
 #include <thread>
 
+#include <tbb/global_control.h>
+
 #include "engine/allocator.h"
 #include "engine/data/dataset.h"
 #include "engine/data/loader.h"
@@ -170,6 +172,34 @@ TEST_CASE("synthetic: pure function of (seed, index), normal pixels, labels in r
   auto big = make_synthetic(10000, {3, 224, 224}, 9, 0);
   CHECK(host_allocator().bytes_in_use() == before);
   CHECK(big->describe().find("10000 x 3x224x224, 9 classes") != std::string::npos);
+}
+
+TEST_CASE("synthetic: large samples are made in parallel, bit-identical for any thread count") {
+  // 3x48x48 = 6912 values per sample: above the size where samples are made in parallel.
+  auto ds = make_synthetic(1000, {3, 48, 48}, 9, 5);
+  const int64_t per = 3 * 48 * 48, n = 16;
+  std::vector<int64_t> idx = {7, 999, 0, 7, 3, 500, 501, 2, 8, 9, 10, 11, 12, 13, 14, 15};
+  auto read_with = [&](size_t threads, std::vector<float>& img, std::vector<int32_t>& lbl) {
+    tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
+    img.assign(n * per, 0.f);
+    lbl.assign(n, -1);
+    ds->read(idx.data(), n, img.data(), lbl.data());
+  };
+  std::vector<float> serial, parallel;
+  std::vector<int32_t> serial_l, parallel_l;
+  read_with(1, serial, serial_l);
+  read_with(4, parallel, parallel_l);
+  CHECK(std::memcmp(serial.data(), parallel.data(), serial.size() * sizeof(float)) == 0);
+  CHECK(serial_l == parallel_l);
+  // One at a time, in another order: the same bits per index.
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<float> one(per);
+    int32_t l;
+    ds->read(&idx[size_t(i)], 1, one.data(), &l);
+    CHECK(std::memcmp(one.data(), &serial[size_t(i * per)], per * sizeof(float)) == 0);
+    CHECK(l == serial_l[size_t(i)]);
+  }
+  CHECK(std::memcmp(&serial[0], &serial[3 * per], per * sizeof(float)) == 0);  // index 7 twice
 }
 
 TEST_CASE("loader: every index once per epoch, in order, partial last batch") {

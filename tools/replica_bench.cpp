@@ -4,6 +4,7 @@
 //   replica-bench --report out                      both suites, plots, traces, projection: out/report.md
 //   replica-bench --report out --compare pytorch.jsonl   PyTorch's rows beside replica's
 //   replica-bench --report out --link nvlink4       project to separate GPUs joined by NVLink 4
+//   replica-bench --suite loader --input-shape 3x224x224   can the input pipeline feed a GPU?
 // Suites: tools/bench/suite_single.cpp, suite_dp.cpp, suite_ddp.cpp; the report arithmetic:
 // tools/bench/report_math.h.
 #include <algorithm>
@@ -30,8 +31,9 @@ int run(int argc, char** argv) {
       "(suites dp, ddp; --report DIR)"};
   app.set_help_flag("-h,--help", "Print this help and exit");
   app.add_option("--suite", o.suite,
-                 "single (one device per thread count, vs sgemm) | dp | ddp | dp,ddp "
-                 "(default: single; dp,ddp with --report)");
+                 "single (one device per thread count, vs sgemm) | loader (the input "
+                 "pipeline's samples/s) | dp | ddp | dp,ddp (default: single; dp,ddp with "
+                 "--report)");
   app.add_option("--model", o.model, "cnn | resnet18 | resnet34 | resnet50 | ...")
       ->capture_default_str();
   app.add_option("--input-shape", o.input_shape,
@@ -39,7 +41,8 @@ int run(int argc, char** argv) {
   app.add_option("--batch,--batch-per-device", o.batch,
                  "single: the batch; dp/ddp: samples per device per step (weak scaling)")
       ->capture_default_str();
-  app.add_option("--threads", o.threads, "single: comma list of CPU thread counts (default: 1,all cores)");
+  app.add_option("--threads", o.threads,
+                 "single, loader: comma list of CPU thread counts (default: 1,all cores)");
   app.add_option("--devices", o.devices,
                  "dp/ddp: the largest device set: cpu*N (default: one per core), cuda, cuda:0,1, "
                  "cuda:0*N (logical devices sharing GPU 0: labelled, not a scaling measurement)");
@@ -48,13 +51,14 @@ int run(int argc, char** argv) {
   app.add_option("--threads-per-device", o.threads_per_device,
                  "dp/ddp: CPU threads per device (default: cores / largest count)");
   app.add_option("--warmup", o.warmup,
-                 "untimed steps first (default: single 5; dp/ddp about 1 s of steps, 2..10)");
+                 "untimed steps first (default: single 5, loader 2 batches; dp/ddp about 1 s of "
+                 "steps, 2..10)");
   app.add_option("--steps", o.steps,
-                 "timed steps per window (default: single 50; dp/ddp about 5 s of one device's "
-                 "steps, 3..100)");
+                 "timed steps per window (default: single 50, loader 20 batches; dp/ddp about 5 s "
+                 "of one device's steps, 3..100)");
   app.add_option("--repeat", o.repeat,
                  "single: timed windows; dp/ddp: rounds, each measuring every configuration "
-                 "once in turn; the median is reported (default: single 1, dp/ddp 3)");
+                 "once in turn; the median is reported (default: single 1, loader and dp/ddp 3)");
   app.add_option("--sgemm-seconds", o.sgemm_seconds, "single: seconds per sgemm ceiling measurement")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for weights and synthetic data")->capture_default_str();
@@ -105,6 +109,15 @@ int run(int argc, char** argv) {
   if (!o.link.empty()) parse_link(o.link);  // a wrong name fails now, not after the runs
   for (const auto& f : o.compare)
     REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(f), "--compare '{}': no such file", f);
+  if (o.suite == "loader") {
+    REPLICA_USAGE_CHECK(o.report_dir.empty() && o.worker.empty() && o.csv.empty() &&
+                            o.trace_dir.empty(),
+                        "--suite loader takes --json only (no --report, --csv, --trace-dir)");
+    if (o.warmup < 0) o.warmup = 2;
+    if (o.steps < 0) o.steps = 20;
+    if (o.repeat < 0) o.repeat = 3;
+    return run_loader_suite(o);
+  }
   if (single && o.warmup < 0) o.warmup = 5;  // dp/ddp: chosen from a measured step time
   if (single && o.steps < 0) o.steps = 50;
   if (o.repeat < 0) o.repeat = single ? 1 : 3;

@@ -10,11 +10,11 @@
 namespace replica::bench {
 
 struct BenchOptions {
-  std::string suite;             // single | dp | ddp | dp,ddp (empty: single, or dp,ddp with --report)
+  std::string suite;  // single | loader | dp | ddp | dp,ddp (empty: single, or dp,ddp with --report)
   std::string model = "cnn";
   std::string input_shape;       // empty: 1x28x28 for cnn, 3x224x224 otherwise
   int64_t batch = 64;            // single: the batch; dp/ddp: the batch per device
-  std::string threads;           // single: comma list of thread counts
+  std::string threads;           // single, loader: comma list of thread counts
   std::string devices;           // dp/ddp: the largest device set (cpu*N, cuda, cuda:0*N)
   std::string device_counts;     // dp/ddp: comma list (default 1, 2, 4, ..., N)
   int threads_per_device = 0;    // dp/ddp CPU: 0 = cores / largest count
@@ -43,6 +43,8 @@ void validate_common(const BenchOptions& o);
 
 // The "single" suite (one device per thread count, against the sgemm ceiling).
 int run_single_suite(const BenchOptions& o);
+// The "loader" suite (the input pipeline's samples/s, 1 thread against every core).
+int run_loader_suite(const BenchOptions& o);
 // The "dp"/"ddp" suites, optionally with a report (--report DIR).
 int run_parallel_suites(const BenchOptions& o);
 // A hidden DDP rank worker (--worker).

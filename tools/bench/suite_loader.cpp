@@ -1,0 +1,81 @@
+// The "loader" suite: how many samples per second the input pipeline hands out, the rate a
+// device's step must not outrun (beyond it, the step waits for data: `data_wait`). The Loader
+// (one background thread, pinned buffers, batches prepared ahead) over the synthetic dataset of
+// --input-shape, with the dataset's per-sample work allowed 1 thread and then each count of
+// --threads (default: 1 and every core), in one run so the ratio is like with like. Nothing
+// trains: every batch is taken and released at once.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+#include <tbb/global_control.h>
+
+#include "engine/data/dataset.h"
+#include "engine/data/loader.h"
+#include "engine/error.h"
+#include "tools/bench/options.h"
+#include "tools/bench/rows.h"
+
+namespace replica::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Samples per second of `batches` batches after `warmup`, sample making limited to `threads`.
+double loader_rate(const Dataset& data, int64_t batch, int64_t warmup, int64_t batches,
+                   int threads, uint64_t seed) {
+  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, size_t(threads));
+  Loader loader(data, batch, /*drop_last=*/true);
+  loader.start_epoch(epoch_order(data.size(), seed, 0, true), 0);
+  for (int64_t i = 0; i < warmup; ++i) loader.next();
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < batches; ++i)
+    REPLICA_CHECK(loader.next() != nullptr, "loader suite: the epoch ended early");
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  return double(batches * batch) / s;
+}
+
+}  // namespace
+
+int run_loader_suite(const BenchOptions& o) {
+  validate_common(o);
+  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  std::vector<int64_t> threads = {1};
+  if (!o.threads.empty()) threads = parse_positive_list(o.threads, ',', "--threads");
+  else if (cores > 1) threads.push_back(cores);
+  const Shape shape = resolve_input_shape(o);
+  const int64_t warmup = o.warmup, batches = o.steps;
+  // One epoch covers every timed batch: no epoch boundary inside a window.
+  auto data = make_synthetic((warmup + batches) * o.batch, shape, 10, o.seed);
+  const double mb_per_sample = double(shape_numel(shape)) * 4 / 1e6;
+  std::printf("replica-bench: suite loader, %s, batch %lld, %lld batches after %lld, %d cores\n",
+              data->describe().c_str(), (long long)o.batch, (long long)batches,
+              (long long)warmup, cores);
+  std::printf("%8s %12s %10s %12s %8s\n", "threads", "samples/s", "MB/s", "ms/batch", "vs 1");
+  std::vector<nlohmann::json> rows;
+  double base = 0;
+  for (int64_t t : threads) {
+    std::vector<double> runs;
+    for (int r = 0; r < o.repeat; ++r)
+      runs.push_back(loader_rate(*data, o.batch, warmup, batches, int(t), o.seed));
+    std::sort(runs.begin(), runs.end());
+    const double sps = runs[runs.size() / 2];
+    if (t == threads.front()) base = sps;
+    std::printf("%8lld %12.1f %10.1f %12.2f %7.2fx\n", (long long)t, sps, sps * mb_per_sample,
+                1e3 * double(o.batch) / sps, sps / base);
+    rows.push_back({{"suite", "loader"}, {"dataset", "synthetic"},
+                    {"input_shape", fmt::format("{}", fmt::join(shape, "x"))},
+                    {"batch", o.batch}, {"threads", t}, {"samples_per_sec", sps},
+                    {"mb_per_sec", sps * mb_per_sample}, {"speedup", sps / base}});
+  }
+  std::printf("a device step that takes more samples/s than this waits for data (data_wait)\n");
+  if (!o.json.empty()) append_rows(o.json, rows);
+  return 0;
+}
+
+}  // namespace replica::bench
