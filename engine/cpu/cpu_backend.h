@@ -4,6 +4,7 @@
 // Deterministic: every reduction is split into chunks fixed by the problem size (never by the
 // thread count or scheduling) and summed in a fixed order.
 #pragma once
+#include "engine/error.h"
 #include "engine/ops.h"
 
 namespace replica {
@@ -67,6 +68,15 @@ constexpr int64_t kGrain = 16384;
 
 template <class F>
 void parallel_range(int64_t n, int64_t grain, F&& f);  // f(begin, end)
+
+// Argument checks the kernels share.
+inline void expect_host(const Tensor& t, const char* what) {
+  REPLICA_CHECK(t.on_host(), "CPU backend: {} is in GPU memory", what);
+}
+inline void expect_same_numel(const Tensor& a, const Tensor& b, const char* op) {
+  REPLICA_CHECK(a.numel() == b.numel(), "{}: {} vs {} elements", op, shape_str(a.shape()),
+                shape_str(b.shape()));
+}
 
 // OpenBLAS runs one thread per call (the TBB worker's); called once per process.
 void pin_blas_to_one_thread();

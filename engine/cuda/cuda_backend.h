@@ -1,8 +1,9 @@
 // The CUDA backend (private to engine/cuda): cuBLAS for GEMM, cuDNN for convolution and
 // batch-norm, own kernels for elementwise work, pooling, losses and fused optimiser updates.
 // Every op enqueues on the context's stream and never synchronises with the host. Member
-// definitions are split by topic over cuda_backend.cu, cuda_dense.cu, cuda_conv.cu,
-// cuda_norm.cu, cuda_pool_act.cu and cuda_loss_optim.cu.
+// definitions are split by what they compute, in files named as the CPU backend's
+// (engine/cpu/): elementwise.cu, dense.cu, conv.cu, norm.cu, pool.cu, loss_optim.cu; shared
+// checks and scratch memory in cuda_backend.cu.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -114,7 +115,7 @@ class CudaBackend final : public Backend {
                  const AdamConfig& c, int64_t step) override;
 
  private:
-  // Per-shape convolution plans (cuda_conv.cu). Descriptors are destroyed with the backend.
+  // Per-shape convolution plans (conv.cu). Descriptors are destroyed with the backend.
   ConvPlan& conv_plan(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Conv2dParams& p);
   void destroy_conv_plans() noexcept;
   std::map<ConvKey, ConvPlan> conv_plans_;

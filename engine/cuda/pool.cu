@@ -1,36 +1,11 @@
-// CUDA backend: ReLU, max pooling, adaptive average pooling, dropout and elementwise product.
-// Own kernels throughout. The pooling backwards are gathers (one thread per input element sums
-// the outputs whose window covers it, in ascending output order): no atomics, deterministic, and
-// the same summation order as the CPU backend's scatter loops.
+// CUDA backend: max pooling and adaptive average pooling, own kernels. The backwards are gathers
+// (one thread per input element sums the outputs whose window covers it, in ascending output
+// order): no atomics, deterministic, and the same summation order as the CPU backend's loops.
 #include "engine/cuda/cuda_backend.h"
 
 namespace replica {
 
 namespace {
-
-__global__ void relu_forward_kernel(const float* x, float* y, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n) {
-    const float v = x[i];
-    y[i] = v > 0.f ? v : 0.f;
-  }
-}
-
-__global__ void relu_backward_kernel(const float* y, const float* dy, float* dx, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n) { dx[i] = y[i] > 0.f ? dy[i] : 0.f; }
-}
-
-__global__ void mul_kernel(const float* a, const float* b, float* out, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n) { out[i] = a[i] * b[i]; }
-}
-
-__global__ void dropout_kernel(const float* x, float* y, float* mask, int64_t n, float p,
-                               float keep_scale, uint64_t seed) {
-  REPLICA_GRID_STRIDE(i, n) {
-    const float m = dropout_uniform(seed, static_cast<uint64_t>(i)) >= p ? keep_scale : 0.f;
-    mask[i] = m;
-    y[i] = x[i] * m;
-  }
-}
 
 struct PoolDims {
   int64_t planes, H, W, P, Q;  // planes = N*C; input H x W; output P x Q
@@ -186,31 +161,6 @@ void check_maxpool(const Tensor& x, const Tensor& y, const Pool2dParams& p, cons
 
 }  // namespace
 
-void CudaBackend::relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
-  cuda::expect_device(ctx, x, "relu_forward", "x");
-  cuda::expect_device(ctx, y, "relu_forward", "y");
-  cuda::expect_numel(y, x.numel(), "relu_forward", "y");
-  const int64_t n = x.numel();
-  if (n == 0) return;
-  relu_forward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      x.f32(), y.f32(), n);
-  REPLICA_LAUNCH_CHECK();
-}
-
-void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy,
-                                Tensor& dx) {
-  cuda::expect_device(ctx, y, "relu_backward", "y");
-  cuda::expect_device(ctx, dy, "relu_backward", "dy");
-  cuda::expect_device(ctx, dx, "relu_backward", "dx");
-  cuda::expect_numel(dy, y.numel(), "relu_backward", "dy");
-  cuda::expect_numel(dx, y.numel(), "relu_backward", "dx");
-  const int64_t n = y.numel();
-  if (n == 0) return;
-  relu_backward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      y.f32(), dy.f32(), dx.f32(), n);
-  REPLICA_LAUNCH_CHECK();
-}
-
 void CudaBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y,
                                     const Pool2dParams& p) {
   const char* op = "maxpool2d_forward";
@@ -269,36 +219,6 @@ void CudaBackend::adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& 
   }
   adaptive_avgpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
                                      cuda_state(ctx).stream>>>(dy.f32(), dx.f32(), d);
-  REPLICA_LAUNCH_CHECK();
-}
-
-void CudaBackend::dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask,
-                                  float p, uint64_t seed) {
-  const char* op = "dropout_forward";
-  cuda::expect_device(ctx, x, op, "x");
-  cuda::expect_device(ctx, y, op, "y");
-  cuda::expect_device(ctx, mask, op, "mask");
-  cuda::expect_numel(y, x.numel(), op, "y");
-  cuda::expect_numel(mask, x.numel(), op, "mask");
-  REPLICA_CHECK(p >= 0.f && p <= 1.f, "{}: p = {} is not in [0, 1]", op, p);
-  const int64_t n = x.numel();
-  if (n == 0) return;
-  const float keep_scale = p < 1.f ? 1.f / (1.f - p) : 0.f;  // as the CPU backend
-  dropout_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      x.f32(), y.f32(), mask.f32(), n, p, keep_scale, seed);
-  REPLICA_LAUNCH_CHECK();
-}
-
-void CudaBackend::mul(DeviceContext& ctx, const Tensor& a, const Tensor& b, Tensor& out) {
-  cuda::expect_device(ctx, a, "mul", "a");
-  cuda::expect_device(ctx, b, "mul", "b");
-  cuda::expect_device(ctx, out, "mul", "out");
-  cuda::expect_numel(b, a.numel(), "mul", "b");
-  cuda::expect_numel(out, a.numel(), "mul", "out");
-  const int64_t n = a.numel();
-  if (n == 0) return;
-  mul_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(a.f32(), b.f32(),
-                                                                               out.f32(), n);
   REPLICA_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,79 @@
+// CPU GEMM (OpenBLAS, one thread per call) and the linear layer on it.
+#include <cblas.h>
+
+#include <mutex>
+
+#include "engine/context.h"
+#include "engine/cpu/cpu_backend.h"
+#include "engine/error.h"
+
+namespace replica {
+
+namespace cpu {
+
+void pin_blas_to_one_thread() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
+
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+           int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.f ? 0.f : beta * C[i * ldc + j];
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A, int(lda), B,
+              int(ldb), beta, C, int(ldc));
+}
+
+}  // namespace cpu
+
+void CpuBackend::linear_forward(DeviceContext&, const Tensor& x, const Tensor& w,
+                                const Tensor& b, Tensor& y) {
+  const int64_t n = x.dim(0), in = x.dim(1), out = w.dim(0);
+  REPLICA_CHECK(w.dim(1) == in, "linear: input has {} features, weight expects {}", in, w.dim(1));
+  const float* xp = x.f32();
+  const float* wp = w.f32();
+  const float* bp = b.defined() ? b.f32() : nullptr;
+  float* yp = y.f32();
+  cpu::parallel_range(n, 32, [&](int64_t r0, int64_t r1) {
+    if (bp)
+      for (int64_t i = r0; i < r1; ++i) std::memcpy(yp + i * out, bp, out * sizeof(float));
+    cpu::sgemm(false, true, r1 - r0, out, in, 1.f, xp + r0 * in, in, wp, in, bp ? 1.f : 0.f,
+               yp + r0 * out, out);
+  });
+}
+
+void CpuBackend::linear_backward(DeviceContext&, const Tensor& x, const Tensor& w,
+                                 const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db) {
+  const int64_t n = x.dim(0), in = x.dim(1), out = w.dim(0);
+  const float* xp = x.f32();
+  const float* wp = w.f32();
+  const float* g = dy.f32();
+  if (dx.defined()) {
+    float* d = dx.f32();
+    cpu::parallel_range(n, 32, [&](int64_t r0, int64_t r1) {
+      cpu::sgemm(false, false, r1 - r0, in, out, 1.f, g + r0 * out, out, wp, in, 0.f,
+                 d + r0 * in, in);
+    });
+  }
+  // dw[o, :] += sum_n dy[n, o] x[n, :], split over output rows (each row summed over n in order)
+  float* dwp = dw.f32();
+  cpu::parallel_range(out, 8, [&](int64_t o0, int64_t o1) {
+    cpu::sgemm(true, false, o1 - o0, in, n, 1.f, g + o0, out, xp, in, 1.f, dwp + o0 * in, in);
+  });
+  if (db.defined()) {
+    float* dbp = db.f32();
+    for (int64_t o = 0; o < out; ++o) {
+      float s = 0.f;
+      for (int64_t i = 0; i < n; ++i) s += g[i * out + o];
+      dbp[o] += s;
+    }
+  }
+}
+
+}  // namespace replica

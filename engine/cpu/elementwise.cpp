@@ -1,0 +1,97 @@
+// CPU elementwise kernels: fill, copy, add, scale, multiply, ReLU and dropout. Parallel in
+// fixed grains (cpu::kGrain); no reductions.
+#include <algorithm>
+#include <cstring>
+
+#include "engine/context.h"
+#include "engine/cpu/cpu_backend.h"
+#include "engine/error.h"
+
+namespace replica {
+
+void CpuBackend::fill(DeviceContext&, Tensor& t, float value) {
+  cpu::expect_host(t, "fill target");
+  if (t.dtype() == DType::I32) {
+    int32_t* p = t.i32();
+    std::fill(p, p + t.numel(), static_cast<int32_t>(value));
+    return;
+  }
+  float* p = t.f32();
+  cpu::parallel_range(t.numel(), cpu::kGrain,
+                      [&](int64_t b, int64_t e) { std::fill(p + b, p + e, value); });
+}
+
+void CpuBackend::copy(DeviceContext&, Tensor& dst, const Tensor& src) {
+  cpu::expect_host(dst, "copy destination");
+  cpu::expect_host(src, "copy source");
+  cpu::expect_same_numel(dst, src, "copy");
+  REPLICA_CHECK(dst.dtype() == src.dtype(), "copy: dtype mismatch");
+  if (dst.raw() == src.raw()) return;
+  auto* d = static_cast<char*>(dst.raw());
+  auto* s = static_cast<const char*>(src.raw());
+  cpu::parallel_range(static_cast<int64_t>(dst.bytes()), 1 << 20, [&](int64_t b, int64_t e) {
+    std::memcpy(d + b, s + b, e - b);
+  });
+}
+
+void CpuBackend::add(DeviceContext&, Tensor& dst, const Tensor& src, float alpha) {
+  cpu::expect_same_numel(dst, src, "add");
+  float* d = dst.f32();
+  const float* s = src.f32();
+  cpu::parallel_range(dst.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) d[i] += alpha * s[i];
+  });
+}
+
+void CpuBackend::scale(DeviceContext&, Tensor& t, float alpha) {
+  float* d = t.f32();
+  cpu::parallel_range(t.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) d[i] *= alpha;
+  });
+}
+
+void CpuBackend::relu_forward(DeviceContext&, const Tensor& x, Tensor& y) {
+  cpu::expect_same_numel(x, y, "relu");
+  const float* a = x.f32();
+  float* o = y.f32();
+  cpu::parallel_range(x.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) o[i] = a[i] > 0.f ? a[i] : 0.f;
+  });
+}
+
+void CpuBackend::relu_backward(DeviceContext&, const Tensor& y, const Tensor& dy, Tensor& dx) {
+  cpu::expect_same_numel(y, dy, "relu_backward");
+  const float* out = y.f32();
+  const float* g = dy.f32();
+  float* d = dx.f32();
+  cpu::parallel_range(y.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) d[i] = out[i] > 0.f ? g[i] : 0.f;
+  });
+}
+
+void CpuBackend::dropout_forward(DeviceContext&, const Tensor& x, Tensor& y, Tensor& mask,
+                                 float p, uint64_t seed) {
+  cpu::expect_same_numel(x, y, "dropout");
+  const float keep_scale = p < 1.f ? 1.f / (1.f - p) : 0.f;
+  const float* a = x.f32();
+  float* o = y.f32();
+  float* m = mask.f32();
+  cpu::parallel_range(x.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      m[i] = dropout_uniform(seed, static_cast<uint64_t>(i)) >= p ? keep_scale : 0.f;
+      o[i] = a[i] * m[i];
+    }
+  });
+}
+
+void CpuBackend::mul(DeviceContext&, const Tensor& a, const Tensor& b, Tensor& out) {
+  cpu::expect_same_numel(a, b, "mul");
+  const float* x = a.f32();
+  const float* z = b.f32();
+  float* o = out.f32();
+  cpu::parallel_range(a.numel(), cpu::kGrain, [&](int64_t s, int64_t e) {
+    for (int64_t i = s; i < e; ++i) o[i] = x[i] * z[i];
+  });
+}
+
+}  // namespace replica

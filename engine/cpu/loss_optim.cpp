@@ -1,0 +1,100 @@
+// CPU loss and optimizer kernels: softmax cross-entropy (forward, backward, hits) and the fused
+// SGD and Adam updates. The loss sums run in a fixed order.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "engine/context.h"
+#include "engine/cpu/cpu_backend.h"
+#include "engine/error.h"
+
+namespace replica {
+
+void CpuBackend::cross_entropy_forward(DeviceContext&, const Tensor& logits,
+                                       const Tensor& labels, Tensor& probs, Tensor& loss) {
+  const int64_t n = logits.dim(0), c = logits.dim(1);
+  REPLICA_CHECK(labels.numel() == n, "cross_entropy: {} labels for {} rows", labels.numel(), n);
+  const float* x = logits.f32();
+  const int32_t* y = labels.i32();
+  float* pr = probs.f32();
+  double total = 0.0;  // rows summed in order: deterministic
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = x + i * c;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < c; ++j) mx = std::max(mx, row[j]);
+    double sum = 0.0;
+    for (int64_t j = 0; j < c; ++j) sum += std::exp(double(row[j]) - mx);
+    double lse = mx + std::log(sum);
+    for (int64_t j = 0; j < c; ++j) pr[i * c + j] = float(std::exp(double(row[j]) - lse));
+    int32_t label = y[i];
+    total += (label >= 0 && label < c) ? lse - row[label] : std::nan("");
+  }
+  loss.f32()[0] = n > 0 ? float(total / n) : 0.f;
+}
+
+void CpuBackend::cross_entropy_backward(DeviceContext&, const Tensor& probs, const Tensor& labels,
+                                        float scale, Tensor& dlogits) {
+  const int64_t n = probs.dim(0), c = probs.dim(1);
+  const float* pr = probs.f32();
+  const int32_t* y = labels.i32();
+  float* d = dlogits.f32();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < c; ++j)
+      d[i * c + j] = (pr[i * c + j] - (j == y[i] ? 1.f : 0.f)) * scale;
+}
+
+void CpuBackend::count_correct(DeviceContext&, const Tensor& logits, const Tensor& labels,
+                               Tensor& correct) {
+  const int64_t n = logits.dim(0), c = logits.dim(1);
+  const float* x = logits.f32();
+  const int32_t* y = labels.i32();
+  int32_t hits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t best = 0;
+    for (int64_t j = 1; j < c; ++j)
+      if (x[i * c + j] > x[i * c + best]) best = j;
+    hits += best == y[i];
+  }
+  correct.i32()[0] += hits;
+}
+
+void CpuBackend::sgd_step(DeviceContext&, Tensor& params, const Tensor& grads, Tensor& momentum,
+                          const SgdConfig& c, bool first_step) {
+  cpu::expect_same_numel(params, grads, "sgd_step");
+  float* p = params.f32();
+  const float* g = grads.f32();
+  float* buf = c.momentum != 0.f ? momentum.f32() : nullptr;
+  cpu::parallel_range(params.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float d = g[i] + c.weight_decay * p[i];
+      if (buf) {
+        buf[i] = first_step ? d : c.momentum * buf[i] + (1.f - c.dampening) * d;
+        d = c.nesterov ? d + c.momentum * buf[i] : buf[i];
+      }
+      p[i] -= c.lr * d;
+    }
+  });
+}
+
+void CpuBackend::adam_step(DeviceContext&, Tensor& params, const Tensor& grads, Tensor& m,
+                           Tensor& v, const AdamConfig& c, int64_t step) {
+  cpu::expect_same_numel(params, grads, "adam_step");
+  const float bc1 = float(1.0 - std::pow(double(c.beta1), double(step)));
+  const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(double(c.beta2), double(step))));
+  const float step_size = c.lr / bc1;
+  float* p = params.f32();
+  const float* g = grads.f32();
+  float* mm = m.f32();
+  float* vv = v.f32();
+  cpu::parallel_range(params.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float grad = g[i] + c.weight_decay * p[i];
+      mm[i] = c.beta1 * mm[i] + (1.f - c.beta1) * grad;
+      vv[i] = c.beta2 * vv[i] + (1.f - c.beta2) * grad * grad;
+      float denom = std::sqrt(vv[i]) / bc2_sqrt + c.eps;
+      p[i] -= step_size * mm[i] / denom;
+    }
+  });
+}
+
+}  // namespace replica

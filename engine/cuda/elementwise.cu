@@ -1,0 +1,163 @@
+// CUDA backend: the elementwise ops (fill, copy, add, scale, ReLU, dropout, elementwise
+// product). Own kernels, one thread per element (grid-stride), nothing reduced.
+#include <cmath>
+
+#include "engine/cuda/cuda_backend.h"
+
+namespace replica {
+
+namespace {
+
+__global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) {
+  REPLICA_GRID_STRIDE(i, n)
+    p[i] = v;
+}
+
+__global__ void axpy_kernel(float* dst, const float* src, int64_t n, float alpha) {
+  REPLICA_GRID_STRIDE(i, n)
+    dst[i] += alpha * src[i];
+}
+
+__global__ void scale_kernel(float* p, int64_t n, float alpha) {
+  REPLICA_GRID_STRIDE(i, n)
+    p[i] *= alpha;
+}
+
+__global__ void relu_forward_kernel(const float* x, float* y, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n) {
+    const float v = x[i];
+    y[i] = v > 0.f ? v : 0.f;
+  }
+}
+
+__global__ void relu_backward_kernel(const float* y, const float* dy, float* dx, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n) { dx[i] = y[i] > 0.f ? dy[i] : 0.f; }
+}
+
+__global__ void mul_kernel(const float* a, const float* b, float* out, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n) { out[i] = a[i] * b[i]; }
+}
+
+__global__ void dropout_kernel(const float* x, float* y, float* mask, int64_t n, float p,
+                               float keep_scale, uint64_t seed) {
+  REPLICA_GRID_STRIDE(i, n) {
+    const float m = dropout_uniform(seed, static_cast<uint64_t>(i)) >= p ? keep_scale : 0.f;
+    mask[i] = m;
+    y[i] = x[i] * m;
+  }
+}
+
+}  // namespace
+
+void CudaBackend::fill(DeviceContext& ctx, Tensor& t, float value) {
+  cuda::expect_device(ctx, t, "fill", "target");
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  cudaStream_t stream = cuda_state(ctx).stream;
+  if (t.dtype() == DType::I32) {
+    const int32_t v = static_cast<int32_t>(value);
+    if (v == 0) {
+      REPLICA_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.bytes(), stream));
+      return;
+    }
+    fill_i32_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(t.i32(), n, v);
+    REPLICA_LAUNCH_CHECK();
+    return;
+  }
+  if (value == 0.f && !std::signbit(value)) {  // +0.0f is all-zero bits
+    REPLICA_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.bytes(), stream));
+    return;
+  }
+  cuda::fill_async(t.f32(), n, value, stream);
+}
+
+void CudaBackend::copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
+  REPLICA_CHECK(dst.defined() && src.defined(), "copy: undefined tensor");
+  REPLICA_CHECK(dst.numel() == src.numel(), "copy: destination {} and source {} differ in size",
+                shape_str(dst.shape()), shape_str(src.shape()));
+  REPLICA_CHECK(dst.dtype() == src.dtype(), "copy: destination is {}, source is {}",
+                dtype_name(dst.dtype()), dtype_name(src.dtype()));
+  REPLICA_CHECK(dst.on_cuda() || src.on_cuda(),
+                "copy: neither side is GPU memory (use the CPU backend for host copies)");
+  if (dst.numel() == 0 || dst.raw() == src.raw()) return;
+  // Unified addressing: the runtime works out host (pinned or pageable), this device or a peer.
+  REPLICA_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), dst.bytes(), cudaMemcpyDefault,
+                                     cuda_state(ctx).stream));
+}
+
+void CudaBackend::add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) {
+  cuda::expect_device(ctx, dst, "add", "destination");
+  cuda::expect_device(ctx, src, "add", "source");
+  cuda::expect_numel(src, dst.numel(), "add", "source");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  axpy_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      dst.f32(), src.f32(), n, alpha);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::scale(DeviceContext& ctx, Tensor& t, float alpha) {
+  cuda::expect_device(ctx, t, "scale", "tensor");
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  scale_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(t.f32(), n,
+                                                                                  alpha);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
+  cuda::expect_device(ctx, x, "relu_forward", "x");
+  cuda::expect_device(ctx, y, "relu_forward", "y");
+  cuda::expect_numel(y, x.numel(), "relu_forward", "y");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  relu_forward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      x.f32(), y.f32(), n);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy,
+                                Tensor& dx) {
+  cuda::expect_device(ctx, y, "relu_backward", "y");
+  cuda::expect_device(ctx, dy, "relu_backward", "dy");
+  cuda::expect_device(ctx, dx, "relu_backward", "dx");
+  cuda::expect_numel(dy, y.numel(), "relu_backward", "dy");
+  cuda::expect_numel(dx, y.numel(), "relu_backward", "dx");
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  relu_backward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      y.f32(), dy.f32(), dx.f32(), n);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask,
+                                  float p, uint64_t seed) {
+  const char* op = "dropout_forward";
+  cuda::expect_device(ctx, x, op, "x");
+  cuda::expect_device(ctx, y, op, "y");
+  cuda::expect_device(ctx, mask, op, "mask");
+  cuda::expect_numel(y, x.numel(), op, "y");
+  cuda::expect_numel(mask, x.numel(), op, "mask");
+  REPLICA_CHECK(p >= 0.f && p <= 1.f, "{}: p = {} is not in [0, 1]", op, p);
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const float keep_scale = p < 1.f ? 1.f / (1.f - p) : 0.f;  // as the CPU backend
+  dropout_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      x.f32(), y.f32(), mask.f32(), n, p, keep_scale, seed);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::mul(DeviceContext& ctx, const Tensor& a, const Tensor& b, Tensor& out) {
+  cuda::expect_device(ctx, a, "mul", "a");
+  cuda::expect_device(ctx, b, "mul", "b");
+  cuda::expect_device(ctx, out, "mul", "out");
+  cuda::expect_numel(b, a.numel(), "mul", "b");
+  cuda::expect_numel(out, a.numel(), "mul", "out");
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  mul_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(a.f32(), b.f32(),
+                                                                               out.f32(), n);
+  REPLICA_LAUNCH_CHECK();
+}
+
+}  // namespace replica
