@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the unit suite (ctest -L unit) under AddressSanitizer + UndefinedBehaviorSanitizer.
-#   tools/asan.sh                     build into /tmp/replica-asan (CPU only), run every unit test
+#   tools/asan.sh                     build into build-asan/ (CPU only), run every unit test
 #   tools/asan.sh -R 'test_idx|store' extra arguments go to ctest
 #   REPLICA_ASAN_BUILD_DIR=dir        build somewhere else
 # The sanitizer flags go on the cmake command line (CMAKE_CXX_FLAGS and the linker flags), so
@@ -10,7 +10,7 @@
 # OpenBLAS and Gloo produce no reports in the unit suite).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build="${REPLICA_ASAN_BUILD_DIR:-/tmp/replica-asan}"
+build="${REPLICA_ASAN_BUILD_DIR:-$here/build-asan}"  # per tree, as tools/tsan.sh's
 REPLICA_SKIP_BUILD=1 "$here/tools/setup.sh"
 sanitize="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 if [ ! -f "$build/build.ninja" ]; then
