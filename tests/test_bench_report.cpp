@@ -190,6 +190,12 @@ TEST_CASE("declared links: the published figures per direction, or GB/s given by
   }
 }
 
+TEST_CASE("median of repeated measurements") {
+  CHECK(median({}) == 0);
+  CHECK(median({3, 1, 2}) == 2);
+  CHECK(median({4, 1, 3, 2}) == Approx(2.5));
+}
+
 TEST_CASE("device counts: powers of two and the largest") {
   CHECK(device_counts_up_to(1) == std::vector<int>{1});
   CHECK(device_counts_up_to(2) == std::vector<int>{1, 2});

@@ -184,12 +184,16 @@ struct Outcome {
 
 // Waits for every rank to end. The first failure (or a SIGINT/SIGTERM/SIGHUP to the launcher)
 // stops the others: SIGTERM (SIGCONT too, so a stopped rank acts on it) or the forwarded signal,
-// then SIGKILL after the grace period or at a second signal.
+// then SIGKILL after the grace period or at a second signal. A usage error (exit code 2: bad
+// flags, a batch that does not divide by the ranks) comes from the command line every rank
+// shares, so the others get a moment to reach and report it too before they are stopped.
 Outcome watch_ranks(const LaunchOptions& o, std::vector<Child>& children, const sigset_t& watched) {
   Outcome out;
   bool stopping = false, killed = false;
-  Clock::time_point deadline, give_up;
+  Clock::time_point deadline, give_up, usage_wait;
   const auto kill_grace = std::chrono::seconds(5);
+  const auto usage_grace = std::chrono::seconds(2);
+  bool waiting_for_usage = false;
   auto stop_within = [&](std::chrono::milliseconds grace) {
     stopping = true;
     deadline = Clock::now() + grace;
@@ -201,15 +205,16 @@ Outcome watch_ranks(const LaunchOptions& o, std::vector<Child>& children, const 
   };
   while (std::any_of(children.begin(), children.end(), [](const Child& c) { return c.running; })) {
     auto wait = std::chrono::milliseconds(500);
-    if (stopping && !killed)
-      wait = std::clamp(
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
-          std::chrono::milliseconds(1), wait);
+    if ((stopping && !killed) || waiting_for_usage)
+      wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(
+                            (waiting_for_usage ? usage_wait : deadline) - Clock::now()),
+                        std::chrono::milliseconds(1), wait);
     timespec ts{0, static_cast<long>(wait.count()) * 1000000L};
     siginfo_t info;
     const int sig = sigtimedwait(&watched, &info, &ts);
     if (sig == SIGINT || sig == SIGTERM || sig == SIGHUP) {
       if (!stopping) {
+        waiting_for_usage = false;
         out.forwarded = sig;
         stop_within(o.signal_grace);
         signal_groups(children, sig, true);
@@ -219,17 +224,34 @@ Outcome watch_ranks(const LaunchOptions& o, std::vector<Child>& children, const 
       }
     }
     int status = 0;
+    bool stop_now = false;
     for (pid_t pid; (pid = waitpid(-1, &status, WNOHANG)) > 0;) {
       for (auto& c : children) {
         if (c.pid != pid) continue;
         c.running = false;
+        const bool usage = WIFEXITED(status) && WEXITSTATUS(status) == 2;
         if ((WIFEXITED(status) && WEXITSTATUS(status) == 0) || stopping) continue;
-        out.failed = &c;
-        out.failed_status = status;
-        stop_within(o.failure_grace);
-        signal_groups(children, SIGTERM, false);  // the failed rank's group too: its children
-        signal_groups(children, SIGCONT, false);  // a stopped (SIGSTOP) rank acts on it too
+        if (!out.failed) {
+          out.failed = &c;
+          out.failed_status = status;
+        }
+        if (usage && !waiting_for_usage && out.failed == &c) {
+          waiting_for_usage = true;
+          usage_wait = Clock::now() + usage_grace;
+        } else if (!usage) {
+          waiting_for_usage = false;
+          stop_now = true;
+        }
       }
+    }
+    if (waiting_for_usage && Clock::now() >= usage_wait) {
+      waiting_for_usage = false;
+      stop_now = true;
+    }
+    if (stop_now) {
+      stop_within(o.failure_grace);
+      signal_groups(children, SIGTERM, false);  // the failed rank's group too: its children
+      signal_groups(children, SIGCONT, false);  // a stopped (SIGSTOP) rank acts on it too
     }
     if (stopping && !killed && Clock::now() >= deadline) kill_all();
     if (killed && Clock::now() >= give_up) break;  // stuck in the kernel: nothing more to do

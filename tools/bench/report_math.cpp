@@ -6,6 +6,13 @@
 
 namespace replica::bench {
 
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 double speedup(double sps_n, double sps_1) { return sps_1 > 0 ? sps_n / sps_1 : 0.0; }
 
 double efficiency(double sps_n, double sps_1, int n) {

@@ -11,6 +11,9 @@
 
 namespace replica::bench {
 
+// The median of repeated measurements (the mean of the middle two for an even count; 0 for none).
+double median(std::vector<double> v);
+
 // samples/s on n devices over samples/s on one device.
 double speedup(double sps_n, double sps_1);
 // speedup / n: 1.0 is perfect weak scaling.

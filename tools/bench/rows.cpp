@@ -18,13 +18,6 @@ namespace replica::bench {
 
 namespace {
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 double get_ms(const TrackPhaseMs& t, const std::string& track, const std::string& phase) {
   auto it = t.find(track);
   if (it == t.end()) return 0;

@@ -18,6 +18,7 @@
 #include "engine/data/loader.h"
 #include "engine/error.h"
 #include "tools/bench/options.h"
+#include "tools/bench/report_math.h"
 #include "tools/bench/rows.h"
 
 namespace replica::bench {
@@ -63,8 +64,7 @@ int run_loader_suite(const BenchOptions& o) {
     std::vector<double> runs;
     for (int r = 0; r < o.repeat; ++r)
       runs.push_back(loader_rate(*data, o.batch, warmup, batches, int(t), o.seed));
-    std::sort(runs.begin(), runs.end());
-    const double sps = runs[runs.size() / 2];
+    const double sps = median(runs);
     if (t == threads.front()) base = sps;
     std::printf("%8lld %12.1f %10.1f %12.2f %7.2fx\n", (long long)t, sps, sps * mb_per_sample,
                 1e3 * double(o.batch) / sps, sps / base);

@@ -30,6 +30,7 @@
 #include "parallel/engines/train_engine.h"
 #include "tools/bench/harness.h"
 #include "tools/bench/options.h"
+#include "tools/bench/report_math.h"
 
 namespace replica::bench {
 
@@ -48,12 +49,6 @@ const std::vector<GemmShape> kGemmShapes = {{512, 512, 512}, {20, 400, 500}};
 struct Result {  // one configuration = one table row = one JSON line
   nlohmann::json j;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // CPU seconds this process used so far (all threads, user + system).
 double process_cpu_seconds() {
