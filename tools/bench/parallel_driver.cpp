@@ -218,16 +218,14 @@ int run_parallel_suites(const BenchOptions& o) {
   if (!o.link.empty()) link = parse_link(o.link);
   const json projection = build_projection(rows, alpha_beta, link ? &*link : nullptr);
   // Everything is read by now, so rewriting the files of a re-rendered directory is safe.
-  const std::string results = (dir / "results.jsonl").string();
-  std::ofstream(results, std::ios::trunc).close();
-  append_rows(results, rows);
+  write_rows((dir / "results.jsonl").string(), rows);
   write_csv((dir / "results.csv").string(), rows);
   write_json_file((dir / "alpha_beta.json").string(),
                   alpha_beta.is_null() ? json::object() : alpha_beta);
   write_json_file((dir / "projection.json").string(), projection);
   std::error_code ec;
-  fs::remove(dir / "compare.jsonl", ec);
-  if (!compare.empty()) append_rows((dir / "compare.jsonl").string(), compare);
+  if (compare.empty()) fs::remove(dir / "compare.jsonl", ec);
+  else write_rows((dir / "compare.jsonl").string(), compare);
 
   ReportInputs in;
   in.dir = dir.string();

@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
+#include "engine/output_files.h"
 #include "layers/model.h"
 #include "parallel/comm/buckets.h"
 #include "tools/bench/report_math.h"
@@ -215,11 +216,25 @@ std::vector<nlohmann::json> read_rows(const std::string& path) {
   return rows;
 }
 
+namespace {
+
+std::string json_lines(const std::vector<nlohmann::json>& rows) {
+  std::string text;
+  for (const auto& r : rows) text += r.dump() + "\n";
+  return text;
+}
+
+}  // namespace
+
 void append_rows(const std::string& path, const std::vector<nlohmann::json>& rows) {
   std::ofstream out(path, std::ios::app);
   REPLICA_USAGE_CHECK(out.good(), "cannot write '{}'", path);
-  for (const auto& r : rows) out << r.dump() << "\n";
+  out << json_lines(rows);
   REPLICA_USAGE_CHECK(out.good(), "error writing '{}'", path);
+}
+
+void write_rows(const std::string& path, const std::vector<nlohmann::json>& rows) {
+  write_file_atomically(path, json_lines(rows));
 }
 
 void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows) {
@@ -242,12 +257,11 @@ void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows)
     if (v.is_number_float()) return fmt::format("{:.6g}", v.get<double>());
     return v.dump();
   };
-  std::ofstream out(path);
-  REPLICA_USAGE_CHECK(out.good(), "cannot write '{}'", path);
+  std::string out;
   std::string header = fmt::format("{}", fmt::join(cols, ","));
   for (const auto& p : phases) header += ",phase_" + p + "_ms";
   for (size_t d = 0; d < max_devices; ++d) header += fmt::format(",peak_memory_dev{}_bytes", d);
-  out << header << "\n";
+  out += header + "\n";
   for (const auto& r : rows) {
     std::string line;
     for (size_t i = 0; i < cols.size(); ++i)
@@ -260,8 +274,9 @@ void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows)
       const auto& pk = r.contains("peak_memory_bytes") ? r["peak_memory_bytes"] : nlohmann::json();
       line += "," + (pk.is_array() && d < pk.size() ? cell(pk[d]) : std::string());
     }
-    out << line << "\n";
+    out += line + "\n";
   }
+  write_file_atomically(path, out);
 }
 
 }  // namespace replica::bench
