@@ -11,6 +11,9 @@ namespace replica {
 DeviceContext::DeviceContext(Device device, ContextOptions options)
     : device_(device), options_(options) {
   if (device.is_cpu()) {
+    REPLICA_USAGE_CHECK(options.precision == Precision::Fp32,
+                        "{} computes in fp32: --precision {} needs a CUDA device", device.str(),
+                        precision_name(options.precision));
     threads_ = options.threads > 0 ? options.threads : cpu_cores();
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
@@ -22,9 +25,37 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     cudart::set_device(device.index);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::CudaDevice, device);
     cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
-        cudart::create_state(device, options.deterministic), cudart::destroy_state);
+        cudart::create_state(device, options.deterministic,
+                             options.precision == Precision::Tf32), cudart::destroy_state);
     backend_ = cudart::make_backend();
   }
+}
+
+const char* precision_name(Precision p) { return p == Precision::Tf32 ? "tf32" : "fp32"; }
+
+bool devices_have_tf32(const std::vector<Device>& devices) {
+  bool any = false;
+  for (const Device& d : devices) {
+    if (!d.is_cuda()) return false;
+    if (cudart::compute_capability(d.index) < 80) return false;
+    any = true;
+  }
+  return any;
+}
+
+Precision resolve_precision(const std::string& flag, const std::vector<Device>& devices) {
+  if (flag == "fp32") return Precision::Fp32;
+  if (flag == "auto") return devices_have_tf32(devices) ? Precision::Tf32 : Precision::Fp32;
+  REPLICA_USAGE_CHECK(flag == "tf32", "unknown --precision '{}' (auto, fp32, tf32)", flag);
+  for (const Device& d : devices) {
+    REPLICA_USAGE_CHECK(d.is_cuda(), "--precision tf32 needs CUDA devices: {} computes in fp32",
+                        d.str());
+    REPLICA_USAGE_CHECK(cudart::compute_capability(d.index) >= 80,
+                        "--precision tf32 needs TF32 tensor cores (compute capability 8.0+): {} "
+                        "({}) has {:.1f}", d.str(), cudart::device_name(d.index),
+                        cudart::compute_capability(d.index) / 10.0);
+  }
+  return Precision::Tf32;
 }
 
 DeviceContext::~DeviceContext() {

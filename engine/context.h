@@ -3,7 +3,9 @@
 // workspace. One context per device (per logical/virtual device); used by one thread at a time.
 #pragma once
 #include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <tbb/task_arena.h>
 
@@ -16,9 +18,26 @@ namespace replica {
 class Backend;
 struct CudaState;  // stream, handles, workspace (engine/cuda/cuda_context.cu)
 
+// How a device may round the inputs of matrix products and convolutions.
+//   Fp32  strict IEEE fp32 with fp32 accumulation: what the CPU kernels do, what CPU-vs-CUDA
+//         parity and the DP/DDP equivalence tests compare.
+//   Tf32  GPU tensor cores (compute capability 8.0 and later): inputs rounded to TF32's 10-bit
+//         mantissa, products accumulated in fp32; cuBLAS GEMMs and cuDNN convolutions only.
+//         PyTorch's default for convolutions. Storage, elementwise ops, BatchNorm statistics,
+//         the loss and the optimizer stay fp32.
+enum class Precision { Fp32, Tf32 };
+const char* precision_name(Precision p);  // "fp32", "tf32"
+// Whether every CUDA device in `devices` has TF32 tensor cores (false when there is none).
+bool devices_have_tf32(const std::vector<Device>& devices);
+// A --precision flag for these devices: "fp32"; "tf32" (CUDA devices with TF32 only); "auto" =
+// tf32 where every device has it (PyTorch's default for convolutions), else fp32.
+// UsageError for anything else.
+Precision resolve_precision(const std::string& flag, const std::vector<Device>& devices);
+
 struct ContextOptions {
   int threads = 0;             // CPU: threads in this device's arena (0 = all cores)
   bool deterministic = false;  // CUDA: deterministic algorithms only (CPU always is)
+  Precision precision = Precision::Fp32;
 };
 
 class DeviceContext {
@@ -34,6 +53,7 @@ class DeviceContext {
   Backend& ops() { return *backend_; }
   int threads() const { return threads_; }
   bool deterministic() const { return options_.deterministic; }
+  Precision precision() const { return options_.precision; }
   CudaState* cuda() const { return cuda_.get(); }
 
   Tensor alloc(const Shape& shape, DType dtype = DType::F32) {

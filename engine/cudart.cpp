@@ -63,6 +63,7 @@ std::string load_problem() { return loaded().problem; }
 
 std::string device_name(int ordinal) { return api().device_name(ordinal); }
 size_t device_total_memory(int ordinal) { return api().device_total_memory(ordinal); }
+int compute_capability(int ordinal) { return api().compute_capability(ordinal); }
 std::string versions() {
   const Loaded& l = loaded();
   return l.api ? l.api->versions() : "CUDA backend " + l.problem;
@@ -70,8 +71,8 @@ std::string versions() {
 void set_device(int ordinal) { api().set_device(ordinal); }
 void* malloc_device(int ordinal, size_t bytes) { return api().malloc_device(ordinal, bytes); }
 void* malloc_pinned(size_t bytes) { return api().malloc_pinned(bytes); }
-CudaState* create_state(const Device& device, bool deterministic) {
-  return api().create_state(device, deterministic);
+CudaState* create_state(const Device& device, bool deterministic, bool tf32) {
+  return api().create_state(device, deterministic, tf32);
 }
 void* event_create() { return api().event_create(); }
 void event_record(CudaState* state, void* event) { api().event_record(state, event); }

@@ -20,6 +20,7 @@ namespace cudart {
 int device_count();  // 0 when there is no driver, no GPU, or no CUDA backend; never throws
 std::string device_name(int ordinal);
 size_t device_total_memory(int ordinal);
+int compute_capability(int ordinal);  // major * 10 + minor: 90 on an H100
 std::string versions();  // "CUDA runtime X, driver Y, cuBLAS Z, cuDNN W" (what is linked)
 
 void set_device(int ordinal);
@@ -29,7 +30,8 @@ void* malloc_pinned(size_t bytes);
 void free_pinned(void* ptr);
 
 // Stream, cuBLAS and cuDNN handles (bound to the stream), workspace. One per DeviceContext.
-CudaState* create_state(const Device& device, bool deterministic);
+// `tf32`: GEMMs and convolutions may use TF32 tensor cores (Precision::Tf32).
+CudaState* create_state(const Device& device, bool deterministic, bool tf32);
 void destroy_state(CudaState* state);
 void synchronize(CudaState* state);  // cudaStreamSynchronize on the context's stream
 
@@ -53,13 +55,14 @@ struct CudaPluginApi {
   int (*device_count)();
   std::string (*device_name)(int);
   size_t (*device_total_memory)(int);
+  int (*compute_capability)(int);
   std::string (*versions)();
   void (*set_device)(int);
   void* (*malloc_device)(int, size_t);
   void (*free_device)(int, void*);
   void* (*malloc_pinned)(size_t);
   void (*free_pinned)(void*);
-  CudaState* (*create_state)(const Device&, bool);
+  CudaState* (*create_state)(const Device&, bool, bool);
   void (*destroy_state)(CudaState*);
   void (*synchronize)(CudaState*);
   void* (*event_create)();

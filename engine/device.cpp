@@ -137,9 +137,13 @@ std::vector<std::string> describe_devices() {
   int n = cuda_device_count();
   if (n == 0 && problem.empty())
     lines.push_back("cuda     backend loaded; no GPU found" + cuda_backend_note());
-  for (int i = 0; i < n; ++i)
-    lines.push_back(fmt::format("cuda:{}   {}, {:.1f} GiB", i, cudart::device_name(i),
-                                cudart::device_total_memory(i) / double(1ull << 30)));
+  for (int i = 0; i < n; ++i) {
+    const int cc = cudart::compute_capability(i);
+    lines.push_back(fmt::format("cuda:{}   {}, {:.1f} GiB, compute capability {}.{}{}", i,
+                                cudart::device_name(i),
+                                cudart::device_total_memory(i) / double(1ull << 30), cc / 10,
+                                cc % 10, cc >= 80 ? " (TF32 tensor cores)" : ""));
+  }
   if (n > 0) lines.push_back("         " + cudart::versions());
   return lines;
 }

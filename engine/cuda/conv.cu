@@ -1,9 +1,10 @@
 // CUDA backend: 2-D convolution through cuDNN (NCHW, FP32, cross-correlation as PyTorch).
 //
 // Descriptors are built once per configuration and cached in the backend; algorithms are chosen
-// once per configuration with cuDNN's *_v7 heuristics. The convolution math type is FMA (plain
-// FP32, no TF32) so results match the CPU backend; with ctx.deterministic() only algorithms that
-// cuDNN reports as deterministic are used. Bias forward/backward are own kernels (the bias
+// once per configuration with cuDNN's *_v7 heuristics. In fp32 the math type is FMA (no TF32),
+// so results match the CPU backend; in tf32 (Precision::Tf32) each direction runs with the math
+// type of the algorithm chosen for it (tensor ops allowed, down-conversion to fp16/bf16 never).
+// With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias forward/backward are own kernels (the bias
 // gradient is a fixed-order per-channel reduction, so it is deterministic in every mode).
 #include <algorithm>
 #include <vector>
@@ -22,24 +23,26 @@ int as_int(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
-// Picks the first algorithm in heuristic order that succeeded, fits the workspace cap, does not
-// use tensor-op (TF32) math, is deterministic when asked, and whose workspace query accepts it
-// under our FMA descriptor. `ws_query(algo, &bytes)` returns the cuDNN status of that query.
+// Picks the first algorithm in heuristic order that succeeded, fits the workspace cap, uses a
+// math type the precision allows (fp32: no tensor ops; tf32: no down-conversion), is
+// deterministic when asked, and whose workspace query accepts it under its math type.
+// `ws_query(algo, &bytes)` returns the cuDNN status of that query.
 template <class Perf, class Algo, class WsQuery>
-bool choose_algo(const std::vector<Perf>& perf, int returned, bool deterministic,
-                 WsQuery ws_query, Algo* algo, size_t* ws) {
+bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s,
+                 cudnnConvolutionDescriptor_t conv, WsQuery ws_query, ConvChoice<Algo>* out) {
   for (int i = 0; i < returned; ++i) {
     const Perf& r = perf[i];
     if (r.status != CUDNN_STATUS_SUCCESS) continue;
-    if (r.mathType == CUDNN_TENSOR_OP_MATH || r.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION)
-      continue;
-    if (deterministic && r.determinism != CUDNN_DETERMINISTIC) continue;
+    if (r.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+    if (!s.tf32 && r.mathType == CUDNN_TENSOR_OP_MATH) continue;
+    if (s.deterministic && r.determinism != CUDNN_DETERMINISTIC) continue;
     if (r.memory > kMaxConvWorkspace) continue;
+    const cudnnMathType_t math = s.tf32 ? r.mathType : CUDNN_FMA_MATH;
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, math));
     size_t bytes = 0;
     if (ws_query(r.algo, &bytes) != CUDNN_STATUS_SUCCESS) continue;
     if (bytes > kMaxConvWorkspace) continue;
-    *algo = r.algo;
-    *ws = bytes;
+    *out = {r.algo, bytes, math};
     return true;
   }
   return false;
@@ -47,19 +50,25 @@ bool choose_algo(const std::vector<Perf>& perf, int returned, bool deterministic
 
 // Chooses one direction's algorithm: asks cuDNN's heuristics (`count(&n)`, then
 // `find(n, &returned, perf)`; both check their own call) and takes the first acceptable one
-// (choose_algo), else `fallback` with its workspace size.
+// (choose_algo), else `fallback` in FMA math with its workspace size.
 template <class Perf, class Algo, class Count, class Find, class WsQuery>
-void pick_algo(bool deterministic, Algo fallback, Count count, Find find, WsQuery ws_query,
-               Algo* algo, size_t* ws) {
+ConvChoice<Algo> pick_algo(const CudaState& s, cudnnConvolutionDescriptor_t conv, Algo fallback,
+                       Count count, Find find, WsQuery ws_query) {
+  // The heuristics list the math types the descriptor allows.
+  REPLICA_CUDNN_CHECK(
+      cudnnSetConvolutionMathType(conv, s.tf32 ? CUDNN_TENSOR_OP_MATH : CUDNN_FMA_MATH));
   int max_count = 0;
   count(&max_count);
   std::vector<Perf> perf(std::max(max_count, 1));
   int returned = 0;
   find(static_cast<int>(perf.size()), &returned, perf.data());
-  if (!choose_algo(perf, returned, deterministic, ws_query, algo, ws)) {
-    *algo = fallback;
-    REPLICA_CUDNN_CHECK(ws_query(*algo, ws));
+  ConvChoice<Algo> c;
+  if (!choose_algo(perf, returned, s, conv, ws_query, &c)) {
+    c = {fallback, 0, CUDNN_FMA_MATH};
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, c.math));
+    REPLICA_CUDNN_CHECK(ws_query(c.algo, &c.ws));
   }
+  return c;
 }
 
 // Destroys the descriptors a plan has (any may still be null).
@@ -185,8 +194,8 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
   } else {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_fwd) {
-      pick_algo<cudnnConvolutionFwdAlgoPerf_t>(
-          s.deterministic,
+      plan.fwd = pick_algo<cudnnConvolutionFwdAlgoPerf_t>(
+          s, plan.conv,
           CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,  // deterministic, no workspace
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(s.cudnn, n));
@@ -198,14 +207,14 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
           [&](cudnnConvolutionFwdAlgo_t a, size_t* bytes) {
             return cudnnGetConvolutionForwardWorkspaceSize(s.cudnn, plan.x, plan.w, plan.conv,
                                                            plan.y, a, bytes);
-          },
-          &plan.fwd_algo, &plan.fwd_ws);
+          });
       plan.have_fwd = true;
     }
-    void* ws = plan.fwd_ws ? cuda_workspace(s, plan.fwd_ws) : nullptr;
+    void* ws = plan.fwd.ws ? cuda_workspace(s, plan.fwd.ws) : nullptr;
     const float one = 1.f, zero = 0.f;
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, x.f32(), plan.w, w.f32(),
-                                                plan.conv, plan.fwd_algo, ws, plan.fwd_ws, &zero,
+                                                plan.conv, plan.fwd.algo, ws, plan.fwd.ws, &zero,
                                                 plan.y, y.f32()));
   }
   if (b.defined()) {
@@ -248,8 +257,8 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   if (dx.defined() && dx.numel() > 0 && have_channels) {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_bwd_data) {
-      pick_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
-          s.deterministic, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,  // deterministic
+      plan.bwd_data = pick_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
+          s, plan.conv, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,  // deterministic
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(s.cudnn, n));
           },
@@ -260,14 +269,14 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
           [&](cudnnConvolutionBwdDataAlgo_t a, size_t* bytes) {
             return cudnnGetConvolutionBackwardDataWorkspaceSize(s.cudnn, plan.w, plan.y,
                                                                 plan.conv, plan.x, a, bytes);
-          },
-          &plan.bwd_data_algo, &plan.bwd_data_ws);
+          });
       plan.have_bwd_data = true;
     }
-    void* ws = plan.bwd_data_ws ? cuda_workspace(s, plan.bwd_data_ws) : nullptr;
+    void* ws = plan.bwd_data.ws ? cuda_workspace(s, plan.bwd_data.ws) : nullptr;
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_data.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, w.f32(), plan.y,
-                                                     dy.f32(), plan.conv, plan.bwd_data_algo, ws,
-                                                     plan.bwd_data_ws, &zero, plan.x, dx.f32()));
+                                                     dy.f32(), plan.conv, plan.bwd_data.algo, ws,
+                                                     plan.bwd_data.ws, &zero, plan.x, dx.f32()));
   } else if (dx.defined() && dx.numel() > 0) {
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
   }
@@ -275,8 +284,8 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   if (dw.defined() && dw.numel() > 0 && have_channels) {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_bwd_filter) {
-      pick_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
-          s.deterministic, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,  // deterministic
+      plan.bwd_filter = pick_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
+          s, plan.conv, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,  // deterministic
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(s.cudnn, n));
           },
@@ -287,15 +296,15 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
           [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* bytes) {
             return cudnnGetConvolutionBackwardFilterWorkspaceSize(s.cudnn, plan.x, plan.y,
                                                                   plan.conv, plan.w, a, bytes);
-          },
-          &plan.bwd_filter_algo, &plan.bwd_filter_ws);
+          });
       plan.have_bwd_filter = true;
     }
-    void* ws = plan.bwd_filter_ws ? cuda_workspace(s, plan.bwd_filter_ws) : nullptr;
+    void* ws = plan.bwd_filter.ws ? cuda_workspace(s, plan.bwd_filter.ws) : nullptr;
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_filter.math));
     // beta = 1: dw accumulates.
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
-        s.cudnn, &one, plan.x, x.f32(), plan.y, dy.f32(), plan.conv, plan.bwd_filter_algo, ws,
-        plan.bwd_filter_ws, &one, plan.w, dw.f32()));
+        s.cudnn, &one, plan.x, x.f32(), plan.y, dy.f32(), plan.conv, plan.bwd_filter.algo, ws,
+        plan.bwd_filter.ws, &one, plan.w, dw.f32()));
   }
 
   if (db.defined()) {

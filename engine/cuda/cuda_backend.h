@@ -44,15 +44,23 @@ void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what
 }  // namespace cuda
 
 // Descriptors and chosen algorithms for one convolution configuration.
+// The algorithm, workspace and math type chosen for one direction of one convolution (the
+// directions share the descriptor, so each sets its math type before it runs).
+template <class Algo>
+struct ConvChoice {
+  Algo algo{};
+  size_t ws = 0;
+  cudnnMathType_t math = CUDNN_FMA_MATH;
+};
+
 struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
   bool have_fwd = false, have_bwd_data = false, have_bwd_filter = false;
-  cudnnConvolutionFwdAlgo_t fwd_algo{};
-  cudnnConvolutionBwdDataAlgo_t bwd_data_algo{};
-  cudnnConvolutionBwdFilterAlgo_t bwd_filter_algo{};
-  size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
+  ConvChoice<cudnnConvolutionFwdAlgo_t> fwd;
+  ConvChoice<cudnnConvolutionBwdDataAlgo_t> bwd_data;
+  ConvChoice<cudnnConvolutionBwdFilterAlgo_t> bwd_filter;
 };
 
 // (N, C, H, W, K, R, stride, padding)

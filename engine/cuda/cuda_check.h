@@ -22,6 +22,7 @@ struct CudaState {
   void* workspace = nullptr;  // scratch for cuDNN algorithms; grows, never shrinks
   size_t workspace_bytes = 0;
   bool deterministic = false;
+  bool tf32 = false;  // Precision::Tf32: GEMMs and convolutions may use TF32 tensor cores
 };
 
 namespace cuda_detail {

@@ -123,6 +123,13 @@ size_t device_total_memory(int ordinal) {
   return prop.totalGlobalMem;
 }
 
+int compute_capability(int ordinal) {
+  int major = 0, minor = 0;
+  REPLICA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal));
+  REPLICA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal));
+  return major * 10 + minor;
+}
+
 std::string versions() {
   int runtime = 0, driver = 0;
   if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) (void)cudaGetLastError();
@@ -198,19 +205,21 @@ void release_state(CudaState* s) {
 }
 }  // namespace
 
-CudaState* create_state(const Device& device, bool deterministic) {
+CudaState* create_state(const Device& device, bool deterministic, bool tf32) {
   REPLICA_CHECK(device.is_cuda(), "create_state: {} is not a CUDA device", device.str());
   auto* s = new CudaState();
   s->ordinal = device.index;
   s->deterministic = deterministic;
+  s->tf32 = tf32;
   try {
     REPLICA_CUDA_CHECK(cudaSetDevice(device.index));
     REPLICA_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
     REPLICA_CUBLAS_CHECK(cublasCreate(&s->cublas));
     REPLICA_CUBLAS_CHECK(cublasSetStream(s->cublas, s->stream));
-    // Plain FP32: no TF32 tensor-op math, so GEMMs match the CPU and PyTorch's default
-    // (torch.backends.cuda.matmul.allow_tf32 = False).
-    REPLICA_CUBLAS_CHECK(cublasSetMathMode(s->cublas, CUBLAS_DEFAULT_MATH));
+    // fp32: no tensor-op math, so GEMMs match the CPU (PyTorch: matmul.allow_tf32 = False).
+    // tf32: cublasSgemm may round its inputs to TF32 (PyTorch: matmul.allow_tf32 = True).
+    REPLICA_CUBLAS_CHECK(
+        cublasSetMathMode(s->cublas, tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
     REPLICA_CUDNN_CHECK(cudnnCreate(&s->cudnn));
     REPLICA_CUDNN_CHECK(cudnnSetStream(s->cudnn, s->stream));
     cuda_workspace(*s, size_t(64) << 20);
@@ -257,6 +266,7 @@ extern "C" const void* replica_cuda_plugin(int abi) {
   using namespace replica;
   static const CudaPluginApi api = {
       cuda::device_count,  cuda::device_name,    cuda::device_total_memory,
+      cuda::compute_capability,
       cuda::versions,      cuda::set_device,     cuda::malloc_device,
       cuda::free_device,   cuda::malloc_pinned,  cuda::free_pinned,
       cuda::create_state,  cuda::destroy_state,  cuda::synchronize,

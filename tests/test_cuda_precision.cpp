@@ -1,0 +1,198 @@
+// Precision modes on the GPU. `--precision tf32` lets cuBLAS and cuDNN round GEMM and
+// convolution inputs to TF32 (10-bit mantissa) on tensor cores. What must hold:
+//  - the mode really changes the math where the GPU has TF32: a GEMM moves off the fp32 result by
+//    about TF32's rounding (relative L2 ~3e-4 for 512-long dot products), where fp32 stays ~1e-7;
+//  - it stays within that rounding for GEMMs and convolutions, forward and backward;
+//  - training follows fp32: a few SGD steps of the CNN and ResNet-18 in tf32 track fp32.
+// Strict fp32 (a DeviceContext's default) is what every parity and equivalence test uses.
+// Skips visibly without a GPU, and the tf32 cases without TF32 tensor cores.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dp_reference.h"
+#include "engine/context.h"
+#include "engine/cudart.h"
+#include "engine/data/dataset.h"
+#include "engine/device.h"
+#include "engine/error.h"
+#include "engine/ops.h"
+#include "gpu_skip.h"
+#include "parallel/engines/train_engine.h"
+
+using namespace replica;
+
+namespace {
+
+const Device kGpu{DeviceType::CUDA, 0, 0};
+
+bool have_tf32() {
+  if (!test::have_gpu()) return false;
+  if (cudart::compute_capability(0) >= 80) return true;
+  MESSAGE("tf32 cases skipped: GPU 0 has compute capability "
+          << cudart::compute_capability(0) / 10.0 << ", no TF32 tensor cores");
+  return false;
+}
+
+double relative_l2(const std::vector<float>& ref, const std::vector<float>& v) {
+  REQUIRE(ref.size() == v.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    num += (v[i] - ref[i]) * double(v[i] - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+std::vector<float> random_values(const Shape& shape, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<float> v(size_t(shape_numel(shape)));
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+// The same op on the CPU (the reference), a GPU context in fp32 and one in tf32.
+struct Trio {
+  DeviceContext cpu{Device{DeviceType::CPU, 0, 0}};
+  DeviceContext fp32{kGpu, ContextOptions{0, true, Precision::Fp32}};
+  DeviceContext tf32{kGpu, ContextOptions{0, true, Precision::Tf32}};
+
+  Tensor put(DeviceContext& ctx, const std::vector<float>& values, const Shape& shape) {
+    Tensor h = cpu.alloc(shape);
+    std::copy(values.begin(), values.end(), h.f32());
+    if (!ctx.is_cuda()) return h;
+    Tensor d = ctx.alloc(shape);
+    ctx.ops().copy(ctx, d, h);
+    return d;
+  }
+  std::vector<float> get(DeviceContext& ctx, const Tensor& t) {
+    Tensor h = Tensor::empty(host_allocator(), t.shape());
+    ctx.ops().copy(ctx, h, t);
+    ctx.synchronize();
+    return std::vector<float>(h.f32(), h.f32() + h.numel());
+  }
+};
+
+// Runs `op(ctx, inputs..., outputs...)` on all three contexts; returns each output's values per
+// context: [output][0 = cpu, 1 = fp32, 2 = tf32].
+template <class Op>
+std::vector<std::vector<std::vector<float>>> on_all(Trio& t, const std::vector<Shape>& inputs,
+                                                    const std::vector<Shape>& outputs, Op op) {
+  std::vector<std::vector<std::vector<float>>> out(outputs.size());
+  DeviceContext* ctxs[] = {&t.cpu, &t.fp32, &t.tf32};
+  for (DeviceContext* ctx : ctxs) {
+    std::vector<Tensor> in, res;
+    for (size_t i = 0; i < inputs.size(); ++i)
+      in.push_back(t.put(*ctx, random_values(inputs[i], 100 + uint32_t(i)), inputs[i]));
+    for (size_t i = 0; i < outputs.size(); ++i)
+      res.push_back(t.put(*ctx, std::vector<float>(size_t(shape_numel(outputs[i])), 0.f),
+                          outputs[i]));
+    op(*ctx, in, res);
+    for (size_t i = 0; i < outputs.size(); ++i) out[i].push_back(t.get(*ctx, res[i]));
+  }
+  return out;
+}
+
+// fp32 on the GPU matches the CPU to float rounding; tf32 to TF32's rounding (and, for a GEMM,
+// visibly off fp32: the tensor cores were used).
+void expect_precisions(const std::vector<std::vector<float>>& v, const std::string& what,
+                       bool must_differ) {
+  const double e32 = relative_l2(v[0], v[1]), etf = relative_l2(v[0], v[2]);
+  MESSAGE(what << ": relative L2 vs CPU: fp32 " << e32 << ", tf32 " << etf);
+  CHECK(e32 < 1e-5);
+  CHECK(etf < 3e-3);
+  if (must_differ) CHECK(etf > 2e-5);
+}
+
+}  // namespace
+
+TEST_CASE("--precision resolves for this GPU: auto is tf32 exactly where tensor cores have it") {
+  if (!test::have_gpu()) return;
+  const std::vector<Device> gpu = {kGpu};
+  const bool tf32 = cudart::compute_capability(0) >= 80;
+  CHECK(resolve_precision("auto", gpu) == (tf32 ? Precision::Tf32 : Precision::Fp32));
+  CHECK(resolve_precision("fp32", gpu) == Precision::Fp32);
+  if (tf32) CHECK(resolve_precision("tf32", gpu) == Precision::Tf32);
+  else CHECK_THROWS_AS(resolve_precision("tf32", gpu), UsageError);
+  CHECK(resolve_precision("auto", {kGpu, Device{DeviceType::CPU, 0, 0}}) == Precision::Fp32);
+}
+
+TEST_CASE("tf32 GEMMs: off fp32 by TF32's rounding, forward and backward") {
+  if (!have_tf32()) return;
+  Trio t;
+  const int64_t N = 256, in = 512, out = 384;
+  auto fwd = on_all(t, {{N, in}, {out, in}}, {{N, out}},
+                    [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                      c.ops().linear_forward(c, i[0], i[1], Tensor(), o[0]);
+                    });
+  expect_precisions(fwd[0], "linear y", true);
+  auto bwd = on_all(t, {{N, in}, {out, in}, {N, out}}, {{N, in}, {out, in}},
+                    [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                      Tensor no_db;
+                      c.ops().linear_backward(c, i[0], i[1], i[2], o[0], o[1], no_db);
+                    });
+  expect_precisions(bwd[0], "linear dx", true);
+  expect_precisions(bwd[1], "linear dw", true);
+}
+
+TEST_CASE("tf32 convolutions: within TF32's rounding, forward and backward") {
+  if (!have_tf32()) return;
+  Trio t;
+  const Shape x{16, 64, 14, 14}, w{64, 64, 3, 3}, y{16, 64, 14, 14};
+  const Conv2dParams p{1, 1};
+  // cuDNN may still choose an FMA algorithm for a shape, so no "must differ" here.
+  auto fwd = on_all(t, {x, w}, {y},
+                    [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                      c.ops().conv2d_forward(c, i[0], i[1], Tensor(), o[0], p);
+                    });
+  expect_precisions(fwd[0], "conv y", false);
+  auto bwd = on_all(t, {x, w, y}, {x, w},
+                    [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                      Tensor no_db;
+                      c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], no_db, p);
+                    });
+  expect_precisions(bwd[0], "conv dx", false);
+  expect_precisions(bwd[1], "conv dw", false);
+}
+
+// ResNet-18 takes one step only: its stem max-pool follows a ReLU, so windows with near-equal
+// inputs route the gradient by rounding, and free-running steps diverge even at 1e-6 relative
+// perturbations (test_cuda_training.cpp); TF32 perturbs by ~1e-3.
+TEST_CASE("tf32 training follows fp32: CNN 3 SGD steps, ResNet-18 one") {
+  if (!have_tf32()) return;
+  for (const auto& [model, steps] : {std::pair<std::string, int>{"cnn", 3}, {"resnet18", 1}}) {
+    CAPTURE(model);
+    EngineOptions o;
+    o.model = model;
+    o.input_shape = {1, 28, 28};
+    o.optimizer.name = "sgd";
+    o.optimizer.lr = 0.01f;
+    o.optimizer.momentum = 0.9f;
+    o.seed = 11;
+    o.deterministic = true;
+    auto fp32 = make_single_device_engine(kGpu, o);
+    o.precision = Precision::Tf32;
+    auto tf32 = make_single_device_engine(kGpu, o);
+    auto data = make_synthetic(steps * 16, o.input_shape, 10, 5);
+    Loader loader(*data, 16, false);
+    loader.start_epoch(epoch_order(data->size(), 1, 0, true), 0);
+    for (int s = 0; s < steps; ++s) {
+      auto batch = loader.next();
+      REQUIRE(bool(batch));
+      fp32->train_step(*batch);
+      tf32->train_step(*batch);
+      const float a = fp32->last_loss(), b = tf32->last_loss();
+      CAPTURE(s);
+      MESSAGE(model << " step " << s << ": loss fp32 " << a << ", tf32 " << b);
+      CHECK(std::fabs(a - b) <= 1e-2 * std::max(1.f, std::fabs(a)));
+    }
+    const double drift = relative_l2(test::params_of(*fp32), test::params_of(*tf32));
+    MESSAGE(model << ": parameters after " << steps << " steps, relative L2 tf32 vs fp32: "
+                  << drift);
+    CHECK(drift < 2e-3);
+  }
+}
