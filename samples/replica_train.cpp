@@ -131,6 +131,10 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--deterministic", c.engine.deterministic,
                "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms)");
+  app.add_option("--precision", c.precision,
+                 "GEMM and convolution math: fp32 (strict), tf32 (GPU tensor cores), auto (tf32 "
+                 "where every device has it, else fp32)")
+      ->capture_default_str();
   app.add_option("--checkpoint", c.checkpoint_dir,
                  "directory for the checkpoint (written every epoch, at the end and on Ctrl-C)");
   app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint");

@@ -279,6 +279,7 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
     CHECK(!row["env"]["commit"].get<std::string>().empty());
     CHECK(row["phase_ms"].contains("backward"));
     if (n == 2) CHECK(row["busbw_gbps"].get<double>() > 0);
+    CHECK(row["precision"] == "fp32");  // CPU devices
   }
   CHECK(test::count_lines(read_file(tmp.str("rows.csv"))) == 5);
   // A track per device and one for the communication thread.
@@ -300,11 +301,11 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   const std::string md = read_file(tmp.str("out/report.md"));
   INFO(md);
   CHECK(md.find("Side by side with PyTorch") != std::string::npos);
-  CHECK(md.find("| ddp | cnn | 1x28x28 | 2 | 64 | 2700.0 | pytorch | 2100.0 | 1.29x | 87.5% |") !=
-        std::string::npos);
-  CHECK(md.find("| pytorch | ddp (gloo) | cnn | 1x28x28 | 2 |") != std::string::npos);
+  CHECK(md.find("| ddp | cnn | 1x28x28 | fp32 | 2 | 64 | 2700.0 | pytorch | 2100.0 | 1.29x | "
+                "87.5% |") != std::string::npos);
+  CHECK(md.find("| pytorch | ddp (gloo) | cnn | 1x28x28 | fp32 | 2 |") != std::string::npos);
   // Efficiency 2800 / (2 x 1500); bytes equal to the formula.
-  CHECK(md.find("| replica | dp | cnn | 1x28x28 | 2 | 128 | 2800.0 | 1.87x | 93.3% |") !=
+  CHECK(md.find("| replica | dp | cnn | 1x28x28 | fp32 | 2 | 128 | 2800.0 | 1.87x | 93.3% |") !=
         std::string::npos);
   CHECK(md.find("| replica dp | 2 | reduce | 444,400 | 444,400 | yes |") != std::string::npos);
   // The projection's error where it was measured, from the fixture's inputs by hand:
@@ -378,6 +379,29 @@ TEST_CASE("replica-bench --suite loader: the input pipeline's rate per thread co
   }
 }
 
+TEST_CASE("replica-bench --report: another engine's row meets replica's only at the same precision") {
+  test::TempDir tmp;
+  nlohmann::json bf16;
+  for (const auto& row : read_lines(kFixture + "/pytorch_sample.jsonl"))
+    if (row["mode"] == "ddp" && row["devices"] == 2) bf16 = row;
+  REQUIRE(bf16.is_object());
+  bf16["precision"] = "bf16";
+  bf16["samples_per_sec"] = 5000.0;
+  {
+    std::ofstream out(tmp.str("bf16.jsonl"));
+    out << bf16.dump() << "\n";
+  }
+  const auto r = test::run(kBench + " --report " + tmp.str("out") + " --from-results " +
+                           kFixture + " --compare " + tmp.str("bf16.jsonl"));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  const std::string md = read_file(tmp.str("out/report.md"));
+  INFO(md);
+  // replica's rows ran in fp32: no partner, no ratio.
+  CHECK(md.find("| ddp | cnn | 1x28x28 | bf16 | 2 | 64 | - | pytorch | 5000.0 | - |") !=
+        std::string::npos);
+}
+
 TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   test::TempDir tmp;
   expect_clean_error("--suite ring", "--suite");
@@ -386,6 +410,8 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite dp --devices tpu", "unknown device");
   expect_clean_error("--suite dp --batch 0", "--batch");
   expect_clean_error("--suite ddp --backend mpi", "--backend");
+  expect_clean_error("--suite dp --devices cpu*2 --precision tf32", "needs CUDA devices");
+  expect_clean_error("--suite single --precision bf16", "unknown --precision");
   expect_clean_error("--suite single --report " + tmp.str("r"), "--report");
   expect_clean_error("--suite dp --compare x.jsonl", "--compare needs --report");
   expect_clean_error("--suite dp --link nvlink4", "--link needs --report");

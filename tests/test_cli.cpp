@@ -10,8 +10,12 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
+#include "engine/context.h"
+#include "engine/device.h"
+#include "engine/error.h"
 
 using test::run;
+using namespace replica;
 
 namespace {
 
@@ -59,6 +63,8 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --devices cpu*1000", "at most");
   expect_clean_error(data + " --devices cuda:99999999999", "GPU 99999999999 does not exist");
   expect_clean_error(data + " --devices cuda:0,1*2", "single GPU");
+  expect_clean_error(data + " --precision bf16", "unknown --precision 'bf16' (auto, fp32, tf32)");
+  expect_clean_error(data + " --devices cpu*2 --precision tf32", "needs CUDA devices");
   expect_clean_error(data + " --mode ps", "--mode");
   expect_clean_error(data + " --reduce ring", "--reduce");
   expect_clean_error(data + " --bucket-cap-mb 0", "--bucket-cap-mb");
@@ -144,6 +150,26 @@ TEST_CASE("a short run writes metrics with the documented fields") {
   std::ifstream tin(tmp.str("t.json"));
   auto trace = nlohmann::json::parse(tin);
   CHECK(trace["traceEvents"].size() > 16 * 3);
+}
+
+TEST_CASE("--precision: CPU devices compute in fp32, and the run says which precision it used") {
+  const std::vector<Device> cpus = parse_devices("cpu*2");
+  CHECK(resolve_precision("auto", cpus) == Precision::Fp32);
+  CHECK(resolve_precision("fp32", cpus) == Precision::Fp32);
+  CHECK_THROWS_AS(resolve_precision("tf32", cpus), UsageError);
+  CHECK_THROWS_AS(resolve_precision("", cpus), UsageError);
+  CHECK_THROWS_AS(DeviceContext(cpus[0], ContextOptions{1, false, Precision::Tf32}), UsageError);
+
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  auto r = run(kTrain + " --data " + tmp.str("data") + " --devices cpu --max-steps 2 --no-eval" +
+               " --threads-per-device 1 --metrics-json " + tmp.str("m.json"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(r.output.find("(dp mode, fp32)") != std::string::npos);
+  std::ifstream in(tmp.str("m.json"));
+  const auto m = nlohmann::json::parse(in);
+  CHECK(m["precision"] == "fp32");
+  CHECK(m["config"]["precision"] == "auto");
 }
 
 TEST_CASE("a run resumed from its checkpoint continues bit-identically") {

@@ -17,6 +17,13 @@ device trains --batch-per-device samples per step. Warm-up steps, then --repeat 
 DataParallel needs distinct GPUs, so DP rows exist for one device (the plain module) and for
 distinct GPUs; DDP runs one process per device (torch.multiprocessing), NCCL with a GPU per rank,
 Gloo on CPU or when ranks share a GPU (cuda:0*N, labelled devices_share_gpu).
+
+--precision, for like-with-like rows beside replica's (`replica-bench --precision`):
+    fp32  TF32 off for matmuls and cuDNN (torch.backends.{cuda.matmul,cudnn}.allow_tf32 = False)
+    tf32  TF32 on for both
+    bf16  torch.autocast(bfloat16) around forward and loss, model and inputs channels_last
+    auto  (default) tf32 when every GPU has TF32 tensor cores (compute capability 8.0+), else fp32
+--cudnn-benchmark sets torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape).
 """
 import argparse
 import json
@@ -88,18 +95,49 @@ def make_model(name, shape):
     return m
 
 
+def resolve_precision(args, devs):
+    if args.precision not in ("auto", "fp32", "tf32", "bf16"):
+        fail("--precision '%s': expected auto, fp32, tf32 or bf16" % args.precision)
+    gpus = devs[0][0] == "cuda"
+    tf32_everywhere = gpus and all(torch.cuda.get_device_capability(d[1])[0] >= 8 for d in devs)
+    if args.precision == "auto":
+        return "tf32" if tf32_everywhere else "fp32"
+    if args.precision == "tf32" and not tf32_everywhere:
+        fail("--precision tf32 needs GPUs with TF32 tensor cores (compute capability 8.0+)")
+    return args.precision
+
+
+def apply_precision(args):
+    """Called in every process that trains (DDP ranks are fresh processes)."""
+    tf32 = args.precision != "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+
+
+def channels_last(args):
+    return args.precision == "bf16" and len(args.shape) == 3
+
+
+def prepare_model(model, args):
+    return model.to(memory_format=torch.channels_last) if channels_last(args) else model
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def batches(shape, batch, seed, device, count=4):
+def batches(args, batch, seed, device, count=4):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
-        x = torch.rand((batch,) + tuple(shape), generator=g) - 0.5
+        x = torch.rand((batch,) + tuple(args.shape), generator=g) - 0.5
         y = torch.randint(0, 10, (batch,), generator=g)
-        out.append((x.to(device), y.to(device)))
+        x = x.to(device)
+        if channels_last(args):
+            x = x.contiguous(memory_format=torch.channels_last)
+        out.append((x, y.to(device)))
     return out
 
 
@@ -109,10 +147,14 @@ def measure(model, data, device, args, out_device=None):
     loss_fn = nn.CrossEntropyLoss()
     out_device = out_device or device
 
+    def forward_loss(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            return loss_fn(model(x), y.to(out_device))
+
     def step(i):
         x, y = data[i % len(data)]
         opt.zero_grad(set_to_none=False)
-        loss = loss_fn(model(x), y.to(out_device))
+        loss = forward_loss(x, y)
         loss.backward()
         opt.step()
         return loss
@@ -137,7 +179,7 @@ def measure(model, data, device, args, out_device=None):
         i += 1
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
-        loss = loss_fn(model(x), y.to(out_device))
+        loss = forward_loss(x, y)
         sync(device)
         t1 = time.perf_counter()
         loss.backward()
@@ -185,7 +227,8 @@ def row(args, mode, devs, shared, params, windows, phases, loss, peaks, backend=
         "device_list": ["%s:%d" % d for d in devs], "devices_share_gpu": shared,
         "model": args.model, "input_shape": "x".join(map(str, args.shape)), "params": params,
         "batch_per_device": args.batch_per_device, "global_batch": n * args.batch_per_device,
-        "threads_per_device": args.threads_per_device, "warmup_steps": args.warmup,
+        "threads_per_device": args.threads_per_device, "precision": args.precision,
+        "cudnn_benchmark": args.cudnn_benchmark, "warmup_steps": args.warmup,
         "timed_steps": args.steps, "repeats": args.repeat,
         "data": "synthetic, preloaded on the device", "samples_per_sec": med,
         "samples_per_sec_runs": sps, "ms_per_step": 1e3 * n * args.batch_per_device / med,
@@ -204,15 +247,16 @@ def run_dp(args, devs, shared):
         return None
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads_per_device * len(devs) if devs[0][0] == "cpu" else 1)
+    apply_precision(args)
     device = torch_device(devs[0])
-    model = make_model(args.model, args.shape).to(device)
+    model = prepare_model(make_model(args.model, args.shape).to(device), args)
     params = sum(p.numel() for p in model.parameters())
     if len(devs) > 1:
         model = nn.DataParallel(model, device_ids=[d[1] for d in devs])
     if device.type == "cuda":
         for d in devs:
             torch.cuda.reset_peak_memory_stats(torch_device(d))
-    data = batches(args.shape, len(devs) * args.batch_per_device, args.seed, device)
+    data = batches(args, len(devs) * args.batch_per_device, args.seed, device)
     windows, phases, loss = measure(model, data, device, args)
     peaks = [peak_memory(torch_device(d)) for d in devs]
     return row(args, "dp", devs, shared, params, windows, phases, loss, peaks)
@@ -227,11 +271,12 @@ def ddp_rank(rank, args, devs, port, backend, out):
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(args.seed)
-    model = make_model(args.model, args.shape).to(device)
+    apply_precision(args)
+    model = prepare_model(make_model(args.model, args.shape).to(device), args)
     params = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=25)
-    data = batches(args.shape, args.batch_per_device, args.seed + 7919 * (rank + 1), device)
+    data = batches(args, args.batch_per_device, args.seed + 7919 * (rank + 1), device)
     windows, phases, loss = measure(ddp, data, device, args)
     result = {"windows": windows, "phases": phases, "loss": loss, "params": params,
               "peak": peak_memory(device)}
@@ -274,11 +319,14 @@ def main():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="auto", help="auto | fp32 | tf32 | bf16 (autocast + channels_last)")
+    p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--out", required=True, help="JSON-lines file to write (replaced)")
     args = p.parse_args()
     if not args.devices:
         args.devices = "cuda" if torch.cuda.is_available() else "cpu*%d" % (os.cpu_count() or 1)
     devs, shared = parse_devices(args.devices)
+    args.precision = resolve_precision(args, devs)
     args.shape = tuple(int(v) for v in (args.input_shape or ("1x28x28" if args.model == "cnn" else "3x224x224")).split("x"))
     if len(args.shape) != 3:
         fail("--input-shape '%s': expected CxHxW" % args.input_shape)

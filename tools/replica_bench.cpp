@@ -64,6 +64,10 @@ int run(int argc, char** argv) {
   app.add_option("--seed", o.seed, "seed for weights and synthetic data")->capture_default_str();
   app.add_option("--reduce", o.reduce, "DP gradient reduction: root | tree")->capture_default_str();
   app.add_option("--backend", o.backend, "DDP collectives: auto | gloo | nccl")->capture_default_str();
+  app.add_option("--precision", o.precision,
+                 "dp/ddp: GEMM and convolution math: fp32 | tf32 (GPU tensor cores) | auto (tf32 "
+                 "where every device has it)")
+      ->capture_default_str();
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds for rendezvous and each collective; ranks that make no "
                  "progress for this long are stopped")

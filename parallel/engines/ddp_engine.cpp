@@ -23,7 +23,7 @@ namespace {
 class DdpEngine final : public TrainEngine {
  public:
   DdpEngine(const Device& device, const EngineOptions& o, const DdpOptions& d)
-      : ctx_(device, ContextOptions{o.threads_per_device, o.deterministic}),
+      : ctx_(device, context_options(o, o.threads_per_device)),
         store_(d.store),
         track_(fmt::format("rank{} {}", d.rank, device.str())),
         check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),

@@ -33,7 +33,7 @@ class DataParallelEngine final : public TrainEngine {
     // Contexts and replicas are created on their own worker threads (CUDA: current device).
     pool_.run([&](int i) {
       Replica& r = replicas_[i];
-      r.ctx = std::make_unique<DeviceContext>(devices[i], ContextOptions{threads, o.deterministic});
+      r.ctx = std::make_unique<DeviceContext>(devices[i], context_options(o, threads));
       r.track = devices[i].str();
       r.model = make_model(o.model, o.input_shape, o.num_classes);
       r.ctx->run([&] { r.model->materialize(*r.ctx, o.seed); });

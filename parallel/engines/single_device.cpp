@@ -14,7 +14,7 @@ namespace {
 class SingleDeviceEngine final : public TrainEngine {
  public:
   SingleDeviceEngine(const Device& device, const EngineOptions& o)
-      : ctx_(device, ContextOptions{o.threads_per_device, o.deterministic}),
+      : ctx_(device, context_options(o, o.threads_per_device)),
         track_(device.str()) {
     model_ = make_model(o.model, o.input_shape, o.num_classes);
     ctx_.run([&] { model_->materialize(ctx_, o.seed); });

@@ -21,7 +21,14 @@ struct EngineOptions {
   uint64_t seed = 0;
   int threads_per_device = 0;  // CPU: threads in each device's arena (0 = cores / devices)
   bool deterministic = false;
+  Precision precision = Precision::Fp32;  // resolved from --precision (engine/context.h)
 };
+
+// What each device's context is made with: `threads` CPU threads, the run's determinism and
+// precision.
+inline ContextOptions context_options(const EngineOptions& o, int threads) {
+  return ContextOptions{threads, o.deterministic, o.precision};
+}
 
 class TrainEngine {
  public:

@@ -116,6 +116,7 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
       {"world_size", world_},
       // Logical devices on one GPU: a correctness run, not a scaling measurement.
       {"devices_share_gpu", engine_.shares_gpu()},
+      {"precision", precision_name(c_.engine.precision)},
       {"collectives", world_ > 1 ? nlohmann::json(engine_.comm_description()) : nlohmann::json()},
       {"reduce", c_.mode == "dp" ? nlohmann::json(c_.reduce) : nlohmann::json(nullptr)},
       {"comm_bytes_per_step", engine_.comm_bytes_per_step()},

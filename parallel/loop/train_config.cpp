@@ -38,6 +38,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"nesterov", o.nesterov},
           {"seed", c.engine.seed},
           {"deterministic", c.engine.deterministic},
+          {"precision", c.precision},
           {"reduce", c.reduce},
           {"bucket_cap_mb", c.bucket_cap_mb},
           {"backend", c.backend},
@@ -75,7 +76,7 @@ void validate(const TrainConfig& c) {
                       "unknown --reduce '{}' (root, tree)", c.reduce);
   REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
                       "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
-  resolve_devices(c);
+  resolve_precision(c.precision, resolve_devices(c));
 }
 
 std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out) {

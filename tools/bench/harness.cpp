@@ -160,6 +160,7 @@ EngineOptions engine_options(const RunOptions& run) {
   eo.num_classes = 10;
   eo.seed = run.seed;
   eo.threads_per_device = run.threads_per_device;
+  eo.precision = run.precision;
   return eo;
 }
 

@@ -23,9 +23,10 @@ struct RunOptions {
   int64_t trace_steps = 0;  // > 0: a traced window of this many steps after the timed ones
   uint64_t seed = 0;
   int threads_per_device = 1;
+  Precision precision = Precision::Fp32;
 };
 
-// The engine options of a run: its model, shape, seed and threads; 10 classes.
+// The engine options of a run: its model, shape, seed, threads and precision; 10 classes.
 EngineOptions engine_options(const RunOptions& run);
 
 // `count` batches of `batch` synthetic samples of `shape` in pinned host memory, made once.

@@ -62,6 +62,7 @@ std::vector<std::string> worker_arguments(const SuiteOptions& o) {
           "--trace-steps", std::to_string(o.run.trace_steps),
           "--seed", std::to_string(o.run.seed),
           "--threads-per-device", std::to_string(o.run.threads_per_device),
+          "--precision", precision_name(o.run.precision),
           "--devices", o.device_spec,
           "--backend", o.backend,
           "--timeout", fmt::format("{}", o.timeout_s)};

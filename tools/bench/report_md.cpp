@@ -55,18 +55,21 @@ std::string label(const json& r) {
   return fmt::format("{} {}", r.value("engine", "replica"), mode_label(r));
 }
 
+// The math a row ran in; rows written before precisions existed ran in fp32.
+std::string precision_of(const json& r) { return r.value("precision", "fp32"); }
+
 bool is_trace(const std::string& s) { return s.size() > 5 && s.substr(s.size() - 5) == ".json"; }
 
 std::string throughput_section(const std::vector<json>& rows) {
   std::string s =
-      "| engine | mode | model | input | devices | global batch | samples/s | speed-up | "
-      "efficiency | ms/step |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|\n";
+      "| engine | mode | model | input | precision | devices | global batch | samples/s | "
+      "speed-up | efficiency | ms/step |\n|---|---|---|---|---|---:|---:|---:|---:|---:|---:|\n";
   bool above = false;
   for (const auto& r : rows) {
     above |= num(r, "efficiency") > 1.0;
-    s += fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} |\n",
+    s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} |\n",
                      r.value("engine", "replica"), mode_label(r), r.value("model", "?"),
-                     r.value("input_shape", "?"), r.value("devices", 0),
+                     r.value("input_shape", "?"), precision_of(r), r.value("devices", 0),
                      r.value("global_batch", r.value("devices", 0) *
                                                  r.value("batch_per_device", int64_t(0))),
                      num(r, "samples_per_sec"), opt(r, "speedup", "{:.2f}x"),
@@ -243,21 +246,22 @@ std::string projection_section(const json& projection) {
   return s;
 }
 
-// PyTorch's rows beside replica's of the same mode, device count, model and batch.
+// PyTorch's rows beside replica's of the same mode, device count, model, batch and precision
+// (a row of another precision has no partner: "-", never a ratio of unlike things).
 std::string compare_section(const std::vector<json>& rows, const std::vector<json>& compare) {
-  std::string s = "| mode | model | input | devices | batch/device | replica samples/s | other "
-                  "engine | its samples/s | ratio (replica / other) | its efficiency |\n"
-                  "|---|---|---|---:|---:|---:|---|---:|---:|---:|\n";
+  std::string s = "| mode | model | input | precision | devices | batch/device | replica "
+                  "samples/s | other engine | its samples/s | ratio (replica / other) | its "
+                  "efficiency |\n|---|---|---|---|---:|---:|---:|---|---:|---:|---:|\n";
   for (const auto& c : compare) {
     const json* mine = nullptr;
     for (const auto& r : rows)
       if (r["mode"] == c["mode"] && r["devices"] == c["devices"] && r["model"] == c["model"] &&
-          r["batch_per_device"] == c["batch_per_device"] &&
+          r["batch_per_device"] == c["batch_per_device"] && precision_of(r) == precision_of(c) &&
           r.value("input_shape", "") == c.value("input_shape", r.value("input_shape", "")))
         mine = &r;
-    s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} |\n",
+    s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} |\n",
                      c.value("mode", "?"), c.value("model", "?"), c.value("input_shape", "?"),
-                     c.value("devices", 0), c.value("batch_per_device", int64_t(0)),
+                     precision_of(c), c.value("devices", 0), c.value("batch_per_device", int64_t(0)),
                      mine ? fmt::format("{:.1f}", num(*mine, "samples_per_sec")) : "-",
                      c.value("engine", "other"), num(c, "samples_per_sec"),
                      mine && num(c, "samples_per_sec") > 0

@@ -119,6 +119,7 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"batch_per_device", b},
       {"global_batch", n * b},
       {"threads_per_device", c.run.threads_per_device},
+      {"precision", precision_name(c.run.precision)},
       {"warmup_steps", c.run.warmup},
       {"timed_steps", c.run.steps},
       {"repeats", c.run.repeat},
@@ -240,7 +241,8 @@ void write_rows(const std::string& path, const std::vector<nlohmann::json>& rows
 void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows) {
   const std::vector<std::string> cols = {
       "engine", "mode", "devices", "devices_share_gpu", "model", "input_shape",
-      "batch_per_device", "global_batch", "threads_per_device", "samples_per_sec", "speedup",
+      "batch_per_device", "global_batch", "threads_per_device", "precision", "samples_per_sec",
+      "speedup",
       "efficiency", "ms_per_step", "comm_bytes", "comm_bytes_formula", "comm_ms", "algbw_gbps",
       "busbw_gbps"};
   std::set<std::string> phases;
