@@ -1,10 +1,14 @@
 // Shared by the DP tests: run K optimizer steps of an engine over fixed batches, and the
 // one-device reference that does DP's math on a single replica.
 #pragma once
+#include <doctest/doctest.h>
+
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "engine/data/dataset.h"
+#include "engine/data/loader.h"
 #include "layers/loss.h"
 #include "parallel/engines/scatter.h"
 #include "parallel/engines/train_engine.h"
@@ -92,8 +96,47 @@ inline std::vector<float> reference_params(const EngineOptions& o, const std::ve
   return std::vector<float>(host.f32(), host.f32() + host.numel());
 }
 
+// The GPU suites' training set-up: `model` on `shape`, SGD (lr 0.01, momentum 0.9), seed 11,
+// deterministic algorithms.
+inline EngineOptions sgd_options(const std::string& model, const Shape& shape) {
+  EngineOptions o;
+  o.model = model;
+  o.input_shape = shape;
+  o.optimizer.name = "sgd";
+  o.optimizer.lr = 0.01f;
+  o.optimizer.momentum = 0.9f;
+  o.seed = 11;
+  o.deterministic = true;
+  return o;
+}
+
+// Trains `a` and `b` side by side for `steps` steps on the same synthetic batches of `batch`
+// samples (data seed `data_seed`, one shuffled epoch); after every step their losses must agree
+// within `loss_rtol` (relative, scale at least 1). Returns the losses as [step] = {a, b}.
+inline std::vector<std::pair<float, float>> train_in_lockstep(TrainEngine& a, TrainEngine& b,
+                                                              const Shape& shape, int steps,
+                                                              int64_t batch, uint64_t data_seed,
+                                                              double loss_rtol) {
+  auto data = make_synthetic(batch * steps, shape, 10, data_seed);
+  Loader loader(*data, batch, false);
+  loader.start_epoch(epoch_order(data->size(), 1, 0, true), 0);
+  std::vector<std::pair<float, float>> losses;
+  for (int s = 0; s < steps; ++s) {
+    auto next = loader.next();
+    REQUIRE(bool(next));
+    a.train_step(*next);
+    b.train_step(*next);
+    const float la = a.last_loss(), lb = b.last_loss();
+    CAPTURE(s);
+    CHECK(std::fabs(la - lb) <= loss_rtol * std::max(1.f, std::fabs(la)));
+    losses.emplace_back(la, lb);
+  }
+  return losses;
+}
+
 // ||a-b|| / ||a||: the relative error of a whole parameter vector.
 inline double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;  // fails every tolerance
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     num += double(a[i] - b[i]) * double(a[i] - b[i]);

@@ -16,42 +16,18 @@ using namespace replica;
 
 namespace {
 
-double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * double(a[i] - b[i]);
-    den += double(a[i]) * a[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
 void compare_training(const std::string& model, const Shape& shape, const std::string& optimizer,
                       int steps, double rel_tol) {
-  EngineOptions o;
-  o.model = model;
-  o.input_shape = shape;
-  o.optimizer.name = optimizer;
-  o.optimizer.lr = optimizer == "sgd" ? 0.01f : 1e-3f;
-  o.optimizer.momentum = optimizer == "sgd" ? 0.9f : 0.f;
-  o.seed = 11;
-  o.deterministic = true;
+  EngineOptions o = test::sgd_options(model, shape);
+  if (optimizer == "adam") {
+    o.optimizer.name = "adam";
+    o.optimizer.lr = 1e-3f;
+    o.optimizer.momentum = 0.f;
+  }
   auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
   auto gpu = make_single_device_engine(Device{DeviceType::CUDA, 0, 0}, o);
-  auto data = make_synthetic(8 * steps, shape, 10, 5);
-  Loader loader(*data, 8, false);
-  loader.start_epoch(epoch_order(data->size(), 1, 0, true), 0);
-  for (int s = 0; s < steps; ++s) {
-    auto batch = loader.next();
-    REQUIRE(bool(batch));
-    cpu->train_step(*batch);
-    gpu->train_step(*batch);
-    gpu->synchronize();
-    float lc = cpu->last_loss(), lg = gpu->last_loss();
-    CAPTURE(s);
-    CHECK(std::fabs(lc - lg) <= 1e-4 * std::max(1.f, std::fabs(lc)));
-  }
-  CHECK(relative_l2(test::params_of(*cpu), test::params_of(*gpu)) < rel_tol);
+  test::train_in_lockstep(*cpu, *gpu, shape, steps, 8, 5, 1e-4);
+  CHECK(test::relative_l2(test::params_of(*cpu), test::params_of(*gpu)) < rel_tol);
 }
 
 }  // namespace
@@ -78,14 +54,7 @@ TEST_CASE("cnn: 5 Adam steps agree on CPU and CUDA") {
 // gives ~1e-5), and the parameters after that step within 1e-5.
 TEST_CASE("resnet18 (28x28, BatchNorm): one SGD step agrees per tensor on CPU and CUDA") {
   if (!test::have_gpu()) return;
-  EngineOptions o;
-  o.model = "resnet18";
-  o.input_shape = {1, 28, 28};
-  o.optimizer.name = "sgd";
-  o.optimizer.lr = 0.01f;
-  o.optimizer.momentum = 0.9f;
-  o.seed = 11;
-  o.deterministic = true;
+  const EngineOptions o = test::sgd_options("resnet18", {1, 28, 28});
   auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
   auto gpu = make_single_device_engine(Device{DeviceType::CUDA, 0, 0}, o);
   auto data = make_synthetic(24, o.input_shape, 10, 6);
@@ -118,5 +87,5 @@ TEST_CASE("resnet18 (28x28, BatchNorm): one SGD step agrees per tensor on CPU an
     }
   }
   MESSAGE("largest gradient difference: " << worst << " " << worst_rel);
-  CHECK(relative_l2(test::params_of(*cpu), test::params_of(*gpu)) < 1e-5);
+  CHECK(test::relative_l2(test::params_of(*cpu), test::params_of(*gpu)) < 1e-5);
 }
