@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""replica against PyTorch eager on one device, case by case and precision by precision: the same
+model, input, batch, optimizer (Adam 1e-3) and synthetic data, measured in one run.
+
+    python3 tools/replica_vs_pytorch.py --out DIR                          # the default cases
+    python3 tools/replica_vs_pytorch.py --case resnet50:3x224x224:64 --precisions fp32,tf32 --out DIR
+
+Each case MODEL:CxHxW:BATCH runs `replica-bench --suite dp --device-counts 1` and
+`tools/pytorch_bench.py --mode dp --device-counts 1` at every precision (fp32: strict; tf32:
+tensor-core GEMMs and convolutions; bf16: PyTorch's autocast + channels_last, which replica does
+not have, so its cell says so). Writes DIR/rows.jsonl (every row of both engines) and
+DIR/table.md (samples/s side by side, the ratio, peak memory), and prints the table.
+Without PyTorch (or without a GPU for tf32/bf16) the cells it cannot fill say why.
+
+Defaults: on a machine with an NVIDIA GPU (cuda:0), the CNN at batch 32, 64 and 256, the seed
+recipe's ResNet-101 (1x28x28, batch 256) and ResNet-50 (3x224x224) at 64, 128 and 256, each in
+fp32, tf32 and bf16; on CPU only the CNN at batch 32 and 64 in fp32.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPU_CASES = ["cnn:1x28x28:32", "cnn:1x28x28:64", "cnn:1x28x28:256", "resnet101:1x28x28:256",
+             "resnet50:3x224x224:64", "resnet50:3x224x224:128", "resnet50:3x224x224:256"]
+CPU_CASES = ["cnn:1x28x28:32", "cnn:1x28x28:64"]
+
+
+def fail(msg):
+    print("replica_vs_pytorch: error: " + msg, file=sys.stderr)
+    sys.exit(2)
+
+
+def have_gpu():
+    if not shutil.which("nvidia-smi"):
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def parse_case(text):
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[2].isdigit() or int(parts[2]) < 1:
+        fail("--case '%s': expected MODEL:CxHxW:BATCH, e.g. resnet50:3x224x224:64" % text)
+    return parts[0], parts[1], int(parts[2])
+
+
+def run_one(cmd, out_file):
+    """Runs one benchmark; returns (its first row, None) or (None, the reason it has none)."""
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        lines = [l for l in (p.stderr + p.stdout).splitlines() if l.strip()]
+        return None, lines[-1] if lines else "exit %d" % p.returncode
+    with open(out_file) as f:
+        rows = [json.loads(l) for l in f if l.strip()]
+    return (rows[0], None) if rows else (None, "no row written")
+
+
+def measure(args, model, shape, batch, precision, tmp):
+    common = ["--model", model, "--input-shape", shape, "--seed", "0"]
+    timing = []
+    for flag in ("steps", "warmup", "repeat"):
+        if getattr(args, flag) is not None:
+            timing += ["--" + flag, str(getattr(args, flag))]
+    cells = {}
+    if precision == "bf16":
+        cells["replica"] = (None, "no bf16 in replica yet")
+    else:
+        out = os.path.join(tmp, "replica.jsonl")
+        if os.path.exists(out):
+            os.remove(out)
+        cells["replica"] = run_one(
+            [os.path.join(args.bin, "replica-bench"), "--suite", "dp", "--devices", args.device,
+             "--device-counts", "1", "--batch", str(batch), "--precision", precision,
+             "--json", out] + common + timing, out)
+    out = os.path.join(tmp, "pytorch.jsonl")
+    cells["pytorch"] = run_one(
+        [sys.executable, os.path.join(HERE, "pytorch_bench.py"), "--mode", "dp", "--devices",
+         args.device, "--device-counts", "1", "--batch-per-device", str(batch), "--precision",
+         precision, "--out", out] + common + timing, out)
+    return cells
+
+
+def mb(row):
+    peaks = row.get("peak_memory_bytes") or []
+    return "%.0f MB" % (peaks[0] / 1e6) if peaks else "-"
+
+
+def table(results):
+    lines = ["| model | input | batch | precision | replica samples/s | PyTorch samples/s | "
+             "replica / PyTorch | replica peak | PyTorch peak |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    notes = []
+    for (model, shape, batch, precision), cells in results:
+        r, rwhy = cells["replica"]
+        p, pwhy = cells["pytorch"]
+        cell = []
+        for row, why, name in ((r, rwhy, "replica"), (p, pwhy, "PyTorch")):
+            if row:
+                cell.append("%.1f" % row["samples_per_sec"])
+            else:
+                cell.append("-")
+                if why not in notes:
+                    notes.append(why)
+        ratio = "%.2fx" % (r["samples_per_sec"] / p["samples_per_sec"]) if r and p else "-"
+        lines.append("| %s | %s | %d | %s | %s | %s | %s | %s | %s |" % (
+            model, shape, batch, precision, cell[0], cell[1], ratio, mb(r) if r else "-",
+            mb(p) if p else "-"))
+    if any(p and p.get("peak_memory_kind") == "process max RSS" for (_, c) in results
+           for p in [c["pytorch"][0]]):
+        notes.append("on CPU PyTorch's peak is its process's max RSS, replica's its allocator's "
+                     "peak: not comparable")
+    if notes:
+        lines.append("")
+        lines += ["- " + n for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomically(path, text):
+    tmp = path + ".tmp-%d" % os.getpid()
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--case", action="append", default=[], help="MODEL:CxHxW:BATCH (repeatable)")
+    p.add_argument("--precisions", default="", help="comma list of fp32, tf32, bf16")
+    p.add_argument("--device", default="", help="cuda:K or cpu (default: cuda:0 if a GPU is found)")
+    p.add_argument("--steps", type=int, help="timed steps per window (both engines)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (both engines)")
+    p.add_argument("--repeat", type=int, help="timed windows, median reported (both engines)")
+    p.add_argument("--bin", default=os.path.join(os.path.dirname(HERE), "build", "bin"))
+    p.add_argument("--out", required=True, help="directory for rows.jsonl and table.md")
+    args = p.parse_args()
+    gpu = args.device.startswith("cuda") if args.device else have_gpu()
+    args.device = args.device or ("cuda:0" if gpu else "cpu")
+    if args.device != "cpu" and not args.device.startswith("cuda:"):
+        fail("--device '%s': expected cuda:K or cpu" % args.device)
+    cases = [parse_case(c) for c in (args.case or (GPU_CASES if gpu else CPU_CASES))]
+    precisions = (args.precisions or ("fp32,tf32,bf16" if gpu else "fp32")).split(",")
+    for x in precisions:
+        if x not in ("fp32", "tf32", "bf16"):
+            fail("--precisions: '%s' is not fp32, tf32 or bf16" % x)
+    if not os.access(os.path.join(args.bin, "replica-bench"), os.X_OK):
+        fail("%s/replica-bench not found: build it (tools/setup.sh --all) or give --bin" % args.bin)
+    os.makedirs(args.out, exist_ok=True)
+    results, rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, shape, batch in cases:
+            for precision in precisions:
+                cells = measure(args, model, shape, batch, precision, tmp)
+                results.append(((model, shape, batch, precision), cells))
+                rows += [row for row, _ in cells.values() if row]
+                r, p_ = cells["replica"][0], cells["pytorch"][0]
+                print("%s %s batch %d %s: replica %s, PyTorch %s" % (
+                    model, shape, batch, precision,
+                    "%.1f" % r["samples_per_sec"] if r else "-",
+                    "%.1f" % p_["samples_per_sec"] if p_ else "-"), flush=True)
+    text = table(results)
+    write_atomically(os.path.join(args.out, "rows.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    write_atomically(os.path.join(args.out, "table.md"), text)
+    print()
+    print(text, end="")
+    print("wrote %s/rows.jsonl and %s/table.md" % (args.out, args.out))
+
+
+if __name__ == "__main__":
+    main()
