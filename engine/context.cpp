@@ -48,8 +48,9 @@ Precision resolve_precision(const std::string& flag, const std::vector<Device>& 
   if (flag == "auto") return devices_have_tf32(devices) ? Precision::Tf32 : Precision::Fp32;
   REPLICA_USAGE_CHECK(flag == "tf32", "unknown --precision '{}' (auto, fp32, tf32)", flag);
   for (const Device& d : devices) {
-    REPLICA_USAGE_CHECK(d.is_cuda(), "--precision tf32 needs CUDA devices: {} computes in fp32",
-                        d.str());
+    // No device name: every DDP rank must give the same line, so the launcher prints it once.
+    REPLICA_USAGE_CHECK(d.is_cuda(), "--precision tf32 needs CUDA devices (CPU devices compute "
+                        "in fp32)");
     REPLICA_USAGE_CHECK(cudart::compute_capability(d.index) >= 80,
                         "--precision tf32 needs TF32 tensor cores (compute capability 8.0+): {} "
                         "({}) has {:.1f}", d.str(), cudart::device_name(d.index),
