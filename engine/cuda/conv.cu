@@ -54,9 +54,10 @@ bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s
 template <class Perf, class Algo, class Count, class Find, class WsQuery>
 ConvChoice<Algo> pick_algo(const CudaState& s, cudnnConvolutionDescriptor_t conv, Algo fallback,
                        Count count, Find find, WsQuery ws_query) {
-  // The heuristics list the math types the descriptor allows.
+  // The heuristics list the math types the descriptor allows; for fp32 data DEFAULT permits
+  // TF32 tensor cores (compute capability 8.0+), FMA forbids them.
   REPLICA_CUDNN_CHECK(
-      cudnnSetConvolutionMathType(conv, s.tf32 ? CUDNN_TENSOR_OP_MATH : CUDNN_FMA_MATH));
+      cudnnSetConvolutionMathType(conv, s.tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
   int max_count = 0;
   count(&max_count);
   std::vector<Perf> perf(std::max(max_count, 1));
