@@ -27,6 +27,12 @@ void Tracer::record(const std::string& track, const std::string& phase, int64_t 
   if (recording_) events_.push_back({track, phase, start_us, end_us});
 }
 
+void Tracer::record_device_span(const std::string& track, const std::string& phase,
+                                int64_t start_us, int64_t end_us) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (recording_) events_.push_back({track, phase, start_us, end_us});
+}
+
 std::map<std::string, double> Tracer::phase_totals_us() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return totals_;

@@ -3,6 +3,8 @@
 // event recording is off, so every run can report where its time went.
 // On CUDA a span measures the host's view; when `sync_device` is set (with --trace), a span
 // waits for its device before closing, so spans show device time at the cost of overlap.
+// Collectives on a communication stream are timed by the GPU itself (device spans), so their
+// overlap with the compute stream shows.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -29,6 +31,10 @@ class Tracer {
   static int64_t now_us();
   void record(const std::string& track, const std::string& phase, int64_t start_us,
               int64_t end_us);
+  // A span the GPU timed (engine/cuda/stream_timeline.h), in now_us() time: in the trace while
+  // recording, but not in the phase totals, which are the host's view of every phase.
+  void record_device_span(const std::string& track, const std::string& phase, int64_t start_us,
+                          int64_t end_us);
   // Totals per phase (microseconds), summed over tracks, since the last reset.
   std::map<std::string, double> phase_totals_us() const;
   void reset_totals();

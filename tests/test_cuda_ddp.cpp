@@ -5,6 +5,10 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "gpu_skip.h"
 #include "job_helpers.h"
@@ -148,4 +152,57 @@ TEST_CASE("NCCL: a missing rank ends in a timeout error naming it") {
                60);
   CHECK(r.exit_code != 0);
   CHECK_MESSAGE(contains(r.output, "rank 1"), r.output);
+}
+
+namespace {
+
+struct Span {
+  std::string track, phase;
+  double start, end;
+};
+
+// The complete spans of a Chrome trace, each with its track (thread) name.
+std::vector<Span> trace_spans(const nlohmann::json& trace) {
+  std::map<std::pair<int, int>, std::string> names;
+  for (const auto& e : trace["traceEvents"])
+    if (e.value("ph", "") == "M" && e.value("name", "") == "thread_name")
+      names[{e["pid"].get<int>(), e["tid"].get<int>()}] = e["args"]["name"].get<std::string>();
+  std::vector<Span> spans;
+  for (const auto& e : trace["traceEvents"])
+    if (e.value("ph", "") == "X")
+      spans.push_back({names[{e["pid"].get<int>(), e["tid"].get<int>()}],
+                       e["name"].get<std::string>(), e["ts"].get<double>(),
+                       e["ts"].get<double>() + e["dur"].get<double>()});
+  return spans;
+}
+
+}  // namespace
+
+TEST_CASE("NCCL DDP trace: all-reduces timed on the communication stream overlap backward") {
+  if (!ready()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 256, 64);
+  // ResNet-18 in 1 MB buckets: dozens of all-reduces per step, the first ones due early in
+  // backward.
+  auto r = run(launch(2) + kTrain + " --mode ddp --data " + tmp.str("data") +
+                   " --model resnet18 --batch-size 32 --max-steps 4 --no-eval --quiet" +
+                   " --bucket-cap-mb 1" + nccl_on_one_gpu(2) + " --trace " + tmp.str("t.json"),
+               300);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  const auto spans = trace_spans(test::read_json(tmp.str("t.json")));
+  std::vector<Span> backward, allreduce;
+  for (const Span& s : spans) {
+    if (s.track.rfind("rank0 ", 0) != 0) continue;
+    if (contains(s.track, "nccl stream") && s.phase == "allreduce") allreduce.push_back(s);
+    if (!contains(s.track, "nccl stream") && s.phase == "backward") backward.push_back(s);
+  }
+  REQUIRE(backward.size() >= 4);
+  CHECK(allreduce.size() >= 4 * 10);  // every step's buckets, timed on the GPU
+  int overlapping = 0;
+  for (const Span& a : allreduce)
+    for (const Span& b : backward)
+      if (a.start > b.start && a.start < b.end) ++overlapping;
+  MESSAGE(allreduce.size() << " device-timed all-reduces on rank 0, " << overlapping
+                           << " of them starting during a backward");
+  CHECK(overlapping > 0);
 }

@@ -10,7 +10,9 @@
 //
 // Collectives run on a stream of the group's own: an event recorded on the caller's stream
 // orders each after the work that produced its input, and the caller's stream waits for them
-// only when it asks (stream_wait), so bucket all-reduces overlap the rest of backward.
+// only when it asks (stream_wait), so bucket all-reduces overlap the rest of backward. With
+// --trace each collective is also timed on that stream (StreamTimeline, track "rankR cuda:K
+// nccl stream"), so the trace shows it beside the backward kernels.
 //
 // Ranks that share one GPU (cuda:0*N) are each given an NCCL_HOSTID of their own, over the
 // socket transport: NCCL otherwise refuses them ("Duplicate GPU detected"). That runs NCCL's
@@ -26,6 +28,7 @@
 #include <thread>
 
 #include "engine/cuda/cuda_check.h"
+#include "engine/cuda/stream_timeline.h"
 #include "engine/error.h"
 #include "engine/ops.h"
 #include "engine/plugin_abi.h"
@@ -62,7 +65,8 @@ class NcclGroup final : public ProcessGroup {
  public:
   NcclGroup(const GroupOptions& o, Store& store, DeviceContext& ctx,
             std::unique_ptr<PeerMonitor> monitor)
-      : ProcessGroup(o.rank, o.size, std::move(monitor), &store, o.timeout), ctx_(&ctx) {
+      : ProcessGroup(o.rank, o.size, std::move(monitor), &store, o.timeout), ctx_(&ctx),
+        timeline_(fmt::format("rank{} {} nccl stream", o.rank, ctx.device().str())) {
     // Groups are made in the same order on every rank: the count keeps their keys apart.
     static std::atomic<int> groups{0};
     const std::string prefix = fmt::format("nccl/{}/", groups++);
@@ -123,7 +127,7 @@ class NcclGroup final : public ProcessGroup {
 
   void allreduce_sum(DeviceContext& ctx, Tensor& t, bool) override {
     if (t.numel() == 0) return;
-    enqueue("nccl all-reduce", ctx, [&] {
+    enqueue("nccl all-reduce", "allreduce", ctx, [&] {
       return ncclAllReduce(t.raw(), t.raw(), size_t(t.numel()), ncclFloat, ncclSum, comm_,
                            stream_);
     });
@@ -131,7 +135,7 @@ class NcclGroup final : public ProcessGroup {
 
   void broadcast(DeviceContext& ctx, Tensor& t, int root) override {
     if (t.numel() == 0) return;
-    enqueue("nccl broadcast", ctx, [&] {
+    enqueue("nccl broadcast", "broadcast", ctx, [&] {
       return ncclBroadcast(t.raw(), t.raw(), size_t(t.numel()), ncclFloat, root, comm_, stream_);
     });
   }
@@ -152,7 +156,7 @@ class NcclGroup final : public ProcessGroup {
     std::memcpy(host_in.raw(), mine.data(), mine.size() * sizeof(int64_t));
     Tensor dev_in = ctx.alloc({words}), dev_out = ctx.alloc({words * size_});
     ctx.ops().copy(ctx, dev_in, host_in);
-    enqueue("nccl all-gather", ctx, [&] {
+    enqueue("nccl all-gather", "all_gather", ctx, [&] {
       return ncclAllGather(dev_in.raw(), dev_out.raw(), mine.size(), ncclInt64, comm_, stream_);
     });
     wait_idle("nccl all-gather");
@@ -170,7 +174,11 @@ class NcclGroup final : public ProcessGroup {
     REPLICA_CUDA_CHECK(cudaStreamWaitEvent(cuda_state(ctx).stream, done_, 0));
   }
 
-  void synchronize(DeviceContext&) override { wait_idle(last_); }
+  void synchronize(DeviceContext&) override {
+    wait_idle(last_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    timeline_.flush();
+  }
 
  private:
   // Every rank publishes where its GPU is; when two share one, every rank takes a host id of
@@ -193,7 +201,7 @@ class NcclGroup final : public ProcessGroup {
 
   // Runs one NCCL call on the group's stream, after the work already on ctx's stream.
   template <class Call>
-  void enqueue(const char* what, DeviceContext& ctx, Call&& call) {
+  void enqueue(const char* what, const char* phase, DeviceContext& ctx, Call&& call) {
     std::lock_guard<std::mutex> lock(mutex_);
     REPLICA_CHECK(comm_ != nullptr, "{} on rank {}: the communicator was aborted by an earlier "
                   "failure", what, rank_);
@@ -202,9 +210,12 @@ class NcclGroup final : public ProcessGroup {
     ctx.activate();
     REPLICA_CUDA_CHECK(cudaEventRecord(inputs_ready_, cuda_state(ctx).stream));
     REPLICA_CUDA_CHECK(cudaStreamWaitEvent(stream_, inputs_ready_, 0));
+    const bool timed = timeline_.begin(stream_);
     check(what, call(), true);
+    if (timed) timeline_.end(stream_, phase);
     REPLICA_CUDA_CHECK(cudaEventRecord(done_, stream_));
     enqueued_ = true;
+    timeline_.poll();
   }
 
   // The non-blocking contract: ncclInProgress -> poll until the communicator settles.
@@ -274,6 +285,7 @@ class NcclGroup final : public ProcessGroup {
   bool shared_gpu_ = false;
   int gpus_ = 1;
   Tensor token_;
+  StreamTimeline timeline_;  // device-time spans of the collectives (--trace); under mutex_
 };
 
 }  // namespace
