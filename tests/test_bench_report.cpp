@@ -280,6 +280,7 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
     CHECK(row["phase_ms"].contains("backward"));
     if (n == 2) CHECK(row["busbw_gbps"].get<double>() > 0);
     CHECK(row["precision"] == "fp32");  // CPU devices
+    CHECK(row["comm_timing"] == "host");  // Gloo: the communication thread's busy time
   }
   CHECK(test::count_lines(read_file(tmp.str("rows.csv"))) == 5);
   // A track per device and one for the communication thread.

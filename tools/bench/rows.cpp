@@ -84,14 +84,25 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
     }
   phase_ms["other"] = std::max(0.0, ms_per_step - phase_sum);
 
-  // Communication: the busy time of the communication thread per step (DP on CUDA: device 0's
-  // reduce span, with device-synchronised spans).
+  // Communication per step: NCCL's all-reduces as the GPU timed them on the group's stream
+  // (StreamTimeline) where there are such spans; else the busy time of the communication
+  // thread (DP on CUDA: device 0's reduce span, with device-synchronised spans).
   const double buffer_bytes = double(facts.params) * sizeof(float);
   const Collective coll = ddp ? Collective::AllReduce : Collective::Reduce;
   double comm_ms = 0;
+  std::string comm_timing = "host";
   if (n > 1) {
     comm_ms = ddp ? get_ms(m0.track_ms, "comm", "allreduce") : get_ms(m0.track_ms, "comm", "reduce");
     if (!ddp && comm_ms == 0) comm_ms = get_ms(m0.track_ms, track, "reduce");
+    for (const auto& [name, phases] : m0.track_ms) {
+      const std::string suffix = " nccl stream";
+      if (ddp && name.size() > suffix.size() &&
+          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+          get_ms(m0.track_ms, name, "allreduce") > 0) {
+        comm_ms = get_ms(m0.track_ms, name, "allreduce");
+        comm_timing = "gpu events";
+      }
+    }
   }
   const int64_t formula = ddp ? ddp_comm_bytes(facts.params, n) : dp_comm_bytes(facts.params, n);
   int64_t comm_bytes = 0;
@@ -134,6 +145,7 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"tracks_ms", m0.track_ms},
       {"comm_collective", n > 1 ? nlohmann::json(collective_name(coll)) : nlohmann::json()},
       {"comm_ms", comm_ms},
+      {"comm_timing", comm_timing},
       {"comm_bytes", comm_bytes},
       {"comm_bytes_formula", formula},
       {"comm_bytes_formula_text",
