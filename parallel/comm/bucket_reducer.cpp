@@ -8,9 +8,11 @@ namespace replica {
 
 BucketReducer::BucketReducer(const std::vector<Model*>& replicas, size_t first_bucket_bytes,
                              size_t bucket_bytes, std::function<void(int)> collective,
-                             const char* wait_phase)
+                             const char* wait_phase,
+                             std::function<void(int, int)> replica_done)
     : buckets_(make_buckets(replicas[0]->params(), first_bucket_bytes, bucket_bytes)),
       wait_phase_(wait_phase),
+      replica_done_(std::move(replica_done)),
       comm_(std::move(collective)) {
   for (Model* m : replicas) bucket_of_.push_back(bucket_of_param(m->params(), buckets_));
   remaining_.assign(replicas.size(), std::vector<int>(buckets_.size(), 0));
@@ -41,7 +43,10 @@ void BucketReducer::on_ready(int replica, const std::vector<Param*>& params) {
   if (!sync_) return;
   for (const Param* p : params) {
     const int b = bucket_of_[replica].at(p);
-    if (--remaining_[replica][b] == 0) ++ready_replicas_[b];
+    if (--remaining_[replica][b] == 0) {
+      if (replica_done_) replica_done_(replica, b);
+      ++ready_replicas_[b];
+    }
   }
   launch_ready_locked();
 }

@@ -23,9 +23,12 @@ class BucketReducer {
  public:
   // `replicas[0]`'s parameters define the buckets; the others have the same layout.
   // `wait_phase` names the host's wait for the last collective in traces ("wait_reduce").
+  // `replica_done(r, b)`, if given, runs on replica r's thread when r has finished bucket b,
+  // before the bucket can launch (DP on CUDA records there the event its reduction waits for).
   BucketReducer(const std::vector<Model*>& replicas, size_t first_bucket_bytes,
                 size_t bucket_bytes, std::function<void(int bucket)> collective,
-                const char* wait_phase);
+                const char* wait_phase,
+                std::function<void(int replica, int bucket)> replica_done = nullptr);
   ~BucketReducer();
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
@@ -46,6 +49,7 @@ class BucketReducer {
   std::vector<Bucket> buckets_;
   std::vector<std::unordered_map<const Param*, int>> bucket_of_;  // per replica
   const char* wait_phase_;
+  std::function<void(int, int)> replica_done_;
   CommQueue comm_;
 
   std::mutex mutex_;  // guards the readiness bookkeeping below

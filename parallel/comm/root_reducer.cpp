@@ -1,5 +1,7 @@
 #include "parallel/comm/root_reducer.h"
 
+#include <algorithm>
+
 #include "engine/error.h"
 #include "engine/trace.h"
 
@@ -31,26 +33,40 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
                          ReduceStrategy strategy, size_t first_bucket_bytes, size_t bucket_bytes)
     : ctx_(std::move(contexts)), models_(std::move(models)), strategy_(strategy) {
   if (LocalNccl::usable(ctx_)) nccl_ = LocalNccl::create(ctx_);
-  cuda_ = ctx_[0]->is_cuda() && !nccl_;
+  if (ctx_[0]->is_cuda() && !nccl_) comm_ = std::make_unique<DeviceContext>(ctx_[0]->device());
   buckets_ = std::make_unique<BucketReducer>(
       models_, first_bucket_bytes, bucket_bytes,
       [this](int b) {
-        TraceSpan span("comm", "reduce");
+        TraceSpan span("comm", "reduce", comm_.get());
         const Bucket& bucket = buckets_->buckets()[b];
         if (nccl_) {
           std::vector<Tensor> views;
           for (auto* m : models_) views.push_back(m->flat_grads().view(bucket.offset, {bucket.numel}));
           nccl_->reduce_to_root(views, active_);
-        } else {
-          reduce_bucket_cpu(bucket);
+          return;
         }
+        if (comm_) wait_for_bucket(b);
+        reduce_bucket(bucket);
       },
-      "wait_reduce");
-  if (cuda_) {
-    for (size_t r = 0; r < ctx_.size(); ++r) grads_written_.push_back(std::make_unique<StreamEvent>());
+      "wait_reduce",
+      [this](int r, int b) {
+        if (!comm_) return;
+        bucket_written_[r][b]->record(*ctx_[r]);  // on r's thread, r's device current
+        written_this_step_[r][b] = 1;
+      });
+  if (comm_) {
+    const size_t n = buckets_->buckets().size();
+    int64_t largest = 0;
+    for (const Bucket& b : buckets_->buckets()) largest = std::max(largest, b.numel);
+    for (size_t r = 0; r < ctx_.size(); ++r) {
+      grads_written_.push_back(std::make_unique<StreamEvent>());
+      bucket_written_.emplace_back();
+      for (size_t b = 0; b < n; ++b) bucket_written_[r].push_back(std::make_unique<StreamEvent>());
+    }
+    written_this_step_.assign(ctx_.size(), std::vector<char>(n, 0));
     bool other_gpu = false;
     for (auto* c : ctx_) other_gpu |= c->device().index != ctx_[0]->device().index;
-    if (other_gpu) staging_ = ctx_[0]->alloc({models_[0]->num_params()});
+    if (other_gpu) staging_ = comm_->alloc({largest});
   }
 }
 
@@ -62,8 +78,8 @@ int64_t RootReducer::bytes_per_step(int active) const {
 
 void RootReducer::begin(int active) {
   active_ = active;
-  // One replica has nothing to reduce; CUDA logical devices reduce after backward.
-  buckets_->begin(active, /*sync=*/active > 1 && !cuda_);
+  for (auto& row : written_this_step_) std::fill(row.begin(), row.end(), 0);
+  buckets_->begin(active, /*sync=*/active > 1);  // one replica has nothing to reduce
 }
 
 void RootReducer::on_ready(int replica, const std::vector<Param*>& params) {
@@ -71,43 +87,43 @@ void RootReducer::on_ready(int replica, const std::vector<Param*>& params) {
 }
 
 void RootReducer::backward_done(int replica) {
-  if (cuda_) grads_written_[replica]->record(*ctx_[replica]);
+  if (comm_) grads_written_[replica]->record(*ctx_[replica]);
 }
 
-void RootReducer::reduce_bucket_cpu(const Bucket& b) {
+void RootReducer::wait_for_bucket(int b) {
+  comm_->activate();
+  for (int r = 0; r < active_; ++r) {
+    // A bucket launched by finish() (parameters without gradients) was not recorded this step:
+    // the replica's whole backward is what it waits for then.
+    StreamEvent& written = written_this_step_[r][b] ? *bucket_written_[r][b] : *grads_written_[r];
+    written.wait(*comm_);
+  }
+}
+
+void RootReducer::reduce_bucket(const Bucket& b) {
   auto range = [&](int r) { return models_[r]->flat_grads().view(b.offset, {b.numel}); };
   auto add_into = [&](int dst, int src) {
     Tensor d = range(dst);
-    ctx_[dst]->ops().add(*ctx_[dst], d, range(src), 1.f);
-  };
-  sum_in_order(strategy_ == ReduceStrategy::Tree, active_, add_into);
-}
-
-void RootReducer::reduce_all_cuda() {
-  DeviceContext& root = *ctx_[0];
-  for (int r = 1; r < active_; ++r) grads_written_[r]->wait(root);
-  // Logical devices share the GPU's memory: add in place. Other GPUs: stage, then add.
-  auto add_from = [&](int dst, int src) {
-    Tensor d = models_[dst]->flat_grads();
-    Tensor s = models_[src]->flat_grads();
-    if (ctx_[src]->device().index != root.device().index) {
-      root.ops().copy(root, staging_, s);
-      s = staging_;
+    Tensor s = range(src);
+    DeviceContext& on = comm_ ? *comm_ : *ctx_[dst];
+    if (staging_.defined() && ctx_[src]->device().index != on.device().index) {
+      Tensor stage = staging_.view(0, {b.numel});
+      on.ops().copy(on, stage, s);
+      s = stage;
     }
-    root.ops().add(root, d, s, 1.f);
+    on.ops().add(on, d, s, 1.f);
   };
-  // The tree adds between non-root replicas, which needs them on the root's GPU.
-  sum_in_order(strategy_ == ReduceStrategy::Tree && !staging_.defined(), active_, add_from);
+  // The tree adds between non-root replicas, which needs them on one GPU (or on the CPU).
+  sum_in_order(strategy_ == ReduceStrategy::Tree && !staging_.defined(), active_, add_into);
 }
 
 void RootReducer::finish() {
   if (active_ <= 1) return;
-  if (cuda_) {
-    TraceSpan span(ctx_[0]->device().str(), "reduce", ctx_[0]);
-    reduce_all_cuda();
-    return;
-  }
   buckets_->finish();  // the buckets of unused parameters too; rethrows a failed reduction
+  if (comm_) {
+    reduced_.record(*comm_);
+    reduced_.wait(*ctx_[0]);
+  }
 }
 
 }  // namespace replica
