@@ -26,7 +26,7 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::CudaDevice, device);
     cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
         cudart::create_state(device, options.deterministic,
-                             options.precision == Precision::Tf32), cudart::destroy_state);
+                             options.precision == Precision::Tf32, options.reserve_workspace), cudart::destroy_state);
     backend_ = cudart::make_backend();
   }
 }

@@ -38,6 +38,9 @@ struct ContextOptions {
   int threads = 0;             // CPU: threads in this device's arena (0 = all cores)
   bool deterministic = false;  // CUDA: deterministic algorithms only (CPU always is)
   Precision precision = Precision::Fp32;
+  // CUDA: reserve the cuDNN workspace up front (64 MiB; it grows on demand either way). Off for
+  // contexts that only copy and add (DP's communication stream).
+  bool reserve_workspace = true;
 };
 
 class DeviceContext {

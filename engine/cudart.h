@@ -30,8 +30,10 @@ void* malloc_pinned(size_t bytes);
 void free_pinned(void* ptr);
 
 // Stream, cuBLAS and cuDNN handles (bound to the stream), workspace. One per DeviceContext.
-// `tf32`: GEMMs and convolutions may use TF32 tensor cores (Precision::Tf32).
-CudaState* create_state(const Device& device, bool deterministic, bool tf32);
+// `tf32`: GEMMs and convolutions may use TF32 tensor cores (Precision::Tf32);
+// `reserve_workspace`: the cuDNN workspace is allocated now (it grows on demand either way).
+CudaState* create_state(const Device& device, bool deterministic, bool tf32,
+                        bool reserve_workspace);
 void destroy_state(CudaState* state);
 void synchronize(CudaState* state);  // cudaStreamSynchronize on the context's stream
 
@@ -62,7 +64,7 @@ struct CudaPluginApi {
   void (*free_device)(int, void*);
   void* (*malloc_pinned)(size_t);
   void (*free_pinned)(void*);
-  CudaState* (*create_state)(const Device&, bool, bool);
+  CudaState* (*create_state)(const Device&, bool, bool, bool);
   void (*destroy_state)(CudaState*);
   void (*synchronize)(CudaState*);
   void* (*event_create)();

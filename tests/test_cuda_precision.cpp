@@ -151,7 +151,9 @@ TEST_CASE("tf32 convolutions: within TF32's rounding, forward and backward") {
 
 // ResNet-18 takes one step only: its stem max-pool follows a ReLU, so windows with near-equal
 // inputs route the gradient by rounding, and free-running steps diverge even at 1e-6 relative
-// perturbations (test_cuda_training.cpp); TF32 perturbs by ~1e-3.
+// perturbations (test_cuda_training.cpp); TF32 perturbs by ~1e-3. What is compared is the
+// update (parameters after minus before): a whole step moves the parameters by ~1e-2 of their
+// norm, so comparing parameters would hide any gradient error below ~20%.
 TEST_CASE("tf32 training follows fp32: CNN 3 SGD steps, ResNet-18 one") {
   if (!have_tf32()) return;
   for (const auto& [model, steps] : {std::pair<std::string, int>{"cnn", 3}, {"resnet18", 1}}) {
@@ -160,14 +162,19 @@ TEST_CASE("tf32 training follows fp32: CNN 3 SGD steps, ResNet-18 one") {
     auto fp32 = make_single_device_engine(kGpu, o);
     o.precision = Precision::Tf32;
     auto tf32 = make_single_device_engine(kGpu, o);
-    // Data seed 6: no max-pool near-ties in ResNet-18's first step (test_cuda_training.cpp).
+    const std::vector<float> before = test::params_of(*fp32);
     const auto losses = test::train_in_lockstep(*fp32, *tf32, o.input_shape, steps, 8, 6, 1e-2);
     for (size_t s = 0; s < losses.size(); ++s)
       MESSAGE(model << " step " << s << ": loss fp32 " << losses[s].first << ", tf32 "
                     << losses[s].second);
-    const double drift = test::relative_l2(test::params_of(*fp32), test::params_of(*tf32));
-    MESSAGE(model << ": parameters after " << steps << " steps, relative L2 tf32 vs fp32: "
-                  << drift);
-    CHECK(drift < 2e-3);
+    auto update = [&](TrainEngine& e) {
+      std::vector<float> u = test::params_of(e);
+      for (size_t i = 0; i < u.size(); ++i) u[i] -= before[i];
+      return u;
+    };
+    const double drift = test::relative_l2(update(*fp32), update(*tf32));
+    MESSAGE(model << ": update after " << steps << " steps, relative L2 tf32 vs fp32: " << drift);
+    CHECK(drift < 2e-2);
+    if (model == "cnn") CHECK(drift > 1e-6);  // its GEMMs went through TF32
   }
 }

@@ -205,7 +205,8 @@ void release_state(CudaState* s) {
 }
 }  // namespace
 
-CudaState* create_state(const Device& device, bool deterministic, bool tf32) {
+CudaState* create_state(const Device& device, bool deterministic, bool tf32,
+                        bool reserve_workspace) {
   REPLICA_CHECK(device.is_cuda(), "create_state: {} is not a CUDA device", device.str());
   auto* s = new CudaState();
   s->ordinal = device.index;
@@ -222,7 +223,7 @@ CudaState* create_state(const Device& device, bool deterministic, bool tf32) {
         cublasSetMathMode(s->cublas, tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
     REPLICA_CUDNN_CHECK(cudnnCreate(&s->cudnn));
     REPLICA_CUDNN_CHECK(cudnnSetStream(s->cudnn, s->stream));
-    cuda_workspace(*s, size_t(64) << 20);
+    if (reserve_workspace) cuda_workspace(*s, size_t(64) << 20);
   } catch (...) {
     release_state(s);
     throw;

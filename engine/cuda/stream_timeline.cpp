@@ -6,14 +6,8 @@
 namespace replica {
 
 StreamTimeline::~StreamTimeline() {
-  try {
-    poll();
-  } catch (...) {
-  }
-  for (const Pending& p : pending_) {
-    cudaEventDestroy(p.start);
-    cudaEventDestroy(p.end);
-  }
+  poll();
+  drop();
   for (cudaEvent_t e : free_) cudaEventDestroy(e);
   if (open_) cudaEventDestroy(open_);
   if (anchor_) cudaEventDestroy(anchor_);
@@ -30,15 +24,15 @@ cudaEvent_t StreamTimeline::take() {
   return e;
 }
 
+void StreamTimeline::anchor(cudaStream_t stream) {
+  if (!anchor_) REPLICA_CUDA_CHECK(cudaEventCreate(&anchor_));
+  REPLICA_CUDA_CHECK(cudaEventRecord(anchor_, stream));
+  REPLICA_CUDA_CHECK(cudaEventSynchronize(anchor_));
+  anchor_us_ = Tracer::now_us();
+}
+
 bool StreamTimeline::begin(cudaStream_t stream) {
-  if (!Tracer::global().recording() || open_) return false;
-  if (!anchor_) {
-    // GPU time zero of this timeline: recorded, waited for, and stamped with the host clock.
-    REPLICA_CUDA_CHECK(cudaEventCreate(&anchor_));
-    REPLICA_CUDA_CHECK(cudaEventRecord(anchor_, stream));
-    REPLICA_CUDA_CHECK(cudaEventSynchronize(anchor_));
-    anchor_us_ = Tracer::now_us();
-  }
+  if (!anchor_ || open_ || !Tracer::global().recording()) return false;
   open_ = take();
   REPLICA_CUDA_CHECK(cudaEventRecord(open_, stream));
   return true;
@@ -53,23 +47,27 @@ void StreamTimeline::end(cudaStream_t stream, const char* phase) {
 }
 
 void StreamTimeline::resolve(const Pending& p) {
-  float start_ms = 0, end_ms = 0;
-  REPLICA_CUDA_CHECK(cudaEventElapsedTime(&start_ms, anchor_, p.start));
-  REPLICA_CUDA_CHECK(cudaEventElapsedTime(&end_ms, anchor_, p.end));
-  Tracer::global().record_device_span(track_, p.phase,
-                                      anchor_us_ + int64_t(double(start_ms) * 1000.0),
-                                      anchor_us_ + int64_t(double(end_ms) * 1000.0));
+  float offset_ms = 0, length_ms = 0;
+  REPLICA_CUDA_CHECK(cudaEventElapsedTime(&offset_ms, anchor_, p.start));
+  REPLICA_CUDA_CHECK(cudaEventElapsedTime(&length_ms, p.start, p.end));
+  const int64_t start = anchor_us_ + int64_t(double(offset_ms) * 1000.0);
+  Tracer::global().record_device_span(track_, p.phase, start,
+                                      start + int64_t(double(length_ms) * 1000.0));
   free_.push_back(p.start);
   free_.push_back(p.end);
 }
 
-void StreamTimeline::poll() {
-  while (!pending_.empty()) {
-    const cudaError_t q = cudaEventQuery(pending_.front().end);
-    if (q == cudaErrorNotReady) return;
-    REPLICA_CUDA_CHECK(q);
-    resolve(pending_.front());
-    pending_.pop_front();
+void StreamTimeline::poll() noexcept {
+  try {
+    while (!pending_.empty()) {
+      const cudaError_t q = cudaEventQuery(pending_.front().end);
+      if (q == cudaErrorNotReady) return;
+      REPLICA_CUDA_CHECK(q);
+      resolve(pending_.front());
+      pending_.pop_front();
+    }
+  } catch (...) {
+    drop();
   }
 }
 
@@ -79,6 +77,14 @@ void StreamTimeline::flush() {
     resolve(pending_.front());
     pending_.pop_front();
   }
+}
+
+void StreamTimeline::drop() noexcept {
+  for (const Pending& p : pending_) {
+    cudaEventDestroy(p.start);
+    cudaEventDestroy(p.end);
+  }
+  pending_.clear();
 }
 
 }  // namespace replica

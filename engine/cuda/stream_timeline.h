@@ -3,9 +3,11 @@
 // when the GPU ran it, to see it overlap the backward kernels on the compute stream. Around
 // each piece of work a pair of timing events goes onto the stream itself; once both completed,
 // the span enters the global Tracer (engine/trace.h) in host steady-clock microseconds, on its
-// own track, as a device span (in the trace, not in the host's phase totals). GPU time maps to
-// host time through an anchor event, recorded and waited for once, when the first span begins.
-// Nothing is recorded while the tracer is not recording.
+// own track, as a device span (in the trace, not in the host's phase totals). A span's length
+// is the GPU's own (end - start); its place maps to host time through an anchor event recorded
+// on the idle stream and waited for: at the owner's start (anchor()) and again after every
+// flush(), so the mapping never drifts far nor loses float precision over a long run.
+// Nothing is recorded while the tracer is not recording, or before the first anchor.
 // Not thread-safe: its owner serialises the calls (the NCCL group holds its lock).
 #pragma once
 #include <cstdint>
@@ -24,14 +26,21 @@ class StreamTimeline {
   StreamTimeline(const StreamTimeline&) = delete;
   StreamTimeline& operator=(const StreamTimeline&) = delete;
 
+  // Stamps GPU time on `stream` with the host clock. Call it only while the stream is idle
+  // (it waits for the stream): after creating it, and after flush().
+  void anchor(cudaStream_t stream);
   // Before work is enqueued on `stream` (the device current): true when a span was started,
   // which end() must then close on the same stream.
   bool begin(cudaStream_t stream);
   void end(cudaStream_t stream, const char* phase);
-  // Resolves the spans whose work completed, without waiting.
-  void poll();
-  // Waits for every open span's work and resolves it (a host sync: at the owner's synchronize).
+  // Resolves the spans whose work completed, without waiting. Never throws: on a CUDA error
+  // the pending spans are dropped (the error shows where the owner checks its stream).
+  void poll() noexcept;
+  // Waits for every pending span's work and resolves it (a host sync: at the owner's
+  // synchronize, once its stream is known to be idle).
   void flush();
+  // Forgets the pending spans (their work may never finish: an aborted communicator).
+  void drop() noexcept;
 
  private:
   struct Pending {

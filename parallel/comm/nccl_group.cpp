@@ -88,6 +88,7 @@ class NcclGroup final : public ProcessGroup {
     REPLICA_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
     REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming));
     REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    timeline_.anchor(stream_);  // the stream is still empty: no wait
 
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
@@ -177,7 +178,13 @@ class NcclGroup final : public ProcessGroup {
   void synchronize(DeviceContext&) override {
     wait_idle(last_);
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!comm_) {  // aborted: what was in flight may never finish
+      timeline_.drop();
+      return;
+    }
+    if (!enqueued_) return;
     timeline_.flush();
+    timeline_.anchor(stream_);  // idle now (wait_idle): a fresh anchor costs nothing
   }
 
  private:

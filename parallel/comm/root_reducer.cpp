@@ -33,7 +33,11 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
                          ReduceStrategy strategy, size_t first_bucket_bytes, size_t bucket_bytes)
     : ctx_(std::move(contexts)), models_(std::move(models)), strategy_(strategy) {
   if (LocalNccl::usable(ctx_)) nccl_ = LocalNccl::create(ctx_);
-  if (ctx_[0]->is_cuda() && !nccl_) comm_ = std::make_unique<DeviceContext>(ctx_[0]->device());
+  if (ctx_[0]->is_cuda() && !nccl_) {
+    ContextOptions lean;
+    lean.reserve_workspace = false;  // it copies and adds: no cuDNN workspace
+    comm_ = std::make_unique<DeviceContext>(ctx_[0]->device(), lean);
+  }
   buckets_ = std::make_unique<BucketReducer>(
       models_, first_bucket_bytes, bucket_bytes,
       [this](int b) {
@@ -66,11 +70,14 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
     written_this_step_.assign(ctx_.size(), std::vector<char>(n, 0));
     bool other_gpu = false;
     for (auto* c : ctx_) other_gpu |= c->device().index != ctx_[0]->device().index;
-    if (other_gpu) staging_ = comm_->alloc({largest});
+    // From device 0's allocator, so the engine's peak memory counts it.
+    if (other_gpu) staging_ = ctx_[0]->alloc({largest});
   }
 }
 
-RootReducer::~RootReducer() = default;
+// The communication thread (inside buckets_) may still be running a bucket when backward threw
+// and finish() never ran: it stops before the contexts, events and buffers it uses go.
+RootReducer::~RootReducer() { buckets_.reset(); }
 
 int64_t RootReducer::bytes_per_step(int active) const {
   return int64_t(active - 1) * models_[0]->num_params() * int64_t(sizeof(float));
