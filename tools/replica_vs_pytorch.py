@@ -12,6 +12,10 @@ not have, so its cell says so). Writes DIR/rows.jsonl (every row of both engines
 DIR/table.md (samples/s side by side, the ratio, peak memory), and prints the table.
 Without PyTorch (or without a GPU for tf32/bf16) the cells it cannot fill say why.
 
+--with-train also runs `replica-train --synthetic` on each case (replica's precisions), with its
+input pipeline, and puts its samples/s beside the benchmark's (preloaded batches) with the share
+of a step spent waiting for data: a second table in DIR/table.md.
+
 Defaults: on a machine with an NVIDIA GPU (cuda:0), the CNN at batch 32, 64 and 256, the seed
 recipe's ResNet-101 (1x28x28, batch 256) and ResNet-50 (3x224x224) at 64, 128 and 256, each in
 fp32, tf32 and bf16; on CPU only the CNN at batch 32 and 64 in fp32.
@@ -84,6 +88,50 @@ def measure(args, model, shape, batch, precision, tmp):
     return cells
 
 
+def run_train(args, model, shape, batch, precision, tmp):
+    """replica-train on synthetic data: (its metrics, None) or (None, why)."""
+    out = os.path.join(tmp, "train.json")
+    cmd = [os.path.join(args.bin, "replica-train"), "--synthetic", "--model", model,
+           "--input-shape", shape, "--batch-size", str(batch), "--devices", args.device,
+           "--precision", precision, "--max-steps", str(args.train_steps),
+           "--synthetic-size", str(batch * args.train_steps), "--no-eval", "--quiet",
+           "--metrics-json", out]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        lines = [l for l in (p.stderr + p.stdout).splitlines() if l.strip()]
+        return None, lines[-1] if lines else "exit %d" % p.returncode
+    with open(out) as f:
+        return json.load(f), None
+
+
+def train_table(results):
+    lines = ["| model | input | batch | precision | replica-bench samples/s | replica-train "
+             "samples/s | train / bench | data_wait, % of a step |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
+    notes = []
+    for (model, shape, batch, precision), cells in results:
+        if "train" not in cells:
+            continue
+        bench, _ = cells["replica"]
+        train, why = cells["train"]
+        if not train:
+            notes.append(why)
+            lines.append("| %s | %s | %d | %s | %s | - | - | - |" % (
+                model, shape, batch, precision, "%.1f" % bench["samples_per_sec"] if bench else "-"))
+            continue
+        sps = train["samples_per_sec"]
+        step_ms = 1e3 * batch / sps
+        wait = 100 * train.get("phase_ms_per_step", {}).get("data_wait", 0.0) / step_ms
+        lines.append("| %s | %s | %d | %s | %s | %.1f | %s | %.1f%% |" % (
+            model, shape, batch, precision, "%.1f" % bench["samples_per_sec"] if bench else "-",
+            sps, "%.2f" % (sps / bench["samples_per_sec"]) if bench else "-", wait))
+    lines.append("")
+    lines.append("replica-train's samples/s covers its whole run (--max-steps), first steps "
+                 "included.")
+    lines += ["- " + n for n in dict.fromkeys(notes)]
+    return "\n".join(lines) + "\n"
+
+
 def mb(row):
     peaks = row.get("peak_memory_bytes") or []
     return "%.0f MB" % (peaks[0] / 1e6) if peaks else "-"
@@ -134,6 +182,9 @@ def main():
     p.add_argument("--steps", type=int, help="timed steps per window (both engines)")
     p.add_argument("--warmup", type=int, help="untimed steps first (both engines)")
     p.add_argument("--repeat", type=int, help="timed windows, median reported (both engines)")
+    p.add_argument("--with-train", action="store_true",
+                   help="also run replica-train --synthetic on each case (replica's precisions)")
+    p.add_argument("--train-steps", type=int, default=100, help="replica-train's --max-steps")
     p.add_argument("--bin", default=os.path.join(os.path.dirname(HERE), "build", "bin"))
     p.add_argument("--out", required=True, help="directory for rows.jsonl and table.md")
     args = p.parse_args()
@@ -146,6 +197,8 @@ def main():
     for x in precisions:
         if x not in ("fp32", "tf32", "bf16"):
             fail("--precisions: '%s' is not fp32, tf32 or bf16" % x)
+    if args.train_steps < 1:
+        fail("--train-steps must be at least 1")
     if not os.access(os.path.join(args.bin, "replica-bench"), os.X_OK):
         fail("%s/replica-bench not found: build it (tools/setup.sh --all) or give --bin" % args.bin)
     os.makedirs(args.out, exist_ok=True)
@@ -154,14 +207,20 @@ def main():
         for model, shape, batch in cases:
             for precision in precisions:
                 cells = measure(args, model, shape, batch, precision, tmp)
+                if args.with_train and precision != "bf16":
+                    cells["train"] = run_train(args, model, shape, batch, precision, tmp)
+                    if cells["train"][0]:
+                        rows.append(dict(cells["train"][0], engine="replica-train"))
                 results.append(((model, shape, batch, precision), cells))
-                rows += [row for row, _ in cells.values() if row]
+                rows += [row for key, (row, _) in cells.items() if row and key != "train"]
                 r, p_ = cells["replica"][0], cells["pytorch"][0]
                 print("%s %s batch %d %s: replica %s, PyTorch %s" % (
                     model, shape, batch, precision,
                     "%.1f" % r["samples_per_sec"] if r else "-",
                     "%.1f" % p_["samples_per_sec"] if p_ else "-"), flush=True)
     text = table(results)
+    if args.with_train:
+        text += "\n" + train_table(results)
     write_atomically(os.path.join(args.out, "rows.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     write_atomically(os.path.join(args.out, "table.md"), text)
     print()
