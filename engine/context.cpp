@@ -25,8 +25,9 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     cudart::set_device(device.index);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::CudaDevice, device);
     cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
-        cudart::create_state(device, options.deterministic,
-                             options.precision == Precision::Tf32, options.reserve_workspace), cudart::destroy_state);
+        cudart::create_state(device, options.deterministic, options.precision == Precision::Tf32,
+                             options.reserve_workspace),
+        cudart::destroy_state);
     backend_ = cudart::make_backend();
   }
 }
@@ -51,10 +52,10 @@ Precision resolve_precision(const std::string& flag, const std::vector<Device>& 
     // No device name: every DDP rank must give the same line, so the launcher prints it once.
     REPLICA_USAGE_CHECK(d.is_cuda(), "--precision tf32 needs CUDA devices (CPU devices compute "
                         "in fp32)");
-    REPLICA_USAGE_CHECK(cudart::compute_capability(d.index) >= 80,
+    const int cc = cudart::compute_capability(d.index);
+    REPLICA_USAGE_CHECK(cc >= 80,
                         "--precision tf32 needs TF32 tensor cores (compute capability 8.0+): {} "
-                        "({}) has {:.1f}", d.str(), cudart::device_name(d.index),
-                        cudart::compute_capability(d.index) / 10.0);
+                        "({}) has {:.1f}", d.str(), cudart::device_name(d.index), cc / 10.0);
   }
   return Precision::Tf32;
 }

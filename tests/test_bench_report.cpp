@@ -380,7 +380,7 @@ TEST_CASE("replica-bench --suite loader: the input pipeline's rate per thread co
   }
 }
 
-TEST_CASE("replica-bench --report: another engine's row meets replica's only at the same precision") {
+TEST_CASE("replica-bench --report: another engine's row meets replica's at equal precision only") {
   test::TempDir tmp;
   nlohmann::json bf16;
   for (const auto& row : read_lines(kFixture + "/pytorch_sample.jsonl"))

@@ -64,7 +64,8 @@ TEST_CASE("DDP over NCCL on cuda:0*2 and cuda:0*3 equals one device, evaluation 
   test::write_mnist_dir(tmp.path / "data", 360, 96);  // 15 steps of 24: no sampler padding
   const std::string common = " --data " + tmp.str("data") +
                              " --model cnn --batch-size 24 --max-steps 5 --optimizer sgd"
-                             " --momentum 0.9 --lr 0.05 --seed 5 --quiet --deterministic --precision fp32";
+                             " --momentum 0.9 --lr 0.05 --seed 5 --quiet --deterministic"
+                             " --precision fp32";
   auto single = run(kTrain + " --mode single --devices cuda:0" + common + " --checkpoint " +
                         tmp.str("single") + " --metrics-json " + tmp.str("single.json"),
                     180);

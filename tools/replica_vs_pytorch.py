@@ -52,15 +52,28 @@ def parse_case(text):
     return parts[0], parts[1], int(parts[2])
 
 
-def run_one(cmd, out_file):
-    """Runs one benchmark; returns (its first row, None) or (None, the reason it has none)."""
+def first_row(path):
+    with open(path) as f:
+        rows = [json.loads(l) for l in f if l.strip()]
+    return rows[0] if rows else None
+
+
+def whole_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_one(cmd, out_file, read=first_row):
+    """Runs a program that writes out_file (removed first: replica-bench appends to it);
+    returns (read(out_file), None), or (None, the reason there is nothing)."""
+    if os.path.exists(out_file):
+        os.remove(out_file)
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         lines = [l for l in (p.stderr + p.stdout).splitlines() if l.strip()]
         return None, lines[-1] if lines else "exit %d" % p.returncode
-    with open(out_file) as f:
-        rows = [json.loads(l) for l in f if l.strip()]
-    return (rows[0], None) if rows else (None, "no row written")
+    result = read(out_file)
+    return (result, None) if result else (None, "%s wrote nothing" % os.path.basename(cmd[0]))
 
 
 def measure(args, model, shape, batch, precision, tmp):
@@ -74,8 +87,6 @@ def measure(args, model, shape, batch, precision, tmp):
         cells["replica"] = (None, "no bf16 in replica yet")
     else:
         out = os.path.join(tmp, "replica.jsonl")
-        if os.path.exists(out):
-            os.remove(out)
         cells["replica"] = run_one(
             [os.path.join(args.bin, "replica-bench"), "--suite", "dp", "--devices", args.device,
              "--device-counts", "1", "--batch", str(batch), "--precision", precision,
@@ -96,12 +107,7 @@ def run_train(args, model, shape, batch, precision, tmp):
            "--precision", precision, "--max-steps", str(args.train_steps),
            "--synthetic-size", str(batch * args.train_steps), "--no-eval", "--quiet",
            "--metrics-json", out]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        lines = [l for l in (p.stderr + p.stdout).splitlines() if l.strip()]
-        return None, lines[-1] if lines else "exit %d" % p.returncode
-    with open(out) as f:
-        return json.load(f), None
+    return run_one(cmd, out, read=whole_json)
 
 
 def train_table(results):

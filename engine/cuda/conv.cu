@@ -4,8 +4,9 @@
 // once per configuration with cuDNN's *_v7 heuristics. In fp32 the math type is FMA (no TF32),
 // so results match the CPU backend; in tf32 (Precision::Tf32) each direction runs with the math
 // type of the algorithm chosen for it (tensor ops allowed, down-conversion to fp16/bf16 never).
-// With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias forward/backward are own kernels (the bias
-// gradient is a fixed-order per-channel reduction, so it is deterministic in every mode).
+// With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias
+// forward/backward are own kernels (the bias gradient is a fixed-order per-channel reduction,
+// so it is deterministic in every mode).
 #include <algorithm>
 #include <vector>
 
@@ -53,7 +54,7 @@ bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s
 // (choose_algo), else `fallback` in FMA math with its workspace size.
 template <class Perf, class Algo, class Count, class Find, class WsQuery>
 ConvChoice<Algo> pick_algo(const CudaState& s, cudnnConvolutionDescriptor_t conv, Algo fallback,
-                       Count count, Find find, WsQuery ws_query) {
+                           Count count, Find find, WsQuery ws_query) {
   // The heuristics list the math types the descriptor allows; for fp32 data DEFAULT permits
   // TF32 tensor cores (compute capability 8.0+), FMA forbids them.
   REPLICA_CUDNN_CHECK(
@@ -158,7 +159,6 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
                                                         p.stride, p.stride, 1, 1,
                                                         CUDNN_CROSS_CORRELATION,
                                                         CUDNN_DATA_FLOAT));
-    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, CUDNN_FMA_MATH));
     int on = 0, ok = 0, op = 0, oq = 0;
     REPLICA_CUDNN_CHECK(
         cudnnGetConvolution2dForwardOutputDim(plan.conv, plan.x, plan.w, &on, &ok, &op, &oq));

@@ -43,7 +43,6 @@ void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what
 
 }  // namespace cuda
 
-// Descriptors and chosen algorithms for one convolution configuration.
 // The algorithm, workspace and math type chosen for one direction of one convolution (the
 // directions share the descriptor, so each sets its math type before it runs).
 template <class Algo>
@@ -53,6 +52,7 @@ struct ConvChoice {
   cudnnMathType_t math = CUDNN_FMA_MATH;
 };
 
+// Descriptors and chosen algorithms for one convolution configuration.
 struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;

@@ -36,12 +36,12 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
   if (ctx_[0]->is_cuda() && !nccl_) {
     ContextOptions lean;
     lean.reserve_workspace = false;  // it copies and adds: no cuDNN workspace
-    comm_ = std::make_unique<DeviceContext>(ctx_[0]->device(), lean);
+    comm_ctx_ = std::make_unique<DeviceContext>(ctx_[0]->device(), lean);
   }
   buckets_ = std::make_unique<BucketReducer>(
       models_, first_bucket_bytes, bucket_bytes,
       [this](int b) {
-        TraceSpan span("comm", "reduce", comm_.get());
+        TraceSpan span("comm", "reduce", comm_ctx_.get());
         const Bucket& bucket = buckets_->buckets()[b];
         if (nccl_) {
           std::vector<Tensor> views;
@@ -49,16 +49,16 @@ RootReducer::RootReducer(std::vector<DeviceContext*> contexts, std::vector<Model
           nccl_->reduce_to_root(views, active_);
           return;
         }
-        if (comm_) wait_for_bucket(b);
+        if (comm_ctx_) wait_for_bucket(b);
         reduce_bucket(bucket);
       },
       "wait_reduce",
       [this](int r, int b) {
-        if (!comm_) return;
+        if (!comm_ctx_) return;
         bucket_written_[r][b]->record(*ctx_[r]);  // on r's thread, r's device current
         written_this_step_[r][b] = 1;
       });
-  if (comm_) {
+  if (comm_ctx_) {
     const size_t n = buckets_->buckets().size();
     int64_t largest = 0;
     for (const Bucket& b : buckets_->buckets()) largest = std::max(largest, b.numel);
@@ -94,16 +94,16 @@ void RootReducer::on_ready(int replica, const std::vector<Param*>& params) {
 }
 
 void RootReducer::backward_done(int replica) {
-  if (comm_) grads_written_[replica]->record(*ctx_[replica]);
+  if (comm_ctx_) grads_written_[replica]->record(*ctx_[replica]);
 }
 
 void RootReducer::wait_for_bucket(int b) {
-  comm_->activate();
+  comm_ctx_->activate();
   for (int r = 0; r < active_; ++r) {
     // A bucket launched by finish() (parameters without gradients) was not recorded this step:
     // the replica's whole backward is what it waits for then.
     StreamEvent& written = written_this_step_[r][b] ? *bucket_written_[r][b] : *grads_written_[r];
-    written.wait(*comm_);
+    written.wait(*comm_ctx_);
   }
 }
 
@@ -112,7 +112,7 @@ void RootReducer::reduce_bucket(const Bucket& b) {
   auto add_into = [&](int dst, int src) {
     Tensor d = range(dst);
     Tensor s = range(src);
-    DeviceContext& on = comm_ ? *comm_ : *ctx_[dst];
+    DeviceContext& on = comm_ctx_ ? *comm_ctx_ : *ctx_[dst];
     if (staging_.defined() && ctx_[src]->device().index != on.device().index) {
       Tensor stage = staging_.view(0, {b.numel});
       on.ops().copy(on, stage, s);
@@ -127,8 +127,8 @@ void RootReducer::reduce_bucket(const Bucket& b) {
 void RootReducer::finish() {
   if (active_ <= 1) return;
   buckets_->finish();  // the buckets of unused parameters too; rethrows a failed reduction
-  if (comm_) {
-    reduced_.record(*comm_);
+  if (comm_ctx_) {
+    reduced_.record(*comm_ctx_);
     reduced_.wait(*ctx_[0]);
   }
 }

@@ -67,7 +67,7 @@ class RootReducer {
   // CUDA without NCCL: the communication context (device 0, a stream of its own) and the
   // events that order it: per replica and bucket "written" ([r][b], with whether it was
   // recorded this step), per replica "all gradients written", and "reduced" (-> device 0).
-  std::unique_ptr<DeviceContext> comm_;
+  std::unique_ptr<DeviceContext> comm_ctx_;
   std::vector<std::vector<std::unique_ptr<StreamEvent>>> bucket_written_;
   std::vector<std::vector<char>> written_this_step_;
   std::vector<std::unique_ptr<StreamEvent>> grads_written_;

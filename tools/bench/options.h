@@ -10,7 +10,8 @@
 namespace replica::bench {
 
 struct BenchOptions {
-  std::string suite;  // single | loader | dp | ddp | dp,ddp (empty: single, or dp,ddp with --report)
+  // single | loader | dp | ddp | dp,ddp (empty: single, or dp,ddp with --report)
+  std::string suite;
   std::string model = "cnn";
   std::string input_shape;       // empty: 1x28x28 for cnn, 3x224x224 otherwise
   int64_t batch = 64;            // single: the batch; dp/ddp: the batch per device

@@ -261,7 +261,8 @@ std::string compare_section(const std::vector<json>& rows, const std::vector<jso
         mine = &r;
     s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} |\n",
                      c.value("mode", "?"), c.value("model", "?"), c.value("input_shape", "?"),
-                     precision_of(c), c.value("devices", 0), c.value("batch_per_device", int64_t(0)),
+                     precision_of(c), c.value("devices", 0),
+                     c.value("batch_per_device", int64_t(0)),
                      mine ? fmt::format("{:.1f}", num(*mine, "samples_per_sec")) : "-",
                      c.value("engine", "other"), num(c, "samples_per_sec"),
                      mine && num(c, "samples_per_sec") > 0

@@ -85,21 +85,21 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
   phase_ms["other"] = std::max(0.0, ms_per_step - phase_sum);
 
   // Communication per step: NCCL's all-reduces as the GPU timed them on the group's stream
-  // (StreamTimeline) where there are such spans; else the busy time of the communication
-  // thread (DP on CUDA: device 0's reduce span, with device-synchronised spans).
+  // (StreamTimeline, track "... nccl stream") where there are such spans; else the busy time
+  // of the communication thread (on CUDA its spans end when the device finished the bucket).
   const double buffer_bytes = double(facts.params) * sizeof(float);
   const Collective coll = ddp ? Collective::AllReduce : Collective::Reduce;
   double comm_ms = 0;
   std::string comm_timing = "host";
   if (n > 1) {
-    comm_ms = ddp ? get_ms(m0.track_ms, "comm", "allreduce") : get_ms(m0.track_ms, "comm", "reduce");
-    if (!ddp && comm_ms == 0) comm_ms = get_ms(m0.track_ms, track, "reduce");
+    comm_ms = get_ms(m0.track_ms, "comm", ddp ? "allreduce" : "reduce");
+    const std::string stream = " nccl stream";
     for (const auto& [name, phases] : m0.track_ms) {
-      const std::string suffix = " nccl stream";
-      if (ddp && name.size() > suffix.size() &&
-          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-          get_ms(m0.track_ms, name, "allreduce") > 0) {
-        comm_ms = get_ms(m0.track_ms, name, "allreduce");
+      const bool nccl_stream = name.size() > stream.size() &&
+                               name.compare(name.size() - stream.size(), stream.size(), stream) == 0;
+      const double gpu_ms = nccl_stream && ddp ? get_ms(m0.track_ms, name, "allreduce") : 0;
+      if (gpu_ms > 0) {
+        comm_ms = gpu_ms;
         comm_timing = "gpu events";
       }
     }
@@ -254,8 +254,7 @@ void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows)
   const std::vector<std::string> cols = {
       "engine", "mode", "devices", "devices_share_gpu", "model", "input_shape",
       "batch_per_device", "global_batch", "threads_per_device", "precision", "samples_per_sec",
-      "speedup",
-      "efficiency", "ms_per_step", "comm_bytes", "comm_bytes_formula", "comm_ms", "algbw_gbps",
+      "speedup", "efficiency", "ms_per_step", "comm_bytes", "comm_bytes_formula", "comm_ms", "algbw_gbps",
       "busbw_gbps"};
   std::set<std::string> phases;
   size_t max_devices = 0;
