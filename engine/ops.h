@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "engine/error.h"
 #include "engine/tensor.h"
 
 namespace replica {
@@ -49,6 +50,11 @@ class Backend {
   virtual void copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) = 0;
   virtual void add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) = 0;  // dst += alpha*src
   virtual void scale(DeviceContext& ctx, Tensor& t, float alpha) = 0;                     // t *= alpha
+  // dst[i] <- table[rows[i]]: whole rows (dim 0) of `table` picked by `rows` (I32 [n], on this
+  // device, each in [0, table.dim(0)): the caller checks). dst [n, table's other dims], same
+  // dtype as table (F32 or I32). How a batch is cut out of a training set held on the device.
+  virtual void gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& table,
+                           const Tensor& rows) = 0;
 
   // ---- dense --------------------------------------------------------------------------
   // x [N, in], w [out, in], b [out] or undefined, y [N, out]:  y = x w^T + b
@@ -122,6 +128,24 @@ class Backend {
   virtual void adam_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& m,
                          Tensor& v, const AdamConfig& c, int64_t step) = 0;
 };
+
+// gather_rows' shapes, checked alike by every backend: returns the elements in one row.
+inline int64_t gather_row_numel(const Tensor& dst, const Tensor& table, const Tensor& rows) {
+  REPLICA_CHECK(dst.defined() && table.defined() && rows.defined(),
+                "gather_rows: undefined tensor");
+  REPLICA_CHECK(rows.dtype() == DType::I32 && rows.shape().size() == 1,
+                "gather_rows: rows must be I32 [n], got {} {}", dtype_name(rows.dtype()),
+                shape_str(rows.shape()));
+  REPLICA_CHECK(dst.dtype() == table.dtype(), "gather_rows: dst is {}, table {}",
+                dtype_name(dst.dtype()), dtype_name(table.dtype()));
+  REPLICA_CHECK(!table.shape().empty() && !dst.shape().empty() && dst.dim(0) == rows.dim(0),
+                "gather_rows: dst {} for {} rows of table {}", shape_str(dst.shape()),
+                rows.dim(0), shape_str(table.shape()));
+  const int64_t row = table.dim(0) ? table.numel() / table.dim(0) : 0;
+  REPLICA_CHECK(dst.numel() == rows.dim(0) * row, "gather_rows: dst {} for {} rows of table {}",
+                shape_str(dst.shape()), rows.dim(0), shape_str(table.shape()));
+  return row;
+}
 
 std::unique_ptr<Backend> make_cpu_backend();  // the CUDA one: cudart::make_backend()
 

@@ -169,7 +169,8 @@ int run(int argc, char** argv) {
       f("{:.2f}", phase(ddp, {"wait_allreduce"})));
   row("scatter/gather/broadcast", f("{:.2f}", phase(dp, {"scatter", "gather_loss", "scatter_grad",
                                                          "broadcast"}, true)),
-      f("{:.2f}", phase(ddp, {"h2d", "broadcast_buffers"})), "DP funnels through device 0");
+      f("{:.2f}", phase(ddp, {"h2d", "batch_gather", "broadcast_buffers"})),
+      "DP funnels through device 0");
   row("optimizer step, ms/step", f("{:.2f}", phase(dp, {"step"})), f("{:.2f}", phase(ddp, {"step"})),
       "DP: device 0 only; DDP: every rank");
   row("wall time per step, ms", f("{:.2f}", 1e3 * dp["batch_size"].get<double>() / sps_dp),

@@ -131,6 +131,11 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--deterministic", c.engine.deterministic,
                "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms)");
+  app.add_option("--data-placement", c.data_placement,
+                 "where the training set lives: device (read once onto every GPU, each step "
+                 "gathers its batch there), host (a loader thread prepares each batch), auto "
+                 "(device on GPUs when it takes at most a quarter of their memory, else host)")
+      ->capture_default_str();
   app.add_option("--precision", c.precision,
                  "GEMM and convolution math: fp32 (strict), tf32 (GPU tensor cores), auto (tf32 "
                  "where every device has it, else fp32)")

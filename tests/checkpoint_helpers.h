@@ -1,10 +1,15 @@
-// Comparing two checkpoint files tensor by tensor, bit for bit (resume tests).
+// Comparing two checkpoint files tensor by tensor, bit for bit (resume and data-placement
+// tests), and runs that must end in the same checkpoint.
 #pragma once
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <fstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "cli_helpers.h"
 #include "engine/checkpoint.h"
 
 namespace test {
@@ -23,6 +28,24 @@ inline void check_same_checkpoint(const std::string& a_path, const std::string& 
     REQUIRE(ta.bytes() == tb.bytes());
     CHECK(std::memcmp(ta.raw(), tb.raw(), ta.bytes()) == 0);
   }
+}
+
+// Runs `train` (a replica-train command) with the training set on the host and on the device:
+// both end in the same checkpoint, bit for bit, and record the placement they used.
+inline void check_placements_agree(const std::string& train, const TempDir& tmp) {
+  for (const char* placement : {"host", "device"}) {
+    const std::string dir = tmp.str(placement);
+    auto r = run(train + " --data-placement " + placement + " --checkpoint " + dir +
+                     " --metrics-json " + dir + ".json",
+                 300);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+    std::ifstream in(dir + ".json");
+    CHECK(nlohmann::json::parse(in)["config"]["data_placement"] == placement);
+  }
+  check_same_checkpoint(tmp.str("host/checkpoint.safetensors"),
+                        tmp.str("device/checkpoint.safetensors"));
+  fs::remove_all(tmp.path / "host");
+  fs::remove_all(tmp.path / "device");
 }
 
 }  // namespace test

@@ -66,6 +66,8 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --precision bf16", "unknown --precision 'bf16' (auto, fp32, tf32)");
   expect_clean_error(data + " --devices cpu*2 --precision tf32", "needs CUDA devices");
   expect_clean_error(data + " --mode ps", "--mode");
+  expect_clean_error(data + " --data-placement gpu",
+                     "--data-placement: expected auto, host or device");
   expect_clean_error(data + " --reduce ring", "--reduce");
   expect_clean_error(data + " --bucket-cap-mb 0", "--bucket-cap-mb");
   expect_clean_error(data + " --epochs 0", "--epochs");

@@ -176,6 +176,40 @@ TEST_CASE("cuda parity: memory ops (fill, copy, add, scale, zero-size)") {
   CHECK_NOTHROW(r.gpu.synchronize());
 }
 
+TEST_CASE("cuda parity: gather_rows (float4 rows, odd rows, I32 labels, an unaligned table)") {
+  if (!test::have_gpu()) return;
+  Rig r;
+  const std::vector<int32_t> rows = {4, 0, 4, 2, 6};  // repeats and out of order
+  Pair idx = make_labels(r, rows);
+  // Shapes: rows of 28 floats (the float4 path), of 7 (one float at a time); labels are I32 rows
+  // of one element; a table starting one float into an allocation takes the 4-byte path.
+  for (const Shape& table_shape : {Shape{7, 1, 4, 7}, Shape{7, 7}}) {
+    CAPTURE(shape_str(table_shape));
+    Pair table = make_random(r, table_shape, 11);
+    Shape out_shape = table_shape;
+    out_shape[0] = 5;
+    Pair out = make_random(r, out_shape, 12);
+    r.c().gather_rows(r.cpu, out.c, table.c, idx.c);
+    r.g().gather_rows(r.gpu, out.g, table.g, idx.g);
+    expect_close(r, out, 0, 0, "gather_rows");
+  }
+  Pair big = make_random(r, {1 + 7 * 8}, 13);
+  Tensor unaligned_g = big.g.slice_rows(1, 1 + 7 * 8).reshape({7, 8});
+  Tensor unaligned_c = big.c.slice_rows(1, 1 + 7 * 8).reshape({7, 8});
+  Pair out{r.cpu.alloc({5, 8}), r.gpu.alloc({5, 8})};
+  r.c().gather_rows(r.cpu, out.c, unaligned_c, idx.c);
+  r.g().gather_rows(r.gpu, out.g, unaligned_g, idx.g);
+  expect_close(r, out, 0, 0, "gather_rows from a table 4 bytes past an alignment");
+
+  Pair labels = make_labels(r, {10, 11, 12, 13, 14, 15, 16});
+  Tensor got = r.gpu.alloc({5}, DType::I32);
+  r.g().gather_rows(r.gpu, got, labels.g, idx.g);
+  Tensor host = Tensor::empty(host_allocator(), {5}, DType::I32);
+  r.g().copy(r.gpu, host, got);
+  r.gpu.synchronize();
+  for (int i = 0; i < 5; ++i) CHECK(host.i32()[i] == 10 + rows[size_t(i)]);
+}
+
 TEST_CASE("cuda parity: linear forward and backward") {
   if (!test::have_gpu()) return;
   Rig r;

@@ -15,6 +15,8 @@ class CpuBackend final : public Backend {
   void copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) override;
   void add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) override;
   void scale(DeviceContext& ctx, Tensor& t, float alpha) override;
+  void gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& table,
+                   const Tensor& rows) override;
 
   void linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
                       Tensor& y) override;

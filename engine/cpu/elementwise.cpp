@@ -1,5 +1,5 @@
-// CPU elementwise kernels: fill, copy, add, scale, multiply, ReLU and dropout. Parallel in
-// fixed grains (cpu::kGrain); no reductions.
+// CPU elementwise kernels: fill, copy, gather_rows, add, scale, multiply, ReLU and dropout.
+// Parallel in fixed grains (cpu::kGrain; gather_rows by rows); no reductions.
 #include <algorithm>
 #include <cstring>
 
@@ -31,6 +31,23 @@ void CpuBackend::copy(DeviceContext&, Tensor& dst, const Tensor& src) {
   auto* s = static_cast<const char*>(src.raw());
   cpu::parallel_range(static_cast<int64_t>(dst.bytes()), 1 << 20, [&](int64_t b, int64_t e) {
     std::memcpy(d + b, s + b, e - b);
+  });
+}
+
+void CpuBackend::gather_rows(DeviceContext&, Tensor& dst, const Tensor& table,
+                             const Tensor& rows) {
+  cpu::expect_host(dst, "gather_rows destination");
+  cpu::expect_host(table, "gather_rows table");
+  cpu::expect_host(rows, "gather_rows rows");
+  const size_t row_bytes = size_t(gather_row_numel(dst, table, rows)) * dtype_size(dst.dtype());
+  auto* d = static_cast<char*>(dst.raw());
+  const auto* t = static_cast<const char*>(table.raw());
+  const int32_t* r = rows.i32();
+  // Rows of a few kB (a 1x28x28 image is 3 kB): grains of about 256 kB.
+  const int64_t grain =
+      std::max<int64_t>(1, int64_t((256u << 10) / std::max<size_t>(row_bytes, 1)));
+  cpu::parallel_range(rows.numel(), grain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) std::memcpy(d + i * row_bytes, t + r[i] * row_bytes, row_bytes);
   });
 }
 

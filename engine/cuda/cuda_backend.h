@@ -77,6 +77,8 @@ class CudaBackend final : public Backend {
   void copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) override;
   void add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) override;
   void scale(DeviceContext& ctx, Tensor& t, float alpha) override;
+  void gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& table,
+                   const Tensor& rows) override;
 
   void linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
                       Tensor& y) override;

@@ -1,5 +1,5 @@
-// CUDA backend: the elementwise ops (fill, copy, add, scale, ReLU, dropout, elementwise
-// product). Own kernels, one thread per element (grid-stride), nothing reduced.
+// CUDA backend: the elementwise ops (fill, copy, gather_rows, add, scale, ReLU, dropout,
+// elementwise product). Own kernels, one thread per element (grid-stride), nothing reduced.
 #include <cmath>
 
 #include "engine/cuda/cuda_backend.h"
@@ -11,6 +11,16 @@ namespace {
 __global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) {
   REPLICA_GRID_STRIDE(i, n)
     p[i] = v;
+}
+
+// One thread per word: a 4-byte element (F32 and I32 alike), or four of them as a float4.
+template <class Word>
+__global__ void gather_rows_kernel(Word* dst, const Word* table, const int32_t* rows,
+                                   int64_t row_words, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n) {
+    const int64_t r = i / row_words, k = i - r * row_words;
+    dst[i] = table[int64_t(rows[r]) * row_words + k];
+  }
 }
 
 __global__ void axpy_kernel(float* dst, const float* src, int64_t n, float alpha) {
@@ -83,6 +93,31 @@ void CudaBackend::copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
   // Unified addressing: the runtime works out host (pinned or pageable), this device or a peer.
   REPLICA_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), dst.bytes(), cudaMemcpyDefault,
                                      cuda_state(ctx).stream));
+}
+
+void CudaBackend::gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& table,
+                              const Tensor& rows) {
+  cuda::expect_device(ctx, dst, "gather_rows", "destination");
+  cuda::expect_device(ctx, table, "gather_rows", "table");
+  cuda::expect_device(ctx, rows, "gather_rows", "rows");
+  const int64_t row = gather_row_numel(dst, table, rows);
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  cudaStream_t stream = cuda_state(ctx).stream;
+  // Rows of whole float4s (every image size used here) move 16 bytes per thread when both
+  // sides start 16-byte aligned (whole allocations always do: cudaMalloc aligns to 256).
+  const bool aligned = (reinterpret_cast<uintptr_t>(dst.raw()) |
+                        reinterpret_cast<uintptr_t>(table.raw())) % 16 == 0;
+  if (row % 4 == 0 && aligned) {
+    gather_rows_kernel<<<cuda::grid_for(n / 4), cuda::kThreads, 0, stream>>>(
+        static_cast<float4*>(dst.raw()), static_cast<const float4*>(table.raw()), rows.i32(),
+        row / 4, n / 4);
+  } else {
+    gather_rows_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(
+        static_cast<uint32_t*>(dst.raw()), static_cast<const uint32_t*>(table.raw()), rows.i32(),
+        row, n);
+  }
+  REPLICA_LAUNCH_CHECK();
 }
 
 void CudaBackend::add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) {

@@ -1,5 +1,6 @@
 #include "engine/data/loader.h"
 
+#include <climits>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -12,7 +13,7 @@ namespace replica {
 
 struct Loader::State {
   struct Slot {
-    Tensor images, labels;  // max-size buffers; batches are row slices of them
+    Tensor images, labels, indices;  // max-size buffers; batches are row slices of them
   };
   struct Ready {
     int64_t index = 0, count = 0;
@@ -22,6 +23,7 @@ struct Loader::State {
 
   // Fixed at construction.
   const Dataset* data = nullptr;
+  const ResidentDataset* resident = nullptr;  // set: only the indices are written
   int64_t batch_size = 1;
   size_t prefetch = 1;
   std::vector<Slot> slots;
@@ -68,8 +70,10 @@ struct Loader::State {
         lock.unlock();
         std::exception_ptr error;
         try {
-          data->read(idx->data() + begin, count, slots[slot].images.f32(),
-                     slots[slot].labels.i32());
+          const Slot& out = slots[slot];
+          int32_t* rows = out.indices.i32();
+          for (int64_t i = 0; i < count; ++i) rows[i] = static_cast<int32_t>((*idx)[begin + i]);
+          if (!resident) data->read(idx->data() + begin, count, out.images.f32(), out.labels.i32());
         } catch (...) {
           error = std::current_exception();
         }
@@ -120,7 +124,8 @@ Batch read_batch(const Dataset& data, const std::vector<int64_t>& indices, Alloc
   return b;
 }
 
-Loader::Loader(const Dataset& data, int64_t batch_size, bool drop_last, int prefetch)
+Loader::Loader(const Dataset& data, int64_t batch_size, bool drop_last, int prefetch,
+               const ResidentDataset* resident)
     : data_(data), batch_size_(batch_size), drop_last_(drop_last) {
   REPLICA_USAGE_CHECK(batch_size >= 1, "batch size must be at least 1 (got {})", batch_size);
   REPLICA_USAGE_CHECK(prefetch >= 1, "loader prefetch must be at least 1 (got {})", prefetch);
@@ -128,13 +133,23 @@ Loader::Loader(const Dataset& data, int64_t batch_size, bool drop_last, int pref
   s->data = &data;
   s->batch_size = batch_size;
   s->prefetch = static_cast<size_t>(prefetch);
+  REPLICA_CHECK(!resident || &resident->dataset() == &data,
+                "loader: the resident set holds another dataset");
+  REPLICA_USAGE_CHECK(data.size() <= INT32_MAX, "a dataset of {} samples is too large (2^31 - 1)",
+                      data.size());
+  s->resident = resident;
   Shape image_shape = data.sample_shape();
   image_shape.insert(image_shape.begin(), batch_size);
   // prefetch ready + one the consumer works on + one it may still hold (e.g. an H2D copy in flight)
   const int pool = prefetch + 2;
   for (int i = 0; i < pool; ++i) {
-    s->slots.push_back({Tensor::empty(pinned_allocator(), image_shape, DType::F32),
-                        Tensor::empty(pinned_allocator(), {batch_size}, DType::I32)});
+    State::Slot slot;
+    slot.indices = Tensor::empty(pinned_allocator(), {batch_size}, DType::I32);
+    if (!resident) {
+      slot.images = Tensor::empty(pinned_allocator(), image_shape, DType::F32);
+      slot.labels = Tensor::empty(pinned_allocator(), {batch_size}, DType::I32);
+    }
+    s->slots.push_back(std::move(slot));
     s->free.push_back(pool - 1 - i);
   }
   state_ = s;
@@ -212,8 +227,15 @@ std::shared_ptr<Batch> Loader::next() {
   const int id = r.slot;
   std::unique_ptr<Batch> batch;
   try {
-    batch.reset(new Batch{slot.images.slice_rows(0, r.count), slot.labels.slice_rows(0, r.count),
-                          s->epoch, r.index});
+    batch = std::make_unique<Batch>();
+    if (!s->resident) {
+      batch->images = slot.images.slice_rows(0, r.count);
+      batch->labels = slot.labels.slice_rows(0, r.count);
+    }
+    batch->indices = slot.indices.slice_rows(0, r.count);
+    batch->resident = s->resident;
+    batch->epoch = s->epoch;
+    batch->index = r.index;
   } catch (...) {
     s->free.push_back(id);
     throw;

@@ -17,6 +17,7 @@
 #include "engine/allocator.h"
 #include "engine/context.h"
 #include "engine/data/dataset.h"
+#include "engine/data/resident_dataset.h"
 #include "engine/tensor.h"
 
 namespace replica {
@@ -39,7 +40,14 @@ struct Batch {
   // Copies made of this batch (shared by copies of the Batch): a Loader's buffer goes back to
   // be refilled only after they ran.
   std::shared_ptr<PendingCopies> copies = std::make_shared<PendingCopies>();
-  int64_t size() const { return labels.defined() ? labels.dim(0) : 0; }
+  // A Loader's batches: the dataset's sample indices, I32 [n] in pinned host memory. With
+  // `resident` set, images and labels are not read at all: each device gathers its rows of the
+  // batch from the set it holds (ResidentDataset::images/labels by these indices).
+  Tensor indices;
+  const ResidentDataset* resident = nullptr;
+  int64_t size() const {
+    return indices.defined() ? indices.dim(0) : labels.defined() ? labels.dim(0) : 0;
+  }
 };
 
 // The samples `indices` of `data` as one batch, outside any Loader: fixed batches for
@@ -50,8 +58,10 @@ Batch read_batch(const Dataset& data, const std::vector<int64_t>& indices,
 class Loader {
  public:
   // batch_size >= 1 and prefetch >= 1 (UsageError otherwise); prefetch = batches prepared ahead.
-  // `data` must outlive the Loader.
-  Loader(const Dataset& data, int64_t batch_size, bool drop_last, int prefetch = 2);
+  // `data` must outlive the Loader. With `resident` (holding `data`), batches carry only their
+  // indices and point to it; the thread then reads no samples.
+  Loader(const Dataset& data, int64_t batch_size, bool drop_last, int prefetch = 2,
+         const ResidentDataset* resident = nullptr);
   // Stops and joins the thread (after the batch it may be filling). Never hangs, whatever the
   // consumer holds; batches still held stay valid. A next() blocked on another thread returns
   // nullptr, but calling next() after destruction has begun is, as for any object, an error.

@@ -66,6 +66,7 @@ class DdpEngine final : public TrainEngine {
   std::string comm_description() const override { return group_->describe(); }
   bool shares_gpu() const override { return group_->shared_gpu(); }
   std::vector<Device> devices() const override { return {ctx_.device()}; }
+  std::vector<DeviceContext*> contexts() override { return {&ctx_}; }
   int rank() const override { return group_->rank(); }
   int world_size() const override { return group_->size(); }
 

@@ -63,6 +63,11 @@ class DataParallelEngine final : public TrainEngine {
     for (const auto& r : replicas_) d.push_back(r.ctx->device());
     return d;
   }
+  std::vector<DeviceContext*> contexts() override {
+    std::vector<DeviceContext*> c;
+    for (auto& r : replicas_) c.push_back(r.ctx.get());
+    return c;
+  }
 
   void train_step(const Batch& batch) override {
     const int64_t total = batch.size();
@@ -164,7 +169,7 @@ class DataParallelEngine final : public TrainEngine {
       r.ctx->run([&] {
         {
           TraceSpan span(r.track, "scatter", r.ctx.get());
-          r.x = batch_to_device(*r.ctx, batch, batch.images.slice_rows(b, e));
+          r.x = batch_images(*r.ctx, batch, b, e);
         }
         TraceSpan span(r.track, "forward", r.ctx.get());
         r.model->zero_grad(*r.ctx);
@@ -189,7 +194,7 @@ class DataParallelEngine final : public TrainEngine {
           c0.ops().copy(c0, rows, replicas_[i].logits);
         }
       }
-      Tensor labels = batch_to_device(c0, batch, batch.labels);
+      Tensor labels = batch_labels(c0, batch, 0, batch.size());
       loss_ = criterion_.forward(c0, all, labels);
       dlogits = criterion_.backward(c0);
       loss_done_.record(c0);

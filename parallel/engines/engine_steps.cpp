@@ -18,10 +18,33 @@ Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& par
   return t;
 }
 
+namespace {
+
+using Gather = Tensor (ResidentDataset::*)(DeviceContext&, const Tensor&) const;
+
+// Rows [begin, end) of `host` (the batch's images or labels), or the same rows gathered on the
+// device by the batch's indices.
+Tensor batch_rows(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end,
+                  const Tensor& host, Gather gather) {
+  if (!batch.resident) return batch_to_device(ctx, batch, host.slice_rows(begin, end));
+  const Tensor rows = batch_to_device(ctx, batch, batch.indices.slice_rows(begin, end));
+  return (batch.resident->*gather)(ctx, rows);
+}
+
+}  // namespace
+
+Tensor batch_images(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end) {
+  return batch_rows(ctx, batch, begin, end, batch.images, &ResidentDataset::images);
+}
+
+Tensor batch_labels(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end) {
+  return batch_rows(ctx, batch, begin, end, batch.labels, &ResidentDataset::labels);
+}
+
 DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
                                   const std::string& track) {
-  TraceSpan span(track, "h2d", &ctx);
-  return {batch_to_device(ctx, batch, batch.images), batch_to_device(ctx, batch, batch.labels)};
+  TraceSpan span(track, batch.resident ? "batch_gather" : "h2d", &ctx);
+  return {batch_images(ctx, batch, 0, batch.size()), batch_labels(ctx, batch, 0, batch.size())};
 }
 
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,

@@ -8,11 +8,17 @@ namespace replica {
 
 // Host batches are used in place on CPU devices (zero copy) and copied on the stream for CUDA.
 Tensor batch_to_device(DeviceContext& ctx, const Tensor& host);
-// A part of `batch` (its images or labels, or rows of them) on ctx's device; on a GPU the batch
-// then knows the copy may still be reading its pinned buffer (Batch::copies).
+// A part of `batch` (its images, labels or indices, or rows of them) on ctx's device; on a GPU
+// the batch then knows the copy may still be reading its pinned buffer (Batch::copies).
 Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& part);
 
-// The whole batch, images and labels, on ctx's device: traced as "h2d" on `track`.
+// Rows [begin, end) of the batch's images (F32) or labels (I32) on ctx's device: copied from the
+// host batch, or gathered from the set ctx's memory holds (a batch with Batch::resident).
+Tensor batch_images(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end);
+Tensor batch_labels(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end);
+
+// The whole batch, images and labels, on ctx's device: traced as "h2d" (copied from the host)
+// or "batch_gather" (cut out of the set on the device) on `track`.
 struct DeviceBatch {
   Tensor images, labels;
 };

@@ -25,6 +25,7 @@ class SingleDeviceEngine final : public TrainEngine {
 
   std::string mode() const override { return "single"; }
   std::vector<Device> devices() const override { return {ctx_.device()}; }
+  std::vector<DeviceContext*> contexts() override { return {&ctx_}; }
 
   void train_step(const Batch& batch) override {
     REPLICA_CHECK(batch.size() > 0, "empty batch");

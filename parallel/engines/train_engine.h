@@ -35,6 +35,9 @@ class TrainEngine {
   virtual ~TrainEngine() = default;
   virtual std::string mode() const = 0;  // "single", "dp", "ddp"
   virtual std::vector<Device> devices() const = 0;
+  // The context of every device this process drives (DP: one per replica), e.g. to put the
+  // training set on them before training. Not for use while a step runs.
+  virtual std::vector<DeviceContext*> contexts() = 0;
 
   // One optimizer step over a batch in host memory. May return before the device finishes;
   // the caller keeps `batch` alive until the next train_step or synchronize().

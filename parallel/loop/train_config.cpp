@@ -25,6 +25,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"data", c.synthetic ? nlohmann::json(nullptr) : nlohmann::json(c.data_dir)},
           {"synthetic", c.synthetic},
           {"synthetic_size", c.synthetic_size},
+          {"data_placement", c.data_placement},
           {"epochs", c.epochs},
           {"max_steps", c.max_steps},
           // The global batch, once known (with --batch-per-device, after devices are counted).
@@ -58,6 +59,7 @@ void validate(const TrainConfig& c) {
   scheduled_lr(c.lr_schedule, 1.f, 0, 1);  // validates the name
   REPLICA_USAGE_CHECK(c.synthetic || !c.data_dir.empty(), "give --data DIR or --synthetic");
   REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
+  parse_data_placement(c.data_placement);  // validates the name
   REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
   // What the run writes at its end must be writable now, not after hours of training.
   check_output_dir("--checkpoint", c.checkpoint_dir);

@@ -47,6 +47,11 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
   std::vector<Device> devices = resolve_devices(c_, &device_spec);
   engine_ = make_engine(c_, devices);
   world_ = engine_->world_size();
+  // Ranks sharing one GPU each hold their own copy of a resident set.
+  const int copies_per_gpu = world_ > 1 && engine_->shares_gpu() ? world_ : 1;
+  const DataPlacement placement = resolve_data_placement(
+      parse_data_placement(c_.data_placement), *train_, engine_->devices(), copies_per_gpu);
+  c_.data_placement = data_placement_name(placement);  // what the metrics record
   report_ = std::make_unique<RunReport>(c_, *engine_, device_spec);
   const int64_t local_batch = c_.batch_size / world_;
   report_->say(fmt::format("replica: {} on {} ({} mode, {}{}), batch {}, {}",
@@ -56,6 +61,7 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
                            world_ > 1 ? fmt::format(", {} per rank", local_batch) : "",
                            c_.batch_size, train_->describe()));
   if (world_ > 1) report_->say("collectives: " + engine_->comm_description());
+  if (placement == DataPlacement::Device) place_data();
 
   // Which training samples this process reads: the DistributedSampler's share (DDP). With one
   // process the share is the whole epoch order, epoch_order(n, seed, epoch, shuffle).
@@ -67,7 +73,7 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
   so.seed = c_.engine.seed;
   so.drop_last = c_.drop_last;
   sampler_ = std::make_unique<DistributedSampler>(so);
-  loader_ = std::make_unique<Loader>(*train_, local_batch, c_.drop_last);
+  loader_ = std::make_unique<Loader>(*train_, local_batch, c_.drop_last, 2, resident_.get());
   per_epoch_ = loader_->batches_per_epoch(sampler_->num_samples());
   REPLICA_USAGE_CHECK(per_epoch_ > 0, "no complete batch of {} in {} samples with drop_last",
                       c_.batch_size, train_->size());
@@ -82,6 +88,20 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
 }
 
 TrainLoop::~TrainLoop() = default;
+
+// The whole training set onto every device's memory, once (shared by the logical devices of a
+// GPU): steps then gather their batches there, and the loader thread only hands out indices.
+void TrainLoop::place_data() {
+  TraceSpan span("host", "place_data");
+  const int64_t t0 = Tracer::now_us();
+  resident_ = std::make_unique<ResidentDataset>(*train_);
+  for (DeviceContext* ctx : engine_->contexts()) resident_->hold_on(*ctx);
+  report_->say(fmt::format("data: the training set is held on the device{} ({:.1f} MB{}, {:.1f} s "
+                           "to place); each step gathers its batch there",
+                           resident_->copies() > 1 ? "s" : "", resident_->bytes() / 1e6,
+                           resident_->copies() > 1 ? " each" : "",
+                           (Tracer::now_us() - t0) / 1e6));
+}
 
 nlohmann::json TrainLoop::run() {
   Tracer::global().reset_totals();

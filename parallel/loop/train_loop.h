@@ -10,6 +10,7 @@
 
 #include "engine/data/dataset.h"
 #include "engine/data/loader.h"
+#include "engine/data/resident_dataset.h"
 #include "parallel/loop/checkpointing.h"
 #include "parallel/loop/distributed_sampler.h"
 #include "parallel/loop/run_report.h"
@@ -45,6 +46,7 @@ class TrainLoop {
   nlohmann::json run();
 
  private:
+  void place_data();
   void run_epoch(int64_t epoch);
   void log_step(int64_t epoch, int64_t batch, bool last_step);
   void evaluate();
@@ -53,6 +55,9 @@ class TrainLoop {
   std::unique_ptr<Dataset> train_, test_;
   std::unique_ptr<TrainEngine> engine_;
   std::unique_ptr<RunReport> report_;
+  // Set when the training set lives on the devices; destroyed before the engine whose contexts
+  // hold its memory, after the loader whose batches point to it.
+  std::unique_ptr<ResidentDataset> resident_;
   std::unique_ptr<Loader> loader_;
   std::unique_ptr<DistributedSampler> sampler_;
   int world_ = 1;

@@ -27,6 +27,8 @@ struct TrainConfig {
   std::string data_dir;            // MNIST-format directory
   bool synthetic = false;          // random images of engine.input_shape instead of data_dir
   int64_t synthetic_size = 10000;  // samples in the synthetic training set
+  // Where the training set lives: auto | host | device (engine/data/resident_dataset.h).
+  std::string data_placement = "auto";
   int64_t epochs = 1;
   std::string lr_schedule = "constant";  // constant | cosine (decays over the planned steps)
   int64_t max_steps = 0;           // stop after this many optimizer steps in total (0 = none)

@@ -1,0 +1,50 @@
+// The training set held on the GPU (--data-placement device, what auto picks on a GPU when the
+// set fits): the same bits as batches copied in from pinned host memory, on one GPU, on logical
+// devices of one GPU sharing one copy (DP), and on DDP ranks holding a copy each. Skips visibly
+// without a GPU.
+#include <doctest/doctest.h>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint_helpers.h"
+#include "cli_helpers.h"
+#include "gpu_skip.h"
+
+namespace {
+
+const std::string kTrain = test::bin("replica-train");
+
+std::string train_command(const test::TempDir& tmp) {
+  return kTrain + " --data " + tmp.str("data") +
+         " --batch-size 32 --epochs 2 --deterministic --precision fp32 --seed 3"
+         " --optimizer sgd --momentum 0.9";
+}
+
+}  // namespace
+
+TEST_CASE("on a GPU, training on the resident set gives the host path's bits") {
+  if (!test::have_gpu()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 200, 40);
+  for (const char* mode : {"--mode single --devices cuda:0", "--mode dp --devices cuda:0*2",
+                           "--mode ddp --devices cuda:0*2 --backend gloo"}) {
+    CAPTURE(mode);
+    test::check_placements_agree(train_command(tmp) + " --quiet " + mode, tmp);
+  }
+}
+
+TEST_CASE("on a GPU, auto places a small training set on the device and says so") {
+  if (!test::have_gpu()) return;
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 200, 40);
+  auto r = test::run(train_command(tmp) + " --devices cuda:0*2 --max-steps 3 --metrics-json " +
+                         tmp.str("m.json"),
+                     300);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(r.output.find("data: the training set is held on the device (0.6 MB") !=
+        std::string::npos);
+  std::ifstream in(tmp.str("m.json"));
+  CHECK(nlohmann::json::parse(in)["config"]["data_placement"] == "device");
+}
