@@ -249,8 +249,9 @@ TEST_CASE("the engines count the bytes the formulas give") {
   EngineOptions eo;
   eo.threads_per_device = 1;
   auto dp = make_dp_engine(parse_devices("cpu*2"), eo);
-  const auto batches = preload_batches({1, 28, 28}, 4, 0, 1);
-  dp->train_step(batches[0]);
+  const Preloaded pre = preload_batches({1, 28, 28}, 4, 0, 1, dp.get());
+  CHECK_FALSE(pre.resident);  // CPU devices use host memory in place
+  dp->train_step(pre.batches[0]);
   dp->synchronize();
   CHECK(dp->comm_bytes_per_step() == dp_comm_bytes(kCnnParams, 2));
 }
@@ -273,6 +274,7 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
                                                     : ddp_comm_bytes(kCnnParams, n)));
     CHECK(row["comm_bytes_match"] == true);
     CHECK(row["peak_memory_bytes"].size() == size_t(n));
+    CHECK(row["data"] == "synthetic, preloaded in host memory (loader not timed)");
     CHECK(row["samples_per_sec"].get<double>() > 0);
     CHECK(row["efficiency"].is_number());
     CHECK(row["env"]["cores"].is_number());

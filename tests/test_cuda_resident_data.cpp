@@ -1,7 +1,7 @@
 // The training set held on the GPU (--data-placement device, what auto picks on a GPU when the
 // set fits): the same bits as batches copied in from pinned host memory, on one GPU, on logical
-// devices of one GPU sharing one copy (DP), and on DDP ranks holding a copy each. Skips visibly
-// without a GPU.
+// devices of one GPU sharing one copy (DP), and on DDP ranks holding a copy each; replica-bench
+// keeps its batches there too. Skips visibly without a GPU.
 #include <doctest/doctest.h>
 
 #include <fstream>
@@ -47,4 +47,22 @@ TEST_CASE("on a GPU, auto places a small training set on the device and says so"
         std::string::npos);
   std::ifstream in(tmp.str("m.json"));
   CHECK(nlohmann::json::parse(in)["config"]["data_placement"] == "device");
+}
+
+TEST_CASE("replica-bench on a GPU keeps its preloaded batches in device memory, as PyTorch's does") {
+  if (!test::have_gpu()) return;
+  test::TempDir tmp;
+  auto r = test::run(test::bin("replica-bench") +
+                         " --suite dp,ddp --devices cuda:0*2 --steps 3 --warmup 1 --repeat 1"
+                         " --batch 8 --json " + tmp.str("rows.jsonl"),
+                     300);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  std::ifstream in(tmp.str("rows.jsonl"));
+  int rows = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto row = nlohmann::json::parse(line);
+    CHECK(row["data"] == "synthetic, preloaded in device memory (loader not timed)");
+    ++rows;
+  }
+  CHECK(rows == 4);  // dp and ddp, on 1 and 2 devices
 }

@@ -4,11 +4,13 @@
 #pragma once
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "engine/data/resident_dataset.h"
 #include "engine/trace.h"
 #include "parallel/engines/train_engine.h"
 
@@ -29,8 +31,20 @@ struct RunOptions {
 // The engine options of a run: its model, shape, seed, threads and precision; 10 classes.
 EngineOptions engine_options(const RunOptions& run);
 
-// `count` batches of `batch` synthetic samples of `shape` in pinned host memory, made once.
-std::vector<Batch> preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int count);
+// `count` batches of `batch` synthetic samples of `shape`, made once, held where `engine`'s
+// devices read them as PyTorch's benchmark does (tools/pytorch_bench.py keeps its batches on the
+// GPU): on GPUs in device memory, each step gathering its batch there; on CPU devices (or with
+// no engine) in pinned host memory, used in place. Destroy it before `engine` (it may hold
+// memory of its devices).
+struct Preloaded {
+  std::unique_ptr<Dataset> data;
+  std::unique_ptr<ResidentDataset> resident;  // on GPUs
+  std::vector<Batch> batches;
+};
+Preloaded preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int count,
+                          TrainEngine* engine = nullptr);
+// Where preloaded batches are for these devices, as the rows say it.
+const char* preloaded_data_name(const std::vector<Device>& devices);
 
 // track -> phase -> milliseconds per step. Overlapping spans of one (track, phase) count once
 // (their union), so nested spans of one name are not double-counted. The extra track "*" holds,

@@ -96,9 +96,9 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   d.timeout = timeout;
   auto engine = make_ddp_engine(device, eo, d);
   // Each rank its own samples (as a DistributedSampler would give it), the same count.
-  const auto batches = preload_batches(o.run.input_shape, o.run.batch_per_device,
-                                       o.run.seed + 7919 * uint64_t(rv.rank + 1), 4);
-  Measurement m = measure(*engine, batches, o.run, ProgressBeat(out + ".alive"));
+  const Preloaded pre = preload_batches(o.run.input_shape, o.run.batch_per_device,
+                                        o.run.seed + 7919 * uint64_t(rv.rank + 1), 4, engine.get());
+  Measurement m = measure(*engine, pre.batches, o.run, ProgressBeat(out + ".alive"));
   engine->finish();
   write_json_file(fmt::format("{}.rank{}.json", out, rv.rank),
                   {{"rank", rv.rank}, {"device", device.str()}, {"measurement", to_json(m)}});

@@ -10,8 +10,9 @@ std::vector<Measurement> measure_dp(const SuiteOptions& o, int n, const RunOptio
   dp.strategy = parse_reduce_strategy(o.reduce);
   const std::vector<Device> devices(o.devices.begin(), o.devices.begin() + n);
   auto engine = make_dp_engine(devices, eo, dp);
-  const auto batches = preload_batches(run.input_shape, n * run.batch_per_device, run.seed, 4);
-  return {measure(*engine, batches, run)};
+  const Preloaded pre =
+      preload_batches(run.input_shape, n * run.batch_per_device, run.seed, 4, engine.get());
+  return {measure(*engine, pre.batches, run)};
 }
 
 }  // namespace replica::bench

@@ -88,7 +88,8 @@ double sgemm_gflops(const GemmShape& g, int threads, double seconds) {
 // The single-device suite: one CPU engine per thread count.
 void suite_single(const BenchOptions& o, const Shape& shape, const std::vector<int64_t>& threads,
                   std::vector<Result>& results) {
-  const std::vector<Batch> batches = preload_batches(shape, o.batch, o.seed, 4);
+  const Preloaded pre = preload_batches(shape, o.batch, o.seed, 4);  // CPU: host memory
+  const std::vector<Batch>& batches = pre.batches;
   const Device device{DeviceType::CPU, 0, 0};
   for (int64_t t : threads) {
     EngineOptions eo;
@@ -129,7 +130,7 @@ void suite_single(const BenchOptions& o, const Shape& shape, const std::vector<i
         {"warmup_steps", o.warmup},
         {"timed_steps", o.steps},
         {"repeats", o.repeat},
-        {"data", "synthetic, preloaded (loader not timed)"},
+        {"data", preloaded_data_name({device})},
         {"samples_per_sec", med},
         {"samples_per_sec_runs", sps},
         {"ms_per_step", 1e3 * o.batch / med},
