@@ -4,6 +4,7 @@
 
 #include "engine/cudart.h"
 #include "engine/error.h"
+#include "engine/op_profile.h"
 #include "engine/ops.h"
 
 namespace replica {
@@ -67,7 +68,12 @@ DeviceContext::~DeviceContext() {
     } catch (...) {
     }
   }
+  profiled_.reset();
   backend_.reset();
+}
+
+void DeviceContext::set_op_profile(OpProfile* profile) {
+  profiled_ = profile ? make_profiling_backend(*backend_, *profile) : nullptr;
 }
 
 void DeviceContext::activate() const {

@@ -16,6 +16,7 @@
 namespace replica {
 
 class Backend;
+class OpProfile;
 struct CudaState;  // stream, handles, workspace (engine/cuda/cuda_context.cu)
 
 // How a device may round the inputs of matrix products and convolutions.
@@ -53,7 +54,10 @@ class DeviceContext {
   const Device& device() const { return device_; }
   bool is_cuda() const { return device_.is_cuda(); }
   Allocator& allocator() { return *allocator_; }
-  Backend& ops() { return *backend_; }
+  Backend& ops() { return profiled_ ? *profiled_ : *backend_; }
+  // Times every op alone into `profile` from now on (engine/op_profile.h); nullptr stops it.
+  // Not while another thread runs ops on this context.
+  void set_op_profile(OpProfile* profile);
   int threads() const { return threads_; }
   bool deterministic() const { return options_.deterministic; }
   Precision precision() const { return options_.precision; }
@@ -85,6 +89,7 @@ class DeviceContext {
   int threads_ = 1;
   std::unique_ptr<Allocator> allocator_;
   std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Backend> profiled_;  // backend_ timed op by op (set_op_profile)
   std::unique_ptr<tbb::task_arena> arena_;
   std::unique_ptr<CudaState, void (*)(CudaState*)> cuda_{nullptr, nullptr};
 };

@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -405,6 +406,38 @@ TEST_CASE("replica-bench --report: another engine's row meets replica's at equal
         std::string::npos);
 }
 
+TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counted") {
+  test::TempDir tmp;
+  const auto r = test::run(kBench + " --suite ops --devices cpu --batch 8 --steps 3 --warmup 1 "
+                                    "--threads-per-device 1 --json " + tmp.str("ops.jsonl"),
+                           120);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("suite ops, cnn on cpu:0 (fp32)") != std::string::npos);
+  std::map<std::string, nlohmann::json> ops;
+  double shares = 0;
+  for (const auto& row : read_lines(tmp.str("ops.jsonl"))) {
+    ops[row["op"].get<std::string>()] = row;
+    shares += row["share"].get<double>();
+    CHECK(row["ms_per_step"].get<double>() >= 0);
+    CHECK(row["profiled_step_ms"].get<double>() > 0);
+  }
+  CHECK(shares == doctest::Approx(1.0));
+  // The CNN: conv1, relu1, conv2, relu2, pool, flatten, fc1, relu3, fc2; Adam; the batch is
+  // preloaded in host memory (no copy op on CPU devices).
+  const std::map<std::string, double> calls = {
+      {"conv2d_forward", 2}, {"conv2d_backward", 2}, {"relu_forward", 3}, {"relu_backward", 3},
+      {"maxpool2d_forward", 1}, {"maxpool2d_backward", 1}, {"linear_forward", 2},
+      {"linear_backward", 2}, {"cross_entropy_forward", 1}, {"cross_entropy_backward", 1},
+      {"adam_step", 1}};
+  for (const auto& [op, n] : calls) {
+    CAPTURE(op);
+    REQUIRE(ops.count(op) == 1);
+    CHECK(ops[op]["calls_per_step"].get<double>() == n);
+  }
+  CHECK(ops.count("copy") == 0);
+}
+
 TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   test::TempDir tmp;
   expect_clean_error("--suite ring", "--suite");
@@ -421,6 +454,8 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite loader --csv " + tmp.str("x.csv"),
                      "--suite loader takes --json only");
   expect_clean_error("--suite loader --threads 0", "--threads");
+  expect_clean_error("--suite ops --trace-dir " + tmp.str("t"), "--suite ops takes --json only");
+  expect_clean_error("--suite ops --devices cpu*2", "cpu*2");
   expect_clean_error("--report " + tmp.str("r") + " --link warp", "--link 'warp'");
   expect_clean_error("--report " + tmp.str("r") + " --from-results " + tmp.str("none"),
                      "results.jsonl");

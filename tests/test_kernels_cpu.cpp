@@ -1,5 +1,6 @@
 // Direct checks of the CPU Backend that the layer tests do not cover: results independent of
-// the thread count (bit for bit), loss and metric edge cases, padded max-pooling, empty batches.
+// the thread count (bit for bit), loss and metric edge cases, padded max-pooling, empty batches,
+// and the op profile that times each call.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 
 #include "engine/context.h"
 #include "engine/error.h"
+#include "engine/op_profile.h"
 #include "engine/ops.h"
 
 using namespace replica;
@@ -292,4 +294,22 @@ TEST_CASE("an empty batch (N = 0) works for linear, conv2d, relu, pooling and th
   Tensor m = ctx.alloc({2}), is = ctx.alloc({2});
   CHECK_THROWS_AS(ops.batchnorm_forward_train(ctx, cx, g, be, rm, rv, 0.1f, 1e-5f, cdx, m, is),
                   Error);
+}
+
+TEST_CASE("an op profile counts and times every call while set, and none after") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
+  Tensor a = ctx.alloc({1 << 16}), b = ctx.alloc({1 << 16});
+  OpProfile profile;
+  ctx.set_op_profile(&profile);
+  ctx.ops().fill(ctx, a, 1.f);
+  ctx.ops().fill(ctx, b, 2.f);
+  ctx.ops().add(ctx, a, b, 0.5f);
+  ctx.set_op_profile(nullptr);
+  ctx.ops().add(ctx, a, b, 0.5f);
+  CHECK(a.f32()[7] == 3.f);  // the profiled calls did their work
+  const auto ops = profile.ops();
+  REQUIRE(ops.size() == 2);
+  CHECK(ops.at("fill").calls == 2);
+  CHECK(ops.at("add").calls == 1);
+  CHECK(ops.at("fill").seconds > 0);
 }

@@ -5,6 +5,7 @@
 //   replica-bench --report out --compare pytorch.jsonl   PyTorch's rows beside replica's
 //   replica-bench --report out --link nvlink4       project to separate GPUs joined by NVLink 4
 //   replica-bench --suite loader --input-shape 3x224x224   can the input pipeline feed a GPU?
+//   replica-bench --suite ops --model resnet50 --batch 64   one device's step, op by op
 // Suites: tools/bench/suite_single.cpp, suite_dp.cpp, suite_ddp.cpp; the report arithmetic:
 // tools/bench/report_math.h.
 #include <algorithm>
@@ -32,8 +33,8 @@ int run(int argc, char** argv) {
   app.set_help_flag("-h,--help", "Print this help and exit");
   app.add_option("--suite", o.suite,
                  "single (one device per thread count, vs sgemm) | loader (the input "
-                 "pipeline's samples/s) | dp | ddp | dp,ddp (default: single; dp,ddp with "
-                 "--report)");
+                 "pipeline's samples/s) | ops (one device's step, op by op) | dp | ddp | dp,ddp "
+                 "(default: single; dp,ddp with --report)");
   app.add_option("--model", o.model, "cnn | resnet18 | resnet34 | resnet50 | ...")
       ->capture_default_str();
   app.add_option("--input-shape", o.input_shape,
@@ -121,6 +122,15 @@ int run(int argc, char** argv) {
     if (o.steps < 0) o.steps = 20;
     if (o.repeat < 0) o.repeat = 3;
     return run_loader_suite(o);
+  }
+  if (o.suite == "ops") {
+    REPLICA_USAGE_CHECK(o.report_dir.empty() && o.worker.empty() && o.csv.empty() &&
+                            o.trace_dir.empty(),
+                        "--suite ops takes --json only (no --report, --csv, --trace-dir)");
+    if (o.warmup < 0) o.warmup = 3;
+    if (o.steps < 0) o.steps = 10;
+    if (o.repeat < 0) o.repeat = 1;
+    return run_ops_suite(o);
   }
   if (single && o.warmup < 0) o.warmup = 5;  // dp/ddp: chosen from a measured step time
   if (single && o.steps < 0) o.steps = 50;

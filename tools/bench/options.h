@@ -47,6 +47,8 @@ void validate_common(const BenchOptions& o);
 int run_single_suite(const BenchOptions& o);
 // The "loader" suite (the input pipeline's samples/s, 1 thread against every core).
 int run_loader_suite(const BenchOptions& o);
+// The "ops" suite (one device's step, op by op).
+int run_ops_suite(const BenchOptions& o);
 // The "dp"/"ddp" suites, optionally with a report (--report DIR).
 int run_parallel_suites(const BenchOptions& o);
 // A hidden DDP rank worker (--worker).

@@ -1,0 +1,38 @@
+// OpProfile: where a training step's time goes, kernel by kernel. While a DeviceContext has a
+// profile set (DeviceContext::set_op_profile), every Backend call on it is timed alone: the
+// device is synchronised before and after the call, so each op's time is its launch and its run
+// with nothing overlapping it. The profiled step is slower than a real one (nothing overlaps,
+// and each op pays a synchronisation); the shares are what it is for: which ops a step spends
+// its time in, to hold against PyTorch's profiler on the same model. On CPU devices the time is
+// the call's wall time (CPU kernels are synchronous).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "engine/ops.h"
+
+namespace replica {
+
+struct OpStats {
+  int64_t calls = 0;
+  double seconds = 0;
+};
+
+class OpProfile {
+ public:
+  void add(const char* op, double seconds);  // thread-safe (DP's workers share one)
+  std::map<std::string, OpStats> ops() const;
+  void clear();
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<std::string, OpStats> ops_;
+};
+
+// A Backend that forwards every call to `inner` and times it into `profile`.
+std::unique_ptr<Backend> make_profiling_backend(Backend& inner, OpProfile& profile);
+
+}  // namespace replica

@@ -1,0 +1,105 @@
+// The "ops" suite: where one device's training step spends its time, op by op (conv2d_forward,
+// batchnorm_backward, adam_step, ...). One device, preloaded batches, warm-up, a timed window
+// of ordinary steps (the real ms/step), then the same number of steps with every op timed
+// alone (engine/op_profile.h: the device synchronised around each op). The table gives each
+// op's calls and milliseconds per step and its share of the profiled step; the profiled step
+// is slower than the real one by what overlap and synchronisation cost, printed beside it.
+// What it is for: holding a model's op mix against PyTorch's profiler on the same model and
+// batch, and seeing which op a change should go after.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/device.h"
+#include "engine/error.h"
+#include "engine/op_profile.h"
+#include "tools/bench/harness.h"
+#include "tools/bench/options.h"
+#include "tools/bench/rows.h"
+
+namespace replica::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void run_steps(TrainEngine& engine, const std::vector<Batch>& batches, int64_t steps,
+               size_t& next) {
+  for (int64_t s = 0; s < steps; ++s) engine.train_step(batches[next++ % batches.size()]);
+  engine.synchronize();
+}
+
+}  // namespace
+
+int run_ops_suite(const BenchOptions& o) {
+  validate_common(o);
+  const std::string spec = !o.devices.empty() ? o.devices : cuda_device_count() > 0 ? "cuda:0"
+                                                                                      : "cpu";
+  const Device device = parse_devices(spec, /*allow_multi=*/false).at(0);
+  RunOptions run;
+  run.model = o.model;
+  run.input_shape = resolve_input_shape(o);
+  run.batch_per_device = o.batch;
+  run.seed = o.seed;
+  run.threads_per_device = o.threads_per_device;  // CPU: 0 = every core
+  run.precision = resolve_precision(o.precision, {device});
+  auto engine = make_single_device_engine(device, engine_options(run));
+  const Preloaded pre = preload_batches(run.input_shape, o.batch, o.seed, 4, engine.get());
+  DeviceContext& ctx = *engine->contexts().at(0);
+
+  size_t next = 0;
+  run_steps(*engine, pre.batches, std::max<int64_t>(o.warmup, 1), next);
+  auto t0 = Clock::now();
+  run_steps(*engine, pre.batches, o.steps, next);
+  const double real_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3 / o.steps;
+
+  OpProfile profile;
+  ctx.set_op_profile(&profile);
+  t0 = Clock::now();
+  try {
+    run_steps(*engine, pre.batches, o.steps, next);
+  } catch (...) {
+    ctx.set_op_profile(nullptr);
+    throw;
+  }
+  const double profiled_ms =
+      std::chrono::duration<double>(Clock::now() - t0).count() * 1e3 / o.steps;
+  ctx.set_op_profile(nullptr);
+
+  std::vector<std::pair<std::string, OpStats>> ops;
+  double total_s = 0;
+  for (const auto& [name, stats] : profile.ops()) {
+    ops.emplace_back(name, stats);
+    total_s += stats.seconds;
+  }
+  std::sort(ops.begin(), ops.end(),
+            [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+  const double steps = double(o.steps);
+  std::printf("replica-bench: suite ops, %s on %s (%s), %s, batch %lld, %lld steps\n",
+              o.model.c_str(), device.str().c_str(), precision_name(run.precision),
+              fmt::format("{}", fmt::join(run.input_shape, "x")).c_str(), (long long)o.batch,
+              (long long)o.steps);
+  std::printf("%-28s %10s %10s %8s %10s\n", "op", "calls/step", "ms/step", "share", "us/call");
+  std::vector<nlohmann::json> rows;
+  for (const auto& [name, s] : ops) {
+    const double ms = s.seconds * 1e3 / steps, share = total_s > 0 ? s.seconds / total_s : 0;
+    std::printf("%-28s %10.1f %10.3f %7.1f%% %10.1f\n", name.c_str(), double(s.calls) / steps, ms,
+                100 * share, s.calls ? s.seconds * 1e6 / double(s.calls) : 0.0);
+    rows.push_back({{"suite", "ops"}, {"engine", "replica"}, {"model", o.model},
+                    {"input_shape", fmt::format("{}", fmt::join(run.input_shape, "x"))},
+                    {"batch", o.batch}, {"device", device.str()},
+                    {"precision", precision_name(run.precision)}, {"op", name},
+                    {"calls_per_step", double(s.calls) / steps}, {"ms_per_step", ms},
+                    {"share", share}, {"step_ms", real_ms}, {"profiled_step_ms", profiled_ms}});
+  }
+  std::printf("ops %.3f ms of a profiled step of %.3f ms; an ordinary step takes %.3f ms (the "
+              "difference: overlap and a synchronisation per op)\n",
+              total_s * 1e3 / steps, profiled_ms, real_ms);
+  if (!o.json.empty()) append_rows(o.json, rows);
+  return 0;
+}
+
+}  // namespace replica::bench
