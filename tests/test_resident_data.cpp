@@ -14,6 +14,7 @@
 #include "engine/data/loader.h"
 #include "engine/data/resident_dataset.h"
 #include "engine/ops.h"
+#include "parallel/engines/dp_engine.h"
 
 using namespace replica;
 
@@ -110,6 +111,33 @@ TEST_CASE("a loader over a resident set hands out indices only, in epoch order")
 
   auto other = make_synthetic(23, {1, 4, 4}, 3, 6);
   CHECK_THROWS_AS(Loader(*other, 5, false, 2, &set), Error);  // a set of another dataset
+}
+
+TEST_CASE("evaluation reads a resident batch as it reads a host one (single and DP cpu*2)") {
+  auto data = make_synthetic(24, {1, 28, 28}, 10, 4);
+  EngineOptions o;
+  o.threads_per_device = 1;
+  const std::vector<int64_t> picks = {3, 17, 0, 9, 9, 21, 14};
+  for (int devices : {1, 2}) {
+    CAPTURE(devices);
+    auto engine = devices == 1 ? make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o)
+                               : make_dp_engine(parse_devices("cpu*2"), o);
+    ResidentDataset set(*data);
+    for (DeviceContext* ctx : engine->contexts()) set.hold_on(*ctx);
+    Batch host = read_batch(*data, picks, host_allocator());
+    Batch resident;
+    resident.indices = Tensor::empty(host_allocator(), {int64_t(picks.size())}, DType::I32);
+    for (size_t i = 0; i < picks.size(); ++i) resident.indices.i32()[i] = int32_t(picks[i]);
+    resident.resident = &set;
+    engine->set_training(false);
+    double host_loss = 0, resident_loss = 0;
+    int64_t host_hits = 0, resident_hits = 0;
+    engine->eval_batch(host, host_loss, host_hits);
+    engine->eval_batch(resident, resident_loss, resident_hits);
+    CHECK(resident_loss == host_loss);
+    CHECK(resident_hits == host_hits);
+    CHECK(host_loss > 0);
+  }
 }
 
 TEST_CASE("training on a resident set gives the host path's bits: single, DP cpu*2, DDP 2 ranks") {

@@ -134,7 +134,7 @@ class DdpEngine final : public TrainEngine {
   }
 
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    evaluate_batch(ctx_, *model_, criterion_, batch.images, batch.labels, loss_sum, correct);
+    evaluate_batch(ctx_, *model_, criterion_, batch, 0, batch.size(), loss_sum, correct);
   }
 
   // Sums each rank's evaluation totals, so every rank reports the same metrics.

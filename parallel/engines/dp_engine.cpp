@@ -117,8 +117,7 @@ class DataParallelEngine final : public TrainEngine {
       Replica& r = replicas_[i];
       const int64_t b = chunks[i].begin, e = b + chunks[i].count;
       CrossEntropyLoss criterion;  // per worker: the criterion keeps state between calls
-      evaluate_batch(*r.ctx, *r.model, criterion, batch.images.slice_rows(b, e),
-                     batch.labels.slice_rows(b, e), losses[i], hits[i]);
+      evaluate_batch(*r.ctx, *r.model, criterion, batch, b, e, losses[i], hits[i]);
     });
     for (int i = 0; i < n; ++i) {
       loss_sum += losses[i];

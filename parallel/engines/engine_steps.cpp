@@ -48,10 +48,10 @@ DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
 }
 
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
-                    const Tensor& images, const Tensor& labels, double& loss_sum,
+                    const Batch& batch, int64_t begin, int64_t end, double& loss_sum,
                     int64_t& correct) {
   ctx.run([&] {
-    Tensor x = batch_to_device(ctx, images), y = batch_to_device(ctx, labels);
+    Tensor x = batch_images(ctx, batch, begin, end), y = batch_labels(ctx, batch, begin, end);
     Tensor logits = model.forward(ctx, x);
     Tensor loss = criterion.forward(ctx, logits, y);
     Tensor hits = ctx.alloc({1}, DType::I32);
@@ -62,7 +62,7 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
     ctx.ops().copy(ctx, host_loss, loss);
     ctx.ops().copy(ctx, host_hits, hits);
     ctx.synchronize();
-    loss_sum += double(host_loss.f32()[0]) * images.dim(0);
+    loss_sum += double(host_loss.f32()[0]) * double(end - begin);
     correct += host_hits.i32()[0];
   });
 }

@@ -25,10 +25,11 @@ struct DeviceBatch {
 DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
                                   const std::string& track);
 
-// Eval-mode forward of one batch on `model` (ctx's device): adds the summed loss and the number
-// of correct predictions. Reads two numbers back (a host sync: evaluation only).
+// Eval-mode forward of rows [begin, end) of `batch` on `model` (ctx's device): adds the summed
+// loss and the number of correct predictions. Reads two numbers back (a host sync: evaluation
+// only). The batch may come from the host or from a set held on the device.
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
-                    const Tensor& images, const Tensor& labels, double& loss_sum,
+                    const Batch& batch, int64_t begin, int64_t end, double& loss_sum,
                     int64_t& correct);
 
 }  // namespace replica

@@ -59,7 +59,7 @@ class SingleDeviceEngine final : public TrainEngine {
   }
 
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    evaluate_batch(ctx_, *model_, criterion_, batch.images, batch.labels, loss_sum, correct);
+    evaluate_batch(ctx_, *model_, criterion_, batch, 0, batch.size(), loss_sum, correct);
   }
 
   void set_training(bool training) override { model_->set_training(training); }
