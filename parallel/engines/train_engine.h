@@ -39,8 +39,9 @@ class TrainEngine {
   // training set on them before training. Not for use while a step runs.
   virtual std::vector<DeviceContext*> contexts() = 0;
 
-  // One optimizer step over a batch in host memory. May return before the device finishes;
-  // the caller keeps `batch` alive until the next train_step or synchronize().
+  // One optimizer step over a batch in host memory, or over the rows of a set held on the
+  // devices (Batch::resident). May return before the device finishes; the caller keeps `batch`
+  // alive until the next train_step or synchronize().
   virtual void train_step(const Batch& batch) = 0;
   // Mean training loss of the last step (reads it back: a host sync).
   virtual float last_loss() = 0;
