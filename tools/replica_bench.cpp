@@ -114,23 +114,23 @@ int run(int argc, char** argv) {
   if (!o.link.empty()) parse_link(o.link);  // a wrong name fails now, not after the runs
   for (const auto& f : o.compare)
     REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(f), "--compare '{}': no such file", f);
-  if (o.suite == "loader") {
+  // The suites that measure one thing in this process: --json only, their own defaults.
+  struct OneShot {
+    const char* name;
+    int64_t warmup, steps;
+    int repeat;
+    int (*run)(const BenchOptions&);
+  };
+  for (const OneShot& s : {OneShot{"loader", 2, 20, 3, run_loader_suite},
+                           OneShot{"ops", 3, 10, 1, run_ops_suite}}) {
+    if (o.suite != s.name) continue;
     REPLICA_USAGE_CHECK(o.report_dir.empty() && o.worker.empty() && o.csv.empty() &&
                             o.trace_dir.empty(),
-                        "--suite loader takes --json only (no --report, --csv, --trace-dir)");
-    if (o.warmup < 0) o.warmup = 2;
-    if (o.steps < 0) o.steps = 20;
-    if (o.repeat < 0) o.repeat = 3;
-    return run_loader_suite(o);
-  }
-  if (o.suite == "ops") {
-    REPLICA_USAGE_CHECK(o.report_dir.empty() && o.worker.empty() && o.csv.empty() &&
-                            o.trace_dir.empty(),
-                        "--suite ops takes --json only (no --report, --csv, --trace-dir)");
-    if (o.warmup < 0) o.warmup = 3;
-    if (o.steps < 0) o.steps = 10;
-    if (o.repeat < 0) o.repeat = 1;
-    return run_ops_suite(o);
+                        "--suite {} takes --json only (no --report, --csv, --trace-dir)", s.name);
+    if (o.warmup < 0) o.warmup = s.warmup;
+    if (o.steps < 0) o.steps = s.steps;
+    if (o.repeat < 0) o.repeat = s.repeat;
+    return s.run(o);
   }
   if (single && o.warmup < 0) o.warmup = 5;  // dp/ddp: chosen from a measured step time
   if (single && o.steps < 0) o.steps = 50;
