@@ -120,17 +120,18 @@ def train_table(results):
             continue
         bench, _ = cells["replica"]
         train, why = cells["train"]
+        bench_cell = "%.1f" % bench["samples_per_sec"] if bench else "-"
         if not train:
             notes.append(why)
             lines.append("| %s | %s | %d | %s | %s | - | - | - |" % (
-                model, shape, batch, precision, "%.1f" % bench["samples_per_sec"] if bench else "-"))
+                model, shape, batch, precision, bench_cell))
             continue
         sps = train["samples_per_sec"]
         step_ms = 1e3 * batch / sps
         wait = 100 * train.get("phase_ms_per_step", {}).get("data_wait", 0.0) / step_ms
         lines.append("| %s | %s | %d | %s | %s | %.1f | %s | %.1f%% |" % (
-            model, shape, batch, precision, "%.1f" % bench["samples_per_sec"] if bench else "-",
-            sps, "%.2f" % (sps / bench["samples_per_sec"]) if bench else "-", wait))
+            model, shape, batch, precision, bench_cell, sps,
+            "%.2f" % (sps / bench["samples_per_sec"]) if bench else "-", wait))
     lines.append("")
     lines.append("replica-train's samples/s covers its whole run (--max-steps), first steps "
                  "included.")

@@ -168,7 +168,7 @@ class DataParallelEngine final : public TrainEngine {
       r.ctx->run([&] {
         {
           TraceSpan span(r.track, "scatter", r.ctx.get());
-          r.x = batch_images(*r.ctx, batch, b, e);
+          r.x = batch_rows(*r.ctx, batch, b, e, BatchParts::Images).images;
         }
         TraceSpan span(r.track, "forward", r.ctx.get());
         r.model->zero_grad(*r.ctx);
@@ -193,7 +193,7 @@ class DataParallelEngine final : public TrainEngine {
           c0.ops().copy(c0, rows, replicas_[i].logits);
         }
       }
-      Tensor labels = batch_labels(c0, batch, 0, batch.size());
+      Tensor labels = batch_rows(c0, batch, 0, batch.size(), BatchParts::Labels).labels;
       loss_ = criterion_.forward(c0, all, labels);
       dlogits = criterion_.backward(c0);
       loss_done_.record(c0);

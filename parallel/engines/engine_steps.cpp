@@ -18,40 +18,32 @@ Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& par
   return t;
 }
 
-namespace {
-
-using Gather = Tensor (ResidentDataset::*)(DeviceContext&, const Tensor&) const;
-
-// Rows [begin, end) of `host` (the batch's images or labels), or the same rows gathered on the
-// device by the batch's indices.
-Tensor batch_rows(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end,
-                  const Tensor& host, Gather gather) {
-  if (!batch.resident) return batch_to_device(ctx, batch, host.slice_rows(begin, end));
+DeviceBatch batch_rows(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end,
+                       BatchParts parts) {
+  const bool images = parts != BatchParts::Labels, labels = parts != BatchParts::Images;
+  DeviceBatch out;
+  if (!batch.resident) {
+    if (images) out.images = batch_to_device(ctx, batch, batch.images.slice_rows(begin, end));
+    if (labels) out.labels = batch_to_device(ctx, batch, batch.labels.slice_rows(begin, end));
+    return out;
+  }
   const Tensor rows = batch_to_device(ctx, batch, batch.indices.slice_rows(begin, end));
-  return (batch.resident->*gather)(ctx, rows);
-}
-
-}  // namespace
-
-Tensor batch_images(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end) {
-  return batch_rows(ctx, batch, begin, end, batch.images, &ResidentDataset::images);
-}
-
-Tensor batch_labels(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end) {
-  return batch_rows(ctx, batch, begin, end, batch.labels, &ResidentDataset::labels);
+  if (images) out.images = batch.resident->images(ctx, rows);
+  if (labels) out.labels = batch.resident->labels(ctx, rows);
+  return out;
 }
 
 DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
                                   const std::string& track) {
   TraceSpan span(track, batch.resident ? "batch_gather" : "h2d", &ctx);
-  return {batch_images(ctx, batch, 0, batch.size()), batch_labels(ctx, batch, 0, batch.size())};
+  return batch_rows(ctx, batch, 0, batch.size(), BatchParts::Both);
 }
 
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
                     const Batch& batch, int64_t begin, int64_t end, double& loss_sum,
                     int64_t& correct) {
   ctx.run([&] {
-    Tensor x = batch_images(ctx, batch, begin, end), y = batch_labels(ctx, batch, begin, end);
+    auto [x, y] = batch_rows(ctx, batch, begin, end, BatchParts::Both);
     Tensor logits = model.forward(ctx, x);
     Tensor loss = criterion.forward(ctx, logits, y);
     Tensor hits = ctx.alloc({1}, DType::I32);

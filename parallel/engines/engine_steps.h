@@ -12,16 +12,18 @@ Tensor batch_to_device(DeviceContext& ctx, const Tensor& host);
 // the batch then knows the copy may still be reading its pinned buffer (Batch::copies).
 Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& part);
 
-// Rows [begin, end) of the batch's images (F32) or labels (I32) on ctx's device: copied from the
-// host batch, or gathered from the set ctx's memory holds (a batch with Batch::resident).
-Tensor batch_images(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end);
-Tensor batch_labels(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end);
-
-// The whole batch, images and labels, on ctx's device: traced as "h2d" (copied from the host)
-// or "batch_gather" (cut out of the set on the device) on `track`.
+// Rows [begin, end) of the batch on ctx's device, images (F32) and/or labels (I32; the other
+// part stays undefined): copied from the host batch, or gathered from the set ctx's memory
+// holds (a batch with Batch::resident), whose indices then cross once for both parts.
 struct DeviceBatch {
   Tensor images, labels;
 };
+enum class BatchParts { Images, Labels, Both };
+DeviceBatch batch_rows(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end,
+                       BatchParts parts);
+
+// The whole batch, images and labels, on ctx's device: traced as "h2d" (copied from the host)
+// or "batch_gather" (cut out of the set on the device) on `track`.
 DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
                                   const std::string& track);
 

@@ -38,20 +38,6 @@ double union_us(std::vector<std::pair<int64_t, int64_t>>& spans) {
   return total;
 }
 
-// Steps on the engine, cycling through the preloaded batches.
-struct Stepper {
-  TrainEngine& engine;
-  const std::vector<Batch>& batches;
-  std::function<void()> on_step;
-  size_t next = 0;
-  void run(int64_t steps) {
-    for (int64_t s = 0; s < steps; ++s) {
-      engine.train_step(batches[next++ % batches.size()]);
-      if (on_step) on_step();
-    }
-  }
-};
-
 // Test hooks: REPLICA_BENCH_KILL_RANK=k makes DDP rank k die by SIGKILL after its warm-up,
 // REPLICA_BENCH_STALL_RANK=k makes it stop there forever, so tests can check that a dead or
 // stuck rank ends the benchmark with an error instead of a hang.
@@ -65,6 +51,20 @@ void maybe_die(const TrainEngine& engine) {
 }
 
 }  // namespace
+
+void Stepper::run(int64_t steps) {
+  for (int64_t s = 0; s < steps; ++s) {
+    engine.train_step(batches[next++ % batches.size()]);
+    if (on_step) on_step();
+  }
+}
+
+double Stepper::seconds(int64_t steps) {
+  const auto t0 = Clock::now();
+  run(steps);
+  engine.synchronize();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 Preloaded preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int count,
                           TrainEngine* engine) {
@@ -132,10 +132,7 @@ Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, cons
   for (int r = 0; r < o.repeat; ++r) {
     tracer.clear_events();
     tracer.set_recording(!cuda);
-    const auto t0 = Clock::now();
-    stepper.run(o.steps);
-    engine.synchronize();
-    m.window_seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    m.window_seconds.push_back(stepper.seconds(o.steps));
     tracer.set_recording(false);
     auto ev = tracer.events();
     timed_events.insert(timed_events.end(), ev.begin(), ev.end());
@@ -188,12 +185,8 @@ double probe_step_seconds(const Device& device, const RunOptions& o) {
   const Preloaded pre =
       preload_batches(o.input_shape, o.batch_per_device, o.seed, 2, engine.get());
   Stepper stepper{*engine, pre.batches, {}};
-  stepper.run(1);
-  engine->synchronize();
-  const auto t0 = Clock::now();
-  stepper.run(2);
-  engine->synchronize();
-  return std::chrono::duration<double>(Clock::now() - t0).count() / 2;
+  stepper.seconds(1);
+  return stepper.seconds(2) / 2;
 }
 
 void merge(Measurement& into, const Measurement& next) {

@@ -46,6 +46,17 @@ Preloaded preload_batches(const Shape& shape, int64_t batch, uint64_t seed, int 
 // Where preloaded batches are for these devices, as the rows say it.
 const char* preloaded_data_name(const std::vector<Device>& devices);
 
+// Steps on the engine, cycling through the preloaded batches.
+struct Stepper {
+  TrainEngine& engine;
+  const std::vector<Batch>& batches;
+  std::function<void()> on_step;  // after each step is enqueued (if set)
+  size_t next = 0;
+  void run(int64_t steps);
+  // Runs `steps` and waits for the device: the wall time in seconds.
+  double seconds(int64_t steps);
+};
+
 // track -> phase -> milliseconds per step. Overlapping spans of one (track, phase) count once
 // (their union), so nested spans of one name are not double-counted. The extra track "*" holds,
 // per phase, the union over all tracks: the wall time during which some track was in it.

@@ -7,7 +7,6 @@
 // What it is for: holding a model's op mix against PyTorch's profiler on the same model and
 // batch, and seeing which op a change should go after.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 
 #include <fmt/ranges.h>
@@ -21,18 +20,6 @@
 #include "tools/bench/rows.h"
 
 namespace replica::bench {
-
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-void run_steps(TrainEngine& engine, const std::vector<Batch>& batches, int64_t steps,
-               size_t& next) {
-  for (int64_t s = 0; s < steps; ++s) engine.train_step(batches[next++ % batches.size()]);
-  engine.synchronize();
-}
-
-}  // namespace
 
 int run_ops_suite(const BenchOptions& o) {
   validate_common(o);
@@ -50,23 +37,19 @@ int run_ops_suite(const BenchOptions& o) {
   const Preloaded pre = preload_batches(run.input_shape, o.batch, o.seed, 4, engine.get());
   DeviceContext& ctx = *engine->contexts().at(0);
 
-  size_t next = 0;
-  run_steps(*engine, pre.batches, std::max<int64_t>(o.warmup, 1), next);
-  auto t0 = Clock::now();
-  run_steps(*engine, pre.batches, o.steps, next);
-  const double real_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3 / o.steps;
+  Stepper stepper{*engine, pre.batches, {}};
+  stepper.seconds(std::max<int64_t>(o.warmup, 1));
+  const double real_ms = stepper.seconds(o.steps) * 1e3 / double(o.steps);
 
   OpProfile profile;
   ctx.set_op_profile(&profile);
-  t0 = Clock::now();
+  double profiled_ms = 0;
   try {
-    run_steps(*engine, pre.batches, o.steps, next);
+    profiled_ms = stepper.seconds(o.steps) * 1e3 / double(o.steps);
   } catch (...) {
-    ctx.set_op_profile(nullptr);
+    ctx.set_op_profile(nullptr);  // `profile` goes before the engine
     throw;
   }
-  const double profiled_ms =
-      std::chrono::duration<double>(Clock::now() - t0).count() * 1e3 / o.steps;
   ctx.set_op_profile(nullptr);
 
   std::vector<std::pair<std::string, OpStats>> ops;
@@ -78,10 +61,10 @@ int run_ops_suite(const BenchOptions& o) {
   std::sort(ops.begin(), ops.end(),
             [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
   const double steps = double(o.steps);
+  const std::string shape = fmt::format("{}", fmt::join(run.input_shape, "x"));
   std::printf("replica-bench: suite ops, %s on %s (%s), %s, batch %lld, %lld steps\n",
               o.model.c_str(), device.str().c_str(), precision_name(run.precision),
-              fmt::format("{}", fmt::join(run.input_shape, "x")).c_str(), (long long)o.batch,
-              (long long)o.steps);
+              shape.c_str(), (long long)o.batch, (long long)o.steps);
   std::printf("%-28s %10s %10s %8s %10s\n", "op", "calls/step", "ms/step", "share", "us/call");
   std::vector<nlohmann::json> rows;
   for (const auto& [name, s] : ops) {
@@ -89,8 +72,7 @@ int run_ops_suite(const BenchOptions& o) {
     std::printf("%-28s %10.1f %10.3f %7.1f%% %10.1f\n", name.c_str(), double(s.calls) / steps, ms,
                 100 * share, s.calls ? s.seconds * 1e6 / double(s.calls) : 0.0);
     rows.push_back({{"suite", "ops"}, {"engine", "replica"}, {"model", o.model},
-                    {"input_shape", fmt::format("{}", fmt::join(run.input_shape, "x"))},
-                    {"batch", o.batch}, {"device", device.str()},
+                    {"input_shape", shape}, {"batch", o.batch}, {"device", device.str()},
                     {"precision", precision_name(run.precision)}, {"op", name},
                     {"calls_per_step", double(s.calls) / steps}, {"ms_per_step", ms},
                     {"share", share}, {"step_ms", real_ms}, {"profiled_step_ms", profiled_ms}});
