@@ -12,9 +12,8 @@ namespace replica {
 DeviceContext::DeviceContext(Device device, ContextOptions options)
     : device_(device), options_(options) {
   if (device.is_cpu()) {
-    REPLICA_USAGE_CHECK(options.precision == Precision::Fp32,
-                        "{} computes in fp32: --precision {} needs a CUDA device", device.str(),
-                        precision_name(options.precision));
+    REPLICA_USAGE_CHECK(options.precision != Precision::Tf32,
+                        "{} has no TF32: --precision tf32 needs a CUDA device", device.str());
     threads_ = options.threads > 0 ? options.threads : cpu_cores();
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
@@ -33,7 +32,16 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
   }
 }
 
-const char* precision_name(Precision p) { return p == Precision::Tf32 ? "tf32" : "fp32"; }
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::Tf32:
+      return "tf32";
+    case Precision::Bf16:
+      return "bf16";
+    default:
+      return "fp32";
+  }
+}
 
 bool devices_have_tf32(const std::vector<Device>& devices) {
   bool any = false;
@@ -48,17 +56,21 @@ bool devices_have_tf32(const std::vector<Device>& devices) {
 Precision resolve_precision(const std::string& flag, const std::vector<Device>& devices) {
   if (flag == "fp32") return Precision::Fp32;
   if (flag == "auto") return devices_have_tf32(devices) ? Precision::Tf32 : Precision::Fp32;
-  REPLICA_USAGE_CHECK(flag == "tf32", "unknown --precision '{}' (auto, fp32, tf32)", flag);
+  REPLICA_USAGE_CHECK(flag == "tf32" || flag == "bf16",
+                      "unknown --precision '{}' (auto, fp32, tf32, bf16)", flag);
+  const bool tf32 = flag == "tf32";
   for (const Device& d : devices) {
     // No device name: every DDP rank must give the same line, so the launcher prints it once.
-    REPLICA_USAGE_CHECK(d.is_cuda(), "--precision tf32 needs CUDA devices (CPU devices compute "
-                        "in fp32)");
+    REPLICA_USAGE_CHECK(!tf32 || d.is_cuda(), "--precision tf32 needs CUDA devices (CPU devices "
+                        "compute in fp32, or bf16 by rounding)");
+    if (!d.is_cuda()) continue;
     const int cc = cudart::compute_capability(d.index);
     REPLICA_USAGE_CHECK(cc >= 80,
-                        "--precision tf32 needs TF32 tensor cores (compute capability 8.0+): {} "
-                        "({}) has {:.1f}", d.str(), cudart::device_name(d.index), cc / 10.0);
+                        "--precision {} needs {} tensor cores (compute capability 8.0+): {} "
+                        "({}) has {:.1f}", flag, tf32 ? "TF32" : "bf16", d.str(),
+                        cudart::device_name(d.index), cc / 10.0);
   }
-  return Precision::Tf32;
+  return tf32 ? Precision::Tf32 : Precision::Bf16;
 }
 
 DeviceContext::~DeviceContext() {

@@ -24,15 +24,22 @@ struct CudaState;  // stream, handles, workspace (engine/cuda/cuda_context.cu)
 //         parity and the DP/DDP equivalence tests compare.
 //   Tf32  GPU tensor cores (compute capability 8.0 and later): inputs rounded to TF32's 10-bit
 //         mantissa, products accumulated in fp32; cuBLAS GEMMs and cuDNN convolutions only.
-//         PyTorch's default for convolutions. Storage, elementwise ops, BatchNorm statistics,
-//         the loss and the optimizer stay fp32.
-enum class Precision { Fp32, Tf32 };
-const char* precision_name(Precision p);  // "fp32", "tf32"
+//         PyTorch's default for convolutions.
+//   Bf16  mixed precision as PyTorch's autocast computes it: convolutions and linear layers take
+//         their inputs, weights and incoming gradients rounded to bf16 (bf16_round, ops.h),
+//         accumulate the products in fp32 and round their results (outputs, input gradients,
+//         each step's weight gradient) to bf16; biases are added, and their gradients summed,
+//         in fp32. GPUs: bf16 tensor cores (compute capability 8.0+); CPUs: the same rounding
+//         around the fp32 kernels, for the numbers (it is not faster there).
+// In every mode storage, elementwise ops, BatchNorm and its statistics, the loss, the master
+// weights and the optimizer state stay fp32 (bf16 needs no loss scaling: fp32's exponent range).
+enum class Precision { Fp32, Tf32, Bf16 };
+const char* precision_name(Precision p);  // "fp32", "tf32", "bf16"
 // Whether every CUDA device in `devices` has TF32 tensor cores (false when there is none).
 bool devices_have_tf32(const std::vector<Device>& devices);
-// A --precision flag for these devices: "fp32"; "tf32" (CUDA devices with TF32 only); "auto" =
-// tf32 where every device has it (PyTorch's default for convolutions), else fp32.
-// UsageError for anything else.
+// A --precision flag for these devices: "fp32"; "tf32" (CUDA devices with TF32 only); "bf16"
+// (CUDA devices of compute capability 8.0+, and CPU devices); "auto" = tf32 where every device
+// has it (PyTorch's default for convolutions), else fp32. UsageError for anything else.
 Precision resolve_precision(const std::string& flag, const std::vector<Device>& devices);
 
 struct ContextOptions {

@@ -5,6 +5,7 @@
 // Work is enqueued on the device's stream; nothing here synchronises with the host.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "engine/error.h"
@@ -163,5 +164,24 @@ REPLICA_HOST_DEVICE inline float dropout_uniform(uint64_t seed, uint64_t index) 
   z ^= z >> 31;
   return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
 }
+
+// bf16 is the upper half of an fp32 number: 8 exponent bits as fp32, 7 mantissa bits. Rounded to
+// nearest, ties to even, as tensor cores and PyTorch round; a NaN stays a (quiet) NaN and what is
+// beyond bf16's largest finite value becomes infinity. Every backend rounds through these, so
+// the CPU's bf16 products and the GPU's conversions round alike, bit for bit.
+REPLICA_HOST_DEVICE inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+REPLICA_HOST_DEVICE inline float bf16_value(uint16_t bits) {
+  const uint32_t u = uint32_t(bits) << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+REPLICA_HOST_DEVICE inline float bf16_round(float f) { return bf16_value(bf16_bits(f)); }
 
 }  // namespace replica

@@ -137,8 +137,9 @@ int run(int argc, char** argv) {
                  "(device on GPUs when it takes at most a quarter of their memory, else host)")
       ->capture_default_str();
   app.add_option("--precision", c.precision,
-                 "GEMM and convolution math: fp32 (strict), tf32 (GPU tensor cores), auto (tf32 "
-                 "where every device has it, else fp32)")
+                 "GEMM and convolution math: fp32 (strict), tf32 (GPU tensor cores), bf16 (mixed "
+                 "precision as PyTorch's autocast; rounded alike on CPUs), auto (tf32 where every "
+                 "device has it, else fp32)")
       ->capture_default_str();
   app.add_option("--checkpoint", c.checkpoint_dir,
                  "directory for the checkpoint (written every epoch, at the end and on Ctrl-C)");

@@ -438,6 +438,20 @@ TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counte
   CHECK(ops.count("copy") == 0);
 }
 
+TEST_CASE("replica-bench --precision bf16 on a CPU device: the run and its rows say bf16") {
+  test::TempDir tmp;
+  const auto r = test::run(kBench + " --suite ops --devices cpu --batch 8 --steps 2 --warmup 1 "
+                                    "--threads-per-device 1 --precision bf16 --json " +
+                               tmp.str("ops.jsonl"),
+                           120);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("suite ops, cnn on cpu:0 (bf16)") != std::string::npos);
+  const auto rows = read_lines(tmp.str("ops.jsonl"));
+  REQUIRE(!rows.empty());
+  for (const auto& row : rows) CHECK(row["precision"] == "bf16");
+}
+
 TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   test::TempDir tmp;
   expect_clean_error("--suite ring", "--suite");
@@ -447,7 +461,8 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite dp --batch 0", "--batch");
   expect_clean_error("--suite ddp --backend mpi", "--backend");
   expect_clean_error("--suite dp --devices cpu*2 --precision tf32", "needs CUDA devices");
-  expect_clean_error("--suite single --precision bf16", "unknown --precision");
+  expect_clean_error("--suite single --precision bf16", "--suite single measures CPU threads in fp32");
+  expect_clean_error("--suite dp --precision fp16", "unknown --precision 'fp16'");
   expect_clean_error("--suite single --report " + tmp.str("r"), "--report");
   expect_clean_error("--suite dp --compare x.jsonl", "--compare needs --report");
   expect_clean_error("--suite dp --link nvlink4", "--link needs --report");

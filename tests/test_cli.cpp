@@ -63,7 +63,8 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --devices cpu*1000", "at most");
   expect_clean_error(data + " --devices cuda:99999999999", "GPU 99999999999 does not exist");
   expect_clean_error(data + " --devices cuda:0,1*2", "single GPU");
-  expect_clean_error(data + " --precision bf16", "unknown --precision 'bf16' (auto, fp32, tf32)");
+  expect_clean_error(data + " --precision fp16",
+                     "unknown --precision 'fp16' (auto, fp32, tf32, bf16)");
   expect_clean_error(data + " --devices cpu*2 --precision tf32", "needs CUDA devices");
   expect_clean_error(data + " --mode ps", "--mode");
   expect_clean_error(data + " --data-placement gpu",
@@ -154,10 +155,11 @@ TEST_CASE("a short run writes metrics with the documented fields") {
   CHECK(trace["traceEvents"].size() > 16 * 3);
 }
 
-TEST_CASE("--precision: CPU devices compute in fp32, and the run says which precision it used") {
+TEST_CASE("--precision: CPU devices compute in fp32 or bf16, and the run says which it used") {
   const std::vector<Device> cpus = parse_devices("cpu*2");
   CHECK(resolve_precision("auto", cpus) == Precision::Fp32);
   CHECK(resolve_precision("fp32", cpus) == Precision::Fp32);
+  CHECK(resolve_precision("bf16", cpus) == Precision::Bf16);
   CHECK_THROWS_AS(resolve_precision("tf32", cpus), UsageError);
   CHECK_THROWS_AS(resolve_precision("", cpus), UsageError);
   CHECK_THROWS_AS(DeviceContext(cpus[0], ContextOptions{1, false, Precision::Tf32}), UsageError);
@@ -172,6 +174,15 @@ TEST_CASE("--precision: CPU devices compute in fp32, and the run says which prec
   const auto m = nlohmann::json::parse(in);
   CHECK(m["precision"] == "fp32");
   CHECK(m["config"]["precision"] == "auto");
+
+  // bf16 reaches every DDP rank (the launcher passes the flag on) and the run's metrics.
+  r = run(kTrain + " --data " + tmp.str("data") + " --mode ddp --devices cpu*2 --max-steps 2" +
+          " --no-eval --threads-per-device 1 --precision bf16 --metrics-json " + tmp.str("b.json"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(r.output.find("(ddp mode, bf16, ") != std::string::npos);
+  std::ifstream in_bf16(tmp.str("b.json"));
+  const auto b = nlohmann::json::parse(in_bf16);
+  CHECK(b["precision"] == "bf16");
 }
 
 TEST_CASE("a run resumed from its checkpoint continues bit-identically") {

@@ -4,6 +4,9 @@
 //    about TF32's rounding (relative L2 ~3e-4 for 512-long dot products), where fp32 stays ~1e-7;
 //  - it stays within that rounding for GEMMs and convolutions, forward and backward;
 //  - training follows fp32: a few SGD steps of the CNN and ResNet-18 in tf32 track fp32.
+// `--precision bf16` rounds operands and results to bf16 alike on both backends, so the GPU's
+// bf16 is held against the CPU's bf16 (only the order of the fp32 sums differs, which moves a
+// result by one bf16 step now and then) and must be visibly off fp32 (~2^-9 per operand).
 // Strict fp32 (a DeviceContext's default) is what every parity and equivalence test uses.
 // Skips visibly without a GPU, and the tf32 cases without TF32 tensor cores.
 #include <doctest/doctest.h>
@@ -11,6 +14,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dp_reference.h"
@@ -45,11 +49,13 @@ std::vector<float> random_values(const Shape& shape, uint32_t seed) {
   return v;
 }
 
-// The same op on the CPU (the reference), a GPU context in fp32 and one in tf32.
+// The same op on the CPU (the reference) and GPU contexts in each precision.
 struct Trio {
   DeviceContext cpu{Device{DeviceType::CPU, 0, 0}};
   DeviceContext fp32{kGpu, ContextOptions{0, true, Precision::Fp32}};
   DeviceContext tf32{kGpu, ContextOptions{0, true, Precision::Tf32}};
+  DeviceContext cpu_bf16{Device{DeviceType::CPU, 0, 0}, ContextOptions{0, true, Precision::Bf16}};
+  DeviceContext bf16{kGpu, ContextOptions{0, true, Precision::Bf16}};
 
   Tensor put(DeviceContext& ctx, const std::vector<float>& values, const Shape& shape) {
     Tensor h = cpu.alloc(shape);
@@ -67,13 +73,14 @@ struct Trio {
   }
 };
 
-// Runs `op(ctx, inputs..., outputs...)` on all three contexts; returns each output's values per
-// context: [output][0 = cpu, 1 = fp32, 2 = tf32].
+// Runs `op(ctx, inputs..., outputs...)` on each context of `ctxs`; returns each output's values
+// per context: [output][i] for ctxs[i] (default: 0 = cpu, 1 = fp32, 2 = tf32).
 template <class Op>
 std::vector<std::vector<std::vector<float>>> on_all(Trio& t, const std::vector<Shape>& inputs,
-                                                    const std::vector<Shape>& outputs, Op op) {
+                                                    const std::vector<Shape>& outputs, Op op,
+                                                    std::vector<DeviceContext*> ctxs = {}) {
   std::vector<std::vector<std::vector<float>>> out(outputs.size());
-  DeviceContext* ctxs[] = {&t.cpu, &t.fp32, &t.tf32};
+  if (ctxs.empty()) ctxs = {&t.cpu, &t.fp32, &t.tf32};
   for (DeviceContext* ctx : ctxs) {
     std::vector<Tensor> in, res;
     for (size_t i = 0; i < inputs.size(); ++i)
@@ -96,6 +103,18 @@ void expect_precisions(const std::vector<std::vector<float>>& v, const std::stri
   CHECK(e32 < 1e-5);
   CHECK(etf < 3e-3);
   if (must_differ) CHECK(etf > 2e-5);
+}
+
+// bf16 on the GPU against bf16 on the CPU and fp32 on the CPU ([0] cpu, [1] cpu_bf16, [2] bf16).
+void expect_bf16(const std::vector<std::vector<float>>& v, const std::string& what) {
+  const double vs_cpu = test::relative_l2(v[1], v[2]), vs_fp32 = test::relative_l2(v[0], v[2]);
+  const double cpu_vs_fp32 = test::relative_l2(v[0], v[1]);
+  MESSAGE(what << ": relative L2 of the GPU's bf16 vs the CPU's bf16 " << vs_cpu << ", vs fp32 "
+               << vs_fp32 << " (CPU bf16 vs fp32 " << cpu_vs_fp32 << ")");
+  CHECK(vs_cpu < 1e-3);
+  CHECK(vs_cpu < vs_fp32 / 3);
+  CHECK(vs_fp32 > 5e-4);  // the operands really went through bf16
+  CHECK(vs_fp32 < 1e-2);
 }
 
 }  // namespace
@@ -177,4 +196,67 @@ TEST_CASE("tf32 training follows fp32: CNN 3 SGD steps, ResNet-18 one") {
     CHECK(drift < 2e-2);
     if (model == "cnn") CHECK(drift > 1e-6);  // its GEMMs went through TF32
   }
+}
+
+TEST_CASE("bf16 GEMMs and convolutions: the CPU's bf16 numbers, forward and backward") {
+  if (!have_tf32()) return;  // bf16 tensor cores arrived with TF32's (compute capability 8.0)
+  Trio t;
+  const std::vector<DeviceContext*> ctxs = {&t.cpu, &t.cpu_bf16, &t.bf16};
+  const int64_t N = 128, in = 512, out = 384;
+  auto fwd = on_all(
+      t, {{N, in}, {out, in}, {out}}, {{N, out}},
+      [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+        c.ops().linear_forward(c, i[0], i[1], i[2], o[0]);
+      },
+      ctxs);
+  expect_bf16(fwd[0], "linear y");
+  auto bwd = on_all(
+      t, {{N, in}, {out, in}, {N, out}, {out, in}}, {{N, in}, {out, in}, {out}},
+      [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+        c.ops().copy(c, o[1], i[3]);  // dw accumulates onto a nonzero gradient
+        c.ops().linear_backward(c, i[0], i[1], i[2], o[0], o[1], o[2]);
+      },
+      ctxs);
+  expect_bf16(bwd[0], "linear dx");
+  expect_bf16(bwd[1], "linear dw");
+  CHECK(test::relative_l2(bwd[2][0], bwd[2][2]) < 1e-5);  // bias gradients stay fp32
+
+  for (const auto& [x, w, p] : {std::tuple<Shape, Shape, Conv2dParams>{
+                                    {16, 64, 14, 14}, {64, 64, 3, 3}, {1, 1}},
+                                {{16, 32, 28, 28}, {64, 32, 1, 1}, {2, 0}}}) {
+    CAPTURE(shape_str(x));
+    const int64_t P = window_out(x[2], int(w[2]), p.stride, p.padding);
+    const Shape y{x[0], w[0], P, P};
+    auto cf = on_all(
+        t, {x, w, {w[0]}}, {y},
+        [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+          c.ops().conv2d_forward(c, i[0], i[1], i[2], o[0], p);
+        },
+        ctxs);
+    expect_bf16(cf[0], "conv y");
+    auto cb = on_all(
+        t, {x, w, y}, {x, w},
+        [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+          Tensor no_db;
+          c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], no_db, p);
+        },
+        ctxs);
+    expect_bf16(cb[0], "conv dx");
+    expect_bf16(cb[1], "conv dw");
+  }
+}
+
+TEST_CASE("bf16 training on the GPU follows the CPU's bf16: CNN 3 SGD steps") {
+  if (!have_tf32()) return;
+  EngineOptions o = test::sgd_options("cnn", {1, 28, 28});
+  o.precision = Precision::Bf16;
+  auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
+  auto gpu = make_single_device_engine(kGpu, o);
+  const auto losses = test::train_in_lockstep(*cpu, *gpu, o.input_shape, 3, 8, 6, 1e-2);
+  for (size_t s = 0; s < losses.size(); ++s)
+    MESSAGE("step " << s << ": loss CPU bf16 " << losses[s].first << ", GPU bf16 "
+                    << losses[s].second);
+  const double drift = test::relative_l2(test::params_of(*cpu), test::params_of(*gpu));
+  MESSAGE("parameters after 3 steps, relative L2 GPU vs CPU (both bf16): " << drift);
+  CHECK(drift < 1e-3);
 }

@@ -66,8 +66,8 @@ int run(int argc, char** argv) {
   app.add_option("--reduce", o.reduce, "DP gradient reduction: root | tree")->capture_default_str();
   app.add_option("--backend", o.backend, "DDP collectives: auto | gloo | nccl")->capture_default_str();
   app.add_option("--precision", o.precision,
-                 "dp/ddp: GEMM and convolution math: fp32 | tf32 (GPU tensor cores) | auto (tf32 "
-                 "where every device has it)")
+                 "dp/ddp/ops: GEMM and convolution math: fp32 | tf32 (GPU tensor cores) | bf16 (mixed "
+                 "precision) | auto (tf32 where every device has it)")
       ->capture_default_str();
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds for rendezvous and each collective; ranks that make no "

@@ -7,12 +7,12 @@ model, input, batch, optimizer (Adam 1e-3) and synthetic data, measured in one r
 
 Each case MODEL:CxHxW:BATCH runs `replica-bench --suite dp --device-counts 1` and
 `tools/pytorch_bench.py --mode dp --device-counts 1` at every precision (fp32: strict; tf32:
-tensor-core GEMMs and convolutions; bf16: PyTorch's autocast + channels_last, which replica does
-not have, so its cell says so). Writes DIR/rows.jsonl (every row of both engines) and
+tensor-core GEMMs and convolutions; bf16: mixed precision, PyTorch's autocast + channels_last
+against replica's bf16 products on NCHW). Writes DIR/rows.jsonl (every row of both engines) and
 DIR/table.md (samples/s side by side, the ratio, peak memory), and prints the table.
-Without PyTorch (or without a GPU for tf32/bf16) the cells it cannot fill say why.
+Without PyTorch (or without a GPU for tf32) the cells it cannot fill say why.
 
---with-train also runs `replica-train --synthetic` on each case (replica's precisions), with its
+--with-train also runs `replica-train --synthetic` on each case, with its
 input pipeline, and puts its samples/s beside the benchmark's (preloaded batches) with the share
 of a step spent waiting for data: a second table in DIR/table.md.
 
@@ -83,14 +83,11 @@ def measure(args, model, shape, batch, precision, tmp):
         if getattr(args, flag) is not None:
             timing += ["--" + flag, str(getattr(args, flag))]
     cells = {}
-    if precision == "bf16":
-        cells["replica"] = (None, "no bf16 in replica yet")
-    else:
-        out = os.path.join(tmp, "replica.jsonl")
-        cells["replica"] = run_one(
-            [os.path.join(args.bin, "replica-bench"), "--suite", "dp", "--devices", args.device,
-             "--device-counts", "1", "--batch", str(batch), "--precision", precision,
-             "--json", out] + common + timing, out)
+    out = os.path.join(tmp, "replica.jsonl")
+    cells["replica"] = run_one(
+        [os.path.join(args.bin, "replica-bench"), "--suite", "dp", "--devices", args.device,
+         "--device-counts", "1", "--batch", str(batch), "--precision", precision,
+         "--json", out] + common + timing, out)
     out = os.path.join(tmp, "pytorch.jsonl")
     cells["pytorch"] = run_one(
         [sys.executable, os.path.join(HERE, "pytorch_bench.py"), "--mode", "dp", "--devices",
@@ -190,7 +187,7 @@ def main():
     p.add_argument("--warmup", type=int, help="untimed steps first (both engines)")
     p.add_argument("--repeat", type=int, help="timed windows, median reported (both engines)")
     p.add_argument("--with-train", action="store_true",
-                   help="also run replica-train --synthetic on each case (replica's precisions)")
+                   help="also run replica-train --synthetic on each case")
     p.add_argument("--train-steps", type=int, default=100, help="replica-train's --max-steps")
     p.add_argument("--bin", default=os.path.join(os.path.dirname(HERE), "build", "bin"))
     p.add_argument("--out", required=True, help="directory for rows.jsonl and table.md")
@@ -214,7 +211,7 @@ def main():
         for model, shape, batch in cases:
             for precision in precisions:
                 cells = measure(args, model, shape, batch, precision, tmp)
-                if args.with_train and precision != "bf16":
+                if args.with_train:
                     cells["train"] = run_train(args, model, shape, batch, precision, tmp)
                     if cells["train"][0]:
                         rows.append(dict(cells["train"][0], engine="replica-train"))

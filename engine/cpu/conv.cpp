@@ -188,10 +188,8 @@ void conv2d_backward_batched(DeviceContext& ctx, const float* x, const float* w,
   });
 }
 
-}  // namespace
-
-void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                                const Tensor& b, Tensor& y, const Conv2dParams& prm) {
+void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
+                        Tensor& y, const Conv2dParams& prm) {
   const ConvGeometry g = geometry(x, w, prm);
   REPLICA_CHECK(y.numel() == g.n * g.k * g.pq(), "conv2d: output has the wrong size");
   const float* xp = x.f32();
@@ -217,9 +215,9 @@ void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tenso
   });
 }
 
-void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                                 const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
-                                 const Conv2dParams& prm) {
+void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                          const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
+                          const Conv2dParams& prm) {
   const ConvGeometry g = geometry(x, w, prm);
   const float* xp = x.f32();
   const float* wp = w.f32();
@@ -270,6 +268,31 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
   });
   sum_chunks_into(pw, chunks, wsize, dw.f32());
   conv2d_bias_grad(gp, g, db);
+}
+
+}  // namespace
+
+void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                const Tensor& b, Tensor& y, const Conv2dParams& prm) {
+  if (ctx.precision() != Precision::Bf16) return conv2d_forward_fp32(ctx, x, w, b, y, prm);
+  const ConvGeometry g = geometry(x, w, prm);
+  cpu::bf16_forward(ctx, x, w, b, y, g.pq(), [&](const Tensor& xr, const Tensor& wr, Tensor& out) {
+    conv2d_forward_fp32(ctx, xr, wr, Tensor(), out, prm);
+  });
+}
+
+void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                 const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
+                                 const Conv2dParams& prm) {
+  if (ctx.precision() != Precision::Bf16)
+    return conv2d_backward_fp32(ctx, x, w, dy, dx, dw, db, prm);
+  const ConvGeometry g = geometry(x, w, prm);
+  cpu::bf16_backward(ctx, x, w, dy, dx, dw, db, g.pq(),
+                     [&](const Tensor& xr, const Tensor& wr, const Tensor& dyr, Tensor& dxo,
+                         Tensor& dwo) {
+                       Tensor no_bias;
+                       conv2d_backward_fp32(ctx, xr, wr, dyr, dxo, dwo, no_bias, prm);
+                     });
 }
 
 }  // namespace replica

@@ -4,6 +4,8 @@
 // Deterministic: every reduction is split into chunks fixed by the problem size (never by the
 // thread count or scheduling) and summed in a fixed order.
 #pragma once
+#include <functional>
+
 #include "engine/error.h"
 #include "engine/ops.h"
 
@@ -88,6 +90,18 @@ void pin_blas_to_one_thread();
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
            int64_t ldc);
+
+// Precision::Bf16 around an fp32 product (bf16.cpp). `product` computes without a bias:
+// forward y = f(x, w); backward dx = ... (overwritten, skipped if undefined) and dw += ....
+// Conv and linear layers pass `inner`, the elements per output channel per sample.
+using ProductForward = std::function<void(const Tensor& x, const Tensor& w, Tensor& y)>;
+using ProductBackward = std::function<void(const Tensor& x, const Tensor& w, const Tensor& dy,
+                                           Tensor& dx, Tensor& dw)>;
+void bf16_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
+                  Tensor& y, int64_t inner, const ProductForward& product);
+void bf16_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                   Tensor& dx, Tensor& dw, Tensor& db, int64_t inner,
+                   const ProductBackward& product);
 }  // namespace cpu
 
 }  // namespace replica

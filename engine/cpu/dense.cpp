@@ -32,8 +32,9 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
 
 }  // namespace cpu
 
-void CpuBackend::linear_forward(DeviceContext&, const Tensor& x, const Tensor& w,
-                                const Tensor& b, Tensor& y) {
+namespace {
+
+void linear_forward_fp32(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y) {
   const int64_t n = x.dim(0), in = x.dim(1), out = w.dim(0);
   REPLICA_CHECK(w.dim(1) == in, "linear: input has {} features, weight expects {}", in, w.dim(1));
   const float* xp = x.f32();
@@ -48,8 +49,8 @@ void CpuBackend::linear_forward(DeviceContext&, const Tensor& x, const Tensor& w
   });
 }
 
-void CpuBackend::linear_backward(DeviceContext&, const Tensor& x, const Tensor& w,
-                                 const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db) {
+void linear_backward_fp32(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx,
+                          Tensor& dw, Tensor& db) {
   const int64_t n = x.dim(0), in = x.dim(1), out = w.dim(0);
   const float* xp = x.f32();
   const float* wp = w.f32();
@@ -74,6 +75,27 @@ void CpuBackend::linear_backward(DeviceContext&, const Tensor& x, const Tensor& 
       dbp[o] += s;
     }
   }
+}
+
+}  // namespace
+
+void CpuBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                const Tensor& b, Tensor& y) {
+  if (ctx.precision() != Precision::Bf16) return linear_forward_fp32(x, w, b, y);
+  cpu::bf16_forward(ctx, x, w, b, y, 1, [](const Tensor& xr, const Tensor& wr, Tensor& out) {
+    linear_forward_fp32(xr, wr, Tensor(), out);
+  });
+}
+
+void CpuBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                 const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db) {
+  if (ctx.precision() != Precision::Bf16) return linear_backward_fp32(x, w, dy, dx, dw, db);
+  cpu::bf16_backward(ctx, x, w, dy, dx, dw, db, 1,
+                     [](const Tensor& xr, const Tensor& wr, const Tensor& dyr, Tensor& dxo,
+                        Tensor& dwo) {
+                       Tensor no_bias;
+                       linear_backward_fp32(xr, wr, dyr, dxo, dwo, no_bias);
+                     });
 }
 
 }  // namespace replica

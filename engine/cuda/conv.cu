@@ -1,9 +1,11 @@
-// CUDA backend: 2-D convolution through cuDNN (NCHW, FP32, cross-correlation as PyTorch).
+// CUDA backend: 2-D convolution through cuDNN (NCHW, cross-correlation as PyTorch).
 //
 // Descriptors are built once per configuration and cached in the backend; algorithms are chosen
 // once per configuration with cuDNN's *_v7 heuristics. In fp32 the math type is FMA (no TF32),
 // so results match the CPU backend; in tf32 (Precision::Tf32) each direction runs with the math
 // type of the algorithm chosen for it (tensor ops allowed, down-conversion to fp16/bf16 never).
+// In bf16 (Precision::Bf16) the descriptors hold bf16 data with fp32 compute: operands are
+// rounded into bf16 scratch copies, results widened back into the fp32 tensors (bf16.cu).
 // With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias
 // forward/backward are own kernels (the bias gradient is a fixed-order per-channel reduction,
 // so it is deterministic in every mode).
@@ -24,21 +26,24 @@ int as_int(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
+// Whether a context's convolutions may use tensor cores: tf32, or bf16 data.
+bool tensor_ops(const DeviceContext& ctx) { return ctx.precision() != Precision::Fp32; }
+
 // Picks the first algorithm in heuristic order that succeeded, fits the workspace cap, uses a
-// math type the precision allows (fp32: no tensor ops; tf32: no down-conversion), is
+// math type the precision allows (fp32: no tensor ops; tf32, bf16: no down-conversion), is
 // deterministic when asked, and whose workspace query accepts it under its math type.
 // `ws_query(algo, &bytes)` returns the cuDNN status of that query.
 template <class Perf, class Algo, class WsQuery>
-bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s,
+bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s, bool tensor,
                  cudnnConvolutionDescriptor_t conv, WsQuery ws_query, ConvChoice<Algo>* out) {
   for (int i = 0; i < returned; ++i) {
     const Perf& r = perf[i];
     if (r.status != CUDNN_STATUS_SUCCESS) continue;
     if (r.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
-    if (!s.tf32 && r.mathType == CUDNN_TENSOR_OP_MATH) continue;
+    if (!tensor && r.mathType == CUDNN_TENSOR_OP_MATH) continue;
     if (s.deterministic && r.determinism != CUDNN_DETERMINISTIC) continue;
     if (r.memory > kMaxConvWorkspace) continue;
-    const cudnnMathType_t math = s.tf32 ? r.mathType : CUDNN_FMA_MATH;
+    const cudnnMathType_t math = tensor ? r.mathType : CUDNN_FMA_MATH;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, math));
     size_t bytes = 0;
     if (ws_query(r.algo, &bytes) != CUDNN_STATUS_SUCCESS) continue;
@@ -53,19 +58,22 @@ bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s
 // `find(n, &returned, perf)`; both check their own call) and takes the first acceptable one
 // (choose_algo), else `fallback` in FMA math with its workspace size.
 template <class Perf, class Algo, class Count, class Find, class WsQuery>
-ConvChoice<Algo> pick_algo(const CudaState& s, cudnnConvolutionDescriptor_t conv, Algo fallback,
-                           Count count, Find find, WsQuery ws_query) {
+ConvChoice<Algo> pick_algo(const DeviceContext& ctx, cudnnConvolutionDescriptor_t conv,
+                           Algo fallback, Count count, Find find, WsQuery ws_query) {
   // The heuristics list the math types the descriptor allows; for fp32 data DEFAULT permits
-  // TF32 tensor cores (compute capability 8.0+), FMA forbids them.
+  // TF32 tensor cores (compute capability 8.0+), FMA forbids them; bf16 data runs on tensor
+  // cores under DEFAULT.
+  const CudaState& s = cuda_state(ctx);
+  const bool tensor = tensor_ops(ctx);
   REPLICA_CUDNN_CHECK(
-      cudnnSetConvolutionMathType(conv, s.tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
+      cudnnSetConvolutionMathType(conv, tensor ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
   int max_count = 0;
   count(&max_count);
   std::vector<Perf> perf(std::max(max_count, 1));
   int returned = 0;
   find(static_cast<int>(perf.size()), &returned, perf.data());
   ConvChoice<Algo> c;
-  if (!choose_algo(perf, returned, s, conv, ws_query, &c)) {
+  if (!choose_algo(perf, returned, s, tensor, conv, ws_query, &c)) {
     c = {fallback, 0, CUDNN_FMA_MATH};
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, c.math));
     REPLICA_CUDNN_CHECK(ws_query(c.algo, &c.ws));
@@ -139,7 +147,9 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
                                  const Conv2dParams& p) {
   const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3);
   const int64_t K = w.dim(0), R = w.dim(2);
-  ConvKey key{N, C, H, W, K, R, p.stride, p.padding};
+  const bool bf16 = ctx.precision() == Precision::Bf16;
+  const cudnnDataType_t data = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
+  ConvKey key{N, C, H, W, K, R, p.stride, p.padding, bf16};
   auto it = conv_plans_.find(key);
   if (it != conv_plans_.end()) return it->second;
 
@@ -149,10 +159,10 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan.y));
     REPLICA_CUDNN_CHECK(cudnnCreateFilterDescriptor(&plan.w));
     REPLICA_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&plan.conv));
-    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.x, CUDNN_TENSOR_NCHW, data,
                                                    as_int(N, "N"), as_int(C, "C"),
                                                    as_int(H, "H"), as_int(W, "W")));
-    REPLICA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
+    REPLICA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan.w, data, CUDNN_TENSOR_NCHW,
                                                    as_int(K, "K"), as_int(C, "C"),
                                                    as_int(R, "R"), as_int(R, "R")));
     REPLICA_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(plan.conv, p.padding, p.padding,
@@ -167,7 +177,7 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CHECK(on == N && ok == K && op == P && oq == Q,
                   "conv2d: cuDNN output [{}, {}, {}, {}] differs from expected [{}, {}, {}, {}]",
                   on, ok, op, oq, N, K, P, Q);
-    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.y, CUDNN_TENSOR_NCHW, data,
                                                    on, ok, op, oq));
   } catch (...) {
     destroy_plan(plan);
@@ -196,7 +206,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_fwd) {
       plan.fwd = pick_algo<cudnnConvolutionFwdAlgoPerf_t>(
-          s, plan.conv,
+          ctx, plan.conv,
           CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,  // deterministic, no workspace
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(s.cudnn, n));
@@ -213,10 +223,12 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     }
     void* ws = plan.fwd.ws ? cuda_workspace(s, plan.fwd.ws) : nullptr;
     const float one = 1.f, zero = 0.f;
+    const ProductIo io = forward_io(ctx, x, w, y);
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
-    REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, x.f32(), plan.w, w.f32(),
+    REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, io.x, plan.w, io.w,
                                                 plan.conv, plan.fwd.algo, ws, plan.fwd.ws, &zero,
-                                                plan.y, y.f32()));
+                                                plan.y, io.y));
+    io.finish(io.y, y, false, s.stream);
   }
   if (b.defined()) {
     add_channel_bias_kernel<<<cuda::grid_for(y.numel()), cuda::kThreads, 0, s.stream>>>(
@@ -254,12 +266,15 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   CudaState& s = cuda_state(ctx);
   const float one = 1.f, zero = 0.f;
   const bool have_channels = x.dim(1) > 0;
+  const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
+  const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
+  const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr, want_dw ? &dw : nullptr);
 
-  if (dx.defined() && dx.numel() > 0 && have_channels) {
+  if (want_dx) {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_bwd_data) {
       plan.bwd_data = pick_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
-          s, plan.conv, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,  // deterministic
+          ctx, plan.conv, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,  // deterministic
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(s.cudnn, n));
           },
@@ -275,18 +290,19 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     }
     void* ws = plan.bwd_data.ws ? cuda_workspace(s, plan.bwd_data.ws) : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_data.math));
-    REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, w.f32(), plan.y,
-                                                     dy.f32(), plan.conv, plan.bwd_data.algo, ws,
-                                                     plan.bwd_data.ws, &zero, plan.x, dx.f32()));
+    REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, io.w, plan.y, io.dy,
+                                                     plan.conv, plan.bwd_data.algo, ws,
+                                                     plan.bwd_data.ws, &zero, plan.x, io.dx));
+    io.finish(io.dx, dx, false, s.stream);
   } else if (dx.defined() && dx.numel() > 0) {
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
   }
 
-  if (dw.defined() && dw.numel() > 0 && have_channels) {
+  if (want_dw) {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
     if (!plan.have_bwd_filter) {
       plan.bwd_filter = pick_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
-          s, plan.conv, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,  // deterministic
+          ctx, plan.conv, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,  // deterministic
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(s.cudnn, n));
           },
@@ -302,10 +318,11 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     }
     void* ws = plan.bwd_filter.ws ? cuda_workspace(s, plan.bwd_filter.ws) : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_filter.math));
-    // beta = 1: dw accumulates.
+    const float beta = io.dw_beta();  // fp32: dw accumulates; bf16: this call's part, added after
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
-        s.cudnn, &one, plan.x, x.f32(), plan.y, dy.f32(), plan.conv, plan.bwd_filter.algo, ws,
-        plan.bwd_filter.ws, &one, plan.w, dw.f32()));
+        s.cudnn, &one, plan.x, io.x, plan.y, io.dy, plan.conv, plan.bwd_filter.algo, ws,
+        plan.bwd_filter.ws, &beta, plan.w, io.dw));
+    io.finish(io.dw, dw, true, s.stream);
   }
 
   if (db.defined()) {

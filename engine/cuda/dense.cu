@@ -1,4 +1,6 @@
-// CUDA backend: fully connected layer through cuBLAS SGEMM (plain FP32, no TF32).
+// CUDA backend: fully connected layer through cuBLAS: SGEMM in fp32 and tf32 (the handle's math
+// mode says which, cuda_runtime.cu); in bf16 (Precision::Bf16) GemmEx on bf16 copies of the
+// operands with fp32 compute and a bf16 result, widened back into the fp32 tensor (bf16.cu).
 //
 // cuBLAS is column-major. A row-major [R, C] matrix is the same memory as a column-major
 // [C, R] one, i.e. its transpose, so each row-major product below is written for the transposes:
@@ -47,6 +49,25 @@ LinearDims linear_dims(const Tensor& x, const Tensor& w, const char* op) {
   return {x.dim(0), x.dim(1), w.dim(0)};
 }
 
+// C = alpha op(A) op(B) + beta C, column-major as cublasSgemm; bf16: A, B and C hold bf16.
+void gemm(const CudaState& s, bool bf16, cublasOperation_t ta, cublasOperation_t tb, int64_t m,
+          int64_t n, int64_t k, const void* A, int64_t lda, const void* B, int64_t ldb, float beta,
+          void* C, int64_t ldc) {
+  const float one = 1.f;
+  if (!bf16) {
+    REPLICA_CUBLAS_CHECK(cublasSgemm(s.cublas, ta, tb, to_int(m, "m"), to_int(n, "n"),
+                                     to_int(k, "k"), &one, static_cast<const float*>(A),
+                                     to_int(lda, "lda"), static_cast<const float*>(B),
+                                     to_int(ldb, "ldb"), &beta, static_cast<float*>(C),
+                                     to_int(ldc, "ldc")));
+    return;
+  }
+  REPLICA_CUBLAS_CHECK(cublasGemmEx(s.cublas, ta, tb, to_int(m, "m"), to_int(n, "n"),
+                                    to_int(k, "k"), &one, A, CUDA_R_16BF, to_int(lda, "lda"), B,
+                                    CUDA_R_16BF, to_int(ldb, "ldb"), &beta, C, CUDA_R_16BF,
+                                    to_int(ldc, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 }  // namespace
 
 void CudaBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -66,11 +87,9 @@ void CudaBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tens
   if (in == 0) {
     REPLICA_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.bytes(), s.stream));
   } else {
-    const float one = 1.f, zero = 0.f;
-    REPLICA_CUBLAS_CHECK(cublasSgemm(s.cublas, CUBLAS_OP_T, CUBLAS_OP_N, to_int(out, "out"),
-                                     to_int(N, "N"), to_int(in, "in"), &one, w.f32(),
-                                     to_int(in, "in"), x.f32(), to_int(in, "in"), &zero, y.f32(),
-                                     to_int(out, "out")));
+    const ProductIo io = forward_io(ctx, x, w, y);
+    gemm(s, io.bf16, CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, io.w, in, io.x, in, 0.f, io.y, out);
+    io.finish(io.y, y, false, s.stream);
   }
   if (b.defined()) {
     add_row_bias_kernel<<<cuda::grid_for(N * out), cuda::kThreads, 0, s.stream>>>(
@@ -87,41 +106,37 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
   cuda::expect_device(ctx, dy, op, "dy");
   const auto [N, in, out] = linear_dims(x, w, op);
   cuda::expect_numel(dy, N * out, op, "dy");
-  CudaState& s = cuda_state(ctx);
-  const float one = 1.f, zero = 0.f;
-
   if (dx.defined()) {
     cuda::expect_device(ctx, dx, op, "dx");
     cuda::expect_numel(dx, N * in, op, "dx");
-    if (N > 0 && in > 0) {
-      if (out == 0) {
-        REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
-      } else {
-        REPLICA_CUBLAS_CHECK(cublasSgemm(s.cublas, CUBLAS_OP_N, CUBLAS_OP_N, to_int(in, "in"),
-                                         to_int(N, "N"), to_int(out, "out"), &one, w.f32(),
-                                         to_int(in, "in"), dy.f32(), to_int(out, "out"), &zero,
-                                         dx.f32(), to_int(in, "in")));
-      }
-    }
   }
   if (dw.defined()) {
     cuda::expect_device(ctx, dw, op, "dw");
     cuda::expect_numel(dw, out * in, op, "dw");
-    if (N > 0 && in > 0 && out > 0) {
-      REPLICA_CUBLAS_CHECK(cublasSgemm(s.cublas, CUBLAS_OP_N, CUBLAS_OP_T, to_int(in, "in"),
-                                       to_int(out, "out"), to_int(N, "N"), &one, x.f32(),
-                                       to_int(in, "in"), dy.f32(), to_int(out, "out"), &one,
-                                       dw.f32(), to_int(in, "in")));
-    }
   }
   if (db.defined()) {
     cuda::expect_device(ctx, db, op, "db");
     cuda::expect_numel(db, out, op, "db");
-    if (N > 0 && out > 0) {
-      column_sum_accumulate_kernel<<<cuda::grid_for(out), cuda::kThreads, 0, s.stream>>>(
-          dy.f32(), db.f32(), N, out);
-      REPLICA_LAUNCH_CHECK();
-    }
+  }
+  CudaState& s = cuda_state(ctx);
+  const bool want_dx = dx.defined() && N > 0 && in > 0 && out > 0;
+  const bool want_dw = dw.defined() && N > 0 && in > 0 && out > 0;
+  if (dx.defined() && N > 0 && in > 0 && out == 0)
+    REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
+  const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr, want_dw ? &dw : nullptr);
+  if (want_dx) {
+    gemm(s, io.bf16, CUBLAS_OP_N, CUBLAS_OP_N, in, N, out, io.w, in, io.dy, out, 0.f, io.dx, in);
+    io.finish(io.dx, dx, false, s.stream);
+  }
+  if (want_dw) {  // fp32: dw accumulates (beta 1); bf16: this call's part, added after
+    gemm(s, io.bf16, CUBLAS_OP_N, CUBLAS_OP_T, in, out, N, io.x, in, io.dy, out, io.dw_beta(),
+         io.dw, in);
+    io.finish(io.dw, dw, true, s.stream);
+  }
+  if (db.defined() && N > 0 && out > 0) {
+    column_sum_accumulate_kernel<<<cuda::grid_for(out), cuda::kThreads, 0, s.stream>>>(
+        dy.f32(), db.f32(), N, out);
+    REPLICA_LAUNCH_CHECK();
   }
 }
 

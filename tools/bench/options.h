@@ -26,7 +26,7 @@ struct BenchOptions {
   uint64_t seed = 0;
   std::string reduce = "root";
   std::string backend = "auto";
-  std::string precision = "auto";  // dp/ddp: auto | fp32 | tf32 (engine/context.h)
+  std::string precision = "auto";  // dp/ddp/ops: auto | fp32 | tf32 | bf16 (engine/context.h)
   double timeout_s = 300;
   std::string json, csv, trace_dir;
   std::string report_dir;
