@@ -250,6 +250,26 @@ TEST_CASE("maxpool2d k3 s2 p1 on 7x7: padding is -inf, overlapping windows add g
   CHECK(dx.f32()[24] == 6.f + 7.f + 10.f + 11.f);
 }
 
+TEST_CASE("maxpool2d ties and NaN: the first maximum wins, a NaN is the maximum; relu_backward") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Windows (k2 s2): {1, 3 | 3, 0} -> the first 3 (index 1); {NaN, 2 | 5, NaN} -> the first NaN.
+  Tensor x = make(ctx, {1, 1, 2, 4}, std::vector<float>{1, 3, nan, 2, 3, 0, 5, nan});
+  Tensor y = ctx.alloc({1, 1, 1, 2});
+  ctx.ops().maxpool2d_forward(ctx, x, y, Pool2dParams{2, 2, 0});
+  CHECK(y.f32()[0] == 3.f);
+  CHECK(std::isnan(y.f32()[1]));
+  Tensor dy = make(ctx, {1, 1, 1, 2}, std::vector<float>{10, 20}), dx = ctx.alloc({1, 1, 2, 4});
+  ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, Pool2dParams{2, 2, 0});
+  CHECK(values(dx) == std::vector<float>{0, 10, 20, 0, 0, 0, 0, 0});
+
+  // The gradient passes where the output is positive only (not at 0, not at NaN).
+  Tensor out = make(ctx, {6}, std::vector<float>{2, 0, -1, 0.5f, nan, 3});
+  Tensor g = make(ctx, {6}, std::vector<float>{-4, 5, 6, 7, 8, -9}), d = make(ctx, {6}, 1);
+  ctx.ops().relu_backward(ctx, out, g, d);
+  CHECK(values(d) == std::vector<float>{-4, 0, 0, 7, 0, -9});
+}
+
 TEST_CASE("an empty batch (N = 0) works for linear, conv2d, relu, pooling and the loss") {
   DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
   Backend& ops = ctx.ops();
