@@ -5,7 +5,7 @@
 // `inner` elements per channel per sample (a convolution's P*Q output pixels; 1 for a linear
 // layer). It is for the numbers (what bf16 costs a model in accuracy, a reference for the GPU's
 // bf16), not for speed: each call adds a rounding pass over its operands.
-#include <vector>
+#include <algorithm>
 
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
