@@ -1,9 +1,9 @@
 // Precision::Bf16 on CPU devices: the fp32 kernels run on operands rounded to bf16 and their
 // results are rounded to bf16, which is what a bf16 tensor core computes (exact products of
 // bf16 numbers, summed in fp32, the result stored in bf16) up to the order of the sums. Written
-// once for convolutions and linear layers, whose biases act alike: one value per output channel,
-// `inner` elements per channel per sample (a convolution's P*Q output pixels; 1 for a linear
-// layer). It is for the numbers (what bf16 costs a model in accuracy, a reference for the GPU's
+// once for convolutions and linear layers, whose biases act alike in the forward pass: one value
+// per output channel, `inner` elements per channel per sample (a convolution's P*Q output
+// pixels; 1 for a linear layer); their bias gradients are the fp32 kernels' own. It is for the numbers (what bf16 costs a model in accuracy, a reference for the GPU's
 // bf16), not for speed: each call adds a rounding pass over its operands.
 #include <algorithm>
 
@@ -46,8 +46,7 @@ void bf16_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Te
 }
 
 void bf16_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                   Tensor& dx, Tensor& dw, Tensor& db, int64_t inner,
-                   const ProductBackward& product) {
+                   Tensor& dx, Tensor& dw, const ProductBackward& product) {
   const Tensor xr = rounded(ctx, x), wr = rounded(ctx, w), dyr = rounded(ctx, dy);
   // This call's weight gradient alone, so that it is rounded before it joins the accumulated one
   // (as PyTorch's bf16 weight gradient is before it is added to the fp32 .grad).
@@ -55,25 +54,11 @@ void bf16_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const T
   std::fill(step.f32(), step.f32() + step.numel(), 0.f);
   product(xr, wr, dyr, dx, step);
   if (dx.defined()) round_into(dx.f32(), dx.f32(), dx.numel());
-  if (dw.defined()) {
-    float* d = dw.f32();
-    const float* s = step.f32();
-    parallel_range(dw.numel(), kGrain, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) d[i] += bf16_round(s[i]);
-    });
-  }
-  if (!db.defined()) return;
-  // db[k] += the sum of the fp32 dy over samples and the channel's elements, in order.
-  const int64_t channels = db.numel(), samples = dy.numel() / (channels * inner);
-  const float* g = dy.f32();
-  float* dbp = db.f32();
-  parallel_range(channels, 1, [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      double s = 0.0;
-      for (int64_t n = 0; n < samples; ++n)
-        for (int64_t i = 0; i < inner; ++i) s += g[(n * channels + k) * inner + i];
-      dbp[k] += float(s);
-    }
+  if (!dw.defined()) return;
+  float* d = dw.f32();
+  const float* s = step.f32();
+  parallel_range(dw.numel(), kGrain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) d[i] += bf16_round(s[i]);
   });
 }
 

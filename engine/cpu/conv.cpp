@@ -286,13 +286,13 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
                                  const Conv2dParams& prm) {
   if (ctx.precision() != Precision::Bf16)
     return conv2d_backward_fp32(ctx, x, w, dy, dx, dw, db, prm);
-  const ConvGeometry g = geometry(x, w, prm);
-  cpu::bf16_backward(ctx, x, w, dy, dx, dw, db, g.pq(),
+  cpu::bf16_backward(ctx, x, w, dy, dx, dw,
                      [&](const Tensor& xr, const Tensor& wr, const Tensor& dyr, Tensor& dxo,
                          Tensor& dwo) {
                        Tensor no_bias;
                        conv2d_backward_fp32(ctx, xr, wr, dyr, dxo, dwo, no_bias, prm);
                      });
+  conv2d_bias_grad(dy.f32(), geometry(x, w, prm), db);  // from the fp32 gradient, as in fp32
 }
 
 }  // namespace replica

@@ -93,15 +93,15 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
 
 // Precision::Bf16 around an fp32 product (bf16.cpp). `product` computes without a bias:
 // forward y = f(x, w); backward dx = ... (overwritten, skipped if undefined) and dw += ....
-// Conv and linear layers pass `inner`, the elements per output channel per sample.
+// Forward adds the bias in fp32 after rounding (`inner`: elements per output channel per
+// sample); backward leaves the bias gradient to the caller's fp32 code, summed from fp32 dy.
 using ProductForward = std::function<void(const Tensor& x, const Tensor& w, Tensor& y)>;
 using ProductBackward = std::function<void(const Tensor& x, const Tensor& w, const Tensor& dy,
                                            Tensor& dx, Tensor& dw)>;
 void bf16_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
                   Tensor& y, int64_t inner, const ProductForward& product);
 void bf16_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                   Tensor& dx, Tensor& dw, Tensor& db, int64_t inner,
-                   const ProductBackward& product);
+                   Tensor& dx, Tensor& dw, const ProductBackward& product);
 }  // namespace cpu
 
 }  // namespace replica

@@ -49,8 +49,22 @@ void linear_forward_fp32(const Tensor& x, const Tensor& w, const Tensor& b, Tens
   });
 }
 
+// db[o] += sum_n dy[n, o] (in sample order; skipped if db is undefined)
+void linear_bias_grad(const Tensor& dy, Tensor& db) {
+  if (!db.defined()) return;
+  const int64_t out = db.numel(), n = out ? dy.numel() / out : 0;
+  const float* g = dy.f32();
+  float* dbp = db.f32();
+  for (int64_t o = 0; o < out; ++o) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; ++i) s += g[i * out + o];
+    dbp[o] += s;
+  }
+}
+
+// dx, dw as Backend::linear_backward; no bias gradient.
 void linear_backward_fp32(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx,
-                          Tensor& dw, Tensor& db) {
+                          Tensor& dw) {
   const int64_t n = x.dim(0), in = x.dim(1), out = w.dim(0);
   const float* xp = x.f32();
   const float* wp = w.f32();
@@ -67,14 +81,6 @@ void linear_backward_fp32(const Tensor& x, const Tensor& w, const Tensor& dy, Te
   cpu::parallel_range(out, 8, [&](int64_t o0, int64_t o1) {
     cpu::sgemm(true, false, o1 - o0, in, n, 1.f, g + o0, out, xp, in, 1.f, dwp + o0 * in, in);
   });
-  if (db.defined()) {
-    float* dbp = db.f32();
-    for (int64_t o = 0; o < out; ++o) {
-      float s = 0.f;
-      for (int64_t i = 0; i < n; ++i) s += g[i * out + o];
-      dbp[o] += s;
-    }
-  }
 }
 
 }  // namespace
@@ -89,13 +95,12 @@ void CpuBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tenso
 
 void CpuBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                                  const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db) {
-  if (ctx.precision() != Precision::Bf16) return linear_backward_fp32(x, w, dy, dx, dw, db);
-  cpu::bf16_backward(ctx, x, w, dy, dx, dw, db, 1,
-                     [](const Tensor& xr, const Tensor& wr, const Tensor& dyr, Tensor& dxo,
-                        Tensor& dwo) {
-                       Tensor no_bias;
-                       linear_backward_fp32(xr, wr, dyr, dxo, dwo, no_bias);
-                     });
+  if (ctx.precision() != Precision::Bf16) {
+    linear_backward_fp32(x, w, dy, dx, dw);
+  } else {
+    cpu::bf16_backward(ctx, x, w, dy, dx, dw, linear_backward_fp32);
+  }
+  linear_bias_grad(dy, db);  // from the fp32 gradient in every precision
 }
 
 }  // namespace replica
