@@ -19,7 +19,9 @@ TEST_CASE("gradcheck: Linear with and without bias") {
 TEST_CASE("gradcheck: Conv2d over strides, paddings, kernels and the pointwise path") {
   struct Case { int k, s, pad; bool bias; };
   for (Case c : {Case{3, 2, 1, true}, Case{3, 1, 0, false}, Case{3, 1, 1, true},
-                 Case{1, 1, 0, true}, Case{1, 2, 0, false}, Case{5, 2, 2, true}}) {
+                 Case{1, 1, 0, true}, Case{1, 2, 0, false}, Case{5, 2, 2, true},
+                 // stride 3; a 7x7 kernel wider than the 5-column input (whole rows padding)
+                 Case{3, 3, 2, false}, Case{7, 2, 3, true}}) {
     INFO("kernel ", c.k, " stride ", c.s, " padding ", c.pad, " bias ", c.bias);
     check_module(std::make_unique<Conv2d>(2, 3, c.k, c.s, c.pad, c.bias), kImage,
                  [c](const DT& x, const Params& p) {

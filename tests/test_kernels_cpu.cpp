@@ -250,6 +250,43 @@ TEST_CASE("maxpool2d k3 s2 p1 on 7x7: padding is -inf, overlapping windows add g
   CHECK(dx.f32()[24] == 6.f + 7.f + 10.f + 11.f);
 }
 
+TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows and columns left") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  struct Case { int64_t h, w; int k; };
+  for (Case cs : {Case{6, 8, 2}, Case{5, 7, 2}, Case{7, 8, 3}}) {
+    CAPTURE(cs.k);
+    CAPTURE(cs.h);
+    const int64_t planes = 3, p = cs.h / cs.k, q = cs.w / cs.k, hw = cs.h * cs.w;
+    std::vector<float> xv(size_t(planes * hw));
+    for (size_t i = 0; i < xv.size(); ++i) xv[i] = float((i * 7) % 5);  // many ties
+    xv[5] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> dyv(size_t(planes * p * q)), want_y(dyv.size()), want_dx(xv.size(), 0.f);
+    for (size_t i = 0; i < dyv.size(); ++i) dyv[i] = float(i + 1);
+    for (int64_t pl = 0; pl < planes; ++pl)
+      for (int64_t oy = 0; oy < p; ++oy)
+        for (int64_t ox = 0; ox < q; ++ox) {
+          int64_t best = -1;  // reference: the first maximum, a NaN above every number
+          for (int i = 0; i < cs.k; ++i)
+            for (int j = 0; j < cs.k; ++j) {
+              const int64_t at = pl * hw + (oy * cs.k + i) * cs.w + ox * cs.k + j;
+              const float v = xv[size_t(at)], b = best < 0 ? 0.f : xv[size_t(best)];
+              if (best < 0 || (!std::isnan(b) && (v > b || std::isnan(v)))) best = at;
+            }
+          const size_t o = size_t((pl * p + oy) * q + ox);
+          want_y[o] = xv[size_t(best)];
+          want_dx[size_t(best)] = dyv[o];
+        }
+    const Pool2dParams prm{cs.k, cs.k, 0};
+    Tensor x = make(ctx, {planes, 1, cs.h, cs.w}, xv), y = ctx.alloc({planes, 1, p, q});
+    ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+    for (size_t o = 0; o < want_y.size(); ++o)
+      CHECK((y.f32()[o] == want_y[o] || (std::isnan(y.f32()[o]) && std::isnan(want_y[o]))));
+    Tensor dy = make(ctx, {planes, 1, p, q}, dyv), dx = make(ctx, {planes, 1, cs.h, cs.w}, 9);
+    ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+    CHECK(values(dx) == want_dx);  // every element written: the winner's gradient or 0
+  }
+}
+
 TEST_CASE("maxpool2d ties and NaN: the first maximum wins, a NaN is the maximum; relu_backward") {
   DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
   const float nan = std::numeric_limits<float>::quiet_NaN();

@@ -1,7 +1,8 @@
 // CPU pooling: max pooling (the first maximum of a window wins) and adaptive average pooling.
 // Parallel over planes.
-#include <cmath>
+#include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
@@ -20,26 +21,75 @@ PoolGeometry pool_geometry(const Tensor& x, const Tensor& y) {
   return {x.dim(0) * x.dim(1), x.dim(2), x.dim(3), y.dim(2), y.dim(3)};
 }
 
+// The rules of a window's winner, in one place: a larger value wins, a NaN wins over any number,
+// and among equals (or NaNs) the first in row-major order stays. As a select, not a branch: which
+// element wins is data-dependent, and a mispredicted branch per element cost more than the compare.
+inline void keep_max(float v, int64_t at, float& best_v, int64_t& best) {
+  const bool take = v > best_v || (v != v && best_v == best_v);
+  best_v = take ? v : best_v;
+  best = take ? at : best;
+}
+
 // Index (within the plane) of the first maximum of window (oy, ox); -1 if it is all padding.
-inline int64_t window_argmax(const float* plane, const PoolGeometry& g, const Pool2dParams& prm,
-                             int64_t oy, int64_t ox) {
-  int64_t best = -1;
-  float best_v = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < prm.kernel; ++i) {
-    int64_t iy = oy * prm.stride - prm.padding + i;
-    if (iy < 0 || iy >= g.h) continue;
-    for (int j = 0; j < prm.kernel; ++j) {
-      int64_t ix = ox * prm.stride - prm.padding + j;
-      if (ix < 0 || ix >= g.w) continue;
-      float v = plane[iy * g.w + ix];
-      if (best < 0 || v > best_v || std::isnan(v)) {
-        best = iy * g.w + ix;
-        best_v = v;
-        if (std::isnan(v)) return best;
-      }
+// The window is clamped to the plane once, so the loops test no bounds.
+int64_t window_argmax(const float* plane, const PoolGeometry& g, const Pool2dParams& prm,
+                      int64_t oy, int64_t ox, float& best_v) {
+  const int64_t ty = oy * prm.stride - prm.padding, tx = ox * prm.stride - prm.padding;
+  const int64_t y0 = std::max<int64_t>(ty, 0), y1 = std::min<int64_t>(ty + prm.kernel, g.h);
+  const int64_t x0 = std::max<int64_t>(tx, 0), x1 = std::min<int64_t>(tx + prm.kernel, g.w);
+  best_v = -std::numeric_limits<float>::infinity();
+  if (y0 >= y1 || x0 >= x1) return -1;
+  int64_t best = y0 * g.w + x0;
+  best_v = plane[best];
+  for (int64_t iy = y0; iy < y1; ++iy)
+    for (int64_t i = iy * g.w + x0; i < iy * g.w + x1; ++i) keep_max(plane[i], i, best_v, best);
+  return best;
+}
+
+// Windows that tile the plane (stride = kernel, no padding: the CNN's 2x2) are taken a row of
+// windows at a time, element (i, j) of every window in turn, loops the compiler vectorises; K is
+// the kernel when known at compile time (0: prm.kernel).
+template <int K>
+void tiled_row_winners(const float* plane, const PoolGeometry& g, int kernel, int64_t oy,
+                       float* best, int64_t* at) {
+  const int k = K > 0 ? K : kernel;
+  const int64_t top = oy * k * g.w;
+  for (int64_t ox = 0; ox < g.q; ++ox) {
+    best[ox] = plane[top + ox * k];
+    at[ox] = top + ox * k;
+  }
+  for (int e = 1; e < k * k; ++e) {
+    const int64_t first = top + (e / k) * g.w + e % k;
+    for (int64_t ox = 0; ox < g.q; ++ox) {
+      const int64_t i = first + ox * k;
+      keep_max(plane[i], i, best[ox], at[ox]);
     }
   }
-  return best;
+}
+
+bool tiles(const Pool2dParams& prm) { return prm.stride == prm.kernel && prm.padding == 0; }
+
+// The winners of every window of output row oy: best[ox] its value (-inf when all padding) and
+// at[ox] its index in the plane (-1 then).
+void row_winners(const float* plane, const PoolGeometry& g, const Pool2dParams& prm, int64_t oy,
+                 float* best, int64_t* at) {
+  if (!tiles(prm)) {
+    for (int64_t ox = 0; ox < g.q; ++ox) at[ox] = window_argmax(plane, g, prm, oy, ox, best[ox]);
+  } else if (prm.kernel == 2) {
+    tiled_row_winners<2>(plane, g, 2, oy, best, at);
+  } else {
+    tiled_row_winners<0>(plane, g, prm.kernel, oy, best, at);
+  }
+}
+
+// Runs body(plane index, per-row scratch best, at) for the planes of x, in parallel.
+template <class Body>
+void for_each_plane(const PoolGeometry& g, Body&& body) {
+  cpu::parallel_range(g.planes, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> best(size_t(g.q));
+    std::vector<int64_t> at(size_t(g.q));
+    for (int64_t pl = p0; pl < p1; ++pl) body(pl, best.data(), at.data());
+  });
 }
 
 }  // namespace
@@ -49,35 +99,34 @@ void CpuBackend::maxpool2d_forward(DeviceContext&, const Tensor& x, Tensor& y,
   const PoolGeometry g = pool_geometry(x, y);
   const float* xp = x.f32();
   float* yp = y.f32();
-  cpu::parallel_range(g.planes, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t pl = p0; pl < p1; ++pl) {
-      const float* plane = xp + pl * g.h * g.w;
-      for (int64_t oy = 0; oy < g.p; ++oy)
-        for (int64_t ox = 0; ox < g.q; ++ox) {
-          int64_t a = window_argmax(plane, g, prm, oy, ox);
-          yp[(pl * g.p + oy) * g.q + ox] =
-              a >= 0 ? plane[a] : -std::numeric_limits<float>::infinity();
-        }
+  for_each_plane(g, [&](int64_t pl, float* best, int64_t* at) {
+    for (int64_t oy = 0; oy < g.p; ++oy) {
+      row_winners(xp + pl * g.h * g.w, g, prm, oy, best, at);
+      std::copy(best, best + g.q, yp + (pl * g.p + oy) * g.q);
     }
   });
 }
 
+// Each window's gradient is added at its winner, into a plane zeroed first (overlapping windows
+// add more than one gradient into an element).
 void CpuBackend::maxpool2d_backward(DeviceContext&, const Tensor& x, const Tensor& y,
                                     const Tensor& dy, Tensor& dx, const Pool2dParams& prm) {
   const PoolGeometry g = pool_geometry(x, y);
-  const float* xp = x.f32();
-  const float* gp = dy.f32();
-  float* dxp = dx.f32();
-  cpu::parallel_range(g.planes, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t pl = p0; pl < p1; ++pl) {
-      const float* plane = xp + pl * g.h * g.w;
-      float* dplane = dxp + pl * g.h * g.w;
-      std::fill(dplane, dplane + g.h * g.w, 0.f);
-      for (int64_t oy = 0; oy < g.p; ++oy)
-        for (int64_t ox = 0; ox < g.q; ++ox) {
-          int64_t a = window_argmax(plane, g, prm, oy, ox);
-          if (a >= 0) dplane[a] += gp[(pl * g.p + oy) * g.q + ox];
-        }
+  const bool tiled = tiles(prm);
+  const int k = prm.kernel;
+  for_each_plane(g, [&](int64_t pl, float* best, int64_t* at) {
+    const float* plane = x.f32() + pl * g.h * g.w;
+    float* dplane = dx.f32() + pl * g.h * g.w;
+    const float* grad = dy.f32() + pl * g.p * g.q;
+    // Tiling windows zero the rows under a row of windows just before adding into them, while they
+    // are in cache; what no window covers is zeroed up front.
+    const int64_t rows_owned = tiled ? g.p * k : 0;
+    std::fill(dplane + rows_owned * g.w, dplane + g.h * g.w, 0.f);
+    for (int64_t oy = 0; oy < g.p; ++oy, grad += g.q) {
+      row_winners(plane, g, prm, oy, best, at);
+      if (tiled) std::fill(dplane + oy * k * g.w, dplane + (oy + 1) * k * g.w, 0.f);
+      for (int64_t ox = 0; ox < g.q; ++ox)
+        if (at[ox] >= 0) dplane[at[ox]] += grad[ox];
     }
   });
 }
