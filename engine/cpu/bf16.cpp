@@ -3,8 +3,9 @@
 // bf16 numbers, summed in fp32, the result stored in bf16) up to the order of the sums. Written
 // once for convolutions and linear layers, whose biases act alike in the forward pass: one value
 // per output channel, `inner` elements per channel per sample (a convolution's P*Q output
-// pixels; 1 for a linear layer); their bias gradients are the fp32 kernels' own. It is for the numbers (what bf16 costs a model in accuracy, a reference for the GPU's
-// bf16), not for speed: each call adds a rounding pass over its operands.
+// pixels; 1 for a linear layer); their bias gradients are the fp32 kernels' own. It is for the
+// numbers (what bf16 costs a model in accuracy, a reference for the GPU's bf16), not for speed:
+// each call adds a rounding pass over its operands.
 #include <algorithm>
 
 #include "engine/context.h"

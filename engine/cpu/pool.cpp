@@ -1,8 +1,9 @@
 // CPU pooling: max pooling (the first maximum of a window wins) and adaptive average pooling.
 // Parallel over planes.
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <limits>
-#include <vector>
 
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
@@ -18,28 +19,33 @@ struct PoolGeometry {
 
 PoolGeometry pool_geometry(const Tensor& x, const Tensor& y) {
   REPLICA_CHECK(x.ndim() == 4 && y.ndim() == 4, "pooling expects NCHW tensors");
+  REPLICA_CHECK(x.dim(2) * x.dim(3) <= INT32_MAX, "pooling: a {}x{} plane is too large",
+                x.dim(2), x.dim(3));
   return {x.dim(0) * x.dim(1), x.dim(2), x.dim(3), y.dim(2), y.dim(3)};
 }
+
+// An element's index within its plane (pool_geometry checks that it fits).
+using PlaneIndex = int32_t;
 
 // The rules of a window's winner, in one place: a larger value wins, a NaN wins over any number,
 // and among equals (or NaNs) the first in row-major order stays. As a select, not a branch: which
 // element wins is data-dependent, and a mispredicted branch per element cost more than the compare.
-inline void keep_max(float v, int64_t at, float& best_v, int64_t& best) {
+inline void keep_max(float v, int64_t at, float& best_v, PlaneIndex& best) {
   const bool take = v > best_v || (v != v && best_v == best_v);
   best_v = take ? v : best_v;
-  best = take ? at : best;
+  best = take ? PlaneIndex(at) : best;
 }
 
 // Index (within the plane) of the first maximum of window (oy, ox); -1 if it is all padding.
 // The window is clamped to the plane once, so the loops test no bounds.
-int64_t window_argmax(const float* plane, const PoolGeometry& g, const Pool2dParams& prm,
-                      int64_t oy, int64_t ox, float& best_v) {
+PlaneIndex window_argmax(const float* plane, const PoolGeometry& g, const Pool2dParams& prm,
+                         int64_t oy, int64_t ox, float& best_v) {
   const int64_t ty = oy * prm.stride - prm.padding, tx = ox * prm.stride - prm.padding;
   const int64_t y0 = std::max<int64_t>(ty, 0), y1 = std::min<int64_t>(ty + prm.kernel, g.h);
   const int64_t x0 = std::max<int64_t>(tx, 0), x1 = std::min<int64_t>(tx + prm.kernel, g.w);
   best_v = -std::numeric_limits<float>::infinity();
   if (y0 >= y1 || x0 >= x1) return -1;
-  int64_t best = y0 * g.w + x0;
+  PlaneIndex best = PlaneIndex(y0 * g.w + x0);
   best_v = plane[best];
   for (int64_t iy = y0; iy < y1; ++iy)
     for (int64_t i = iy * g.w + x0; i < iy * g.w + x1; ++i) keep_max(plane[i], i, best_v, best);
@@ -51,12 +57,12 @@ int64_t window_argmax(const float* plane, const PoolGeometry& g, const Pool2dPar
 // the kernel when known at compile time (0: prm.kernel).
 template <int K>
 void tiled_row_winners(const float* plane, const PoolGeometry& g, int kernel, int64_t oy,
-                       float* best, int64_t* at) {
+                       float* best, PlaneIndex* at) {
   const int k = K > 0 ? K : kernel;
   const int64_t top = oy * k * g.w;
   for (int64_t ox = 0; ox < g.q; ++ox) {
     best[ox] = plane[top + ox * k];
-    at[ox] = top + ox * k;
+    at[ox] = PlaneIndex(top + ox * k);
   }
   for (int e = 1; e < k * k; ++e) {
     const int64_t first = top + (e / k) * g.w + e % k;
@@ -72,7 +78,7 @@ bool tiles(const Pool2dParams& prm) { return prm.stride == prm.kernel && prm.pad
 // The winners of every window of output row oy: best[ox] its value (-inf when all padding) and
 // at[ox] its index in the plane (-1 then).
 void row_winners(const float* plane, const PoolGeometry& g, const Pool2dParams& prm, int64_t oy,
-                 float* best, int64_t* at) {
+                 float* best, PlaneIndex* at) {
   if (!tiles(prm)) {
     for (int64_t ox = 0; ox < g.q; ++ox) at[ox] = window_argmax(plane, g, prm, oy, ox, best[ox]);
   } else if (prm.kernel == 2) {
@@ -82,24 +88,27 @@ void row_winners(const float* plane, const PoolGeometry& g, const Pool2dParams& 
   }
 }
 
-// Runs body(plane index, per-row scratch best, at) for the planes of x, in parallel.
+// Runs body(plane index, its row scratch best, at) for the planes of x, in parallel. The scratch,
+// a row per plane, is one block from the device's caching allocator per call: no allocation per
+// task (a task per plane or two).
 template <class Body>
-void for_each_plane(const PoolGeometry& g, Body&& body) {
+void for_each_plane(DeviceContext& ctx, const PoolGeometry& g, Body&& body) {
+  const int64_t n = std::max<int64_t>(g.planes * g.q, 1);
+  Tensor best = ctx.alloc({n});
+  Tensor at = ctx.alloc({n}, DType::I32);
   cpu::parallel_range(g.planes, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> best(size_t(g.q));
-    std::vector<int64_t> at(size_t(g.q));
-    for (int64_t pl = p0; pl < p1; ++pl) body(pl, best.data(), at.data());
+    for (int64_t pl = p0; pl < p1; ++pl) body(pl, best.f32() + pl * g.q, at.i32() + pl * g.q);
   });
 }
 
 }  // namespace
 
-void CpuBackend::maxpool2d_forward(DeviceContext&, const Tensor& x, Tensor& y,
+void CpuBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y,
                                    const Pool2dParams& prm) {
   const PoolGeometry g = pool_geometry(x, y);
   const float* xp = x.f32();
   float* yp = y.f32();
-  for_each_plane(g, [&](int64_t pl, float* best, int64_t* at) {
+  for_each_plane(ctx, g, [&](int64_t pl, float* best, PlaneIndex* at) {
     for (int64_t oy = 0; oy < g.p; ++oy) {
       row_winners(xp + pl * g.h * g.w, g, prm, oy, best, at);
       std::copy(best, best + g.q, yp + (pl * g.p + oy) * g.q);
@@ -109,12 +118,12 @@ void CpuBackend::maxpool2d_forward(DeviceContext&, const Tensor& x, Tensor& y,
 
 // Each window's gradient is added at its winner, into a plane zeroed first (overlapping windows
 // add more than one gradient into an element).
-void CpuBackend::maxpool2d_backward(DeviceContext&, const Tensor& x, const Tensor& y,
+void CpuBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& y,
                                     const Tensor& dy, Tensor& dx, const Pool2dParams& prm) {
   const PoolGeometry g = pool_geometry(x, y);
   const bool tiled = tiles(prm);
   const int k = prm.kernel;
-  for_each_plane(g, [&](int64_t pl, float* best, int64_t* at) {
+  for_each_plane(ctx, g, [&](int64_t pl, float* best, PlaneIndex* at) {
     const float* plane = x.f32() + pl * g.h * g.w;
     float* dplane = dx.f32() + pl * g.h * g.w;
     const float* grad = dy.f32() + pl * g.p * g.q;

@@ -119,9 +119,9 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
     cuda::expect_numel(db, out, op, "db");
   }
   CudaState& s = cuda_state(ctx);
-  const bool want_dx = dx.defined() && N > 0 && in > 0 && out > 0;
-  const bool want_dw = dw.defined() && N > 0 && in > 0 && out > 0;
-  if (dx.defined() && N > 0 && in > 0 && out == 0)
+  const bool product = N > 0 && in > 0 && out > 0;  // else no GEMM has anything to sum
+  const bool want_dx = dx.defined() && product, want_dw = dw.defined() && product;
+  if (dx.defined() && N > 0 && in > 0 && out == 0)  // a sum over no outputs
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
   const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr, want_dw ? &dw : nullptr);
   if (want_dx) {
