@@ -5,7 +5,8 @@
 // collectives pair up), while backward continues. finish() launches the buckets of parameters
 // that got no gradient (unused ones), in order, and waits for every collective, rethrowing the
 // first that failed. The collective itself is the caller's: DP sums a bucket into replica 0
-// (root_reducer.h), DDP all-reduces it and averages (ddp_engine.cpp).
+// with its LocalGroup (dp_engine.cpp), DDP all-reduces it with its ProcessGroup and averages
+// (ddp_engine.cpp).
 #pragma once
 #include <functional>
 #include <memory>

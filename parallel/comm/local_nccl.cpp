@@ -1,53 +1,62 @@
-// LocalNccl's implementation, inside libreplica_nccl.so. These communicators come from
-// ncclCommInitAll and are blocking (its only form): calls return once enqueued. A failed call
-// is reported with the GPU it was for; a failed group call asks every communicator for its
-// asynchronous error, so the message names the GPU(s) in trouble.
+// The LocalGroup of distinct GPUs (local_group.h), inside libreplica_nccl.so. Its communicators
+// come from ncclCommInitAll and are blocking (its only form): calls return once enqueued. A
+// failed call is reported with the GPU it was for; a failed group call asks every communicator
+// for its asynchronous error, so the message names the GPU(s) in trouble.
 #include <nccl.h>
 
 #include "engine/cuda/cuda_check.h"
 #include "engine/error.h"
+#include "engine/trace.h"
 #include "parallel/comm/nccl_plugin.h"
 
 namespace replica {
 
 namespace {
 
-class LocalNcclImpl final : public LocalNccl {
+class LocalNcclGroup final : public LocalGroup {
  public:
-  explicit LocalNcclImpl(const std::vector<DeviceContext*>& contexts) : ctx_(contexts) {
-    for (auto* c : contexts) ordinals_.push_back(c->device().index);
-    comms_.resize(contexts.size());
+  explicit LocalNcclGroup(const std::vector<DeviceContext*>& contexts) : LocalGroup(contexts) {
+    for (auto* c : ctx_) ordinals_.push_back(c->device().index);
+    comms_.resize(ctx_.size());
     const ncclResult_t r = ncclCommInitAll(comms_.data(), int(ordinals_.size()), ordinals_.data());
     if (r != ncclSuccess)
       throw Error(fmt::format("DP over {}: ncclCommInitAll failed: {} ({})", gpu_list(),
                               ncclGetErrorString(r), ncclGetLastError(nullptr)));
   }
 
-  ~LocalNcclImpl() override {
+  ~LocalNcclGroup() override {
     for (auto c : comms_)
       if (c) ncclCommDestroy(c);
   }
 
-  void reduce_to_root(std::vector<Tensor>& buffers, int active) override {
-    const size_t count = size_t(buffers[0].numel());
-    if (count == 0 || active < 2) return;
+  std::string describe() const override { return "nccl (single process, " + gpu_list() + ")"; }
+
+  // Each device's part is enqueued on its own stream, after the backward that wrote it; the
+  // step on device 0's stream comes after the reduce: no events needed.
+  void reduce(int, std::vector<Tensor>& parts) override {
+    TraceSpan span("comm", "reduce");
+    const size_t count = size_t(parts[0].numel());
+    if (count == 0 || active_ < 2) return;
     // Every communicator of the clique takes part; devices without samples this step contribute
     // their zeroed gradients.
     group("ncclReduce", [&](size_t i) {
-      void* data = buffers[i].raw();
+      void* data = parts[i].raw();
       return ncclReduce(data, data, count, ncclFloat, ncclSum, 0, comms_[i],
                         cuda_state(*ctx_[i]).stream);
     });
   }
 
-  void broadcast_from_root(std::vector<Tensor>& buffers) override {
-    const size_t count = size_t(buffers[0].numel());
-    if (count == 0) return;
-    group("ncclBroadcast", [&](size_t i) {
-      void* data = buffers[i].raw();
-      return ncclBroadcast(data, data, count, ncclFloat, 0, comms_[i],
-                           cuda_state(*ctx_[i]).stream);
-    });
+  void broadcast(std::vector<std::vector<Tensor>>& sets) override {
+    TraceSpan span(ctx_[0]->device().str(), "broadcast");
+    for (size_t k = 0; k < sets[0].size(); ++k) {
+      const size_t count = size_t(sets[0][k].numel());
+      if (count == 0) continue;
+      group("ncclBroadcast", [&](size_t i) {
+        void* data = sets[i][k].raw();
+        return ncclBroadcast(data, data, count, ncclFloat, 0, comms_[i],
+                             cuda_state(*ctx_[i]).stream);
+      });
+    }
   }
 
  private:
@@ -100,8 +109,8 @@ class LocalNcclImpl final : public LocalNccl {
 
 }  // namespace
 
-std::unique_ptr<LocalNccl> nccl::make_local(const std::vector<DeviceContext*>& contexts) {
-  return std::make_unique<LocalNcclImpl>(contexts);
+std::unique_ptr<LocalGroup> nccl::make_local(const std::vector<DeviceContext*>& contexts) {
+  return std::make_unique<LocalNcclGroup>(contexts);
 }
 
 }  // namespace replica

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "engine/context.h"
-#include "parallel/comm/local_nccl.h"
+#include "parallel/comm/local_group.h"
 #include "parallel/comm/process_group.h"
 
 namespace replica {
@@ -19,7 +19,7 @@ struct NcclPluginApi {
   std::unique_ptr<ProcessGroup> (*make_group)(const GroupOptions& options, Store& store,
                                               DeviceContext& ctx,
                                               std::unique_ptr<PeerMonitor> monitor);
-  std::unique_ptr<LocalNccl> (*make_local)(const std::vector<DeviceContext*>& contexts);
+  std::unique_ptr<LocalGroup> (*make_local)(const std::vector<DeviceContext*>& contexts);
   std::string (*version)();  // "2.28.9"
 };
 
@@ -33,7 +33,7 @@ std::string nccl_version();
 namespace nccl {
 std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, Store& store,
                                          DeviceContext& ctx, std::unique_ptr<PeerMonitor> monitor);
-std::unique_ptr<LocalNccl> make_local(const std::vector<DeviceContext*>& contexts);
+std::unique_ptr<LocalGroup> make_local(const std::vector<DeviceContext*>& contexts);
 std::string version();
 }  // namespace nccl
 

@@ -3,17 +3,19 @@
 // gather the outputs on device 0, loss and its gradient there, scatter the output gradient,
 // backward on every replica while buckets of gradients are summed into replica 0, optimizer
 // step on device 0, broadcast the parameters and buffers (BatchNorm statistics follow device 0).
+// The collectives are a LocalGroup's (parallel/comm/local_group.h), launched bucket by bucket by
+// the BucketReducer that DDP uses too.
 #include <algorithm>
 #include <thread>
 
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "layers/loss.h"
+#include "parallel/comm/bucket_reducer.h"
+#include "parallel/comm/worker_pool.h"
 #include "parallel/engines/dp_engine.h"
 #include "parallel/engines/engine_steps.h"
-#include "parallel/comm/root_reducer.h"
 #include "parallel/engines/scatter.h"
-#include "parallel/engines/worker_pool.h"
 
 namespace replica {
 
@@ -47,8 +49,20 @@ class DataParallelEngine final : public TrainEngine {
       ctxs.push_back(r.ctx.get());
       models.push_back(r.model.get());
     }
-    reducer_ = std::make_unique<RootReducer>(ctxs, models, dp.strategy, dp.first_bucket_bytes,
-                                             dp.bucket_bytes);
+    // Buckets of gradients summed into replica 0 as backward finishes them on every replica.
+    reducer_ = std::make_unique<BucketReducer>(
+        models, dp.first_bucket_bytes, dp.bucket_bytes,
+        [this](int b) {
+          const Bucket& bucket = reducer_->buckets()[b];
+          std::vector<Tensor> parts;
+          for (auto& r : replicas_)
+            parts.push_back(r.model->flat_grads().view(bucket.offset, {bucket.numel}));
+          group_->reduce(b, parts);
+        },
+        "wait_reduce", [this](int r, int b) { group_->slot_written(r, b); });
+    int64_t largest = 0;
+    for (const Bucket& b : reducer_->buckets()) largest = std::max(largest, b.numel);
+    group_ = make_local_group(ctxs, pool_, dp.strategy, int(reducer_->buckets().size()), largest);
     optimizer_ = make_optimizer(o.optimizer);
     DeviceContext& c0 = primary();
     c0.run([&] {
@@ -85,7 +99,6 @@ class DataParallelEngine final : public TrainEngine {
     c0.run([&] {
       TraceSpan span(replicas_[0].track, "step", &c0);
       optimizer_->step(c0, replicas_[0].model->flat_params(), replicas_[0].model->flat_grads());
-      step_done_.record(c0);
     });
     if (n > 1) broadcast();
     if (macs_per_sample_ == 0) {
@@ -134,17 +147,17 @@ class DataParallelEngine final : public TrainEngine {
   Model& model() override { return *replicas_[0].model; }
   DeviceContext& primary() override { return *replicas_[0].ctx; }
   Optimizer& optimizer() override { return *optimizer_; }
-  void state_loaded() override {
-    primary().run([&] { step_done_.record(primary()); });
-    broadcast();
-  }
+  void state_loaded() override { broadcast(); }
   std::vector<size_t> peak_memory_bytes() const override {
     std::vector<size_t> out;
     for (const auto& r : replicas_) out.push_back(r.ctx->allocator().peak_bytes());
     return out;
   }
   double forward_macs_per_sample() const override { return macs_per_sample_; }
-  int64_t comm_bytes_per_step() const override { return reducer_->bytes_per_step(last_active_); }
+  // Gradient bytes moved to device 0 in one step.
+  int64_t comm_bytes_per_step() const override {
+    return int64_t(last_active_ - 1) * replicas_[0].model->num_params() * int64_t(sizeof(float));
+  }
 
  private:
   struct Replica {
@@ -204,7 +217,8 @@ class DataParallelEngine final : public TrainEngine {
   // Backward on every replica from its rows of the output gradient; buckets reduce into
   // replica 0 as they complete, and device 0 waits for the last one.
   void backward_reduce(const Tensor& dlogits, const std::vector<Chunk>& chunks, int active) {
-    reducer_->begin(active);
+    reducer_->begin(active, /*sync=*/active > 1);  // one replica has nothing to reduce
+    group_->begin(active);
     pool_.run([&](int i) {
       Replica& r = replicas_[i];
       if (i >= active) return;
@@ -222,49 +236,34 @@ class DataParallelEngine final : public TrainEngine {
         TraceSpan span(r.track, "backward", r.ctx.get());
         r.logits = Tensor();
         r.model->backward(*r.ctx, dl);
-        reducer_->backward_done(i);
+        group_->all_written(i);
         r.x = Tensor();
       });
     });
     DeviceContext& c0 = primary();
     TraceSpan span(replicas_[0].track, "reduce", &c0);
-    c0.run([&] { reducer_->finish(); });
+    if (active <= 1) return;
+    c0.run([&] {
+      reducer_->finish();  // the buckets of unused parameters too; rethrows a failed reduction
+      group_->reduced();
+    });
   }
 
-  // Parameters and buffers of replica 0 to every other replica, each on its own worker.
+  // Parameters and buffers of replica 0 to every other replica.
   void broadcast() {
-    Model& m0 = *replicas_[0].model;
-    if (LocalNccl* nccl = reducer_->nccl()) {
-      TraceSpan span(replicas_[0].track, "broadcast");
-      std::vector<Tensor> params, buffers;
-      for (auto& r : replicas_) {
-        params.push_back(r.model->flat_params());
-        buffers.push_back(r.model->flat_buffers());
-      }
-      nccl->broadcast_from_root(params);
-      if (m0.num_buffer_elements() > 0) nccl->broadcast_from_root(buffers);
-      return;
-    }
-    pool_.run([&](int i) {
-      if (i == 0) return;
-      Replica& r = replicas_[i];
-      r.ctx->run([&] {
-        TraceSpan span(r.track, "broadcast", r.ctx.get());
-        step_done_.wait(*r.ctx);
-        r.ctx->ops().copy(*r.ctx, r.model->flat_params(), m0.flat_params());
-        if (m0.num_buffer_elements() > 0)
-          r.ctx->ops().copy(*r.ctx, r.model->flat_buffers(), m0.flat_buffers());
-      });
-    });
+    std::vector<std::vector<Tensor>> sets;
+    for (auto& r : replicas_) sets.push_back({r.model->flat_params(), r.model->flat_buffers()});
+    group_->broadcast(sets);
   }
 
   WorkerPool pool_;
   std::vector<Replica> replicas_;
-  std::unique_ptr<RootReducer> reducer_;
+  std::unique_ptr<LocalGroup> group_;
+  std::unique_ptr<BucketReducer> reducer_;
   std::unique_ptr<Optimizer> optimizer_;
   CrossEntropyLoss criterion_;
   Tensor loss_;
-  StreamEvent loss_done_, step_done_;
+  StreamEvent loss_done_;
   double macs_per_sample_ = 0;
   int last_active_ = 1;
 };

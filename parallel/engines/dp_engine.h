@@ -2,7 +2,7 @@
 #pragma once
 #include <vector>
 
-#include "parallel/comm/root_reducer.h"
+#include "parallel/comm/local_group.h"
 #include "parallel/engines/train_engine.h"
 
 namespace replica {

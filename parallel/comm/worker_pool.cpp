@@ -1,4 +1,4 @@
-#include "parallel/engines/worker_pool.h"
+#include "parallel/comm/worker_pool.h"
 
 namespace replica {
 

@@ -1,7 +1,8 @@
-// WorkerPool: one long-lived thread per device. run(f) executes f(i) on worker i for every i at
-// once and returns when all have finished (rethrowing the first error). The same thread always
-// serves the same device, so per-thread state (the current CUDA device, the TBB arena it joins)
-// stays put across iterations.
+// WorkerPool: the ranks of a DP job, one long-lived thread per device. run(f) executes f(i) on
+// worker i for every i at once and returns when all have finished (rethrowing the first error).
+// The same thread always serves the same device, so per-thread state (the current CUDA device,
+// the TBB arena it joins) stays put across iterations. The DP engine runs its phases on it, and
+// the LocalGroup its per-rank copies (local_group.h).
 #pragma once
 #include <condition_variable>
 #include <exception>
