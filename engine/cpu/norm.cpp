@@ -1,5 +1,12 @@
-// CPU batch normalisation. Parallel over channels; every sum runs in a fixed order, in double,
-// so results are reproducible and close to a double reference.
+// CPU batch normalisation. Parallel over ranges of channels; every per-channel sum runs in
+// double in one fixed order (sample by sample, then pixel by pixel), so results are
+// reproducible for any thread count and close to a double reference.
+//
+// Each range of channels is visited sample by sample: for one sample its channels' rows are one
+// contiguous block, read in address order. Visiting channel by channel instead reads rows of
+// hw floats scattered C*hw apart, and sums each channel in one dependent chain; in a ResNet's
+// later stages (hw = 16, 4, 1 at 28x28 input) that was 1.5-3x slower for the same sums.
+#include <algorithm>
 #include <cmath>
 
 #include "engine/context.h"
@@ -20,9 +27,44 @@ NchwDims nchw(const Tensor& x) {
   return {x.dim(0), x.dim(1), x.ndim() == 4 ? x.dim(2) * x.dim(3) : 1};
 }
 
+// f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements.
+template <class F>
+void for_channel_ranges(const NchwDims& d, F&& f) {
+  const int64_t per_channel = std::max<int64_t>(d.n * d.hw, 1);
+  cpu::parallel_range(d.c, std::max<int64_t>(cpu::kGrain / per_channel, 1), f);
+}
+
+// row(c, begin, end) for every row of channels [c0, c1), sample by sample: [begin, end) are the
+// row's element indices in the tensor, so each channel's elements come in the order n, then
+// pixel. The callers loop over a row with the channel's constants in locals: stores through a
+// float* could otherwise change them, and every element would reload them.
+template <class F>
+void visit_by_sample(const NchwDims& d, int64_t c0, int64_t c1, F&& row) {
+  for (int64_t n = 0; n < d.n; ++n)
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t begin = (n * d.c + c) * d.hw;
+      row(c, begin, begin + d.hw);
+    }
+}
+
+// Two per-channel double accumulators for a call, from the device's caching allocator.
+struct ChannelSums {
+  Tensor block;
+  double* a;
+  double* b;
+  ChannelSums(DeviceContext& ctx, int64_t channels)
+      : block(ctx.alloc({4 * channels})),  // 2 * channels doubles
+        a(static_cast<double*>(block.raw())),
+        b(a + channels) {}
+  void zero(int64_t c0, int64_t c1) {
+    std::fill(a + c0, a + c1, 0.0);
+    std::fill(b + c0, b + c1, 0.0);
+  }
+};
+
 }  // namespace
 
-void CpuBackend::batchnorm_forward_train(DeviceContext&, const Tensor& x, const Tensor& gamma,
+void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
                                          const Tensor& beta, Tensor& running_mean,
                                          Tensor& running_var, float momentum, float eps,
                                          Tensor& y, Tensor& save_mean, Tensor& save_invstd) {
@@ -32,35 +74,41 @@ void CpuBackend::batchnorm_forward_train(DeviceContext&, const Tensor& x, const 
                        "(got input {}); use a larger batch", shape_str(x.shape()));
   const float* xp = x.f32();
   float* yp = y.f32();
-  cpu::parallel_range(d.c, 1, [&](int64_t c0, int64_t c1) {
+  ChannelSums sums(ctx, d.c);
+  double* mean = sums.a;
+  double* sq = sums.b;
+  for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
+    sums.zero(c0, c1);
+    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+      double sum = mean[c];
+      for (int64_t at = b; at < e; ++at) sum += xp[at];
+      mean[c] = sum;
+    });
+    for (int64_t c = c0; c < c1; ++c) mean[c] /= m;
+    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+      const double mu = mean[c];
+      double sum = sq[c];
+      for (int64_t at = b; at < e; ++at) sum += (xp[at] - mu) * (xp[at] - mu);
+      sq[c] = sum;
+    });
+    // Per channel: the statistics, then y = x * scale + shift with scale and shift in float
+    // (kept in the accumulators' place: scale in sq[c], shift in mean[c]).
     for (int64_t c = c0; c < c1; ++c) {
-      double sum = 0.0;
-      for (int64_t n = 0; n < d.n; ++n) {
-        const float* p = xp + (n * d.c + c) * d.hw;
-        for (int64_t i = 0; i < d.hw; ++i) sum += p[i];
-      }
-      const double mean = sum / m;
-      double sq = 0.0;
-      for (int64_t n = 0; n < d.n; ++n) {
-        const float* p = xp + (n * d.c + c) * d.hw;
-        for (int64_t i = 0; i < d.hw; ++i) sq += (p[i] - mean) * (p[i] - mean);
-      }
-      const double var = sq / m;
+      const double mu = mean[c], var = sq[c] / m;
       const double invstd = 1.0 / std::sqrt(var + eps);
-      const float scale = float(gamma.f32()[c] * invstd);
-      const float shift = float(beta.f32()[c] - mean * gamma.f32()[c] * invstd);
-      for (int64_t n = 0; n < d.n; ++n) {
-        const float* p = xp + (n * d.c + c) * d.hw;
-        float* o = yp + (n * d.c + c) * d.hw;
-        for (int64_t i = 0; i < d.hw; ++i) o[i] = p[i] * scale + shift;
-      }
-      save_mean.f32()[c] = float(mean);
+      save_mean.f32()[c] = float(mu);
       save_invstd.f32()[c] = float(invstd);
       float& rm = running_mean.f32()[c];
       float& rv = running_var.f32()[c];
-      rm = float((1.0 - momentum) * rm + momentum * mean);
+      rm = float((1.0 - momentum) * rm + momentum * mu);
       rv = float((1.0 - momentum) * rv + momentum * var * m / (m - 1));
+      sq[c] = float(gamma.f32()[c] * invstd);
+      mean[c] = float(beta.f32()[c] - mu * gamma.f32()[c] * invstd);
     }
+    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+      const float scale = float(sq[c]), shift = float(mean[c]);
+      for (int64_t at = b; at < e; ++at) yp[at] = xp[at] * scale + shift;
+    });
   });
 }
 
@@ -84,41 +132,49 @@ void CpuBackend::batchnorm_forward_eval(DeviceContext&, const Tensor& x, const T
   });
 }
 
-void CpuBackend::batchnorm_backward(DeviceContext&, const Tensor& x, const Tensor& gamma,
+void CpuBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
                                     const Tensor& save_mean, const Tensor& save_invstd,
                                     const Tensor& dy, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
   const NchwDims d = nchw(x);
   const int64_t m = d.n * d.hw;
   const float* xp = x.f32();
   const float* gp = dy.f32();
+  const float* meanp = save_mean.f32();
+  const float* invstdp = save_invstd.f32();
+  const float* gammap = gamma.f32();
+  float* dgammap = dgamma.f32();
+  float* dbetap = dbeta.f32();
   float* dxp = dx.defined() ? dx.f32() : nullptr;
-  cpu::parallel_range(d.c, 1, [&](int64_t c0, int64_t c1) {
+  ChannelSums sums(ctx, d.c);
+  double* sum_dy = sums.a;
+  double* sum_dy_xhat = sums.b;
+  for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
+    sums.zero(c0, c1);
+    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+      const double mean = meanp[c], invstd = invstdp[c];
+      double s_dy = sum_dy[c], s_dy_xhat = sum_dy_xhat[c];
+      for (int64_t at = b; at < e; ++at) {
+        s_dy += gp[at];
+        s_dy_xhat += gp[at] * (xp[at] - mean) * invstd;
+      }
+      sum_dy[c] = s_dy;
+      sum_dy_xhat[c] = s_dy_xhat;
+    });
     for (int64_t c = c0; c < c1; ++c) {
-      const double mean = save_mean.f32()[c], invstd = save_invstd.f32()[c];
-      double sum_dy = 0.0, sum_dy_xhat = 0.0;
-      for (int64_t n = 0; n < d.n; ++n) {
-        const float* p = xp + (n * d.c + c) * d.hw;
-        const float* g = gp + (n * d.c + c) * d.hw;
-        for (int64_t i = 0; i < d.hw; ++i) {
-          sum_dy += g[i];
-          sum_dy_xhat += g[i] * (p[i] - mean) * invstd;
-        }
-      }
-      dgamma.f32()[c] += float(sum_dy_xhat);
-      dbeta.f32()[c] += float(sum_dy);
-      if (!dxp) continue;
-      // dx = gamma*invstd/m * (m*dy - sum(dy) - xhat*sum(dy*xhat))
-      const double k = gamma.f32()[c] * invstd / m;
-      for (int64_t n = 0; n < d.n; ++n) {
-        const float* p = xp + (n * d.c + c) * d.hw;
-        const float* g = gp + (n * d.c + c) * d.hw;
-        float* o = dxp + (n * d.c + c) * d.hw;
-        for (int64_t i = 0; i < d.hw; ++i) {
-          const double xhat = (p[i] - mean) * invstd;
-          o[i] = float(k * (m * double(g[i]) - sum_dy - xhat * sum_dy_xhat));
-        }
-      }
+      dgammap[c] += float(sum_dy_xhat[c]);
+      dbetap[c] += float(sum_dy[c]);
     }
+    if (!dxp) return;
+    // dx = gamma*invstd/m * (m*dy - sum(dy) - xhat*sum(dy*xhat))
+    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+      const double mean = meanp[c], invstd = invstdp[c];
+      const double k = gammap[c] * invstd / m;
+      const double s_dy = sum_dy[c], s_dy_xhat = sum_dy_xhat[c];
+      for (int64_t at = b; at < e; ++at) {
+        const double xhat = (xp[at] - mean) * invstd;
+        dxp[at] = float(k * (m * double(gp[at]) - s_dy - xhat * s_dy_xhat));
+      }
+    });
   });
 }
 
