@@ -26,6 +26,7 @@ class DdpEngine final : public TrainEngine {
       : ctx_(device, context_options(o, o.threads_per_device)),
         store_(d.store),
         track_(fmt::format("rank{} {}", d.rank, device.str())),
+        step_(ctx_, o.optimizer),
         check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),
         accumulate_(d.accumulate) {
     REPLICA_USAGE_CHECK(d.accumulate >= 1, "--accumulate must be at least 1, got {}", d.accumulate);
@@ -54,11 +55,6 @@ class DdpEngine final : public TrainEngine {
       model_->set_grad_hook(
           [this](const std::vector<Param*>& ready) { reducer_->on_ready(0, ready); });
     }
-    optimizer_ = make_optimizer(o.optimizer);
-    ctx_.run([&] {
-      loss_ = ctx_.alloc({1});  // a buffer of its own: micro-batch losses are summed into it
-      ctx_.ops().fill(ctx_, loss_, 0.f);
-    });
     sync_from_rank0();  // identical starting point on every rank
   }
 
@@ -92,18 +88,22 @@ class DdpEngine final : public TrainEngine {
         {
           TraceSpan span(track_, "forward", &ctx_);
           Tensor logits = model_->forward(ctx_, xk);
-          Tensor loss = criterion_.forward(ctx_, logits, yk);
+          Tensor loss = step_.criterion.forward(ctx_, logits, yk);
           if (last == 0) {
-            loss_ = loss;
+            step_.loss = loss;
           } else {
-            if (k == 0) ctx_.ops().fill(ctx_, loss_, 0.f);
-            ctx_.ops().add(ctx_, loss_, loss, float(micro[k].count) / float(batch.size()));
+            // Micro-batch losses are summed into a buffer of the step's own.
+            if (k == 0) {
+              step_.loss = ctx_.alloc({1});
+              ctx_.ops().fill(ctx_, step_.loss, 0.f);
+            }
+            ctx_.ops().add(ctx_, step_.loss, loss, float(micro[k].count) / float(batch.size()));
           }
         }
         if (reducer_) reducer_->begin(1, /*sync=*/k == last);  // no_sync but for the last
         {
           TraceSpan span(track_, "backward", &ctx_);
-          model_->backward(ctx_, criterion_.backward(ctx_, batch.size()));
+          model_->backward(ctx_, step_.criterion.backward(ctx_, batch.size()));
         }
       }
       {
@@ -116,25 +116,20 @@ class DdpEngine final : public TrainEngine {
       }
       {
         TraceSpan span(track_, "step", &ctx_);
-        optimizer_->step(ctx_, model_->flat_params(), model_->flat_grads());
+        step_.optimizer->step(ctx_, model_->flat_params(), model_->flat_grads());
       }
       if (check_sync_) verify_in_sync();
     });
-    if (macs_per_sample_ == 0) macs_per_sample_ = model_->last_forward_macs() / batch.size();
+    step_.note_forward(model_->last_forward_macs(), batch.size());
   }
 
   float last_loss() override {
-    Tensor host = Tensor::empty(host_allocator(), {1});
-    ctx_.run([&] {
-      ctx_.ops().copy(ctx_, host, loss_);
-      group_->synchronize(ctx_);
-      ctx_.synchronize();
-    });
-    return host.f32()[0];
+    ctx_.run([&] { group_->synchronize(ctx_); });  // a failed collective surfaces here
+    return step_.read_loss(ctx_);
   }
 
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    evaluate_batch(ctx_, *model_, criterion_, batch, 0, batch.size(), loss_sum, correct);
+    evaluate_batch(ctx_, *model_, step_.criterion, batch, 0, batch.size(), loss_sum, correct);
   }
 
   // Sums each rank's evaluation totals, so every rank reports the same metrics.
@@ -168,12 +163,12 @@ class DdpEngine final : public TrainEngine {
   }
   Model& model() override { return *model_; }
   DeviceContext& primary() override { return ctx_; }
-  Optimizer& optimizer() override { return *optimizer_; }
+  Optimizer& optimizer() override { return *step_.optimizer; }
   void state_loaded() override { sync_from_rank0(); }
   std::vector<size_t> peak_memory_bytes() const override {
     return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
   }
-  double forward_macs_per_sample() const override { return macs_per_sample_; }
+  double forward_macs_per_sample() const override { return step_.macs_per_sample; }
   void finish() override {
     ctx_.run([&] { group_->leave(ctx_); });
   }
@@ -200,7 +195,7 @@ class DdpEngine final : public TrainEngine {
     ctx_.synchronize();
     REPLICA_CHECK(std::memcmp(mine.raw(), host.raw(), mine.bytes()) == 0,
                   "rank {}: parameters differ from rank 0's after step {}", group_->rank(),
-                  optimizer_->steps());
+                  step_.optimizer->steps());
   }
 
   void sync_from_rank0() {
@@ -216,13 +211,11 @@ class DdpEngine final : public TrainEngine {
   DeviceContext ctx_;
   std::shared_ptr<Store> store_;  // the rendezvous store, alive as long as the group uses it
   std::string track_;
+  PrimaryStep step_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<ProcessGroup> group_;
   std::unique_ptr<BucketReducer> reducer_;
-  std::unique_ptr<Optimizer> optimizer_;
-  CrossEntropyLoss criterion_;
-  Tensor loss_;
-  double macs_per_sample_ = 0;
+
   bool check_sync_;
   int accumulate_;
 };

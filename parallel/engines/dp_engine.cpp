@@ -6,6 +6,7 @@
 // The collectives are a LocalGroup's (parallel/comm/local_group.h), launched bucket by bucket by
 // the BucketReducer that DDP uses too.
 #include <algorithm>
+#include <optional>
 #include <thread>
 
 #include "engine/error.h"
@@ -63,12 +64,7 @@ class DataParallelEngine final : public TrainEngine {
     int64_t largest = 0;
     for (const Bucket& b : reducer_->buckets()) largest = std::max(largest, b.numel);
     group_ = make_local_group(ctxs, pool_, dp.strategy, int(reducer_->buckets().size()), largest);
-    optimizer_ = make_optimizer(o.optimizer);
-    DeviceContext& c0 = primary();
-    c0.run([&] {
-      loss_ = c0.alloc({1});
-      c0.ops().fill(c0, loss_, 0.f);
-    });
+    step_.emplace(primary(), o.optimizer);
   }
 
   std::string mode() const override { return "dp"; }
@@ -98,25 +94,16 @@ class DataParallelEngine final : public TrainEngine {
     DeviceContext& c0 = primary();
     c0.run([&] {
       TraceSpan span(replicas_[0].track, "step", &c0);
-      optimizer_->step(c0, replicas_[0].model->flat_params(), replicas_[0].model->flat_grads());
+      step_->optimizer->step(c0, replicas_[0].model->flat_params(),
+                             replicas_[0].model->flat_grads());
     });
     if (n > 1) broadcast();
-    if (macs_per_sample_ == 0) {
-      double macs = 0;
-      for (int i = 0; i < active; ++i) macs += replicas_[i].model->last_forward_macs();
-      macs_per_sample_ = macs / total;
-    }
+    double macs = 0;
+    for (int i = 0; i < active; ++i) macs += replicas_[i].model->last_forward_macs();
+    step_->note_forward(macs, total);
   }
 
-  float last_loss() override {
-    DeviceContext& c0 = primary();
-    Tensor host = Tensor::empty(host_allocator(), {1});
-    c0.run([&] {
-      c0.ops().copy(c0, host, loss_);
-      c0.synchronize();
-    });
-    return host.f32()[0];
-  }
+  float last_loss() override { return step_->read_loss(primary()); }
 
   // Evaluation: each replica takes its chunk of the batch (every replica holds the same
   // parameters); the per-chunk loss sums and hit counts are added up.
@@ -146,14 +133,14 @@ class DataParallelEngine final : public TrainEngine {
   }
   Model& model() override { return *replicas_[0].model; }
   DeviceContext& primary() override { return *replicas_[0].ctx; }
-  Optimizer& optimizer() override { return *optimizer_; }
+  Optimizer& optimizer() override { return *step_->optimizer; }
   void state_loaded() override { broadcast(); }
   std::vector<size_t> peak_memory_bytes() const override {
     std::vector<size_t> out;
     for (const auto& r : replicas_) out.push_back(r.ctx->allocator().peak_bytes());
     return out;
   }
-  double forward_macs_per_sample() const override { return macs_per_sample_; }
+  double forward_macs_per_sample() const override { return step_->macs_per_sample; }
   // Gradient bytes moved to device 0 in one step.
   int64_t comm_bytes_per_step() const override {
     return int64_t(last_active_ - 1) * replicas_[0].model->num_params() * int64_t(sizeof(float));
@@ -207,8 +194,8 @@ class DataParallelEngine final : public TrainEngine {
         }
       }
       Tensor labels = batch_rows(c0, batch, 0, batch.size(), BatchParts::Labels).labels;
-      loss_ = criterion_.forward(c0, all, labels);
-      dlogits = criterion_.backward(c0);
+      step_->loss = step_->criterion.forward(c0, all, labels);
+      dlogits = step_->criterion.backward(c0);
       loss_done_.record(c0);
     });
     return dlogits;
@@ -260,11 +247,8 @@ class DataParallelEngine final : public TrainEngine {
   std::vector<Replica> replicas_;
   std::unique_ptr<LocalGroup> group_;
   std::unique_ptr<BucketReducer> reducer_;
-  std::unique_ptr<Optimizer> optimizer_;
-  CrossEntropyLoss criterion_;
-  Tensor loss_;
+  std::optional<PrimaryStep> step_;  // on device 0, made once the replicas are
   StreamEvent loss_done_;
-  double macs_per_sample_ = 0;
   int last_active_ = 1;
 };
 

@@ -59,4 +59,21 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
   });
 }
 
+PrimaryStep::PrimaryStep(DeviceContext& ctx, const OptimizerOptions& optimizer_options)
+    : optimizer(make_optimizer(optimizer_options)) {
+  ctx.run([&] {
+    loss = ctx.alloc({1});
+    ctx.ops().fill(ctx, loss, 0.f);
+  });
+}
+
+float PrimaryStep::read_loss(DeviceContext& ctx) {
+  Tensor host = Tensor::empty(host_allocator(), {1});
+  ctx.run([&] {
+    ctx.ops().copy(ctx, host, loss);
+    ctx.synchronize();
+  });
+  return host.f32()[0];
+}
+
 }  // namespace replica

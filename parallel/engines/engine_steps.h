@@ -1,8 +1,10 @@
-// Pieces every engine shares: moving a host batch to a device, and one evaluation batch.
+// Pieces every engine shares: moving a host batch to a device, one evaluation batch, and what
+// the step on the primary device keeps.
 #pragma once
 #include "engine/data/loader.h"
 #include "layers/loss.h"
 #include "layers/model.h"
+#include "layers/optimizer.h"
 
 namespace replica {
 
@@ -33,5 +35,23 @@ DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
                     const Batch& batch, int64_t begin, int64_t end, double& loss_sum,
                     int64_t& correct);
+
+// The step on an engine's primary device (DP: device 0; DDP: this rank's): its optimizer and
+// criterion, the last step's mean loss (a device tensor: reading it is a host sync), and the
+// forward's multiply-adds per sample, taken from the first step.
+struct PrimaryStep {
+  PrimaryStep(DeviceContext& ctx, const OptimizerOptions& optimizer_options);
+  // The last loss, copied to the host once ctx's stream has computed it.
+  float read_loss(DeviceContext& ctx);
+  // After a step over `samples` samples whose forward did `macs` multiply-adds (first step only).
+  void note_forward(double macs, int64_t samples) {
+    if (macs_per_sample == 0) macs_per_sample = macs / double(samples);
+  }
+
+  std::unique_ptr<Optimizer> optimizer;
+  CrossEntropyLoss criterion;
+  Tensor loss;
+  double macs_per_sample = 0;
+};
 
 }  // namespace replica

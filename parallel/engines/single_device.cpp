@@ -15,12 +15,10 @@ class SingleDeviceEngine final : public TrainEngine {
  public:
   SingleDeviceEngine(const Device& device, const EngineOptions& o)
       : ctx_(device, context_options(o, o.threads_per_device)),
-        track_(device.str()) {
+        track_(device.str()),
+        step_(ctx_, o.optimizer) {
     model_ = make_model(o.model, o.input_shape, o.num_classes);
     ctx_.run([&] { model_->materialize(ctx_, o.seed); });
-    optimizer_ = make_optimizer(o.optimizer);
-    loss_ = ctx_.alloc({1});
-    ctx_.ops().fill(ctx_, loss_, 0.f);
   }
 
   std::string mode() const override { return "single"; }
@@ -35,51 +33,44 @@ class SingleDeviceEngine final : public TrainEngine {
         TraceSpan span(track_, "forward", &ctx_);
         model_->zero_grad(ctx_);
         logits_ = model_->forward(ctx_, x);
-        loss_ = criterion_.forward(ctx_, logits_, y);
+        step_.loss = step_.criterion.forward(ctx_, logits_, y);
       }
       {
         TraceSpan span(track_, "backward", &ctx_);
-        Tensor dlogits = criterion_.backward(ctx_);
+        Tensor dlogits = step_.criterion.backward(ctx_);
         logits_ = Tensor();
         model_->backward(ctx_, dlogits);
       }
       {
         TraceSpan span(track_, "step", &ctx_);
-        optimizer_->step(ctx_, model_->flat_params(), model_->flat_grads());
+        step_.optimizer->step(ctx_, model_->flat_params(), model_->flat_grads());
       }
     });
-    if (macs_per_sample_ == 0) macs_per_sample_ = model_->last_forward_macs() / batch.size();
+    step_.note_forward(model_->last_forward_macs(), batch.size());
   }
 
-  float last_loss() override {
-    Tensor host = Tensor::empty(host_allocator(), {1});
-    ctx_.ops().copy(ctx_, host, loss_);
-    ctx_.synchronize();
-    return host.f32()[0];
-  }
+  float last_loss() override { return step_.read_loss(ctx_); }
 
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    evaluate_batch(ctx_, *model_, criterion_, batch, 0, batch.size(), loss_sum, correct);
+    evaluate_batch(ctx_, *model_, step_.criterion, batch, 0, batch.size(), loss_sum, correct);
   }
 
   void set_training(bool training) override { model_->set_training(training); }
   void synchronize() override { ctx_.synchronize(); }
   Model& model() override { return *model_; }
   DeviceContext& primary() override { return ctx_; }
-  Optimizer& optimizer() override { return *optimizer_; }
+  Optimizer& optimizer() override { return *step_.optimizer; }
   std::vector<size_t> peak_memory_bytes() const override {
     return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
   }
-  double forward_macs_per_sample() const override { return macs_per_sample_; }
+  double forward_macs_per_sample() const override { return step_.macs_per_sample; }
 
  private:
   DeviceContext ctx_;
   std::string track_;
+  PrimaryStep step_;
   std::unique_ptr<Model> model_;
-  std::unique_ptr<Optimizer> optimizer_;
-  CrossEntropyLoss criterion_;
-  Tensor loss_, logits_;
-  double macs_per_sample_ = 0;
+  Tensor logits_;
 };
 
 }  // namespace
