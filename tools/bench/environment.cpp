@@ -126,6 +126,13 @@ nlohmann::json environment() {
   };
 }
 
+std::string blas_kernels() {
+  const char* forced = std::getenv("OPENBLAS_CORETYPE");
+  return fmt::format("{} kernels ({})", openblas_get_corename(),
+                     forced ? fmt::format("set by OPENBLAS_CORETYPE={}", forced)
+                            : std::string("OpenBLAS's choice for this CPU"));
+}
+
 std::string environment_line(const nlohmann::json& env) {
   if (!env.is_object()) return "not recorded";
   auto str = [&](const nlohmann::json& j, const char* key) {

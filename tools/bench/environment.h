@@ -14,6 +14,12 @@ std::string git_commit();
 // NCCL and CUDA (those this build has).
 nlohmann::json environment();
 
+// The kernels OpenBLAS runs here and who chose them: "Haswell kernels (set by
+// OPENBLAS_CORETYPE)" or "SkylakeX kernels (OpenBLAS's choice for this CPU)". The sgemm ceiling
+// and every CPU figure depend on them: on an AVX-512 CPU told to use Haswell's AVX2 kernels the
+// ceiling is about half.
+std::string blas_kernels();
+
 // CPU time of the whole machine (from /proc/stat: every CPU's non-idle time) and of this
 // process with its waited-for descendants (the DDP ranks), at one moment.
 struct CpuSnapshot {

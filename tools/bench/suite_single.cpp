@@ -28,6 +28,7 @@
 #include "engine/cpu/cpu_backend.h"
 #include "engine/error.h"
 #include "parallel/engines/train_engine.h"
+#include "tools/bench/environment.h"
 #include "tools/bench/harness.h"
 #include "tools/bench/options.h"
 #include "tools/bench/report_math.h"
@@ -176,8 +177,9 @@ int run_single_suite(const BenchOptions& o) {
   // 1. The sgemm ceiling for every thread count, measured in this run.
   std::printf("replica-bench: suite %s, %d cores, load average %.2f %.2f %.2f\n",
               o.suite.c_str(), cores, load[0], load[1], load[2]);
-  std::printf("sgemm ceiling (OpenBLAS, one thread per call; t threads call it concurrently in one "
-              "task_arena; median of %d x %.1f s):\n", o.repeat, o.sgemm_seconds);
+  std::printf("sgemm ceiling (OpenBLAS, %s, one thread per call; t threads call it concurrently "
+              "in one task_arena; median of %d x %.1f s):\n",
+              blas_kernels().c_str(), o.repeat, o.sgemm_seconds);
   std::map<int64_t, std::vector<double>> ceiling;  // threads -> GFLOP/s per kGemmShapes entry
   for (int64_t t : threads) {
     if (ceiling.count(t)) continue;
