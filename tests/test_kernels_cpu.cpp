@@ -118,6 +118,68 @@ TEST_CASE("conv2d forward/backward are bit-identical for 1, 2 and 3 threads (bat
   }
 }
 
+TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct convolution") {
+  // Stride-1 rows this wide go through im2col's and col2im's run loops: zero fill, contiguous
+  // copy, zero fill, the bounds worked out per kernel column; the strided cases check the
+  // element loops on the same shapes. Non-square input, so the column bounds come from the
+  // width; padding up to and beyond the kernel's reach.
+  struct Case { int r, stride, pad; };
+  for (Case cs : {Case{3, 1, 1}, Case{5, 2, 2}, Case{3, 2, 0}, Case{1, 2, 0}, Case{7, 3, 3},
+                  Case{4, 1, 4}, Case{5, 1, 0}}) {
+    CAPTURE(cs.r);
+    CAPTURE(cs.stride);
+    CAPTURE(cs.pad);
+    const int64_t n = 2, c = 2, k = 3, h = 22, w = 26;
+    const int64_t p = window_out(h, cs.r, cs.stride, cs.pad);
+    const int64_t q = window_out(w, cs.r, cs.stride, cs.pad);
+    REQUIRE(q >= 8);
+    const Shape xs = {n, c, h, w}, ws = {k, c, cs.r, cs.r}, ys = {n, k, p, q};
+    DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
+    {  // NaN in the blocks the kernels' column buffers (c*r*r x p*q per task) will get from the
+       // caching allocator: a column left unwritten shows.
+      std::vector<Tensor> dirty;
+      for (int t = 0; t < 4; ++t) dirty.push_back(ctx.alloc({c * cs.r * cs.r * p * q}));
+      for (Tensor& t : dirty) ctx.ops().fill(ctx, t, std::numeric_limits<float>::quiet_NaN());
+    }
+    Tensor x = make(ctx, xs, 7), wt = make(ctx, ws, 8), b = make(ctx, {k}, 9);
+    Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 10), dx = ctx.alloc(xs);
+    Tensor dw = ctx.alloc(ws), db = ctx.alloc({k});
+    ctx.ops().fill(ctx, dw, 0.f);
+    ctx.ops().fill(ctx, db, 0.f);
+    const Conv2dParams prm{cs.stride, cs.pad};
+    ctx.run([&] {
+      ctx.ops().conv2d_forward(ctx, x, wt, b, y, prm);
+      ctx.ops().conv2d_backward(ctx, x, wt, dy, dx, dw, db, prm);
+    });
+    std::vector<double> ry(size_t(shape_numel(ys)), 0.0), rdx(size_t(shape_numel(xs)), 0.0);
+    auto at_x = [&](int64_t b_, int64_t c_, int64_t iy, int64_t ix) {
+      return size_t(((b_ * c + c_) * h + iy) * w + ix);
+    };
+    for (int64_t b_ = 0; b_ < n; ++b_)
+      for (int64_t k_ = 0; k_ < k; ++k_)
+        for (int64_t oy = 0; oy < p; ++oy)
+          for (int64_t ox = 0; ox < q; ++ox) {
+            const size_t yi = size_t(((b_ * k + k_) * p + oy) * q + ox);
+            double sum = b.f32()[k_];
+            for (int64_t c_ = 0; c_ < c; ++c_)
+              for (int64_t i = 0; i < cs.r; ++i)
+                for (int64_t j = 0; j < cs.r; ++j) {
+                  const int64_t iy = oy * cs.stride - cs.pad + i;
+                  const int64_t ix = ox * cs.stride - cs.pad + j;
+                  if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
+                  const float wv = wt.f32()[((k_ * c + c_) * cs.r + i) * cs.r + j];
+                  sum += double(wv) * x.f32()[at_x(b_, c_, iy, ix)];
+                  rdx[at_x(b_, c_, iy, ix)] += double(wv) * dy.f32()[yi];
+                }
+            ry[yi] = sum;
+          }
+    for (size_t i = 0; i < ry.size(); ++i)
+      REQUIRE(y.f32()[i] == doctest::Approx(ry[i]).epsilon(1e-4));
+    for (size_t i = 0; i < rdx.size(); ++i)
+      REQUIRE(dx.f32()[i] == doctest::Approx(rdx[i]).epsilon(1e-4));
+  }
+}
+
 TEST_CASE("linear forward/backward are bit-identical for 1, 2 and 3 threads") {
   const int64_t n = 100, in = 37, out = 19;
   std::vector<float> r = same_for_all_thread_counts([&](DeviceContext& ctx) {
