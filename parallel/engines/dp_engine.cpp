@@ -53,14 +53,14 @@ class DataParallelEngine final : public TrainEngine {
     // Buckets of gradients summed into replica 0 as backward finishes them on every replica.
     reducer_ = std::make_unique<BucketReducer>(
         models, dp.first_bucket_bytes, dp.bucket_bytes,
-        [this](int b) {
+        [this](int b) {  // on the communication thread, one bucket at a time
           const Bucket& bucket = reducer_->buckets()[b];
-          std::vector<Tensor> parts;
-          for (auto& r : replicas_)
-            parts.push_back(r.model->flat_grads().view(bucket.offset, {bucket.numel}));
-          group_->reduce(b, parts);
+          for (size_t r = 0; r < replicas_.size(); ++r)
+            bucket_parts_[r] = replicas_[r].model->flat_grads().view(bucket.offset, {bucket.numel});
+          group_->reduce(b, bucket_parts_);
         },
         "wait_reduce", [this](int r, int b) { group_->slot_written(r, b); });
+    bucket_parts_.resize(replicas_.size());
     int64_t largest = 0;
     for (const Bucket& b : reducer_->buckets()) largest = std::max(largest, b.numel);
     group_ = make_local_group(ctxs, pool_, dp.strategy, int(reducer_->buckets().size()), largest);
@@ -246,6 +246,7 @@ class DataParallelEngine final : public TrainEngine {
   WorkerPool pool_;
   std::vector<Replica> replicas_;
   std::unique_ptr<LocalGroup> group_;
+  std::vector<Tensor> bucket_parts_;  // the bucket being reduced, one view per replica
   std::unique_ptr<BucketReducer> reducer_;
   std::optional<PrimaryStep> step_;  // on device 0, made once the replicas are
   StreamEvent loss_done_;
