@@ -47,12 +47,13 @@ void visit_by_sample(const NchwDims& d, int64_t c0, int64_t c1, F&& row) {
     }
 }
 
-// Two per-channel double accumulators for a call, from the device's caching allocator.
-struct ChannelSums {
+// Two doubles per channel for a call (sums, or a scale and a shift), from the device's caching
+// allocator.
+struct ChannelScratch {
   Tensor block;
   double* a;
   double* b;
-  ChannelSums(DeviceContext& ctx, int64_t channels)
+  ChannelScratch(DeviceContext& ctx, int64_t channels)
       : block(ctx.alloc({4 * channels})),  // 2 * channels doubles
         a(static_cast<double*>(block.raw())),
         b(a + channels) {}
@@ -61,6 +62,15 @@ struct ChannelSums {
     std::fill(b + c0, b + c1, 0.0);
   }
 };
+
+// y = x * scale[c] + shift[c] over channels [c0, c1), in float (scale and shift hold floats).
+void scale_shift(const NchwDims& d, int64_t c0, int64_t c1, const float* xp, float* yp,
+                 const double* scale, const double* shift) {
+  visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+    const float sc = float(scale[c]), sh = float(shift[c]);
+    for (int64_t at = b; at < e; ++at) yp[at] = xp[at] * sc + sh;
+  });
+}
 
 }  // namespace
 
@@ -74,7 +84,7 @@ void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, co
                        "(got input {}); use a larger batch", shape_str(x.shape()));
   const float* xp = x.f32();
   float* yp = y.f32();
-  ChannelSums sums(ctx, d.c);
+  ChannelScratch sums(ctx, d.c);
   double* mean = sums.a;
   double* sq = sums.b;
   for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
@@ -105,30 +115,26 @@ void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, co
       sq[c] = float(gamma.f32()[c] * invstd);
       mean[c] = float(beta.f32()[c] - mu * gamma.f32()[c] * invstd);
     }
-    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
-      const float scale = float(sq[c]), shift = float(mean[c]);
-      for (int64_t at = b; at < e; ++at) yp[at] = xp[at] * scale + shift;
-    });
+    scale_shift(d, c0, c1, xp, yp, sq, mean);
   });
 }
 
-void CpuBackend::batchnorm_forward_eval(DeviceContext&, const Tensor& x, const Tensor& gamma,
+void CpuBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
                                         const Tensor& beta, const Tensor& running_mean,
                                         const Tensor& running_var, float eps, Tensor& y) {
   const NchwDims d = nchw(x);
   const float* xp = x.f32();
   float* yp = y.f32();
-  cpu::parallel_range(d.c, 1, [&](int64_t c0, int64_t c1) {
+  ChannelScratch affine(ctx, d.c);
+  double* scale = affine.a;
+  double* shift = affine.b;
+  for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const double invstd = 1.0 / std::sqrt(double(running_var.f32()[c]) + eps);
-      const float scale = float(gamma.f32()[c] * invstd);
-      const float shift = float(beta.f32()[c] - running_mean.f32()[c] * gamma.f32()[c] * invstd);
-      for (int64_t n = 0; n < d.n; ++n) {
-        const float* p = xp + (n * d.c + c) * d.hw;
-        float* o = yp + (n * d.c + c) * d.hw;
-        for (int64_t i = 0; i < d.hw; ++i) o[i] = p[i] * scale + shift;
-      }
+      scale[c] = float(gamma.f32()[c] * invstd);
+      shift[c] = float(beta.f32()[c] - running_mean.f32()[c] * gamma.f32()[c] * invstd);
     }
+    scale_shift(d, c0, c1, xp, yp, scale, shift);
   });
 }
 
@@ -145,7 +151,7 @@ void CpuBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const T
   float* dgammap = dgamma.f32();
   float* dbetap = dbeta.f32();
   float* dxp = dx.defined() ? dx.f32() : nullptr;
-  ChannelSums sums(ctx, d.c);
+  ChannelScratch sums(ctx, d.c);
   double* sum_dy = sums.a;
   double* sum_dy_xhat = sums.b;
   for_channel_ranges(d, [&](int64_t c0, int64_t c1) {

@@ -215,7 +215,6 @@ class DdpEngine final : public TrainEngine {
   std::unique_ptr<Model> model_;
   std::unique_ptr<ProcessGroup> group_;
   std::unique_ptr<BucketReducer> reducer_;
-
   bool check_sync_;
   int accumulate_;
 };
