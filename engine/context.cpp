@@ -11,9 +11,14 @@ namespace replica {
 
 DeviceContext::DeviceContext(Device device, ContextOptions options)
     : device_(device), options_(options) {
+  REPLICA_USAGE_CHECK(!(options.cudnn_benchmark && options.deterministic),
+                      "--cudnn-benchmark times cuDNN's algorithms each run, so its pick can "
+                      "change between runs: it cannot be combined with --deterministic");
   if (device.is_cpu()) {
     REPLICA_USAGE_CHECK(options.precision != Precision::Tf32,
                         "{} has no TF32: --precision tf32 needs a CUDA device", device.str());
+    REPLICA_USAGE_CHECK(!options.cudnn_benchmark,
+                        "{} has no cuDNN: --cudnn-benchmark needs a CUDA device", device.str());
     threads_ = options.threads > 0 ? options.threads : cpu_cores();
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
@@ -25,8 +30,7 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     cudart::set_device(device.index);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::CudaDevice, device);
     cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
-        cudart::create_state(device, options.deterministic, options.precision == Precision::Tf32,
-                             options.reserve_workspace),
+        cudart::create_state(device, options),
         cudart::destroy_state);
     backend_ = cudart::make_backend();
   }

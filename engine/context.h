@@ -49,6 +49,10 @@ struct ContextOptions {
   // CUDA: reserve the cuDNN workspace up front (64 MiB; it grows on demand either way). Off for
   // contexts that only copy and add (DP's communication stream).
   bool reserve_workspace = true;
+  // CUDA: pick each convolution's algorithms by timing them (cuDNN's Find, as PyTorch's
+  // torch.backends.cudnn.benchmark), once per shape, instead of cuDNN's heuristics. The pick
+  // can change from run to run, so not with `deterministic`; CUDA devices only.
+  bool cudnn_benchmark = false;
 };
 
 class DeviceContext {
@@ -68,6 +72,7 @@ class DeviceContext {
   int threads() const { return threads_; }
   bool deterministic() const { return options_.deterministic; }
   Precision precision() const { return options_.precision; }
+  bool cudnn_benchmark() const { return options_.cudnn_benchmark; }
   CudaState* cuda() const { return cuda_.get(); }
 
   Tensor alloc(const Shape& shape, DType dtype = DType::F32) {

@@ -71,9 +71,8 @@ std::string versions() {
 void set_device(int ordinal) { api().set_device(ordinal); }
 void* malloc_device(int ordinal, size_t bytes) { return api().malloc_device(ordinal, bytes); }
 void* malloc_pinned(size_t bytes) { return api().malloc_pinned(bytes); }
-CudaState* create_state(const Device& device, bool deterministic, bool tf32,
-                        bool reserve_workspace) {
-  return api().create_state(device, deterministic, tf32, reserve_workspace);
+CudaState* create_state(const Device& device, const ContextOptions& options) {
+  return api().create_state(device, options);
 }
 void* event_create() { return api().event_create(); }
 void event_record(CudaState* state, void* event) { api().event_record(state, event); }

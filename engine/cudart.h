@@ -13,6 +13,7 @@
 namespace replica {
 
 struct CudaState;
+struct ContextOptions;  // engine/context.h
 class Backend;
 
 namespace cudart {
@@ -30,10 +31,10 @@ void* malloc_pinned(size_t bytes);
 void free_pinned(void* ptr);
 
 // Stream, cuBLAS and cuDNN handles (bound to the stream), workspace. One per DeviceContext.
-// `tf32`: GEMMs and convolutions may use TF32 tensor cores (Precision::Tf32);
-// `reserve_workspace`: the cuDNN workspace is allocated now (it grows on demand either way).
-CudaState* create_state(const Device& device, bool deterministic, bool tf32,
-                        bool reserve_workspace);
+// As `options` say (engine/context.h): determinism, precision (Tf32: GEMMs and convolutions may
+// use TF32 tensor cores), how convolution algorithms are picked, whether the cuDNN workspace is
+// reserved now (it grows on demand either way). `threads` is not used.
+CudaState* create_state(const Device& device, const ContextOptions& options);
 void destroy_state(CudaState* state);
 void synchronize(CudaState* state);  // cudaStreamSynchronize on the context's stream
 
@@ -64,7 +65,7 @@ struct CudaPluginApi {
   void (*free_device)(int, void*);
   void* (*malloc_pinned)(size_t);
   void (*free_pinned)(void*);
-  CudaState* (*create_state)(const Device&, bool, bool, bool);
+  CudaState* (*create_state)(const Device&, const ContextOptions&);
   void (*destroy_state)(CudaState*);
   void (*synchronize)(CudaState*);
   void* (*event_create)();

@@ -131,6 +131,9 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--deterministic", c.engine.deterministic,
                "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms)");
+  app.add_flag("--cudnn-benchmark", c.engine.cudnn_benchmark,
+               "CUDA: pick each convolution's algorithms by timing them, once per shape "
+               "(torch.backends.cudnn.benchmark); not with --deterministic");
   app.add_option("--data-placement", c.data_placement,
                  "where the training set lives: device (read once onto every GPU, each step "
                  "gathers its batch there), host (a loader thread prepares each batch), auto "

@@ -462,6 +462,9 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite ddp --backend mpi", "--backend");
   expect_clean_error("--suite dp --devices cpu*2 --precision tf32", "needs CUDA devices");
   expect_clean_error("--suite single --precision bf16", "--suite single measures CPU threads in fp32");
+  expect_clean_error("--suite single --cudnn-benchmark", "--cudnn-benchmark is for dp, ddp and ops");
+  expect_clean_error("--suite dp --devices cpu*2 --cudnn-benchmark",
+                     "--cudnn-benchmark needs a CUDA device");
   expect_clean_error("--suite dp --precision fp16", "unknown --precision 'fp16'");
   expect_clean_error("--suite single --report " + tmp.str("r"), "--report");
   expect_clean_error("--suite dp --compare x.jsonl", "--compare needs --report");

@@ -66,6 +66,10 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --precision fp16",
                      "unknown --precision 'fp16' (auto, fp32, tf32, bf16)");
   expect_clean_error(data + " --devices cpu*2 --precision tf32", "needs CUDA devices");
+  expect_clean_error(data + " --devices cpu --cudnn-benchmark",
+                     "--cudnn-benchmark needs a CUDA device");
+  expect_clean_error(data + " --cudnn-benchmark --deterministic",
+                     "cannot be combined with --deterministic");
   expect_clean_error(data + " --mode ps", "--mode");
   expect_clean_error(data + " --data-placement gpu",
                      "--data-placement: expected auto, host or device");

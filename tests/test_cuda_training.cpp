@@ -17,7 +17,7 @@ using namespace replica;
 namespace {
 
 void compare_training(const std::string& model, const Shape& shape, const std::string& optimizer,
-                      int steps, double rel_tol) {
+                      int steps, double rel_tol, bool timed_algorithms = false) {
   EngineOptions o = test::sgd_options(model, shape);
   if (optimizer == "adam") {
     o.optimizer.name = "adam";
@@ -25,7 +25,9 @@ void compare_training(const std::string& model, const Shape& shape, const std::s
     o.optimizer.momentum = 0.f;
   }
   auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
+  o.cudnn_benchmark = timed_algorithms;
   auto gpu = make_single_device_engine(Device{DeviceType::CUDA, 0, 0}, o);
+  REQUIRE(gpu->contexts().at(0)->cudnn_benchmark() == timed_algorithms);
   test::train_in_lockstep(*cpu, *gpu, shape, steps, 8, 5, 1e-4);
   CHECK(test::relative_l2(test::params_of(*cpu), test::params_of(*gpu)) < rel_tol);
 }
@@ -40,6 +42,12 @@ TEST_CASE("cnn: 5 SGD-momentum steps agree on CPU and CUDA") {
 TEST_CASE("cnn: 5 Adam steps agree on CPU and CUDA") {
   if (!test::have_gpu()) return;
   compare_training("cnn", {1, 28, 28}, "adam", 5, 1e-4);
+}
+
+// --cudnn-benchmark changes which algorithms run, not the math: still strict fp32.
+TEST_CASE("cnn with timed convolution algorithms: 5 SGD-momentum steps agree on CPU and CUDA") {
+  if (!test::have_gpu()) return;
+  compare_training("cnn", {1, 28, 28}, "sgd", 5, 1e-5, /*timed_algorithms=*/true);
 }
 
 // ResNet-18 is checked one step at a time, per tensor. Free-running it for several steps

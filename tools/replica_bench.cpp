@@ -69,6 +69,9 @@ int run(int argc, char** argv) {
                  "dp/ddp/ops: GEMM and convolution math: fp32 | tf32 (GPU tensor cores) | bf16 (mixed "
                  "precision) | auto (tf32 where every device has it)")
       ->capture_default_str();
+  app.add_flag("--cudnn-benchmark", o.cudnn_benchmark,
+               "dp/ddp/ops on GPUs: pick each convolution's algorithms by timing them, once per "
+               "shape (as torch.backends.cudnn.benchmark; pytorch_bench.py --cudnn-benchmark)");
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds for rendezvous and each collective; ranks that make no "
                  "progress for this long are stopped")

@@ -12,6 +12,10 @@ against replica's bf16 products on NCHW). Writes DIR/rows.jsonl (every row of bo
 DIR/table.md (samples/s side by side, the ratio, peak memory), and prints the table.
 Without PyTorch (or without a GPU for tf32) the cells it cannot fill say why.
 
+--cudnn-benchmark has both engines pick each convolution's algorithms by timing them
+(replica-bench --cudnn-benchmark, torch.backends.cudnn.benchmark); without it both use cuDNN's
+heuristics. The tables say which.
+
 --with-train also runs `replica-train --synthetic` on each case, with its
 input pipeline, and puts its samples/s beside the benchmark's (preloaded batches) with the share
 of a step spent waiting for data: a second table in DIR/table.md.
@@ -78,6 +82,8 @@ def run_one(cmd, out_file, read=first_row):
 
 def measure(args, model, shape, batch, precision, tmp):
     common = ["--model", model, "--input-shape", shape, "--seed", "0"]
+    if args.cudnn_benchmark:
+        common.append("--cudnn-benchmark")
     timing = []
     for flag in ("steps", "warmup", "repeat"):
         if getattr(args, flag) is not None:
@@ -103,7 +109,7 @@ def run_train(args, model, shape, batch, precision, tmp):
            "--input-shape", shape, "--batch-size", str(batch), "--devices", args.device,
            "--precision", precision, "--max-steps", str(args.train_steps),
            "--synthetic-size", str(batch * args.train_steps), "--no-eval", "--quiet",
-           "--metrics-json", out]
+           "--metrics-json", out] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
     return run_one(cmd, out, read=whole_json)
 
 
@@ -186,6 +192,8 @@ def main():
     p.add_argument("--steps", type=int, help="timed steps per window (both engines)")
     p.add_argument("--warmup", type=int, help="untimed steps first (both engines)")
     p.add_argument("--repeat", type=int, help="timed windows, median reported (both engines)")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="both engines time cuDNN's algorithms per shape (GPU only)")
     p.add_argument("--with-train", action="store_true",
                    help="also run replica-train --synthetic on each case")
     p.add_argument("--train-steps", type=int, default=100, help="replica-train's --max-steps")
@@ -196,6 +204,8 @@ def main():
     args.device = args.device or ("cuda:0" if gpu else "cpu")
     if args.device != "cpu" and not args.device.startswith("cuda:"):
         fail("--device '%s': expected cuda:K or cpu" % args.device)
+    if args.cudnn_benchmark and not gpu:
+        fail("--cudnn-benchmark needs a GPU (--device cuda:K)")
     cases = [parse_case(c) for c in (args.case or (GPU_CASES if gpu else CPU_CASES))]
     precisions = (args.precisions or ("fp32,tf32,bf16" if gpu else "fp32")).split(",")
     for x in precisions:
@@ -222,7 +232,11 @@ def main():
                     model, shape, batch, precision,
                     "%.1f" % r["samples_per_sec"] if r else "-",
                     "%.1f" % p_["samples_per_sec"] if p_ else "-"), flush=True)
-    text = table(results)
+    text = ("Convolution algorithms: %s.\n\n" % (
+        "timed per shape in both engines (replica --cudnn-benchmark, "
+        "torch.backends.cudnn.benchmark = True)" if args.cudnn_benchmark
+        else "cuDNN's heuristics in both engines (no cudnn.benchmark)")) if gpu else ""
+    text += table(results)
     if args.with_train:
         text += "\n" + train_table(results)
     write_atomically(os.path.join(args.out, "rows.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))

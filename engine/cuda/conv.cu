@@ -1,7 +1,9 @@
 // CUDA backend: 2-D convolution through cuDNN (NCHW, cross-correlation as PyTorch).
 //
 // Descriptors are built once per configuration and cached in the backend; algorithms are chosen
-// once per configuration with cuDNN's *_v7 heuristics. In fp32 the math type is FMA (no TF32),
+// once per configuration with cuDNN's *_v7 heuristics, or with --cudnn-benchmark by timing every
+// algorithm on the shape (cuDNN's Find, as torch.backends.cudnn.benchmark; where cuDNN cannot
+// time a shape, e.g. no memory for its trial buffers, the heuristics decide). In fp32 the math type is FMA (no TF32),
 // so results match the CPU backend; in tf32 (Precision::Tf32) each direction runs with the math
 // type of the algorithm chosen for it (tensor ops allowed, down-conversion to fp16/bf16 never).
 // In bf16 (Precision::Bf16) the descriptors hold bf16 data with fp32 compute: operands are
@@ -54,9 +56,10 @@ bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s
   return false;
 }
 
-// Chooses one direction's algorithm: asks cuDNN's heuristics (`count(&n)`, then
-// `find(n, &returned, perf)`; both check their own call) and takes the first acceptable one
-// (choose_algo), else `fallback` in FMA math with its workspace size.
+// Chooses one direction's algorithm: lists the candidates (`count(&n)` checks its own call, then
+// `find(timed, n, &returned, perf)` returns cuDNN's status: timed, fastest first, when the context
+// benchmarks; else, or when timing fails, the heuristics' order) and takes the first acceptable
+// one (choose_algo), else `fallback` in FMA math with its workspace size.
 template <class Perf, class Algo, class Count, class Find, class WsQuery>
 ConvChoice<Algo> pick_algo(const DeviceContext& ctx, cudnnConvolutionDescriptor_t conv,
                            Algo fallback, Count count, Find find, WsQuery ws_query) {
@@ -71,7 +74,9 @@ ConvChoice<Algo> pick_algo(const DeviceContext& ctx, cudnnConvolutionDescriptor_
   count(&max_count);
   std::vector<Perf> perf(std::max(max_count, 1));
   int returned = 0;
-  find(static_cast<int>(perf.size()), &returned, perf.data());
+  const int cap = static_cast<int>(perf.size());
+  if (!s.benchmark || find(true, cap, &returned, perf.data()) != CUDNN_STATUS_SUCCESS)
+    REPLICA_CUDNN_CHECK(find(false, cap, &returned, perf.data()));
   ConvChoice<Algo> c;
   if (!choose_algo(perf, returned, s, tensor, conv, ws_query, &c)) {
     c = {fallback, 0, CUDNN_FMA_MATH};
@@ -211,9 +216,10 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(s.cudnn, n));
           },
-          [&](int cap, int* returned, cudnnConvolutionFwdAlgoPerf_t* perf) {
-            REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(
-                s.cudnn, plan.x, plan.w, plan.conv, plan.y, cap, returned, perf));
+          [&](bool timed, int cap, int* returned, cudnnConvolutionFwdAlgoPerf_t* perf) {
+            return (timed ? cudnnFindConvolutionForwardAlgorithm
+                          : cudnnGetConvolutionForwardAlgorithm_v7)(
+                s.cudnn, plan.x, plan.w, plan.conv, plan.y, cap, returned, perf);
           },
           [&](cudnnConvolutionFwdAlgo_t a, size_t* bytes) {
             return cudnnGetConvolutionForwardWorkspaceSize(s.cudnn, plan.x, plan.w, plan.conv,
@@ -278,9 +284,10 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(s.cudnn, n));
           },
-          [&](int cap, int* returned, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
-            REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(
-                s.cudnn, plan.w, plan.y, plan.conv, plan.x, cap, returned, perf));
+          [&](bool timed, int cap, int* returned, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+            return (timed ? cudnnFindConvolutionBackwardDataAlgorithm
+                          : cudnnGetConvolutionBackwardDataAlgorithm_v7)(
+                s.cudnn, plan.w, plan.y, plan.conv, plan.x, cap, returned, perf);
           },
           [&](cudnnConvolutionBwdDataAlgo_t a, size_t* bytes) {
             return cudnnGetConvolutionBackwardDataWorkspaceSize(s.cudnn, plan.w, plan.y,
@@ -306,9 +313,10 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
           [&](int* n) {
             REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(s.cudnn, n));
           },
-          [&](int cap, int* returned, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
-            REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-                s.cudnn, plan.x, plan.y, plan.conv, plan.w, cap, returned, perf));
+          [&](bool timed, int cap, int* returned, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+            return (timed ? cudnnFindConvolutionBackwardFilterAlgorithm
+                          : cudnnGetConvolutionBackwardFilterAlgorithm_v7)(
+                s.cudnn, plan.x, plan.y, plan.conv, plan.w, cap, returned, perf);
           },
           [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* bytes) {
             return cudnnGetConvolutionBackwardFilterWorkspaceSize(s.cudnn, plan.x, plan.y,

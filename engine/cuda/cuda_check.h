@@ -23,6 +23,7 @@ struct CudaState {
   size_t workspace_bytes = 0;
   bool deterministic = false;
   bool tf32 = false;  // Precision::Tf32: GEMMs and convolutions may use TF32 tensor cores
+  bool benchmark = false;  // convolution algorithms picked by timing (cuDNN's Find)
 };
 
 namespace cuda_detail {

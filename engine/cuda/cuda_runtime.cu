@@ -205,13 +205,14 @@ void release_state(CudaState* s) {
 }
 }  // namespace
 
-CudaState* create_state(const Device& device, bool deterministic, bool tf32,
-                        bool reserve_workspace) {
+CudaState* create_state(const Device& device, const ContextOptions& options) {
   REPLICA_CHECK(device.is_cuda(), "create_state: {} is not a CUDA device", device.str());
+  const bool tf32 = options.precision == Precision::Tf32;
   auto* s = new CudaState();
   s->ordinal = device.index;
-  s->deterministic = deterministic;
+  s->deterministic = options.deterministic;
   s->tf32 = tf32;
+  s->benchmark = options.cudnn_benchmark;
   try {
     REPLICA_CUDA_CHECK(cudaSetDevice(device.index));
     REPLICA_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
@@ -223,7 +224,7 @@ CudaState* create_state(const Device& device, bool deterministic, bool tf32,
         cublasSetMathMode(s->cublas, tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
     REPLICA_CUDNN_CHECK(cudnnCreate(&s->cudnn));
     REPLICA_CUDNN_CHECK(cudnnSetStream(s->cudnn, s->stream));
-    if (reserve_workspace) cuda_workspace(*s, size_t(64) << 20);
+    if (options.reserve_workspace) cuda_workspace(*s, size_t(64) << 20);
   } catch (...) {
     release_state(s);
     throw;

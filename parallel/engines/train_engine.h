@@ -22,12 +22,15 @@ struct EngineOptions {
   int threads_per_device = 0;  // CPU: threads in each device's arena (0 = cores / devices)
   bool deterministic = false;
   Precision precision = Precision::Fp32;  // resolved from --precision (engine/context.h)
+  bool cudnn_benchmark = false;  // CUDA: convolution algorithms picked by timing them
 };
 
-// What each device's context is made with: `threads` CPU threads, the run's determinism and
-// precision.
+// What each device's context is made with: `threads` CPU threads, the run's determinism,
+// precision and choice of convolution algorithms.
 inline ContextOptions context_options(const EngineOptions& o, int threads) {
-  return ContextOptions{threads, o.deterministic, o.precision};
+  ContextOptions c{threads, o.deterministic, o.precision};
+  c.cudnn_benchmark = o.cudnn_benchmark;
+  return c;
 }
 
 class TrainEngine {

@@ -40,6 +40,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"seed", c.engine.seed},
           {"deterministic", c.engine.deterministic},
           {"precision", c.precision},
+          {"cudnn_benchmark", c.engine.cudnn_benchmark},
           {"reduce", c.reduce},
           {"bucket_cap_mb", c.bucket_cap_mb},
           {"backend", c.backend},

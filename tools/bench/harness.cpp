@@ -177,6 +177,7 @@ EngineOptions engine_options(const RunOptions& run) {
   eo.seed = run.seed;
   eo.threads_per_device = run.threads_per_device;
   eo.precision = run.precision;
+  eo.cudnn_benchmark = run.cudnn_benchmark;
   return eo;
 }
 

@@ -26,9 +26,11 @@ struct RunOptions {
   uint64_t seed = 0;
   int threads_per_device = 1;
   Precision precision = Precision::Fp32;
+  bool cudnn_benchmark = false;  // GPUs: convolution algorithms timed per shape
 };
 
-// The engine options of a run: its model, shape, seed, threads and precision; 10 classes.
+// The engine options of a run: its model, shape, seed, threads, precision and how convolution
+// algorithms are picked; 10 classes.
 EngineOptions engine_options(const RunOptions& run);
 
 // `count` batches of `batch` synthetic samples of `shape`, made once, held where `engine`'s

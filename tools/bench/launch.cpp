@@ -53,19 +53,22 @@ ScratchDir::~ScratchDir() {
 }
 
 std::vector<std::string> worker_arguments(const SuiteOptions& o) {
-  return {"--model", o.run.model,
-          "--input-shape", fmt::format("{}", fmt::join(o.run.input_shape, "x")),
-          "--batch-per-device", std::to_string(o.run.batch_per_device),
-          "--warmup", std::to_string(o.run.warmup),
-          "--steps", std::to_string(o.run.steps),
-          "--repeat", std::to_string(o.run.repeat),
-          "--trace-steps", std::to_string(o.run.trace_steps),
-          "--seed", std::to_string(o.run.seed),
-          "--threads-per-device", std::to_string(o.run.threads_per_device),
-          "--precision", precision_name(o.run.precision),
-          "--devices", o.device_spec,
-          "--backend", o.backend,
-          "--timeout", fmt::format("{}", o.timeout_s)};
+  std::vector<std::string> args = {
+      "--model", o.run.model,
+      "--input-shape", fmt::format("{}", fmt::join(o.run.input_shape, "x")),
+      "--batch-per-device", std::to_string(o.run.batch_per_device),
+      "--warmup", std::to_string(o.run.warmup),
+      "--steps", std::to_string(o.run.steps),
+      "--repeat", std::to_string(o.run.repeat),
+      "--trace-steps", std::to_string(o.run.trace_steps),
+      "--seed", std::to_string(o.run.seed),
+      "--threads-per-device", std::to_string(o.run.threads_per_device),
+      "--precision", precision_name(o.run.precision),
+      "--devices", o.device_spec,
+      "--backend", o.backend,
+      "--timeout", fmt::format("{}", o.timeout_s)};
+  if (o.run.cudnn_benchmark) args.push_back("--cudnn-benchmark");
+  return args;
 }
 
 void ProgressBeat::operator()() {

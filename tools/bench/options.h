@@ -27,6 +27,7 @@ struct BenchOptions {
   std::string reduce = "root";
   std::string backend = "auto";
   std::string precision = "auto";  // dp/ddp/ops: auto | fp32 | tf32 | bf16 (engine/context.h)
+  bool cudnn_benchmark = false;    // dp/ddp/ops on GPUs: convolution algorithms timed per shape
   double timeout_s = 300;
   std::string json, csv, trace_dir;
   std::string report_dir;

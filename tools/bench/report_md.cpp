@@ -56,7 +56,12 @@ std::string label(const json& r) {
 }
 
 // The math a row ran in; rows written before precisions existed ran in fp32.
-std::string precision_of(const json& r) { return r.value("precision", "fp32"); }
+// With the convolution algorithms timed per shape (--cudnn-benchmark, PyTorch's
+// cudnn.benchmark) the row says so: rows are compared only with rows that picked alike.
+std::string precision_of(const json& r) {
+  const std::string p = r.value("precision", "fp32");
+  return r.value("cudnn_benchmark", false) ? p + ", cudnn.benchmark" : p;
+}
 
 bool is_trace(const std::string& s) { return s.size() > 5 && s.substr(s.size() - 5) == ".json"; }
 

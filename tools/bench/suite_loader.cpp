@@ -45,6 +45,9 @@ double loader_rate(const Dataset& data, int64_t batch, int64_t warmup, int64_t b
 
 int run_loader_suite(const BenchOptions& o) {
   validate_common(o);
+  REPLICA_USAGE_CHECK(!o.cudnn_benchmark,
+                      "--suite loader runs no convolutions; --cudnn-benchmark is for dp, ddp and "
+                      "ops on GPUs");
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
   std::vector<int64_t> threads = {1};
   if (!o.threads.empty()) threads = parse_positive_list(o.threads, ',', "--threads");

@@ -33,6 +33,7 @@ int run_ops_suite(const BenchOptions& o) {
   run.seed = o.seed;
   run.threads_per_device = o.threads_per_device;  // CPU: 0 = every core
   run.precision = resolve_precision(o.precision, {device});
+  run.cudnn_benchmark = o.cudnn_benchmark;
   auto engine = make_single_device_engine(device, engine_options(run));
   const Preloaded pre = preload_batches(run.input_shape, o.batch, o.seed, 4, engine.get());
   DeviceContext& ctx = *engine->contexts().at(0);
