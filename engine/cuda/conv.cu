@@ -3,8 +3,8 @@
 // Descriptors are built once per configuration and cached in the backend; algorithms are chosen
 // once per configuration with cuDNN's *_v7 heuristics, or with --cudnn-benchmark by timing every
 // algorithm on the shape (cuDNN's Find, as torch.backends.cudnn.benchmark; where cuDNN cannot
-// time a shape, e.g. no memory for its trial buffers, the heuristics decide). In fp32 the math type is FMA (no TF32),
-// so results match the CPU backend; in tf32 (Precision::Tf32) each direction runs with the math
+// time a shape, e.g. no memory for its trial buffers, the heuristics decide). In fp32 the math
+// type is FMA (no TF32), so results match the CPU backend; in tf32 (Precision::Tf32) each direction runs with the math
 // type of the algorithm chosen for it (tensor ops allowed, down-conversion to fp16/bf16 never).
 // In bf16 (Precision::Bf16) the descriptors hold bf16 data with fp32 compute: operands are
 // rounded into bf16 scratch copies, results widened back into the fp32 tensors (bf16.cu).

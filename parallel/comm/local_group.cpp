@@ -156,7 +156,7 @@ std::unique_ptr<LocalGroup> make_local_group(std::vector<DeviceContext*> context
                                              int slots, int64_t largest_slot) {
   REPLICA_CHECK(int(contexts.size()) == pool.size(), "{} devices but {} workers",
                 contexts.size(), pool.size());
-  if (nccl_fits(contexts)) return nccl_plugin()->make_local(contexts);
+  if (nccl_fits(contexts)) return nccl_plugin()->make_local(contexts, slots);
   return std::make_unique<CopyGroup>(std::move(contexts), pool, strategy, slots, largest_slot);
 }
 

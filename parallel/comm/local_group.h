@@ -12,8 +12,8 @@
 //           communication stream of device 0 ordered by events (no host sync; the adds overlap
 //           the rest of backward).
 //   nccl    distinct GPUs: NCCL's single-process communicators (ncclCommInitAll), one group
-//           call from one thread, each device's part on its own stream (local_nccl.cpp, in the
-//           NCCL plugin).
+//           call from one thread, each device's part on a communication stream of that GPU,
+//           ordered by events like the copies (local_nccl.cpp, in the NCCL plugin).
 // Both orders are fixed, so a run reproduces; to-root and tree differ only by association.
 #pragma once
 #include <memory>

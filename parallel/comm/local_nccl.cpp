@@ -2,7 +2,18 @@
 // come from ncclCommInitAll and are blocking (its only form): calls return once enqueued. A
 // failed call is reported with the GPU it was for; a failed group call asks every communicator
 // for its asynchronous error, so the message names the GPU(s) in trouble.
+//
+// Every GPU's collectives run on a communication stream of its own, so bucket k's reduce neither
+// waits behind the backward kernels queued after bucket k was written nor holds them up. Events
+// order the two streams of each GPU:
+//   compute -> comm   a bucket's "written" event (or the rank's whole backward, for a bucket it
+//                     never wrote this step), and before a broadcast everything queued so far;
+//   comm -> compute   after the last reduce and after a broadcast, each GPU's compute stream
+//                     waits for its communication stream before it touches gradients or
+//                     parameters again.
 #include <nccl.h>
+
+#include <memory>
 
 #include "engine/cuda/cuda_check.h"
 #include "engine/error.h"
@@ -15,13 +26,23 @@ namespace {
 
 class LocalNcclGroup final : public LocalGroup {
  public:
-  explicit LocalNcclGroup(const std::vector<DeviceContext*>& contexts) : LocalGroup(contexts) {
+  LocalNcclGroup(const std::vector<DeviceContext*>& contexts, int slots) : LocalGroup(contexts) {
     for (auto* c : ctx_) ordinals_.push_back(c->device().index);
+    ContextOptions lean;
+    lean.reserve_workspace = false;  // it only communicates: no cuDNN workspace
+    for (auto* c : ctx_) {
+      auto rank = std::make_unique<Rank>();
+      rank->comm = std::make_unique<DeviceContext>(c->device(), lean);
+      for (int s = 0; s < slots; ++s) rank->slot_written.push_back(std::make_unique<StreamEvent>());
+      rank->written_this_step.assign(size_t(slots), 0);
+      ranks_.push_back(std::move(rank));
+    }
     comms_.resize(ctx_.size());
     const ncclResult_t r = ncclCommInitAll(comms_.data(), int(ordinals_.size()), ordinals_.data());
     if (r != ncclSuccess)
       throw Error(fmt::format("DP over {}: ncclCommInitAll failed: {} ({})", gpu_list(),
                               ncclGetErrorString(r), ncclGetLastError(nullptr)));
+    ctx_[0]->activate();
   }
 
   ~LocalNcclGroup() override {
@@ -29,50 +50,115 @@ class LocalNcclGroup final : public LocalGroup {
       if (c) ncclCommDestroy(c);
   }
 
-  std::string describe() const override { return "nccl (single process, " + gpu_list() + ")"; }
+  std::string describe() const override {
+    return "nccl (single process, " + gpu_list() + ", a communication stream per GPU)";
+  }
 
-  // Each device's part is enqueued on its own stream, after the backward that wrote it; the
-  // step on device 0's stream comes after the reduce: no events needed.
-  void reduce(int, std::vector<Tensor>& parts) override {
-    TraceSpan span("comm", "reduce");
+  // Idle ranks zeroed their gradients on their compute streams (the engine's scatter), which a
+  // reduce still reads: that is their "all written".
+  void begin(int active) override {
+    active_ = active;
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      std::fill(ranks_[i]->written_this_step.begin(), ranks_[i]->written_this_step.end(), 0);
+      if (int(i) >= active) {
+        ctx_[i]->activate();
+        ranks_[i]->all_written.record(*ctx_[i]);
+      }
+    }
+    ctx_[0]->activate();
+  }
+
+  void slot_written(int rank, int slot) override {
+    Rank& r = *ranks_[size_t(rank)];
+    r.slot_written[size_t(slot)]->record(*ctx_[size_t(rank)]);
+    r.written_this_step[size_t(slot)] = 1;
+  }
+
+  void all_written(int rank) override {
+    ranks_[size_t(rank)]->all_written.record(*ctx_[size_t(rank)]);
+  }
+
+  void reduce(int slot, std::vector<Tensor>& parts) override {
+    TraceSpan span("comm", "reduce", ranks_[0]->comm.get());
     const size_t count = size_t(parts[0].numel());
     if (count == 0 || active_ < 2) return;
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      Rank& r = *ranks_[i];
+      r.comm->activate();
+      (r.written_this_step[size_t(slot)] ? *r.slot_written[size_t(slot)] : r.all_written)
+          .wait(*r.comm);
+    }
     // Every communicator of the clique takes part; devices without samples this step contribute
     // their zeroed gradients.
     group("ncclReduce", [&](size_t i) {
       void* data = parts[i].raw();
-      return ncclReduce(data, data, count, ncclFloat, ncclSum, 0, comms_[i],
-                        cuda_state(*ctx_[i]).stream);
+      return ncclReduce(data, data, count, ncclFloat, ncclSum, 0, comms_[i], comm_stream(i));
     });
+    ctx_[0]->activate();
   }
 
+  void reduced() override { rejoin(); }
+
   void broadcast(std::vector<std::vector<Tensor>>& sets) override {
-    TraceSpan span(ctx_[0]->device().str(), "broadcast");
+    TraceSpan span(ctx_[0]->device().str(), "broadcast", ranks_[0]->comm.get());
+    // Rank 0's parameters are final (its step is queued) and every other rank is done reading
+    // its own (its backward is queued): each communication stream starts after both.
+    ctx_[0]->activate();
+    root_ready_.record(*ctx_[0]);
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      Rank& r = *ranks_[i];
+      ctx_[i]->activate();
+      r.compute_mark.record(*ctx_[i]);
+      r.comm->activate();
+      r.compute_mark.wait(*r.comm);
+      root_ready_.wait(*r.comm);
+    }
     for (size_t k = 0; k < sets[0].size(); ++k) {
       const size_t count = size_t(sets[0][k].numel());
       if (count == 0) continue;
       group("ncclBroadcast", [&](size_t i) {
         void* data = sets[i][k].raw();
-        return ncclBroadcast(data, data, count, ncclFloat, 0, comms_[i],
-                             cuda_state(*ctx_[i]).stream);
+        return ncclBroadcast(data, data, count, ncclFloat, 0, comms_[i], comm_stream(i));
       });
     }
+    rejoin();
   }
 
  private:
+  struct Rank {
+    std::unique_ptr<DeviceContext> comm;  // the GPU's communication stream
+    std::vector<std::unique_ptr<StreamEvent>> slot_written;
+    std::vector<char> written_this_step;  // whether slot_written[s] was recorded this step
+    StreamEvent all_written, compute_mark, comm_mark;
+  };
+
+  cudaStream_t comm_stream(size_t i) const { return cuda_state(*ranks_[i]->comm).stream; }
+
+  // Each GPU's compute stream waits for everything on its communication stream so far.
+  void rejoin() {
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      Rank& r = *ranks_[i];
+      r.comm->activate();
+      r.comm_mark.record(*r.comm);
+      r.comm_mark.wait(*ctx_[i]);
+    }
+    ctx_[0]->activate();
+  }
+
   std::string gpu_list() const {
     std::string s = "GPUs ";
-    for (size_t i = 0; i < ordinals_.size(); ++i) s += (i ? "," : "") + std::to_string(ordinals_[i]);
+    for (size_t i = 0; i < ordinals_.size(); ++i)
+      s += (i ? "," : "") + std::to_string(ordinals_[i]);
     return s;
   }
 
-  // call(i) for every device inside one group call.
+  // call(i) for every device inside one group call, each with its GPU current.
   template <class Call>
   void group(const char* what, Call&& call) {
     ncclResult_t r = ncclGroupStart();
     if (r != ncclSuccess) fail(what, "ncclGroupStart", r, -1);
     for (size_t i = 0; i < comms_.size(); ++i) {
-      ctx_[i]->activate();
+      ranks_[i]->comm->activate();
       r = call(i);
       if (r != ncclSuccess) {
         ncclGroupEnd();
@@ -102,15 +188,17 @@ class LocalNcclGroup final : public LocalGroup {
                             ncclGetErrorString(r), ncclGetLastError(nullptr), where));
   }
 
-  std::vector<DeviceContext*> ctx_;
   std::vector<int> ordinals_;
   std::vector<ncclComm_t> comms_;
+  std::vector<std::unique_ptr<Rank>> ranks_;  // StreamEvents do not move
+  StreamEvent root_ready_;  // rank 0's compute stream before a broadcast
 };
 
 }  // namespace
 
-std::unique_ptr<LocalGroup> nccl::make_local(const std::vector<DeviceContext*>& contexts) {
-  return std::make_unique<LocalNcclGroup>(contexts);
+std::unique_ptr<LocalGroup> nccl::make_local(const std::vector<DeviceContext*>& contexts,
+                                             int slots) {
+  return std::make_unique<LocalNcclGroup>(contexts, slots);
 }
 
 }  // namespace replica

@@ -19,7 +19,9 @@ struct NcclPluginApi {
   std::unique_ptr<ProcessGroup> (*make_group)(const GroupOptions& options, Store& store,
                                               DeviceContext& ctx,
                                               std::unique_ptr<PeerMonitor> monitor);
-  std::unique_ptr<LocalGroup> (*make_local)(const std::vector<DeviceContext*>& contexts);
+  // DP over distinct GPUs; `slots`: how many buckets a step reduces (local_group.h).
+  std::unique_ptr<LocalGroup> (*make_local)(const std::vector<DeviceContext*>& contexts,
+                                            int slots);
   std::string (*version)();  // "2.28.9"
 };
 
@@ -33,7 +35,7 @@ std::string nccl_version();
 namespace nccl {
 std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, Store& store,
                                          DeviceContext& ctx, std::unique_ptr<PeerMonitor> monitor);
-std::unique_ptr<LocalGroup> make_local(const std::vector<DeviceContext*>& contexts);
+std::unique_ptr<LocalGroup> make_local(const std::vector<DeviceContext*>& contexts, int slots);
 std::string version();
 }  // namespace nccl
 
