@@ -2,7 +2,9 @@
 # Writes OUT with REPLICA_PLUGIN_ABI: a hash of the headers the plugins (libreplica_cuda.so,
 # libreplica_nccl.so) share with the programs that load them. A plugin built from other headers
 # than the program refuses to hand out its table, instead of crashing on a changed class layout.
-file(GLOB_RECURSE headers ${SOURCE_DIR}/engine/*.h ${SOURCE_DIR}/layers/*.h ${SOURCE_DIR}/parallel/*.h)
+# engine/backend_ops.inc is the Backend's vtable: it counts as a header.
+file(GLOB_RECURSE headers ${SOURCE_DIR}/engine/*.h ${SOURCE_DIR}/engine/*.inc ${SOURCE_DIR}/layers/*.h
+     ${SOURCE_DIR}/parallel/*.h)
 list(SORT headers)
 set(all "")
 foreach(h ${headers})

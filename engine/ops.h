@@ -1,8 +1,7 @@
 // Backend: the kernels one kind of device provides. Layers call ctx.ops().X(ctx, ...) and never
-// know which device they run on. All tensors are contiguous, row-major, NCHW for images, F32
-// unless said otherwise, and on the context's device. An undefined Tensor means "not wanted".
-// Gradient outputs marked (+=) accumulate into what is there, so micro-batches can accumulate.
-// Work is enqueued on the device's stream; nothing here synchronises with the host.
+// know which device they run on. The ops, and what each promises, are listed once in
+// engine/backend_ops.inc (tensors contiguous, row-major, NCHW for images, F32 unless said
+// otherwise, on the context's device; undefined = "not wanted"; enqueued, never a host sync).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -43,91 +42,9 @@ inline int64_t window_out(int64_t in, int kernel, int stride, int padding) {
 class Backend {
  public:
   virtual ~Backend() = default;
-
-  // ---- memory -------------------------------------------------------------------------
-  virtual void fill(DeviceContext& ctx, Tensor& t, float value) = 0;
-  // dst <- src. Same numel and dtype. Either side may be host memory (pinned for async H2D/D2H);
-  // both may be on this device. Asynchronous on the device stream.
-  virtual void copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) = 0;
-  virtual void add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) = 0;  // dst += alpha*src
-  virtual void scale(DeviceContext& ctx, Tensor& t, float alpha) = 0;                     // t *= alpha
-  // dst[i] <- table[rows[i]]: whole rows (dim 0) of `table` picked by `rows` (I32 [n], on this
-  // device, each in [0, table.dim(0)): the caller checks). dst [n, table's other dims], same
-  // dtype as table (F32 or I32). How a batch is cut out of a training set held on the device.
-  virtual void gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& table,
-                           const Tensor& rows) = 0;
-
-  // ---- dense --------------------------------------------------------------------------
-  // x [N, in], w [out, in], b [out] or undefined, y [N, out]:  y = x w^T + b
-  virtual void linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                              const Tensor& b, Tensor& y) = 0;
-  // dx = dy w (skipped if undefined); dw += dy^T x; db += sum_n dy (skipped if undefined)
-  virtual void linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                               const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db) = 0;
-
-  // x [N, C, H, W], w [K, C, R, R] (square kernel), b [K] or undefined, y [N, K, P, Q]
-  virtual void conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                              const Tensor& b, Tensor& y, const Conv2dParams& p) = 0;
-  // dx (skipped if undefined, overwritten), dw (+=), db (+=, skipped if undefined)
-  virtual void conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                               const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
-                               const Conv2dParams& p) = 0;
-
-  // ---- normalisation ------------------------------------------------------------------
-  // Training mode: batch statistics over (N, H, W) per channel; running stats updated as
-  // PyTorch does (running = (1-m) running + m stat, unbiased variance); saves mean and
-  // 1/sqrt(var+eps) (biased var) for backward.
-  virtual void batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
-                                       const Tensor& beta, Tensor& running_mean,
-                                       Tensor& running_var, float momentum, float eps, Tensor& y,
-                                       Tensor& save_mean, Tensor& save_invstd) = 0;
-  virtual void batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
-                                      const Tensor& beta, const Tensor& running_mean,
-                                      const Tensor& running_var, float eps, Tensor& y) = 0;
-  // dx overwritten; dgamma, dbeta (+=)
-  virtual void batchnorm_backward(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
-                                  const Tensor& save_mean, const Tensor& save_invstd,
-                                  const Tensor& dy, Tensor& dx, Tensor& dgamma,
-                                  Tensor& dbeta) = 0;
-
-  // ---- activations and pooling ----------------------------------------------------------
-  virtual void relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) = 0;
-  virtual void relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy,
-                             Tensor& dx) = 0;
-  // Padding counts as -inf. Ties go to the first maximum in row-major window order.
-  virtual void maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y,
-                                 const Pool2dParams& p) = 0;
-  virtual void maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& y,
-                                  const Tensor& dy, Tensor& dx, const Pool2dParams& p) = 0;
-  // PyTorch's adaptive windows: start = floor(i*In/Out), end = ceil((i+1)*In/Out).
-  virtual void adaptive_avgpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) = 0;
-  virtual void adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& dy, Tensor& dx) = 0;
-  // Inverted dropout. keep(i) = hash(seed, i) >= p; the same mask on every backend.
-  // mask (F32, same shape as x) stores 0 or 1/(1-p).
-  virtual void dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask,
-                               float p, uint64_t seed) = 0;
-  // dx = dy * mask (elementwise multiply; also usable as a general product)
-  virtual void mul(DeviceContext& ctx, const Tensor& a, const Tensor& b, Tensor& out) = 0;
-
-  // ---- loss and metrics --------------------------------------------------------------
-  // logits [N, C], labels I32 [N] in [0, C). probs <- softmax(logits);
-  // loss (F32 [1]) <- mean_n -log softmax(logits)[n, label_n]. Labels out of range: loss NaN.
-  virtual void cross_entropy_forward(DeviceContext& ctx, const Tensor& logits,
-                                     const Tensor& labels, Tensor& probs, Tensor& loss) = 0;
-  // dlogits <- (probs - onehot(labels)) * scale   (scale = 1/N for a mean over N samples)
-  virtual void cross_entropy_backward(DeviceContext& ctx, const Tensor& probs,
-                                      const Tensor& labels, float scale, Tensor& dlogits) = 0;
-  // correct (I32 [1]) += number of rows whose argmax equals the label (first max on ties)
-  virtual void count_correct(DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
-                             Tensor& correct) = 0;
-
-  // ---- optimisers (fused, over flat buffers; PyTorch's update rules) -------------------
-  // first_step: momentum buffer is initialised to the gradient (PyTorch's rule).
-  virtual void sgd_step(DeviceContext& ctx, Tensor& params, const Tensor& grads,
-                        Tensor& momentum, const SgdConfig& c, bool first_step) = 0;
-  // step counts from 1.
-  virtual void adam_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& m,
-                         Tensor& v, const AdamConfig& c, int64_t step) = 0;
+#define REPLICA_OP(name, params, args) virtual void name params = 0;
+#include "engine/backend_ops.inc"
+#undef REPLICA_OP
 };
 
 // gather_rows' shapes, checked alike by every backend: returns the elements in one row.

@@ -13,56 +13,9 @@ namespace replica {
 
 class CpuBackend final : public Backend {
  public:
-  void fill(DeviceContext& ctx, Tensor& t, float value) override;
-  void copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) override;
-  void add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) override;
-  void scale(DeviceContext& ctx, Tensor& t, float alpha) override;
-  void gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& table,
-                   const Tensor& rows) override;
-
-  void linear_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
-                      Tensor& y) override;
-  void linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                       Tensor& dx, Tensor& dw, Tensor& db) override;
-  void conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
-                      Tensor& y, const Conv2dParams& p) override;
-  void conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                       Tensor& dx, Tensor& dw, Tensor& db, const Conv2dParams& p) override;
-
-  void batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
-                               const Tensor& beta, Tensor& running_mean, Tensor& running_var,
-                               float momentum, float eps, Tensor& y, Tensor& save_mean,
-                               Tensor& save_invstd) override;
-  void batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
-                              const Tensor& beta, const Tensor& running_mean,
-                              const Tensor& running_var, float eps, Tensor& y) override;
-  void batchnorm_backward(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
-                          const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dy,
-                          Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
-
-  void relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) override;
-  void relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy, Tensor& dx) override;
-  void maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y,
-                         const Pool2dParams& p) override;
-  void maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& y, const Tensor& dy,
-                          Tensor& dx, const Pool2dParams& p) override;
-  void adaptive_avgpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) override;
-  void adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& dy, Tensor& dx) override;
-  void dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask, float p,
-                       uint64_t seed) override;
-  void mul(DeviceContext& ctx, const Tensor& a, const Tensor& b, Tensor& out) override;
-
-  void cross_entropy_forward(DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
-                             Tensor& probs, Tensor& loss) override;
-  void cross_entropy_backward(DeviceContext& ctx, const Tensor& probs, const Tensor& labels,
-                              float scale, Tensor& dlogits) override;
-  void count_correct(DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
-                     Tensor& correct) override;
-
-  void sgd_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& momentum,
-                const SgdConfig& c, bool first_step) override;
-  void adam_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& m, Tensor& v,
-                 const AdamConfig& c, int64_t step) override;
+#define REPLICA_OP(name, params, args) void name params override;
+#include "engine/backend_ops.inc"
+#undef REPLICA_OP
 };
 
 namespace cpu {
