@@ -70,18 +70,18 @@ int run(int argc, char** argv) {
   idx.resize(size_t(std::min<int64_t>(per_rank, int64_t(idx.size()))));
   const Batch batch = read_batch(*data, idx, host_allocator());
 
-  // The same batch on a lone replica: the gradient before any all-reduce.
-  DdpOptions alone;
-  auto local = make_ddp_engine(Device{DeviceType::CPU, rv.local_rank, 0}, o, alone);
+  // The same batch on a lone replica (a group of one): the gradient before any all-reduce.
+  const Device device{DeviceType::CPU, rv.local_rank, 0};
+  auto engine = [&](const GroupOptions& go) {
+    auto ctx = make_rank_context(device, o);
+    auto group = make_process_group(go, *ctx);
+    return make_ddp_engine(std::move(ctx), std::move(group), o, DdpOptions{});
+  };
+  auto local = engine(GroupOptions{});
   local->train_step(batch);
   const float before = fc_weight_grad_00(*local);
 
-  DdpOptions d;
-  d.rank = rv.rank;
-  d.world_size = rv.world_size;
-  d.store = rv.store;
-  if (const char* addr = std::getenv("MASTER_ADDR")) d.host = addr;
-  auto ddp = make_ddp_engine(Device{DeviceType::CPU, rv.local_rank, 0}, o, d);
+  auto ddp = engine(group_options(rv, CommBackend::Gloo, std::chrono::minutes(5)));
   ddp->train_step(batch);
   const float loss = ddp->last_loss();
   const float after = fc_weight_grad_00(*ddp);

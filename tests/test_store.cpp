@@ -441,6 +441,7 @@ TEST_CASE("rendezvous env:// with 1, 2 and 4 ranks as processes") {
   {
     Rendezvous single = rendezvous();  // no launcher: one process, a store on any free port
     CHECK((single.rank == 0 && single.world_size == 1 && single.store));
+    CHECK(single.address == "127.0.0.1");
     single.store->set("x", to_bytes("1"));
   }
   for (int world : {2, 4}) {
@@ -467,6 +468,14 @@ TEST_CASE("rendezvous env:// with 1, 2 and 4 ranks as processes") {
       }));
     for (pid_t k : kids) CHECK(wait_child(k) == 0);
   }
+}
+
+TEST_CASE("the address a rank offers its peers: its own end of the route to rank 0's node") {
+  CHECK(local_address_toward("127.0.0.1") == "127.0.0.1");
+  const std::string local = local_address_toward("localhost");
+  CHECK_MESSAGE((local.rfind("127.", 0) == 0 || local == "::1"), local);
+  CHECK(local_address_toward("no-such-host.invalid").empty());
+  // Two nodes in network namespaces: tests/test_multinode.cpp.
 }
 
 TEST_CASE("rendezvous with a missing rank times out naming it") {

@@ -126,12 +126,7 @@ int main(int argc, char** argv) {
     RendezvousOptions ro;
     ro.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
     Rendezvous rv = rendezvous(ro);
-    GroupOptions go;
-    go.backend = parse_comm_backend(backend);
-    go.rank = rv.rank;
-    go.size = rv.world_size;
-    go.timeout = ro.timeout;
-    if (const char* addr = std::getenv("MASTER_ADDR")) go.host = addr;
+    const GroupOptions go = group_options(rv, parse_comm_backend(backend), ro.timeout);
     // NCCL: the LOCAL_RANK-th GPU, shared round-robin when there are fewer GPUs than ranks.
     const int gpus = cuda_device_count();
     REPLICA_USAGE_CHECK(go.backend == CommBackend::Gloo || gpus > 0,
@@ -140,7 +135,7 @@ int main(int argc, char** argv) {
                               ? Device{DeviceType::CUDA, rv.local_rank % std::max(gpus, 1), 0}
                               : Device{DeviceType::CPU, rv.local_rank, 0};
     DeviceContext ctx(device, ContextOptions{1, true});
-    auto pg = make_process_group(go, rv.store.get(), ctx);
+    auto pg = make_process_group(go, ctx);
     if (rv.rank == 0) std::printf("replica-collectives: %d ranks, %s\n", rv.world_size,
                                   pg->describe().c_str());
     int rc = 0;

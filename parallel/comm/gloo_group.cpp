@@ -13,6 +13,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <cstdlib>
 #include <map>
 
 #include "engine/error.h"
@@ -28,16 +29,18 @@ namespace {
 
 class GlooGroup final : public ProcessGroup {
  public:
-  GlooGroup(const GroupOptions& o, Store& store, std::unique_ptr<PeerMonitor> monitor)
-      : ProcessGroup(o.rank, o.size, std::move(monitor), &store, o.timeout) {
+  GlooGroup(const GroupOptions& o, std::unique_ptr<PeerMonitor> monitor)
+      : ProcessGroup(o, std::move(monitor)) {
     const int rank = o.rank, size = o.size;
     try {
       gloo::transport::tcp::attr attr;
-      attr.hostname = o.host;
+      const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
+      if (iface && *iface) attr.iface = iface;
+      else attr.hostname = o.address;
       device_ = gloo::transport::tcp::CreateDevice(attr);
       auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
       ctx->setTimeout(o.timeout);
-      GlooStoreAdapter adapter(store, o.timeout);
+      GlooStoreAdapter adapter(*o.store, o.timeout);
       ctx->connectFullMesh(adapter, device_);
       context_ = ctx;
     } catch (const Error&) {
@@ -142,9 +145,9 @@ class GlooGroup final : public ProcessGroup {
 
 bool gloo_available() { return true; }
 
-std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions& options, Store& store,
+std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions& options,
                                               std::unique_ptr<PeerMonitor> monitor) {
-  return std::make_unique<GlooGroup>(options, store, std::move(monitor));
+  return std::make_unique<GlooGroup>(options, std::move(monitor));
 }
 
 }  // namespace replica

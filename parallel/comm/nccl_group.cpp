@@ -63,14 +63,14 @@ void set_default_env(const char* name, const std::string& value) {
 
 class NcclGroup final : public ProcessGroup {
  public:
-  NcclGroup(const GroupOptions& o, Store& store, DeviceContext& ctx,
-            std::unique_ptr<PeerMonitor> monitor)
-      : ProcessGroup(o.rank, o.size, std::move(monitor), &store, o.timeout), ctx_(&ctx),
+  NcclGroup(const GroupOptions& o, DeviceContext& ctx, std::unique_ptr<PeerMonitor> monitor)
+      : ProcessGroup(o, std::move(monitor)), ctx_(&ctx),
         timeline_(fmt::format("rank{} {} nccl stream", o.rank, ctx.device().str())) {
     // Groups are made in the same order on every rank: the count keeps their keys apart.
     static std::atomic<int> groups{0};
     const std::string prefix = fmt::format("nccl/{}/", groups++);
     ctx.activate();
+    Store& store = *o.store;
     agree_on_placement(store, prefix);
 
     ncclUniqueId id;
@@ -282,7 +282,7 @@ class NcclGroup final : public ProcessGroup {
     fail(what, detail + "; communicator aborted");
   }
 
-  DeviceContext* ctx_;  // outlives the group (both owned by the DDP engine)
+  DeviceContext* ctx_;  // outlives the group (make_process_group's contract)
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
@@ -299,10 +299,9 @@ class NcclGroup final : public ProcessGroup {
 
 namespace nccl {
 
-std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, Store& store,
-                                         DeviceContext& ctx,
+std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, DeviceContext& ctx,
                                          std::unique_ptr<PeerMonitor> monitor) {
-  return std::make_unique<NcclGroup>(options, store, ctx, std::move(monitor));
+  return std::make_unique<NcclGroup>(options, ctx, std::move(monitor));
 }
 
 std::string version() {

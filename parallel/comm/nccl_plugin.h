@@ -16,8 +16,7 @@ namespace replica {
 class PeerMonitor;
 
 struct NcclPluginApi {
-  std::unique_ptr<ProcessGroup> (*make_group)(const GroupOptions& options, Store& store,
-                                              DeviceContext& ctx,
+  std::unique_ptr<ProcessGroup> (*make_group)(const GroupOptions& options, DeviceContext& ctx,
                                               std::unique_ptr<PeerMonitor> monitor);
   // DP over distinct GPUs; `slots`: how many buckets a step reduces (local_group.h).
   std::unique_ptr<LocalGroup> (*make_local)(const std::vector<DeviceContext*>& contexts,
@@ -33,8 +32,8 @@ std::string nccl_version();
 
 // Defined inside the plugin; the rest of the project calls them through the table.
 namespace nccl {
-std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, Store& store,
-                                         DeviceContext& ctx, std::unique_ptr<PeerMonitor> monitor);
+std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, DeviceContext& ctx,
+                                         std::unique_ptr<PeerMonitor> monitor);
 std::unique_ptr<LocalGroup> make_local(const std::vector<DeviceContext*>& contexts, int slots);
 std::string version();
 }  // namespace nccl

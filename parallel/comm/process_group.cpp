@@ -15,7 +15,7 @@ namespace {
 
 class SingleProcessGroup final : public ProcessGroup {
  public:
-  SingleProcessGroup() : ProcessGroup(0, 1) {}
+  SingleProcessGroup() : ProcessGroup(GroupOptions{}, nullptr) {}
   std::string backend() const override { return "none"; }
   void allreduce_sum(DeviceContext&, Tensor&, bool) override {}
   void broadcast(DeviceContext&, Tensor&, int) override {}
@@ -37,9 +37,9 @@ const char* comm_backend_name(CommBackend backend) {
   return backend == CommBackend::Nccl ? "nccl" : "gloo";
 }
 
-ProcessGroup::ProcessGroup(int rank, int size, std::unique_ptr<PeerMonitor> monitor,
-                           Store* store, std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), monitor_(std::move(monitor)), store_(store), timeout_(timeout) {}
+ProcessGroup::ProcessGroup(const GroupOptions& o, std::unique_ptr<PeerMonitor> monitor)
+    : rank_(o.rank), size_(o.size), monitor_(std::move(monitor)), store_(o.store),
+      timeout_(o.timeout) {}
 
 void ProcessGroup::leave(DeviceContext& ctx) {
   if (size_ <= 1 || !store_) return;
@@ -82,28 +82,40 @@ std::string nccl_problem() {
   return nccl_plugin(&why) ? "" : why;
 }
 
-std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& o, Store* store,
-                                                 DeviceContext& ctx) {
+GroupOptions group_options(const Rendezvous& rv, CommBackend backend,
+                           std::chrono::milliseconds timeout) {
+  GroupOptions o;
+  o.backend = backend;
+  o.rank = rv.rank;
+  o.size = rv.world_size;
+  o.store = rv.store;
+  o.address = rv.address;
+  o.timeout = timeout;
+  return o;
+}
+
+std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& o, DeviceContext& ctx) {
   if (o.size <= 1) return std::make_unique<SingleProcessGroup>();
-  REPLICA_USAGE_CHECK(store != nullptr, "a process group of {} ranks needs a rendezvous store",
+  REPLICA_USAGE_CHECK(o.store != nullptr, "a process group of {} ranks needs a rendezvous store",
                       o.size);
   // Beating before the group connects: a failure while connecting is diagnosed too.
   auto monitor = std::make_unique<PeerMonitor>(
-      store->connect_again(std::min(o.timeout, std::chrono::milliseconds(5000))), o.rank, o.size);
+      o.store->connect_again(std::min(o.timeout, std::chrono::milliseconds(5000))), o.rank,
+      o.size);
   if (o.backend == CommBackend::Nccl) {
     std::string why;
     const NcclPluginApi* nccl = nccl_plugin(&why);
     REPLICA_USAGE_CHECK(nccl != nullptr, "--backend nccl: NCCL {}", why);
     REPLICA_USAGE_CHECK(ctx.is_cuda(), "--backend nccl needs a GPU per rank (this rank has {})",
                         ctx.device().str());
-    return nccl->make_group(o, *store, ctx, std::move(monitor));
+    return nccl->make_group(o, ctx, std::move(monitor));
   }
-  return make_gloo_group(o, *store, std::move(monitor));
+  return make_gloo_group(o, std::move(monitor));
 }
 
 #ifndef REPLICA_WITH_GLOO
 bool gloo_available() { return false; }
-std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions&, Store&,
+std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions&,
                                               std::unique_ptr<PeerMonitor>) {
   throw UsageError("this build of replica has no Gloo backend (install libgloo-dev, rebuild)");
 }

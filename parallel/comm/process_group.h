@@ -15,15 +15,25 @@
 #include <vector>
 
 #include "engine/context.h"
+#include "parallel/rendezvous/rendezvous.h"
 
 namespace replica {
 
-class Store;
 class PeerMonitor;
 
 enum class CommBackend { Gloo, Nccl };
 CommBackend parse_comm_backend(const std::string& name);  // "gloo" | "nccl" (UsageError else)
 const char* comm_backend_name(CommBackend backend);
+
+struct GroupOptions {
+  CommBackend backend = CommBackend::Gloo;
+  int rank = 0, size = 1;
+  std::shared_ptr<Store> store;  // the rendezvous store (null for a group of one)
+  // Gloo: where the peers reach this rank (Rendezvous::address); GLOO_SOCKET_IFNAME, as in
+  // PyTorch, names an interface instead.
+  std::string address = "127.0.0.1";
+  std::chrono::milliseconds timeout{300000};
+};
 
 class ProcessGroup {
  public:
@@ -60,13 +70,13 @@ class ProcessGroup {
   // Ends the job's use of the group in order, before a process exits: returns once every rank
   // has returned from its last collective (a rank that exits while a peer is still inside one
   // resets their connection), and on rank 0, which hosts the rendezvous store, once every rank
-  // is done with the store too. Two rounds of counters in the store; the group's timeout.
+  // is done with the store too. Two rounds of counters in the store, not a collective: rank 0
+  // could leave a Gloo barrier, and exit, while a peer was still inside it (seen with 4 ranks).
   void leave(DeviceContext& ctx);
 
  protected:
   // `monitor`: every rank's heartbeat, so a failure can name the rank that stopped answering.
-  ProcessGroup(int rank, int size, std::unique_ptr<PeerMonitor> monitor = nullptr,
-               Store* store = nullptr, std::chrono::milliseconds timeout = {});
+  ProcessGroup(const GroupOptions& options, std::unique_ptr<PeerMonitor> monitor);
   // As a collective starts (the monitor counts them; `what` is a string literal).
   void entering(const char* what);
   // Throws the error for a collective that failed or timed out: `what` ("gloo all-reduce"), and
@@ -76,25 +86,21 @@ class ProcessGroup {
 
   int rank_, size_;
   std::unique_ptr<PeerMonitor> monitor_;
-  Store* store_;  // the rendezvous store (outlives the group), for leave()
+  std::shared_ptr<Store> store_;  // the rendezvous store, alive while the group is
   std::chrono::milliseconds timeout_;
 };
 
-struct GroupOptions {
-  CommBackend backend = CommBackend::Gloo;
-  int rank = 0, size = 1;
-  std::string host = "127.0.0.1";  // Gloo: the interface to bind (MASTER_ADDR's)
-  std::chrono::milliseconds timeout{300000};
-};
+// The options of this rank's group in the job `rv` joined.
+GroupOptions group_options(const Rendezvous& rv, CommBackend backend,
+                           std::chrono::milliseconds timeout);
 
 // The group for `options`: a group of one (every collective the identity) when size is 1,
-// else Gloo or NCCL with rendezvous through `store`. ctx is the rank's device (NCCL: its GPU).
-// Throws UsageError when the backend is not built or cannot load here.
-std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& options, Store* store,
-                                                 DeviceContext& ctx);
+// else Gloo or NCCL, set up through the store. ctx is the rank's device (NCCL: its GPU), and
+// outlives the group. Throws UsageError when the backend is not built or cannot load here.
+std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& options, DeviceContext& ctx);
 
 // The Gloo group alone (gloo_group.cpp); make_process_group() is what callers use.
-std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions& options, Store& store,
+std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions& options,
                                               std::unique_ptr<PeerMonitor> monitor);
 
 bool gloo_available();

@@ -12,9 +12,7 @@
 #include "layers/loss.h"
 #include "parallel/comm/bucket_reducer.h"
 #include "parallel/engines/engine_steps.h"
-#include "parallel/comm/process_group.h"
 #include "parallel/engines/scatter.h"
-#include "parallel/rendezvous/store.h"
 
 namespace replica {
 
@@ -22,10 +20,12 @@ namespace {
 
 class DdpEngine final : public TrainEngine {
  public:
-  DdpEngine(const Device& device, const EngineOptions& o, const DdpOptions& d)
-      : ctx_(device, context_options(o, o.threads_per_device)),
-        store_(d.store),
-        track_(fmt::format("rank{} {}", d.rank, device.str())),
+  DdpEngine(std::unique_ptr<DeviceContext> ctx, std::unique_ptr<ProcessGroup> group,
+            const EngineOptions& o, const DdpOptions& d)
+      : owned_ctx_(std::move(ctx)),
+        ctx_(*owned_ctx_),
+        group_(std::move(group)),
+        track_(fmt::format("rank{} {}", group_->rank(), ctx_.device().str())),
         step_(ctx_, o.optimizer),
         check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),
         accumulate_(d.accumulate) {
@@ -33,13 +33,6 @@ class DdpEngine final : public TrainEngine {
     ctx_.activate();
     model_ = make_model(o.model, o.input_shape, o.num_classes);
     ctx_.run([&] { model_->materialize(ctx_, o.seed); });
-    GroupOptions go;
-    go.backend = d.backend;
-    go.rank = d.rank;
-    go.size = d.world_size;
-    go.host = d.host;
-    go.timeout = d.timeout;
-    group_ = make_process_group(go, d.store.get(), ctx_);
     // Buckets of gradients all-reduced during backward (nothing to do for one rank).
     if (group_->size() > 1) {
       reducer_ = std::make_unique<BucketReducer>(
@@ -208,12 +201,14 @@ class DdpEngine final : public TrainEngine {
     });
   }
 
-  DeviceContext ctx_;
-  std::shared_ptr<Store> store_;  // the rendezvous store, alive as long as the group uses it
+  // Destroyed in reverse: the reducer (its thread calls the group), the model, the group (NCCL
+  // finalizes on the context's device), the context last.
+  std::unique_ptr<DeviceContext> owned_ctx_;
+  DeviceContext& ctx_;
+  std::unique_ptr<ProcessGroup> group_;
   std::string track_;
   PrimaryStep step_;
   std::unique_ptr<Model> model_;
-  std::unique_ptr<ProcessGroup> group_;
   std::unique_ptr<BucketReducer> reducer_;
   bool check_sync_;
   int accumulate_;
@@ -221,11 +216,19 @@ class DdpEngine final : public TrainEngine {
 
 }  // namespace
 
-std::unique_ptr<TrainEngine> make_ddp_engine(const Device& device, const EngineOptions& options,
-                                             const DdpOptions& ddp) {
-  REPLICA_USAGE_CHECK(ddp.world_size == 1 || ddp.store != nullptr,
-                      "DDP with {} ranks needs a rendezvous store", ddp.world_size);
-  return std::make_unique<DdpEngine>(device, options, ddp);
+std::unique_ptr<DeviceContext> make_rank_context(const Device& device,
+                                                 const EngineOptions& options) {
+  auto ctx = std::make_unique<DeviceContext>(device,
+                                             context_options(options, options.threads_per_device));
+  ctx->activate();
+  return ctx;
+}
+
+std::unique_ptr<TrainEngine> make_ddp_engine(std::unique_ptr<DeviceContext> ctx,
+                                             std::unique_ptr<ProcessGroup> group,
+                                             const EngineOptions& options, const DdpOptions& ddp) {
+  REPLICA_CHECK(ctx && group, "a DDP engine needs its device context and its process group");
+  return std::make_unique<DdpEngine>(std::move(ctx), std::move(group), options, ddp);
 }
 
 }  // namespace replica

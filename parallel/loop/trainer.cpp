@@ -32,30 +32,29 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
     return make_dp_engine(devices, c.engine, dp);
   }
   Rendezvous rv = rendezvous_env_ranks();
-  DdpOptions ddp;
-  ddp.timeout = std::chrono::milliseconds(int64_t(c.timeout_s * 1000));
+  const std::chrono::milliseconds timeout(int64_t(c.timeout_s * 1000));
   if (rv.world_size > 1) {
     RendezvousOptions ro;
     ro.init_method = c.init_method;
-    ro.timeout = ddp.timeout;
+    ro.timeout = timeout;
     rv = rendezvous(ro);
   }
   if (c.batch_per_device > 0) c.batch_size = c.batch_per_device * rv.world_size;
   REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
                       "--batch-size {} is the global batch: it must divide by the {} ranks",
                       c.batch_size, rv.world_size);
-  ddp.accumulate = c.accumulate;
-  ddp.rank = rv.rank;
-  ddp.world_size = rv.world_size;
-  ddp.store = rv.store;
-  if (const char* addr = std::getenv("MASTER_ADDR")) ddp.host = addr;
-  ddp.bucket_bytes = bucket_bytes;
-  ddp.first_bucket_bytes = first_bucket_bytes;
   const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
-  ddp.backend = parse_comm_backend(c.backend != "auto" ? c.backend : own_gpu ? "nccl" : "gloo");
+  const CommBackend backend =
+      parse_comm_backend(c.backend != "auto" ? c.backend : own_gpu ? "nccl" : "gloo");
   if (devices[0].is_cpu() && c.engine.threads_per_device == 0)
     c.engine.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
-  return make_ddp_engine(devices[0], c.engine, ddp);
+  DdpOptions ddp;
+  ddp.accumulate = c.accumulate;
+  ddp.bucket_bytes = bucket_bytes;
+  ddp.first_bucket_bytes = first_bucket_bytes;
+  auto ctx = make_rank_context(devices[0], c.engine);
+  auto group = make_process_group(group_options(rv, backend, timeout), *ctx);
+  return make_ddp_engine(std::move(ctx), std::move(group), c.engine, ddp);
 }
 
 namespace {

@@ -1,5 +1,10 @@
 #include "parallel/rendezvous/rendezvous.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
@@ -66,6 +71,33 @@ void validate(const Rendezvous& r, const std::string& source) {
 
 }  // namespace
 
+std::string local_address_toward(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || !found) return "";
+  std::string address;
+  for (addrinfo* a = found; a && address.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    // A datagram socket's connect only picks the route (and with it the source address).
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const auto* v4 = reinterpret_cast<const sockaddr_in*>(&local);
+      const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&local);
+      const void* ip = local.ss_family == AF_INET6 ? static_cast<const void*>(&v6->sin6_addr)
+                                                   : static_cast<const void*>(&v4->sin_addr);
+      if (inet_ntop(local.ss_family, ip, text, sizeof text)) address = text;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return address;
+}
+
 Rendezvous rendezvous_env_ranks() {
   // Launchers that name all four numbers (torchrun's and replica-launch's, Open MPI's); Slurm
   // gives the local world size in its own notation.
@@ -101,10 +133,10 @@ Rendezvous rendezvous_env_ranks() {
 
 namespace {
 
-// The store every rank connects to: a directory for file://, else rank 0's TCP server at the
-// address env:// (MASTER_ADDR/MASTER_PORT) or tcp://HOST:PORT names.
-std::shared_ptr<Store> connect_store(const std::string& method, const Rendezvous& r,
-                                     milliseconds timeout) {
+// Connects r to the store every rank uses: a directory for file://, else rank 0's TCP server at
+// the address env:// (MASTER_ADDR/MASTER_PORT) or tcp://HOST:PORT names. Sets r.store and
+// r.address (the address peers reach r at).
+void connect_store(const std::string& method, Rendezvous& r, milliseconds timeout) {
   std::string host;
   int port = 0;
   if (method == "env://") {
@@ -126,21 +158,39 @@ std::shared_ptr<Store> connect_store(const std::string& method, const Rendezvous
     port = parse_int("tcp:// port", rest.substr(colon + 1));
   } else if (method.rfind("file://", 0) == 0) {
     REPLICA_USAGE_CHECK(method.size() > 7, "init method '{}': expected file://DIR", method);
-    return std::make_shared<FileStore>(method.substr(7), timeout);
+    r.store = std::make_shared<FileStore>(method.substr(7), timeout);
+    // No server to route to: toward MASTER_ADDR if set; on one node, loopback; across nodes
+    // (a shared directory), the host name (GLOO_SOCKET_IFNAME names an interface instead).
+    if (const char* a = env("MASTER_ADDR")) {
+      r.address = local_address_toward(a);
+    } else if (r.local_world_size < r.world_size) {
+      char name[256] = {0};
+      gethostname(name, sizeof name - 1);
+      r.address = name;
+    }
+    if (r.address.empty()) r.address = "127.0.0.1";
+    return;
   } else {
     throw UsageError(fmt::format(
         "unknown init method '{}': expected env://, tcp://HOST:PORT or file://DIR", method));
   }
   REPLICA_USAGE_CHECK(port <= 65535 && (port > 0 || r.world_size == 1),
                       "master port {} is out of range (1-65535)", port);
-  if (r.rank != 0) return std::make_shared<TcpStoreClient>(host, port, timeout);
+  // Peers reach this rank where its route to rank 0's node starts (their own node's address,
+  // not MASTER_ADDR, which is rank 0's); the host itself if no route is known.
+  r.address = local_address_toward(host);
+  if (r.address.empty()) r.address = host;
+  if (r.rank != 0) {
+    r.store = std::make_shared<TcpStoreClient>(host, port, timeout);
+    return;
+  }
   // One node: bind exactly MASTER_ADDR; several: every interface, as other nodes reach us
   // through whichever address MASTER_ADDR names.
   auto server = std::make_unique<TcpStoreServer>(
       r.local_world_size == r.world_size ? host : std::string(), port);
   auto client = std::make_shared<TcpStoreClient>(host, server->port(), timeout);
   client->adopt_server(std::move(server));
-  return client;
+  r.store = client;
 }
 
 // Join: each rank marks itself (rank/<r>) and counts in, then waits for every rank's mark (the
@@ -193,7 +243,7 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   }
   validate(r, "rendezvous");
   const std::string& method = options.init_method.empty() ? "env://" : options.init_method;
-  r.store = connect_store(method, r, options.timeout);
+  connect_store(method, r, options.timeout);
   join(*r.store, r, method.rfind("file://", 0) == 0, options.timeout);
   return r;
 }

@@ -25,12 +25,20 @@ struct Rendezvous {
   int local_rank = 0;
   int local_world_size = 1;
   std::shared_ptr<Store> store;
+  // Where the other ranks reach this process (Gloo binds here): the address of this machine's
+  // interface that routes to rank 0's node (MASTER_ADDR, tcp://HOST), so a rank on another node
+  // offers its own address, not rank 0's; 127.0.0.1 when every rank is on this machine.
+  std::string address = "127.0.0.1";
 };
 
 // Rank and world size from the environment: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE
 // (replica-launch, torchrun), else OMPI_COMM_WORLD_*, else SLURM_PROCID/SLURM_NTASKS/
 // SLURM_LOCALID, else a single process. store stays null.
 Rendezvous rendezvous_env_ranks();
+
+// This machine's address on the way to `host` (the source address of a route to it; nothing is
+// sent). Empty when `host` does not resolve or no route leads there.
+std::string local_address_toward(const std::string& host);
 
 // Connects every rank to one store (rank 0 hosts the TCP server) and joins: each rank counts
 // itself in, then all wait until world_size ranks have joined. A timeout names the missing

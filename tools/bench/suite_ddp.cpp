@@ -29,11 +29,6 @@ Rendezvous join(const SuiteOptions& o) {
   return rv;
 }
 
-std::string master_addr() {
-  const char* addr = std::getenv("MASTER_ADDR");
-  return addr ? addr : "127.0.0.1";
-}
-
 }  // namespace
 
 std::string ddp_backend(const SuiteOptions& o, int n) {
@@ -66,19 +61,14 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   REPLICA_USAGE_CHECK(!out.empty(), "--worker needs --worker-out");
   Rendezvous rv = join(o);
   const Device device = o.devices[rv.rank % int(o.devices.size())];
-  const std::string backend = ddp_backend(o, rv.world_size);
-  const auto timeout = std::chrono::milliseconds(int64_t(o.timeout_s * 1000));
+  const GroupOptions go =
+      group_options(rv, parse_comm_backend(ddp_backend(o, rv.world_size)),
+                    std::chrono::milliseconds(int64_t(o.timeout_s * 1000)));
 
   if (kind == "allreduce") {
     DeviceContext ctx(device, ContextOptions{o.run.threads_per_device, false});
     ctx.activate();
-    GroupOptions go;
-    go.backend = parse_comm_backend(backend);
-    go.rank = rv.rank;
-    go.size = rv.world_size;
-    go.host = master_addr();
-    go.timeout = timeout;
-    auto group = make_process_group(go, rv.store.get(), ctx);
+    auto group = make_process_group(go, ctx);
     const double grad_bytes = double(model_facts(o.run.model, o.run.input_shape).params) * 4;
     nlohmann::json points = allreduce_sweep(*group, ctx, sweep_sizes(grad_bytes));
     if (rv.rank == 0) write_json_file(out + ".json", {{"points", points}});
@@ -87,14 +77,9 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   }
 
   const EngineOptions eo = engine_options(o.run);
-  DdpOptions d;
-  d.rank = rv.rank;
-  d.world_size = rv.world_size;
-  d.store = rv.store;
-  d.backend = parse_comm_backend(backend);
-  d.host = master_addr();
-  d.timeout = timeout;
-  auto engine = make_ddp_engine(device, eo, d);
+  auto ctx = make_rank_context(device, eo);
+  auto group = make_process_group(go, *ctx);
+  auto engine = make_ddp_engine(std::move(ctx), std::move(group), eo, DdpOptions{});
   // Each rank its own samples (as a DistributedSampler would give it), the same count.
   const Preloaded pre = preload_batches(o.run.input_shape, o.run.batch_per_device,
                                         o.run.seed + 7919 * uint64_t(rv.rank + 1), 4, engine.get());
