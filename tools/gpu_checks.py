@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""The checks that need a GPU, in a few calls: time on a GPU machine that one has only for a short
+while (a shared node, a short allocation) goes to measuring, not typing. Each part runs its programs, checks what it can
+(exit 1 when a check fails), writes its logs, traces and JSON under OUT/PART/ and ends with a
+short summary (OUT/PART/summary.md):
+
+    python3 tools/gpu_checks.py accuracy --out OUT   # one epoch of the main job: DP, DDP over Gloo
+                                                     # and over NCCL, one device; accuracies within
+                                                     # 0.5 points of each other
+    python3 tools/gpu_checks.py overlap --out OUT    # DP on 2 and 4 logical devices and NCCL DDP on
+                                                     # 2: traces (reduce/all-reduce started during
+                                                     # backward, tools/trace_overlap.py) and DP's
+                                                     # samples/s at 1, 2, 4 devices
+    python3 tools/gpu_checks.py report --out OUT     # replica-bench --report on 1, 2, 4 logical
+                                                     # devices, DDP over Gloo and over NCCL, with
+                                                     # PyTorch's rows beside replica's
+    python3 tools/gpu_checks.py speed --out OUT      # replica against PyTorch per precision
+                                                     # (tools/replica_vs_pytorch.py --with-train;
+                                                     # --case MODEL:CxHxW:BATCH to pick cases)
+    python3 tools/gpu_checks.py accuracy overlap --out OUT   # several parts in one call
+
+--device cuda:0 (default) runs on GPU 0 and its logical devices (cuda:0*2, cuda:0*4); --device
+cpu runs the same commands on virtual CPU devices, the parts that need a GPU (NCCL, PyTorch
+rows) skipped with the reason: a rehearsal of the script on a machine without one. --quick
+shortens every run (a few hundred steps instead of an epoch). Programs come from --bin (default
+$B, else build/bin).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+class Part:
+    def __init__(self, args, name):
+        self.args, self.name = args, name
+        self.dir = os.path.join(args.out, name)
+        os.makedirs(self.dir, exist_ok=True)
+        self.lines, self.failed = [], []
+        self.gpu = args.device.startswith("cuda")
+
+    def devices(self, n):
+        return self.args.device if n == 1 else f"{self.args.device}*{n}"
+
+    def run(self, label, argv, timeout=600):
+        """Runs argv, its output to DIR/label.log; returns (exit code, output)."""
+        t0 = time.time()
+        try:
+            p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               timeout=timeout, cwd=self.dir)
+            code, out = p.returncode, p.stdout
+        except subprocess.TimeoutExpired as e:
+            code, out = 124, (e.stdout or "") + f"\n(timed out after {timeout} s)"
+        with open(os.path.join(self.dir, label + ".log"), "w") as f:
+            f.write(" ".join(argv) + "\n" + out)
+        print(f"  {label}: exit {code} in {time.time() - t0:.0f} s", flush=True)
+        if code != 0:
+            self.fail(f"{label} exited {code}: {last_line(out)}")
+        return code, out
+
+    def bin(self, program):
+        return os.path.join(self.args.bin, program)
+
+    def note(self, line):
+        self.lines.append(line)
+
+    def fail(self, why):
+        self.failed.append(why)
+
+    def finish(self):
+        text = f"# {self.name} ({self.args.device}{', quick' if self.args.quick else ''})\n\n"
+        text += "\n".join(self.lines) + "\n"
+        text += "\n" + ("all checks passed" if not self.failed else
+                        "FAILED:\n" + "\n".join("- " + f for f in self.failed)) + "\n"
+        with open(os.path.join(self.dir, "summary.md"), "w") as f:
+            f.write(text)
+        print(text)
+        return 1 if self.failed else 0
+
+
+def last_line(text):
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def metrics(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def test_accuracy(m):
+    for e in reversed((m or {}).get("epoch_summaries", [])):
+        if e.get("test_accuracy") is not None:
+            return e["test_accuracy"]
+    return None
+
+
+def accuracy(p):
+    length = ["--max-steps", "300"] if p.args.quick else ["--epochs", "1"]
+    runs = [("single", ["--mode", "single", "--devices", p.devices(1)]),
+            ("dp", ["--mode", "dp", "--devices", p.devices(2)]),
+            ("ddp-gloo", ["--mode", "ddp", "--devices", p.devices(2), "--backend", "gloo"])]
+    if p.gpu:
+        runs.append(("ddp-nccl", ["--mode", "ddp", "--devices", p.devices(2), "--backend", "nccl"]))
+    else:
+        p.note("- ddp-nccl: not run (NCCL needs a GPU)")
+    p.note("| run | test accuracy | samples/s | collectives |\n|---|---:|---:|---|")
+    acc = {}
+    for name, flags in runs:
+        out_json = os.path.join(p.dir, name + ".json")
+        p.run(name, [p.bin("replica-train"), "--seed", "0", "--metrics-json", out_json]
+              + length + flags)
+        m = metrics(out_json)
+        acc[name] = test_accuracy(m)
+        shown = f"{acc[name]:.4f}" if acc[name] is not None else "-"
+        p.note(f"| {name} | {shown} | {(m or {}).get('samples_per_sec', 0):,.0f} | "
+               f"{(m or {}).get('collectives') or '-'} |")
+    ref = acc.get("ddp-nccl") if p.gpu else acc.get("ddp-gloo")
+    for other in ("dp", "ddp-gloo"):
+        if ref is None or acc.get(other) is None:
+            p.fail(f"no test accuracy to compare ({other})")
+        elif abs(ref - acc[other]) > 0.005:
+            p.fail(f"test accuracy {ref:.4f} vs {other}'s {acc[other]:.4f}: more than 0.5 points")
+
+
+def overlap(p):
+    steps = "60" if p.args.quick else "200"
+    cases = [("dp-2", ["--mode", "dp", "--devices", p.devices(2)]),
+             ("dp-4", ["--mode", "dp", "--devices", p.devices(4)])]
+    if p.gpu:
+        cases.append(("ddp-nccl-2", ["--mode", "ddp", "--devices", p.devices(2),
+                                     "--backend", "nccl"]))
+    else:
+        cases.append(("ddp-gloo-2", ["--mode", "ddp", "--devices", p.devices(2)]))
+    for name, flags in cases:
+        trace = os.path.join(p.dir, name + ".json")
+        p.run(name, [p.bin("replica-train"), "--batch-per-device", "64", "--max-steps", steps,
+                     "--no-eval", "--trace", trace] + flags)
+        code, out = p.run(name + "-overlap", [sys.executable, os.path.join(HERE, "trace_overlap.py"),
+                                              trace, "--require-overlap"])
+        p.note(f"{name}:\n```text\n{out.strip()}\n```")
+    bench_json = os.path.join(p.dir, "dp-bench.jsonl")
+    p.run("dp-bench", [p.bin("replica-bench"), "--suite", "dp", "--devices", p.devices(4),
+                       "--device-counts", "1,2,4", "--batch-per-device", "64",
+                       "--json", bench_json] + (["--repeat", "1"] if p.args.quick else []))
+    rows = []
+    if os.path.exists(bench_json):
+        with open(bench_json) as f:
+            rows = [json.loads(l) for l in f if l.strip()]
+    p.note("\nDP, CNN, 64 per device: " + ", ".join(
+        f"{r.get('devices')} devices {r.get('samples_per_sec', 0):,.0f} samples/s" for r in rows))
+
+
+def report(p):
+    backends = ["gloo", "nccl"] if p.gpu else ["gloo"]
+    compare = []
+    if p.gpu:
+        pt = os.path.join(p.dir, "pytorch.jsonl")
+        code, _ = p.run("pytorch", [sys.executable, os.path.join(HERE, "pytorch_bench.py"),
+                                    "--devices", p.devices(4), "--out", pt])
+        if code == 0:
+            compare = ["--compare", pt]
+    else:
+        p.note("- PyTorch rows: not run (they are measured on the GPU machine)")
+    for backend in backends:
+        out_dir = os.path.join(p.dir, "report-" + backend)
+        quick = ["--device-counts", "1,2", "--repeat", "1"] if p.args.quick else []
+        p.run("report-" + backend, [p.bin("replica-bench"), "--report", out_dir, "--devices",
+                                    p.devices(4), "--backend", backend] + compare + quick,
+              timeout=900)
+        p.note(f"- report-{backend}: {'written' if os.path.exists(os.path.join(out_dir, 'report.md')) else 'missing'} "
+               f"({os.path.relpath(out_dir, p.args.out)}/report.md)")
+
+
+def speed(p):
+    if not p.gpu:
+        p.note("- not run: replica against PyTorch is measured on the GPU machine")
+        return
+    out_dir = os.path.join(p.dir, "vs-pytorch")
+    code, out = p.run("vs-pytorch", [sys.executable, os.path.join(HERE, "replica_vs_pytorch.py"),
+                                     "--out", out_dir, "--with-train", "--bin", p.args.bin]
+                      + [a for c in p.args.case for a in ("--case", c)],
+                      timeout=3000)
+    table = os.path.join(out_dir, "table.md")
+    if os.path.exists(table):
+        with open(table) as f:
+            p.note(f.read())
+
+
+PARTS = {"accuracy": accuracy, "overlap": overlap, "report": report, "speed": speed}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("parts", nargs="+", choices=sorted(PARTS), metavar="PART",
+                    help="one or more of: " + ", ".join(PARTS))
+    ap.add_argument("--out", required=True, help="directory for logs, traces and summaries")
+    ap.add_argument("--device", default="cuda:0", help="cuda:0 (default) or cpu")
+    ap.add_argument("--quick", action="store_true", help="shorter runs")
+    ap.add_argument("--case", action="append", default=[],
+                    help="speed: MODEL:CxHxW:BATCH instead of replica_vs_pytorch.py's defaults "
+                         "(repeatable)")
+    ap.add_argument("--bin", default=os.environ.get("B") or os.path.join(REPO, "build", "bin"))
+    args = ap.parse_args()
+    if not os.path.exists(os.path.join(args.bin, "replica-train")):
+        sys.exit(f"gpu_checks.py: error: no replica-train in {args.bin} (build first, or --bin)")
+    args.out = os.path.abspath(args.out)
+    args.bin = os.path.abspath(args.bin)
+    failed = 0
+    for name in args.parts:
+        part = Part(args, name)
+        print(f"gpu_checks.py {name}: {args.device}, logs in {part.dir}", flush=True)
+        PARTS[name](part)
+        failed |= part.finish()
+    sys.exit(failed)
+
+
+if __name__ == "__main__":
+    main()
