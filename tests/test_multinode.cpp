@@ -56,6 +56,13 @@ struct TwoNodes {
   struct Job {
     int exit_code[2] = {-1, -1};
     std::string output[2];
+    // Both launchers ended with 0 (a failing node's output shown).
+    void expect_success() const {
+      for (int n = 0; n < 2; ++n) {
+        INFO("node ", n, ": ", output[n]);
+        CHECK(exit_code[n] == 0);
+      }
+    }
   };
 
   // `ranks_per_node` ranks of `program` on each node, as `replica-launch --nnodes 2` starts them.
@@ -91,10 +98,7 @@ TEST_CASE("two nodes: rendezvous, Gloo collectives and DDP training across the l
 
   SUBCASE("collectives in closed form over 2 nodes x 2 ranks") {
     auto job = nodes.launch(2, test::bin("replica-collectives") + " --check --timeout 30", tmp);
-    for (int n = 0; n < 2; ++n) {
-      INFO("node ", n, ": ", job.output[n]);
-      CHECK(job.exit_code[n] == 0);
-    }
+    job.expect_success();
     CHECK(contains(job.output[0], "replica-collectives: 4 ranks, gloo"));
     for (int r = 0; r < 4; ++r)
       CHECK(contains(job.output[r / 2],
@@ -107,10 +111,7 @@ TEST_CASE("two nodes: rendezvous, Gloo collectives and DDP training across the l
                               " --mode ddp --devices cpu --data " + tmp.str("data") +
                               " --batch-size 32 --epochs 1 --timeout 60";
     auto job = nodes.launch(1, train, tmp);
-    for (int n = 0; n < 2; ++n) {
-      INFO("node ", n, ": ", job.output[n]);
-      CHECK(job.exit_code[n] == 0);
-    }
+    job.expect_success();
     CHECK(contains(job.output[0], "test accuracy"));
     CHECK(contains(job.output[0], "ddp mode"));
   }
@@ -121,10 +122,7 @@ TEST_CASE("two nodes: rendezvous, Gloo collectives and DDP training across the l
                               tmp.str("data") + " --init-method file://" + tmp.str("rdzv") +
                               " --batch-size 32 --max-steps 4 --timeout 60";
     auto job = nodes.launch(1, train, tmp);
-    for (int n = 0; n < 2; ++n) {
-      INFO("node ", n, ": ", job.output[n]);
-      CHECK(job.exit_code[n] == 0);
-    }
+    job.expect_success();
     CHECK(contains(job.output[0], "on 2 ranks"));
   }
 }
