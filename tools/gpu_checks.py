@@ -121,7 +121,7 @@ def accuracy(p):
         m = metrics(out_json)
         acc[name] = test_accuracy(m)
         shown = f"{acc[name]:.4f}" if acc[name] is not None else "-"
-        p.note(f"| {name} | {shown} | {(m or {}).get('samples_per_sec', 0):,.0f} | "
+        p.note(f"| {name} | {shown} | {(m or {}).get('samples_per_sec', 0):.0f} | "
                f"{(m or {}).get('collectives') or '-'} |")
     ref = acc.get("ddp-nccl") if p.gpu else acc.get("ddp-gloo")
     for other in ("dp", "ddp-gloo"):
@@ -156,7 +156,7 @@ def overlap(p):
         with open(bench_json) as f:
             rows = [json.loads(l) for l in f if l.strip()]
     p.note("\nDP, CNN, 64 per device: " + ", ".join(
-        f"{r.get('devices')} devices {r.get('samples_per_sec', 0):,.0f} samples/s" for r in rows))
+        f"{r.get('devices')} devices {r.get('samples_per_sec', 0):.0f} samples/s" for r in rows))
 
 
 def report(p):

@@ -100,9 +100,10 @@ def main():
     for r in rows:
         pct = 100.0 * r["started"] / r["spans"] if r["spans"] else 0.0
         hid = 100.0 * r["hidden_ms"] / r["comm_ms"] if r["comm_ms"] else 0.0
-        print(f"{r['process']:10} {r['track']:28} {r['spans']:6} "
-              f"{r['started']:9} ({pct:5.1f}%) {r['comm_ms']:9.2f} {r['hidden_ms']:9.2f} "
-              f"({hid:5.1f}%)")
+        started = f"{r['started']} ({pct:.1f}%)"
+        hidden = f"{r['hidden_ms']:.2f} ({hid:.1f}%)"
+        print(f"{r['process']:10} {r['track']:28} {r['spans']:6} {started:>20} "
+              f"{r['comm_ms']:9.2f} {hidden:>19}")
         if r["started"] == 0:
             missing.append(r["process"])
     if args.require_overlap and missing:
