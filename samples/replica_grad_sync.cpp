@@ -72,16 +72,12 @@ int run(int argc, char** argv) {
 
   // The same batch on a lone replica (a group of one): the gradient before any all-reduce.
   const Device device{DeviceType::CPU, rv.local_rank, 0};
-  auto engine = [&](const GroupOptions& go) {
-    auto ctx = make_rank_context(device, o);
-    auto group = make_process_group(go, *ctx);
-    return make_ddp_engine(std::move(ctx), std::move(group), o, DdpOptions{});
-  };
-  auto local = engine(GroupOptions{});
+  auto local = make_ddp_engine(device, GroupOptions{}, o, DdpOptions{});
   local->train_step(batch);
   const float before = fc_weight_grad_00(*local);
 
-  auto ddp = engine(group_options(rv, CommBackend::Gloo, std::chrono::minutes(5)));
+  auto ddp = make_ddp_engine(device, group_options(rv, CommBackend::Gloo, std::chrono::minutes(5)),
+                             o, DdpOptions{});
   ddp->train_step(batch);
   const float loss = ddp->last_loss();
   const float after = fc_weight_grad_00(*ddp);

@@ -216,19 +216,20 @@ class DdpEngine final : public TrainEngine {
 
 }  // namespace
 
-std::unique_ptr<DeviceContext> make_rank_context(const Device& device,
-                                                 const EngineOptions& options) {
-  auto ctx = std::make_unique<DeviceContext>(device,
-                                             context_options(options, options.threads_per_device));
-  ctx->activate();
-  return ctx;
-}
-
 std::unique_ptr<TrainEngine> make_ddp_engine(std::unique_ptr<DeviceContext> ctx,
                                              std::unique_ptr<ProcessGroup> group,
                                              const EngineOptions& options, const DdpOptions& ddp) {
   REPLICA_CHECK(ctx && group, "a DDP engine needs its device context and its process group");
   return std::make_unique<DdpEngine>(std::move(ctx), std::move(group), options, ddp);
+}
+
+std::unique_ptr<TrainEngine> make_ddp_engine(const Device& device, const GroupOptions& group,
+                                             const EngineOptions& options, const DdpOptions& ddp) {
+  auto ctx = std::make_unique<DeviceContext>(device,
+                                             context_options(options, options.threads_per_device));
+  ctx->activate();  // NCCL sets up its communicator on the current device
+  auto made = make_process_group(group, *ctx);
+  return make_ddp_engine(std::move(ctx), std::move(made), options, ddp);
 }
 
 }  // namespace replica

@@ -52,9 +52,7 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   ddp.accumulate = c.accumulate;
   ddp.bucket_bytes = bucket_bytes;
   ddp.first_bucket_bytes = first_bucket_bytes;
-  auto ctx = make_rank_context(devices[0], c.engine);
-  auto group = make_process_group(group_options(rv, backend, timeout), *ctx);
-  return make_ddp_engine(std::move(ctx), std::move(group), c.engine, ddp);
+  return make_ddp_engine(devices[0], group_options(rv, backend, timeout), c.engine, ddp);
 }
 
 namespace {

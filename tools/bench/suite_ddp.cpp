@@ -77,9 +77,7 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   }
 
   const EngineOptions eo = engine_options(o.run);
-  auto ctx = make_rank_context(device, eo);
-  auto group = make_process_group(go, *ctx);
-  auto engine = make_ddp_engine(std::move(ctx), std::move(group), eo, DdpOptions{});
+  auto engine = make_ddp_engine(device, go, eo, DdpOptions{});
   // Each rank its own samples (as a DistributedSampler would give it), the same count.
   const Preloaded pre = preload_batches(o.run.input_shape, o.run.batch_per_device,
                                         o.run.seed + 7919 * uint64_t(rv.rank + 1), 4, engine.get());
