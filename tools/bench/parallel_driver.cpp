@@ -24,6 +24,7 @@
 #include "tools/bench/projection.h"
 #include "tools/bench/report_math.h"
 #include "tools/bench/report_md.h"
+#include "tools/bench/report_tables.h"
 #include "tools/bench/suites.h"
 
 namespace replica::bench {
@@ -135,6 +136,107 @@ int run_worker(const BenchOptions& o) {
   return run_rank_worker(o.worker, s, o.worker_out);
 }
 
+namespace {
+
+// What a run of the suites (or a saved report directory) gives the table and the report.
+struct Measured {
+  std::vector<json> rows;
+  json alpha_beta;  // null when not measured
+  json env;
+};
+
+// Runs the suites: the alpha-beta sweep first when a report wants it, then every configuration
+// in rounds; the environment records how much of the machine others took meanwhile.
+Measured measure(const BenchOptions& o) {
+  Measured m;
+  SuiteOptions s = resolve(o);
+  const auto suites = suites_of(o.suite);
+  const CpuSnapshot cpu_start = cpu_snapshot();
+  m.env = environment();
+  m.env["device_spec"] = s.device_spec;
+  s.env = m.env;
+  const ModelFacts facts = model_facts(s.run.model, s.run.input_shape);
+  if (s.run.steps < 0 || s.run.warmup < 0) {
+    // Windows of about 5 s and 1 s of warm-up at one device's step rate: stable medians for
+    // small models, bounded time for big ones.
+    const double t = probe_step_seconds(s.devices[0], s.run);
+    if (s.run.steps < 0) s.run.steps = std::clamp<int64_t>(std::llround(5.0 / t), 3, 100);
+    if (s.run.warmup < 0) s.run.warmup = std::clamp<int64_t>(std::llround(1.0 / t), 2, 10);
+  }
+  std::printf("replica-bench: %s on %s (counts %s), %s %s, %lld per device, %d thread%s per "
+              "device; %d rounds of %lld warm-up + %lld timed steps per configuration\n",
+              o.suite.c_str(), s.device_spec.c_str(),
+              fmt::format("{}", fmt::join(s.counts, ",")).c_str(), s.run.model.c_str(),
+              fmt::format("{}", fmt::join(s.run.input_shape, "x")).c_str(),
+              (long long)s.run.batch_per_device, s.run.threads_per_device,
+              s.run.threads_per_device == 1 ? "" : "s", s.run.repeat, (long long)s.run.warmup,
+              (long long)s.run.steps);
+  std::fflush(stdout);
+  if (!o.report_dir.empty() && !o.skip_alpha_beta && s.counts.back() >= 2 &&
+      s.devices.size() >= 2) {
+    std::printf("alpha-beta of the communication primitives ... ");
+    std::fflush(stdout);
+    m.alpha_beta = json::object();
+    const auto sizes = sweep_sizes(double(facts.params) * 4);
+    if (std::find(suites.begin(), suites.end(), "dp") != suites.end())
+      m.alpha_beta.update(measure_dp_primitives(s.devices, s.run.threads_per_device, sizes));
+    if (std::find(suites.begin(), suites.end(), "ddp") != suites.end())
+      m.alpha_beta["ddp_allreduce"] = measure_ddp_allreduce(s, sizes);
+    std::printf("done\n");
+  }
+  run_suites(s, suites, facts, m.rows);
+  // How much of the machine other processes took meanwhile: the measurements' caveat.
+  m.env["others_cpu_share"] = others_cpu_share(cpu_start, cpu_snapshot(), cpu_cores());
+  for (auto& r : m.rows) r["env"] = m.env;
+  return m;
+}
+
+// The report directory: results, measurements, projection, plots and report.md. Other engines'
+// rows come from --compare, else from a re-rendered directory's compare.jsonl.
+void write_report_dir(const BenchOptions& o, const Measured& m, std::vector<json> compare,
+                      std::vector<std::string> compare_files, double elapsed_s) {
+  const fs::path dir = o.report_dir;
+  if (o.compare.empty() && !o.from_results.empty() &&
+      fs::exists(fs::path(o.from_results) / "compare.jsonl") &&
+      fs::file_size(fs::path(o.from_results) / "compare.jsonl") > 0) {
+    compare = read_rows((fs::path(o.from_results) / "compare.jsonl").string());
+    compare_files.push_back("compare.jsonl");
+  }
+  add_scaling(compare);
+  std::optional<Link> link;
+  if (!o.link.empty()) link = parse_link(o.link);
+  const json projection = build_projection(m.rows, m.alpha_beta, link ? &*link : nullptr);
+  // Everything is read by now, so rewriting the files of a re-rendered directory is safe.
+  write_rows((dir / "results.jsonl").string(), m.rows);
+  write_csv((dir / "results.csv").string(), m.rows);
+  write_json_file((dir / "alpha_beta.json").string(),
+                  m.alpha_beta.is_null() ? json::object() : m.alpha_beta);
+  write_json_file((dir / "projection.json").string(), projection);
+  std::error_code ec;
+  if (compare.empty()) fs::remove(dir / "compare.jsonl", ec);
+  else write_rows((dir / "compare.jsonl").string(), compare);
+
+  ReportInputs in;
+  in.dir = dir.string();
+  in.rows = m.rows;
+  in.compare = compare;
+  in.compare_files = compare_files;
+  in.alpha_beta = m.alpha_beta;
+  in.projection = projection;
+  in.env = m.env;
+  const PlotOutcome plots = draw_plots(dir.string(), current_executable());
+  in.plots = plots.files;
+  in.plot_note = plots.note;
+  in.command = o.command_line;
+  in.elapsed_s = elapsed_s;
+  write_report(in);
+  std::printf("report: %s (%zu plot%s%s)\n", (dir / "report.md").c_str(), plots.files.size(),
+              plots.files.size() == 1 ? "" : "s",
+              plots.note.empty() ? "" : (": " + plots.note).c_str());
+}
+
+}  // namespace
+
 int run_parallel_suites(const BenchOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   const bool report = !o.report_dir.empty();
@@ -147,106 +249,30 @@ int run_parallel_suites(const BenchOptions& o) {
   }
   // Other engines' rows first: a bad file fails now, not after minutes of measuring.
   std::vector<json> compare;
-  std::vector<std::string> compare_files = o.compare;
   for (const auto& f : o.compare) {
     auto more = read_rows(f);
     for (auto& r : more)
       if (r.value("engine", "replica") == "replica") r["engine"] = "other";
     compare.insert(compare.end(), more.begin(), more.end());
   }
-  std::vector<json> rows;
-  json alpha_beta;
-  json env;
-  if (!o.from_results.empty()) {
-    rows = read_rows((fs::path(o.from_results) / "results.jsonl").string());
-    alpha_beta = read_json_if_present((fs::path(o.from_results) / "alpha_beta.json").string());
-    env = rows[0].value("env", json());
+  Measured m;
+  if (o.from_results.empty()) {
+    m = measure(o);
   } else {
-    SuiteOptions s = resolve(o);
-    const auto suites = suites_of(o.suite);
-    const CpuSnapshot cpu_start = cpu_snapshot();
-    s.env = environment();
-    env = s.env;
-    env["device_spec"] = s.device_spec;
-    s.env = env;
-    const ModelFacts facts = model_facts(s.run.model, s.run.input_shape);
-    if (s.run.steps < 0 || s.run.warmup < 0) {
-      // Windows of about 5 s and 1 s of warm-up at one device's step rate: stable medians for
-      // small models, bounded time for big ones.
-      const double t = probe_step_seconds(s.devices[0], s.run);
-      if (s.run.steps < 0) s.run.steps = std::clamp<int64_t>(std::llround(5.0 / t), 3, 100);
-      if (s.run.warmup < 0) s.run.warmup = std::clamp<int64_t>(std::llround(1.0 / t), 2, 10);
-    }
-    std::printf("replica-bench: %s on %s (counts %s), %s %s, %lld per device, %d thread%s per "
-                "device; %d rounds of %lld warm-up + %lld timed steps per configuration\n",
-                o.suite.c_str(), s.device_spec.c_str(),
-                fmt::format("{}", fmt::join(s.counts, ",")).c_str(), s.run.model.c_str(),
-                fmt::format("{}", fmt::join(s.run.input_shape, "x")).c_str(),
-                (long long)s.run.batch_per_device, s.run.threads_per_device,
-                s.run.threads_per_device == 1 ? "" : "s", s.run.repeat, (long long)s.run.warmup,
-                (long long)s.run.steps);
-    std::fflush(stdout);
-    if (report && !o.skip_alpha_beta && s.counts.back() >= 2 && s.devices.size() >= 2) {
-      std::printf("alpha-beta of the communication primitives ... ");
-      std::fflush(stdout);
-      alpha_beta = json::object();
-      const auto sizes = sweep_sizes(double(facts.params) * 4);
-      if (std::find(suites.begin(), suites.end(), "dp") != suites.end())
-        alpha_beta.update(measure_dp_primitives(s.devices, s.run.threads_per_device, sizes));
-      if (std::find(suites.begin(), suites.end(), "ddp") != suites.end())
-        alpha_beta["ddp_allreduce"] = measure_ddp_allreduce(s, sizes);
-      std::printf("done\n");
-    }
-    run_suites(s, suites, facts, rows);
-    // How much of the machine other processes took meanwhile: the measurements' caveat.
-    env["others_cpu_share"] = others_cpu_share(cpu_start, cpu_snapshot(), cpu_cores());
-    for (auto& r : rows) r["env"] = env;
+    m.rows = read_rows((fs::path(o.from_results) / "results.jsonl").string());
+    m.alpha_beta = read_json_if_present((fs::path(o.from_results) / "alpha_beta.json").string());
+    m.env = m.rows[0].value("env", json());
   }
-  add_scaling(rows);
-  print_table(rows);
-  if (!o.json.empty()) append_rows(o.json, rows);
-  if (!o.csv.empty()) write_csv(o.csv, rows);
+  add_scaling(m.rows);
+  print_table(m.rows);
+  if (!o.json.empty()) append_rows(o.json, m.rows);
+  if (!o.csv.empty()) write_csv(o.csv, m.rows);
   if (!report) return 0;
-
-  const fs::path dir = o.report_dir;
-  if (o.compare.empty() && !o.from_results.empty() &&
-      fs::exists(fs::path(o.from_results) / "compare.jsonl") &&
-      fs::file_size(fs::path(o.from_results) / "compare.jsonl") > 0) {
-    compare = read_rows((fs::path(o.from_results) / "compare.jsonl").string());
-    compare_files.push_back("compare.jsonl");
-  }
-  add_scaling(compare);
-  std::optional<Link> link;
-  if (!o.link.empty()) link = parse_link(o.link);
-  const json projection = build_projection(rows, alpha_beta, link ? &*link : nullptr);
-  // Everything is read by now, so rewriting the files of a re-rendered directory is safe.
-  write_rows((dir / "results.jsonl").string(), rows);
-  write_csv((dir / "results.csv").string(), rows);
-  write_json_file((dir / "alpha_beta.json").string(),
-                  alpha_beta.is_null() ? json::object() : alpha_beta);
-  write_json_file((dir / "projection.json").string(), projection);
-  std::error_code ec;
-  if (compare.empty()) fs::remove(dir / "compare.jsonl", ec);
-  else write_rows((dir / "compare.jsonl").string(), compare);
-
-  ReportInputs in;
-  in.dir = dir.string();
-  in.rows = rows;
-  in.compare = compare;
-  in.compare_files = compare_files;
-  in.alpha_beta = alpha_beta;
-  in.projection = projection;
-  in.env = env;
-  const PlotOutcome plots = draw_plots(dir.string(), current_executable());
-  in.plots = plots.files;
-  in.plot_note = plots.note;
-  in.command = o.command_line;
-  if (o.from_results.empty())
-    in.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  write_report(in);
-  std::printf("report: %s (%zu plot%s%s)\n", (dir / "report.md").c_str(), plots.files.size(),
-              plots.files.size() == 1 ? "" : "s",
-              plots.note.empty() ? "" : (": " + plots.note).c_str());
+  const double elapsed_s =
+      o.from_results.empty()
+          ? std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+          : 0.0;
+  write_report_dir(o, m, std::move(compare), o.compare, elapsed_s);
   return 0;
 }
 

@@ -25,7 +25,4 @@ struct ReportInputs {
 // Writes dir/report.md. Throws UsageError when it cannot be written.
 void write_report(const ReportInputs& in);
 
-// "444,400 B" / "1.2 MB" / "3.4 GB" (decimal units), for tables.
-std::string format_bytes(double bytes);
-
 }  // namespace replica::bench

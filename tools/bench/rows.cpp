@@ -55,26 +55,22 @@ std::string primary_track(const Config& c) {
   return c.mode == "ddp" ? "rank0 " + c.devices[0].str() : c.devices[0].str();
 }
 
-nlohmann::json make_row(const Config& c, const ModelFacts& facts,
-                        const std::vector<Measurement>& ranks, const nlohmann::json& env) {
-  REPLICA_CHECK(!ranks.empty(), "no measurements for {} on {} devices", c.mode, c.devices.size());
-  const int n = int(c.devices.size());
-  const bool ddp = c.mode == "ddp";
-  const Measurement& m0 = ranks[0];
-  const int64_t b = c.run.batch_per_device;
+namespace {
 
-  // A DDP window lasts as long as its slowest rank (they step in lockstep anyway).
-  std::vector<double> windows = m0.window_seconds;
+// Samples/s of each timed window. A DDP window lasts as long as its slowest rank (they step in
+// lockstep anyway).
+std::vector<double> window_throughput(const std::vector<Measurement>& ranks, int64_t samples) {
+  std::vector<double> windows = ranks[0].window_seconds;
   for (const auto& r : ranks)
     for (size_t w = 0; w < windows.size() && w < r.window_seconds.size(); ++w)
       windows[w] = std::max(windows[w], r.window_seconds[w]);
   std::vector<double> sps;
-  for (double s : windows) sps.push_back(double(n * b * m0.steps_per_window) / s);
-  const double sps_med = median(sps);
-  const double ms_per_step = 1e3 * double(n * b) / sps_med;
+  for (double s : windows) sps.push_back(double(samples * ranks[0].steps_per_window) / s);
+  return sps;
+}
 
-  // Phases of one step on the primary track, plus what the step spends outside them.
-  const std::string track = primary_track(c);
+// Phases of one step on the primary track, plus what the step spends outside them.
+nlohmann::json primary_phases(const Measurement& m0, const std::string& track, double ms_per_step) {
   nlohmann::json phase_ms = nlohmann::json::object();
   double phase_sum = 0;
   if (m0.track_ms.count(track))
@@ -83,27 +79,44 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       phase_sum += ms;
     }
   phase_ms["other"] = std::max(0.0, ms_per_step - phase_sum);
+  return phase_ms;
+}
 
-  // Communication per step: NCCL's all-reduces as the GPU timed them on the group's stream
-  // (StreamTimeline, track "... nccl stream") where there are such spans; else the busy time
-  // of the communication thread (on CUDA its spans end when the device finished the bucket).
+// Communication per step and how it was timed: NCCL's all-reduces as the GPU timed them on the
+// group's stream (StreamTimeline, track "... nccl stream") where there are such spans ("gpu
+// events"); else the busy time of the communication thread ("host"; on CUDA its spans end when
+// the device finished the bucket).
+std::pair<double, std::string> comm_time(const Measurement& m0, int n, bool ddp) {
+  if (n < 2) return {0.0, "host"};
+  std::pair<double, std::string> t{get_ms(m0.track_ms, "comm", ddp ? "allreduce" : "reduce"),
+                                   "host"};
+  const std::string stream = " nccl stream";
+  for (const auto& [name, phases] : m0.track_ms) {
+    const bool nccl_stream = name.size() > stream.size() &&
+                             name.compare(name.size() - stream.size(), stream.size(), stream) == 0;
+    const double gpu_ms = nccl_stream && ddp ? get_ms(m0.track_ms, name, "allreduce") : 0;
+    if (gpu_ms > 0) t = {gpu_ms, "gpu events"};
+  }
+  return t;
+}
+
+}  // namespace
+
+nlohmann::json make_row(const Config& c, const ModelFacts& facts,
+                        const std::vector<Measurement>& ranks, const nlohmann::json& env) {
+  REPLICA_CHECK(!ranks.empty(), "no measurements for {} on {} devices", c.mode, c.devices.size());
+  const int n = int(c.devices.size());
+  const bool ddp = c.mode == "ddp";
+  const Measurement& m0 = ranks[0];
+  const int64_t b = c.run.batch_per_device;
+  const std::vector<double> sps = window_throughput(ranks, n * b);
+  const double sps_med = median(sps);
+  const double ms_per_step = 1e3 * double(n * b) / sps_med;
+  const std::string track = primary_track(c);
+  const nlohmann::json phase_ms = primary_phases(m0, track, ms_per_step);
+  const auto [comm_ms, comm_timing] = comm_time(m0, n, ddp);
   const double buffer_bytes = double(facts.params) * sizeof(float);
   const Collective coll = ddp ? Collective::AllReduce : Collective::Reduce;
-  double comm_ms = 0;
-  std::string comm_timing = "host";
-  if (n > 1) {
-    comm_ms = get_ms(m0.track_ms, "comm", ddp ? "allreduce" : "reduce");
-    const std::string stream = " nccl stream";
-    for (const auto& [name, phases] : m0.track_ms) {
-      const bool nccl_stream = name.size() > stream.size() &&
-                               name.compare(name.size() - stream.size(), stream.size(), stream) == 0;
-      const double gpu_ms = nccl_stream && ddp ? get_ms(m0.track_ms, name, "allreduce") : 0;
-      if (gpu_ms > 0) {
-        comm_ms = gpu_ms;
-        comm_timing = "gpu events";
-      }
-    }
-  }
   const int64_t formula = ddp ? ddp_comm_bytes(facts.params, n) : dp_comm_bytes(facts.params, n);
   int64_t comm_bytes = 0;
   for (const auto& r : ranks) comm_bytes = std::max(comm_bytes, r.comm_bytes);

@@ -145,6 +145,26 @@ void suite_single(const BenchOptions& o, const Shape& shape, const std::vector<i
   }
 }
 
+// threads -> GFLOP/s per kGemmShapes entry: the median of o.repeat windows each, printed as
+// each thread count is done.
+std::map<int64_t, std::vector<double>> sgemm_ceiling(const BenchOptions& o,
+                                                     const std::vector<int64_t>& threads) {
+  std::map<int64_t, std::vector<double>> ceiling;
+  for (int64_t t : threads) {
+    if (ceiling.count(t)) continue;
+    std::string line = fmt::format("  {} thread{}:", t, t == 1 ? " " : "s");
+    for (const auto& g : kGemmShapes) {
+      std::vector<double> runs;
+      for (int r = 0; r < o.repeat; ++r) runs.push_back(sgemm_gflops(g, int(t), o.sgemm_seconds));
+      ceiling[t].push_back(median(runs));
+      line += fmt::format("  {} {:7.1f} GFLOP/s", g.name(), ceiling[t].back());
+    }
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  }
+  return ceiling;
+}
+
 }  // namespace
 
 int run_single_suite(const BenchOptions& o) {
@@ -183,19 +203,7 @@ int run_single_suite(const BenchOptions& o) {
   std::printf("sgemm ceiling (OpenBLAS, %s, one thread per call; t threads call it concurrently "
               "in one task_arena; median of %d x %.1f s):\n",
               blas_kernels().c_str(), o.repeat, o.sgemm_seconds);
-  std::map<int64_t, std::vector<double>> ceiling;  // threads -> GFLOP/s per kGemmShapes entry
-  for (int64_t t : threads) {
-    if (ceiling.count(t)) continue;
-    std::string line = fmt::format("  {} thread{}:", t, t == 1 ? " " : "s");
-    for (const auto& g : kGemmShapes) {
-      std::vector<double> runs;
-      for (int r = 0; r < o.repeat; ++r) runs.push_back(sgemm_gflops(g, int(t), o.sgemm_seconds));
-      ceiling[t].push_back(median(runs));
-      line += fmt::format("  {} {:7.1f} GFLOP/s", g.name(), ceiling[t].back());
-    }
-    std::printf("%s\n", line.c_str());
-    std::fflush(stdout);
-  }
+  std::map<int64_t, std::vector<double>> ceiling = sgemm_ceiling(o, threads);
 
   // 2. The suite.
   std::vector<Result> results;
@@ -239,6 +247,5 @@ int run_single_suite(const BenchOptions& o) {
       (long long)o.warmup);
   return 0;
 }
-
 
 }  // namespace replica::bench
