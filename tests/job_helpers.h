@@ -120,18 +120,21 @@ struct Timed {
 
 // A DDP training job of `ranks` ranks; `after_s` seconds in, `signal` goes to rank `victim`
 // (found by a marker in its command line and RANK in its environment). `device_flags` say
-// where the ranks run (CPU devices with Gloo by default).
+// where the ranks run (CPU devices with Gloo by default). The marker is the path of a file the
+// ranks write, given to `marker_flag`: --trace (then every span waits for its device too) or
+// --metrics-json (the untraced run).
 inline Timed fault_job(int ranks, int victim, const char* signal, int after_s, int timeout_s,
-                       const std::string& device_flags = " --threads-per-device 1") {
+                       const std::string& device_flags = " --threads-per-device 1",
+                       const std::string& marker_flag = "--trace") {
   TempDir tmp;
   const std::string marker = tmp.str("marker");  // unique text in the ranks' command line
   // "[-]-trace M" matches the ranks' "--trace M" but not this pattern's own command line.
-  const std::string pattern = "'[-]-trace " + marker + "'";
+  const std::string pattern = "'[-]" + marker_flag.substr(1) + " " + marker + "'";
   const std::string job = launch(ranks) + train_bin() + " --mode ddp --synthetic" +
                           " --synthetic-size 100000 --model cnn --batch-size " +
                           std::to_string(8 * ranks) + " --epochs 1 --quiet --no-eval" +
-                          device_flags + " --timeout " + std::to_string(timeout_s) +
-                          " --trace " + marker;
+                          device_flags + " --timeout " + std::to_string(timeout_s) + " " +
+                          marker_flag + " " + marker;
   {
     std::ofstream script(tmp.path / "job.sh");
     script << "( sleep " << after_s << "; for p in $(pgrep -f " << pattern << "); do\n"

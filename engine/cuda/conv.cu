@@ -59,7 +59,8 @@ bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s
 // Chooses one direction's algorithm: lists the candidates (`count(&n)` checks its own call, then
 // `find(timed, n, &returned, perf)` returns cuDNN's status: timed, fastest first, when the context
 // benchmarks; else, or when timing fails, the heuristics' order) and takes the first acceptable
-// one (choose_algo), else `fallback` in FMA math with its workspace size.
+// one (choose_algo), else `fallback` with its workspace size, in the math the precision allows
+// (FMA for fp32; DEFAULT for tf32 and bf16, whose data cuDNN may not run without tensor cores).
 template <class Perf, class Algo, class Count, class Find, class WsQuery>
 ConvChoice<Algo> pick_algo(const DeviceContext& ctx, cudnnConvolutionDescriptor_t conv,
                            Algo fallback, Count count, Find find, WsQuery ws_query) {
@@ -75,11 +76,15 @@ ConvChoice<Algo> pick_algo(const DeviceContext& ctx, cudnnConvolutionDescriptor_
   std::vector<Perf> perf(std::max(max_count, 1));
   int returned = 0;
   const int cap = static_cast<int>(perf.size());
-  if (!s.benchmark || find(true, cap, &returned, perf.data()) != CUDNN_STATUS_SUCCESS)
-    REPLICA_CUDNN_CHECK(find(false, cap, &returned, perf.data()));
+  cudnnStatus_t timed = CUDNN_STATUS_NOT_SUPPORTED;
+  if (s.benchmark) {
+    std::lock_guard<std::mutex> lock(device_free_mutex());  // Find allocates and frees
+    timed = find(true, cap, &returned, perf.data());
+  }
+  if (timed != CUDNN_STATUS_SUCCESS) REPLICA_CUDNN_CHECK(find(false, cap, &returned, perf.data()));
   ConvChoice<Algo> c;
   if (!choose_algo(perf, returned, s, tensor, conv, ws_query, &c)) {
-    c = {fallback, 0, CUDNN_FMA_MATH};
+    c = {fallback, 0, tensor ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH};
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, c.math));
     REPLICA_CUDNN_CHECK(ws_query(c.algo, &c.ws));
   }

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -34,6 +35,13 @@ const char* cublas_status_string(cublasStatus_t s);
 
 // The CUDA state of a context; throws when the context is not a CUDA one.
 CudaState& cuda_state(const DeviceContext& ctx);
+
+// Held around every cudaFree of the backend (and cuDNN's timed Find, which allocates and frees
+// its own trial buffers) and around each NCCL group launch of DP over distinct GPUs. cudaFree may
+// wait for the device to go idle; a group launch half done leaves kernels on one GPU waiting for
+// kernels not yet launched on another, and the launching thread can be held up by that cudaFree:
+// NCCL's single-process deadlock, which PyTorch prevents with the same lock.
+std::mutex& device_free_mutex();
 
 // Returns the context's workspace, at least `bytes` large. Grows (after a stream synchronise, so
 // no in-flight kernel still uses the old one) only when a bigger size is needed: with algorithms

@@ -80,12 +80,18 @@ CudaState& cuda_state(const DeviceContext& ctx) {
   return *s;
 }
 
+std::mutex& device_free_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 void* cuda_workspace(CudaState& s, size_t bytes) {
   if (bytes <= s.workspace_bytes) return s.workspace;
   // Round up to 1 MiB so a run of slightly growing requests does not reallocate every time.
   size_t want = (bytes + (size_t(1) << 20) - 1) & ~((size_t(1) << 20) - 1);
   REPLICA_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the old workspace may still be in use
   if (s.workspace) {
+    std::lock_guard<std::mutex> lock(device_free_mutex());
     REPLICA_CUDA_CHECK(cudaFree(s.workspace));
     s.workspace = nullptr;
     s.workspace_bytes = 0;
@@ -172,6 +178,7 @@ void free_device(int ordinal, void* ptr) {
   if (!ptr) return;
   try {
     DeviceGuard guard(ordinal);
+    std::lock_guard<std::mutex> lock(device_free_mutex());
     if (cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
   } catch (...) {
   }
@@ -199,7 +206,10 @@ void release_state(CudaState* s) {
   if (s->stream && cudaStreamSynchronize(s->stream) != cudaSuccess) (void)cudaGetLastError();
   if (s->cudnn) cudnnDestroy(s->cudnn);
   if (s->cublas) cublasDestroy(s->cublas);
-  if (s->workspace && cudaFree(s->workspace) != cudaSuccess) (void)cudaGetLastError();
+  if (s->workspace) {
+    std::lock_guard<std::mutex> lock(device_free_mutex());
+    if (cudaFree(s->workspace) != cudaSuccess) (void)cudaGetLastError();
+  }
   if (s->stream && cudaStreamDestroy(s->stream) != cudaSuccess) (void)cudaGetLastError();
   delete s;
 }

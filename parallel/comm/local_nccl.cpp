@@ -14,6 +14,7 @@
 #include <nccl.h>
 
 #include <memory>
+#include <mutex>
 
 #include "engine/cuda/cuda_check.h"
 #include "engine/error.h"
@@ -152,9 +153,11 @@ class LocalNcclGroup final : public LocalGroup {
     return s;
   }
 
-  // call(i) for every device inside one group call, each with its GPU current.
+  // call(i) for every device inside one group call, each with its GPU current; no cudaFree of
+  // the process runs meanwhile (device_free_mutex, engine/cuda/cuda_check.h).
   template <class Call>
   void group(const char* what, Call&& call) {
+    std::lock_guard<std::mutex> lock(device_free_mutex());
     ncclResult_t r = ncclGroupStart();
     if (r != ncclSuccess) fail(what, "ncclGroupStart", r, -1);
     for (size_t i = 0; i < comms_.size(); ++i) {

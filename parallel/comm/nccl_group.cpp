@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -32,6 +33,7 @@
 #include "engine/error.h"
 #include "engine/ops.h"
 #include "engine/plugin_abi.h"
+#include "engine/trace.h"
 #include "parallel/comm/nccl_plugin.h"
 #include "parallel/comm/peer_monitor.h"
 #include "parallel/rendezvous/store.h"
@@ -41,6 +43,9 @@ namespace replica {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// Polls for NCCL's progress sleep at most this long: a waiting host that wakes late leaves the
+// GPU idle (a 2 ms nap was 2 ms per step), a shorter one only costs a little host time.
+constexpr std::chrono::microseconds kLongestNap{200};
 
 std::string hostname() {
   char host[256] = {0};
@@ -48,11 +53,28 @@ std::string hostname() {
   return host;
 }
 
-// Where this rank's GPU is: two ranks with the same string use one GPU.
+// This boot of this machine's kernel, as NCCL itself tells hosts apart: cloned machines may
+// share a hostname, never a boot id.
+std::string boot_id() {
+  std::string id;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {0};
+    if (std::fgets(buf, sizeof buf, f)) id = buf;
+    std::fclose(f);
+  }
+  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+  return id;
+}
+
+// Where this rank's GPU is, "host/bus id": two ranks with the same string use one GPU.
 std::string gpu_identity(int ordinal) {
   char bus[64] = {0};
   REPLICA_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, ordinal));
-  return hostname() + "/" + bus;
+  return hostname() + ":" + boot_id() + "/" + bus;
+}
+
+bool loopback(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address == "localhost" || address == "::1";
 }
 
 // Set only where the user has not: their setting wins.
@@ -70,52 +92,15 @@ class NcclGroup final : public ProcessGroup {
     static std::atomic<int> groups{0};
     const std::string prefix = fmt::format("nccl/{}/", groups++);
     ctx.activate();
-    Store& store = *o.store;
-    agree_on_placement(store, prefix);
-
-    ncclUniqueId id;
-    if (rank_ == 0) {
-      check("ncclGetUniqueId", ncclGetUniqueId(&id), /*comm_known=*/false);
-      store.set(prefix + "unique_id",
-                to_bytes(std::string_view(reinterpret_cast<const char*>(&id), sizeof id)));
+    try {
+      set_up(*o.store, prefix, o.address);
+    } catch (...) {
+      release();  // no destructor runs for a constructor that throws
+      throw;
     }
-    const Bytes bytes = store.get(prefix + "unique_id");
-    REPLICA_CHECK(bytes.size() == sizeof id, "nccl: malformed unique id in the store");
-    std::memcpy(&id, bytes.data(), sizeof id);
-
-    int least = 0, greatest = 0;
-    REPLICA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    REPLICA_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
-    REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming));
-    REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
-    timeline_.anchor(stream_);  // the stream is still empty: no wait
-
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    check("ncclCommInitRankConfig (communicator setup)",
-          ncclCommInitRankConfig(&comm_, size_, id, rank_, &config), /*comm_known=*/true);
-    token_ = ctx.alloc({1});
-    ctx.ops().fill(ctx, token_, 0.f);
   }
 
-  ~NcclGroup() override {
-    if (comm_) {
-      // Finalize flushes what is still in flight; a peer that never comes makes it time out,
-      // and then the communicator is aborted instead.
-      try {
-        ctx_->activate();
-        check("ncclCommFinalize", ncclCommFinalize(comm_), true,
-              std::min(timeout_, std::chrono::milliseconds(30000)));
-        ncclCommDestroy(comm_);
-      } catch (...) {
-        if (comm_) ncclCommAbort(comm_);
-      }
-      comm_ = nullptr;
-    }
-    if (done_) cudaEventDestroy(done_);
-    if (inputs_ready_) cudaEventDestroy(inputs_ready_);
-    if (stream_) cudaStreamDestroy(stream_);
-  }
+  ~NcclGroup() override { release(); }
 
   std::string backend() const override { return "nccl"; }
   std::string describe() const override {
@@ -176,34 +161,93 @@ class NcclGroup final : public ProcessGroup {
   }
 
   void synchronize(DeviceContext&) override {
-    wait_idle(last_);
+    wait_idle(nullptr);
     std::lock_guard<std::mutex> lock(mutex_);
     if (!comm_) {  // aborted: what was in flight may never finish
       timeline_.drop();
       return;
     }
-    if (!enqueued_) return;
+    // A DDP step starts here: re-anchoring (a host sync on the idle stream) only when traced.
+    if (!enqueued_ || !Tracer::global().recording()) return;
     timeline_.flush();
     timeline_.anchor(stream_);  // idle now (wait_idle): a fresh anchor costs nothing
   }
 
  private:
-  // Every rank publishes where its GPU is; when two share one, every rank takes a host id of
-  // its own (all must agree, or NCCL would see some as one host and refuse).
-  void agree_on_placement(Store& store, const std::string& prefix) {
-    store.set(prefix + fmt::format("gpu/{}", rank_), to_bytes(gpu_identity(ctx_->device().index)));
-    std::set<std::string> gpus, hosts;
+  // The communicator: every rank's placement agreed, rank 0's unique id through the store, the
+  // group's stream and events, then NCCL's non-blocking set-up (polled to the timeout).
+  void set_up(Store& store, const std::string& prefix, const std::string& address) {
+    agree_on_placement(store, prefix, address);
+    ncclUniqueId id;
+    if (rank_ == 0) {
+      check("ncclGetUniqueId", ncclGetUniqueId(&id), /*comm_known=*/false);
+      store.set(prefix + "unique_id",
+                to_bytes(std::string_view(reinterpret_cast<const char*>(&id), sizeof id)));
+    }
+    const Bytes bytes = store.get(prefix + "unique_id");
+    REPLICA_CHECK(bytes.size() == sizeof id, "nccl: malformed unique id in the store");
+    std::memcpy(&id, bytes.data(), sizeof id);
+
+    int least = 0, greatest = 0;
+    REPLICA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    REPLICA_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+    REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming));
+    REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    timeline_.anchor(stream_);  // the stream is still empty: no wait
+
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    check("ncclCommInitRankConfig (communicator setup)",
+          ncclCommInitRankConfig(&comm_, size_, id, rank_, &config), /*comm_known=*/true);
+    token_ = ctx_->alloc({1});
+    ctx_->ops().fill(*ctx_, token_, 0.f);
+  }
+
+  // Finalize flushes what is still in flight; a peer that never comes makes it time out, and
+  // then the communicator is aborted instead. Both return at once on a non-blocking
+  // communicator: NCCL finishes the teardown on a thread of its own.
+  void release() noexcept {
+    if (comm_) {
+      try {
+        ctx_->activate();
+        check("ncclCommFinalize", ncclCommFinalize(comm_), true,
+              std::min(timeout_, std::chrono::milliseconds(30000)));
+        const ncclResult_t r = ncclCommDestroy(comm_);
+        if (r != ncclSuccess && r != ncclInProgress)
+          std::fprintf(stderr, "rank %d: ncclCommDestroy: %s\n", rank_, ncclGetErrorString(r));
+      } catch (...) {
+        if (comm_) ncclCommAbort(comm_);
+      }
+      comm_ = nullptr;
+    }
+    if (done_) cudaEventDestroy(done_);
+    if (inputs_ready_) cudaEventDestroy(inputs_ready_);
+    if (stream_) cudaStreamDestroy(stream_);
+    done_ = inputs_ready_ = nullptr;
+    stream_ = nullptr;
+  }
+
+  // Every rank publishes where its GPU is and the address it reaches the job from; when two
+  // share a GPU, every rank takes a host id of its own (all must agree, or NCCL would see some as
+  // one host and refuse). Their sockets go over loopback only when every rank's address is a
+  // loopback one: ranks in network namespaces of one machine share its GPU but not "lo".
+  void agree_on_placement(Store& store, const std::string& prefix, const std::string& address) {
+    store.set(prefix + fmt::format("gpu/{}", rank_),
+              to_bytes(gpu_identity(ctx_->device().index) + " " + address));
+    std::set<std::string> gpus;
+    bool all_loopback = true;
     for (int r = 0; r < size_; ++r) {
-      const std::string id = to_string(store.get(prefix + fmt::format("gpu/{}", r)));
-      gpus.insert(id);
-      hosts.insert(id.substr(0, id.rfind('/')));
+      const std::string entry = to_string(store.get(prefix + fmt::format("gpu/{}", r)));
+      const size_t space = entry.rfind(' ');
+      gpus.insert(entry.substr(0, space));
+      all_loopback &= space != std::string::npos && loopback(entry.substr(space + 1));
     }
     gpus_ = int(gpus.size());
     shared_gpu_ = gpus_ < size_;
     if (!shared_gpu_) return;
     setenv("NCCL_HOSTID", fmt::format("replica-{}-rank{}", hostname(), rank_).c_str(), 1);
     setenv("NCCL_NET", "Socket", 1);
-    if (hosts.size() == 1) set_default_env("NCCL_SOCKET_IFNAME", "lo");
+    if (all_loopback) set_default_env("NCCL_SOCKET_IFNAME", "lo");
   }
 
   // Runs one NCCL call on the group's stream, after the work already on ctx's stream.
@@ -244,14 +288,16 @@ class NcclGroup final : public ProcessGroup {
       if (Clock::now() > deadline)
         abort_and_fail(what, fmt::format("not settled after {:.1f} s", budget.count() / 1000.0));
       std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(5000));
+      nap = std::min(nap * 2, kLongestNap);
     }
   }
 
-  // Host wait for the group's stream, watching NCCL's asynchronous errors and the timeout.
+  // Host wait for the group's stream, watching NCCL's asynchronous errors and the timeout;
+  // `what` names the wait in an error (null: the last collective enqueued).
   void wait_idle(const char* what) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!comm_ || !enqueued_) return;
+    if (!what) what = last_;
     const auto deadline = Clock::now() + timeout_;
     auto nap = std::chrono::microseconds(20);
     for (;;) {
@@ -266,7 +312,7 @@ class NcclGroup final : public ProcessGroup {
         abort_and_fail(what, fmt::format("not finished after {:.1f} s",
                                          timeout_.count() / 1000.0));
       std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(2000));
+      nap = std::min(nap * 2, kLongestNap);
     }
   }
 

@@ -62,11 +62,18 @@ class DdpEngine final : public TrainEngine {
   void train_step(const Batch& batch) override {
     REPLICA_CHECK(batch.size() > 0, "empty batch");
     ctx_.run([&] {
+      // On a GPU the previous step's kernels wait for its collectives, and the host waits for
+      // those kernels untimed in places (a batch's pinned buffer released, a traced span): a
+      // stopped peer would hang them there. Waiting here, with the timeout, for what the last
+      // step enqueued turns that into the group's error naming the peer. Its all-reduces are
+      // done by now unless the host ran ahead: only the optimizer kernels are left on the GPU.
+      group_->synchronize(ctx_);
       auto [x, y] = whole_batch_to_device(ctx_, batch, track_);
       if (model_->num_buffer_elements() > 0 && group_->size() > 1) {
         TraceSpan span(track_, "broadcast_buffers", &ctx_);
         group_->broadcast(ctx_, model_->flat_buffers(), 0);
         group_->stream_wait(ctx_);  // the forward reads them
+        settle_for_trace();
       }
       model_->zero_grad(ctx_);
       // K micro-batches (torch.chunk sizes); the loss gradient of each is scaled by
@@ -105,6 +112,7 @@ class DdpEngine final : public TrainEngine {
           reducer_->finish();
           group_->stream_wait(ctx_);  // GPU: the step's kernels wait for the last bucket
           ctx_.ops().scale(ctx_, model_->flat_grads(), 1.f / float(group_->size()));  // mean
+          settle_for_trace();
         }
       }
       {
@@ -172,6 +180,12 @@ class DdpEngine final : public TrainEngine {
   }
 
  private:
+  // A traced span on a GPU ends with an untimed device sync (engine/trace.h); before it, the
+  // collectives the stream now waits for are waited for with the timeout.
+  void settle_for_trace() {
+    if (Tracer::global().sync_device()) group_->synchronize(ctx_);
+  }
+
   // Debug check (REPLICA_DDP_CHECK_SYNC=1): rank 0's parameters, broadcast, must equal this
   // rank's bit for bit after every step.
   void verify_in_sync() {
