@@ -15,17 +15,14 @@
 // nccl stream"), so the trace shows it beside the backward kernels.
 //
 // Ranks that share one GPU (cuda:0*N) are each given an NCCL_HOSTID of their own, over the
-// socket transport: NCCL otherwise refuses them ("Duplicate GPU detected"). That runs NCCL's
-// real set-up, collectives and failures on a one-GPU machine; it measures no interconnect.
+// socket transport (nccl_placement.h): NCCL otherwise refuses them ("Duplicate GPU detected").
 #include <nccl.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <set>
 #include <thread>
 
 #include "engine/cuda/cuda_check.h"
@@ -34,6 +31,7 @@
 #include "engine/ops.h"
 #include "engine/plugin_abi.h"
 #include "engine/trace.h"
+#include "parallel/comm/nccl_placement.h"
 #include "parallel/comm/nccl_plugin.h"
 #include "parallel/comm/peer_monitor.h"
 #include "parallel/rendezvous/store.h"
@@ -46,42 +44,6 @@ using Clock = std::chrono::steady_clock;
 // Polls for NCCL's progress sleep at most this long: a waiting host that wakes late leaves the
 // GPU idle (a 2 ms nap was 2 ms per step), a shorter one only costs a little host time.
 constexpr std::chrono::microseconds kLongestNap{200};
-
-std::string hostname() {
-  char host[256] = {0};
-  gethostname(host, sizeof host - 1);
-  return host;
-}
-
-// This boot of this machine's kernel, as NCCL itself tells hosts apart: cloned machines may
-// share a hostname, never a boot id.
-std::string boot_id() {
-  std::string id;
-  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
-    char buf[64] = {0};
-    if (std::fgets(buf, sizeof buf, f)) id = buf;
-    std::fclose(f);
-  }
-  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
-  return id;
-}
-
-// Where this rank's GPU is, "host/bus id": two ranks with the same string use one GPU.
-std::string gpu_identity(int ordinal) {
-  char bus[64] = {0};
-  REPLICA_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, ordinal));
-  return hostname() + ":" + boot_id() + "/" + bus;
-}
-
-bool loopback(const std::string& address) {
-  return address.rfind("127.", 0) == 0 || address == "localhost" || address == "::1";
-}
-
-// Set only where the user has not: their setting wins.
-void set_default_env(const char* name, const std::string& value) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) setenv(name, value.c_str(), 1);
-}
 
 class NcclGroup final : public ProcessGroup {
  public:
@@ -177,7 +139,10 @@ class NcclGroup final : public ProcessGroup {
   // The communicator: every rank's placement agreed, rank 0's unique id through the store, the
   // group's stream and events, then NCCL's non-blocking set-up (polled to the timeout).
   void set_up(Store& store, const std::string& prefix, const std::string& address) {
-    agree_on_placement(store, prefix, address);
+    const NcclPlacement placement =
+        agree_on_placement(store, prefix, rank_, size_, ctx_->device().index, address);
+    gpus_ = placement.gpus;
+    shared_gpu_ = placement.shared_gpu;
     ncclUniqueId id;
     if (rank_ == 0) {
       check("ncclGetUniqueId", ncclGetUniqueId(&id), /*comm_known=*/false);
@@ -225,29 +190,6 @@ class NcclGroup final : public ProcessGroup {
     if (stream_) cudaStreamDestroy(stream_);
     done_ = inputs_ready_ = nullptr;
     stream_ = nullptr;
-  }
-
-  // Every rank publishes where its GPU is and the address it reaches the job from; when two
-  // share a GPU, every rank takes a host id of its own (all must agree, or NCCL would see some as
-  // one host and refuse). Their sockets go over loopback only when every rank's address is a
-  // loopback one: ranks in network namespaces of one machine share its GPU but not "lo".
-  void agree_on_placement(Store& store, const std::string& prefix, const std::string& address) {
-    store.set(prefix + fmt::format("gpu/{}", rank_),
-              to_bytes(gpu_identity(ctx_->device().index) + " " + address));
-    std::set<std::string> gpus;
-    bool all_loopback = true;
-    for (int r = 0; r < size_; ++r) {
-      const std::string entry = to_string(store.get(prefix + fmt::format("gpu/{}", r)));
-      const size_t space = entry.rfind(' ');
-      gpus.insert(entry.substr(0, space));
-      all_loopback &= space != std::string::npos && loopback(entry.substr(space + 1));
-    }
-    gpus_ = int(gpus.size());
-    shared_gpu_ = gpus_ < size_;
-    if (!shared_gpu_) return;
-    setenv("NCCL_HOSTID", fmt::format("replica-{}-rank{}", hostname(), rank_).c_str(), 1);
-    setenv("NCCL_NET", "Socket", 1);
-    if (all_loopback) set_default_env("NCCL_SOCKET_IFNAME", "lo");
   }
 
   // Runs one NCCL call on the group's stream, after the work already on ctx's stream.

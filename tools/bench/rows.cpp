@@ -177,7 +177,7 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"env", env},
   };
   if (ddp) {
-    // NCCL between ranks that share a GPU runs over sockets (parallel/comm/nccl_group.cpp).
+    // NCCL between ranks that share a GPU runs over sockets (parallel/comm/nccl_placement.h).
     row["backend"] = c.backend == "nccl" && devices_share_hardware(c.devices) ? "nccl-sockets"
                                                                                 : c.backend;
     row["rank_window_seconds"] = rank_windows;
