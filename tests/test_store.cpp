@@ -1,6 +1,7 @@
 // Stores and rendezvous: TCP and file stores across threads and forked processes, timeouts that
-// name their keys, size limits, a busy port, clients that start before the server, and env://
-// rendezvous with 2-4 ranks as processes (and one with a rank missing).
+// name their keys, size limits, a busy port, clients that start before the server, env://
+// rendezvous with 2-4 ranks as processes (and one with a rank missing), and the NCCL ranks'
+// agreement on where their GPUs are.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -15,12 +16,14 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include <doctest/doctest.h>
 
 #include "cli_helpers.h"
 #include "engine/error.h"
+#include "parallel/comm/nccl_placement.h"
 #include "parallel/rendezvous/rendezvous.h"
 
 using namespace replica;
@@ -476,6 +479,99 @@ TEST_CASE("the address a rank offers its peers: its own end of the route to rank
   CHECK_MESSAGE((local.rfind("127.", 0) == 0 || local == "::1"), local);
   CHECK(local_address_toward("no-such-host.invalid").empty());
   // Two nodes in network namespaces: tests/test_multinode.cpp.
+}
+
+namespace {
+
+// Ranks as threads, each with its own handle on one file store, as processes would have.
+std::vector<NcclPlacement> place(const std::string& dir, const std::string& prefix,
+                                 const std::vector<std::string>& buses,
+                                 const std::vector<std::string>& addresses) {
+  const int size = int(buses.size());
+  std::vector<NcclPlacement> out(size_t(size), NcclPlacement{});
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < size; ++r)
+    ranks.emplace_back([&, r] {
+      FileStore store(dir, 5s);
+      out[size_t(r)] = agree_on_placement(store, prefix, r, size, buses[size_t(r)],
+                                          addresses[size_t(r)]);
+    });
+  for (auto& t : ranks) t.join();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("NCCL placement: ranks on one GPU get a host id each; loopback sockets only when every "
+          "rank is on loopback") {
+  test::TempDir tmp;
+  const std::string dir = tmp.str("store");
+  const std::string a = "0000:19:00.0", b = "0000:3b:00.0";
+  SUBCASE("three ranks on one GPU, one node") {
+    auto p = place(dir, "one/", {a, a, a}, {"127.0.0.1", "127.0.0.1", "127.0.0.1"});
+    std::set<std::string> ids;
+    for (const auto& q : p) {
+      CHECK(q.gpus == 1);
+      CHECK(q.shared_gpu);
+      CHECK(q.loopback_sockets);
+      ids.insert(q.host_id);
+    }
+    CHECK(ids.size() == 3);
+    CHECK(p[2].host_id.find("rank2") != std::string::npos);
+  }
+  SUBCASE("a GPU per rank: NCCL is told nothing") {
+    auto p = place(dir, "two/", {a, b}, {"127.0.0.1", "127.0.0.1"});
+    for (const auto& q : p) {
+      CHECK(q.gpus == 2);
+      CHECK_FALSE(q.shared_gpu);
+      CHECK(q.host_id.empty());
+    }
+  }
+  SUBCASE("two ranks on one GPU, one of them alone on another: every rank takes a host id") {
+    auto p = place(dir, "three/", {a, a, b}, {"127.0.0.1", "127.0.0.1", "127.0.0.1"});
+    for (const auto& q : p) {
+      CHECK(q.gpus == 2);
+      CHECK(q.shared_gpu);
+      CHECK_FALSE(q.host_id.empty());
+    }
+  }
+  SUBCASE("one GPU, ranks in two network namespaces: sockets not on lo") {
+    auto p = place(dir, "netns/", {a, a}, {"10.213.0.1", "10.213.0.2"});
+    for (const auto& q : p) {
+      CHECK(q.shared_gpu);
+      CHECK_FALSE(q.loopback_sockets);
+    }
+  }
+}
+
+TEST_CASE("NCCL placement: what NCCL is told, the user's interface kept") {
+  const char* names[] = {"NCCL_HOSTID", "NCCL_NET", "NCCL_SOCKET_IFNAME"};
+  std::vector<std::optional<std::string>> saved;
+  for (const char* n : names) {
+    const char* v = std::getenv(n);
+    saved.push_back(v ? std::optional<std::string>(v) : std::nullopt);
+    unsetenv(n);
+  }
+  auto value = [](const char* n) {
+    const char* v = std::getenv(n);
+    return std::string(v ? v : "-");
+  };
+  NcclPlacement alone;  // a GPU per rank
+  tell_nccl(alone);
+  CHECK(value("NCCL_HOSTID") == "-");
+  CHECK(value("NCCL_NET") == "-");
+  NcclPlacement shared{1, true, "replica-h-rank1", true};
+  tell_nccl(shared);
+  CHECK(value("NCCL_HOSTID") == "replica-h-rank1");
+  CHECK(value("NCCL_NET") == "Socket");
+  CHECK(value("NCCL_SOCKET_IFNAME") == "lo");
+  setenv("NCCL_SOCKET_IFNAME", "eth1", 1);
+  tell_nccl(shared);
+  CHECK(value("NCCL_SOCKET_IFNAME") == "eth1");
+  for (size_t i = 0; i < saved.size(); ++i) {
+    if (saved[i]) setenv(names[i], saved[i]->c_str(), 1);
+    else unsetenv(names[i]);
+  }
 }
 
 TEST_CASE("rendezvous with a missing rank times out naming it") {

@@ -139,8 +139,10 @@ class NcclGroup final : public ProcessGroup {
   // The communicator: every rank's placement agreed, rank 0's unique id through the store, the
   // group's stream and events, then NCCL's non-blocking set-up (polled to the timeout).
   void set_up(Store& store, const std::string& prefix, const std::string& address) {
-    const NcclPlacement placement =
-        agree_on_placement(store, prefix, rank_, size_, ctx_->device().index, address);
+    char bus[64] = {0};
+    REPLICA_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, ctx_->device().index));
+    const NcclPlacement placement = agree_on_placement(store, prefix, rank_, size_, bus, address);
+    tell_nccl(placement);
     gpus_ = placement.gpus;
     shared_gpu_ = placement.shared_gpu;
     ncclUniqueId id;

@@ -1,14 +1,12 @@
 #include "parallel/comm/nccl_placement.h"
 
-#include <cuda_runtime.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <set>
 
-#include "engine/cuda/cuda_check.h"
-#include "engine/error.h"
+#include <fmt/format.h>
 
 namespace replica {
 
@@ -33,31 +31,17 @@ std::string boot_id() {
   return id;
 }
 
-// Where this rank's GPU is, "host:boot id/bus id": two ranks with the same string use one GPU.
-std::string gpu_identity(int ordinal) {
-  char bus[64] = {0};
-  REPLICA_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, ordinal));
-  return hostname() + ":" + boot_id() + "/" + bus;
-}
-
 bool loopback(const std::string& address) {
   return address.rfind("127.", 0) == 0 || address == "localhost" || address == "::1";
 }
 
-// Set only where the user has not: their setting wins.
-void set_default_env(const char* name, const std::string& value) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) setenv(name, value.c_str(), 1);
-}
-
 }  // namespace
 
-// Ranks in network namespaces of one machine share its GPU but not its "lo": their sockets go
-// over loopback only when every rank's address is a loopback one.
 NcclPlacement agree_on_placement(Store& store, const std::string& prefix, int rank, int size,
-                                 int ordinal, const std::string& address) {
-  store.set(prefix + fmt::format("gpu/{}", rank),
-            to_bytes(gpu_identity(ordinal) + " " + address));
+                                 const std::string& gpu_bus_id, const std::string& address) {
+  // "host:boot/bus address": two ranks with the same text before the space use one GPU.
+  const std::string gpu = hostname() + ":" + boot_id() + "/" + gpu_bus_id;
+  store.set(prefix + fmt::format("gpu/{}", rank), to_bytes(gpu + " " + address));
   std::set<std::string> gpus;
   bool all_loopback = true;
   for (int r = 0; r < size; ++r) {
@@ -66,12 +50,22 @@ NcclPlacement agree_on_placement(Store& store, const std::string& prefix, int ra
     gpus.insert(entry.substr(0, space));
     all_loopback &= space != std::string::npos && loopback(entry.substr(space + 1));
   }
-  NcclPlacement placement{int(gpus.size()), int(gpus.size()) < size};
-  if (!placement.shared_gpu) return placement;
-  setenv("NCCL_HOSTID", fmt::format("replica-{}-rank{}", hostname(), rank).c_str(), 1);
+  NcclPlacement p;
+  p.gpus = int(gpus.size());
+  p.shared_gpu = p.gpus < size;
+  if (p.shared_gpu) {
+    p.host_id = fmt::format("replica-{}-rank{}", hostname(), rank);
+    p.loopback_sockets = all_loopback;
+  }
+  return p;
+}
+
+void tell_nccl(const NcclPlacement& p) {
+  if (!p.shared_gpu) return;
+  setenv("NCCL_HOSTID", p.host_id.c_str(), 1);
   setenv("NCCL_NET", "Socket", 1);
-  if (all_loopback) set_default_env("NCCL_SOCKET_IFNAME", "lo");
-  return placement;
+  const char* ifname = std::getenv("NCCL_SOCKET_IFNAME");
+  if (p.loopback_sockets && (!ifname || !*ifname)) setenv("NCCL_SOCKET_IFNAME", "lo", 1);
 }
 
 }  // namespace replica

@@ -1,6 +1,6 @@
-// The NCCL plugin (libreplica_nccl.so: nccl_group.cpp, nccl_placement.cpp, local_nccl.cpp): the
-// table it hands out, and how the rest of parallel/ reaches it. Loaded the first time a program
-// asks for NCCL, so no other program loads NCCL or the CUDA stack (engine/plugin.h).
+// The NCCL plugin (libreplica_nccl.so, built from nccl_group.cpp and local_nccl.cpp): the table it
+// hands out, and how the rest of parallel/ reaches it. Loaded the first time a program asks for
+// NCCL, so no other program loads NCCL or the CUDA stack (engine/plugin.h).
 #pragma once
 #include <chrono>
 #include <memory>
