@@ -5,7 +5,9 @@
 // Header-only: programs link CLI11.
 #pragma once
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <optional>
 #include <string>
@@ -18,6 +20,22 @@
 
 namespace replica {
 
+// The first integer flag value that does not fit in 64 bits, as "--flag 'text'" (empty: none).
+// CLI11 stores such a value as the nearest extreme, which then passes range checks meant for
+// what the user typed ("--batch-size 99999999999999999999" became 2^63 - 1).
+inline std::string integer_out_of_range(const CLI::App& app) {
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt->get_type_name() != "INT" && opt->get_type_name() != "UINT") continue;
+    for (const std::string& text : opt->results()) {
+      errno = 0;
+      char* end = nullptr;
+      std::strtoll(text.c_str(), &end, 0);
+      if (errno == ERANGE) return fmt::format("{} '{}'", opt->get_name(), text);
+    }
+  }
+  return "";
+}
+
 // Returns an exit code when the program should stop now (help printed, or a bad flag).
 inline std::optional<int> parse_cli(CLI::App& app, const char* name, int argc, char** argv) {
   try {
@@ -29,6 +47,11 @@ inline std::optional<int> parse_cli(CLI::App& app, const char* name, int argc, c
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');
     std::fprintf(stderr, "%s: error: %s (see --help)\n", name, msg.c_str());
+    return 2;
+  }
+  if (const std::string bad = integer_out_of_range(app); !bad.empty()) {
+    std::fprintf(stderr, "%s: error: %s: the number is too large (see --help)\n", name,
+                 bad.c_str());
     return 2;
   }
   return std::nullopt;

@@ -15,6 +15,9 @@ Allocator::~Allocator() { empty_cache(); }
 // be reused for a request up to 12.5% smaller while steady-state training hits exact classes.
 size_t Allocator::round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
+  // Past 2^62 the power of two below would overflow (and loop forever); no machine has that.
+  REPLICA_CHECK(bytes <= (size_t(1) << 50), "cannot allocate {} bytes: more memory than any "
+                "machine has", bytes);
   if (bytes <= (1u << 16)) return (bytes + 511) & ~size_t(511);
   size_t p = 1;
   while (p < bytes) p <<= 1;

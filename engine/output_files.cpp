@@ -24,12 +24,33 @@ static_assert(std::atomic<bool>::is_always_lock_free, "read from a signal handle
 
 }  // namespace
 
+OutputTarget output_target(const std::string& path) {
+  std::error_code ec;
+  OutputTarget t{path, false};
+  // A link's target, followed link by link (it need not exist yet; 40 is the kernel's limit).
+  fs::path p = path;
+  for (int hops = 0; hops < 40 && fs::is_symlink(p, ec); ++hops) {
+    const fs::path to = fs::read_symlink(p, ec);
+    if (ec) break;
+    p = to.is_absolute() ? to : p.parent_path() / to;
+  }
+  t.path = p.lexically_normal().string();
+  const fs::file_status st = fs::status(t.path, ec);
+  t.in_place = fs::exists(st) && !fs::is_regular_file(st) && !fs::is_directory(st);
+  return t;
+}
+
 void check_output_file(const std::string& flag, const std::string& path) {
   if (path.empty()) return;
   std::error_code ec;
-  const fs::path p = fs::absolute(path, ec);
+  const OutputTarget target = output_target(path);
+  const fs::path p = fs::absolute(target.path, ec);
   REPLICA_USAGE_CHECK(!fs::is_directory(p, ec), "{} '{}' is a directory; give a file name", flag,
                       path);
+  if (target.in_place) {
+    REPLICA_USAGE_CHECK(access(p.c_str(), W_OK) == 0, "{} '{}': cannot write to it", flag, path);
+    return;
+  }
   const fs::path dir = p.parent_path();
   REPLICA_USAGE_CHECK(fs::is_directory(dir, ec), "{} '{}': directory '{}' does not exist", flag,
                       path, dir.string());
@@ -80,7 +101,16 @@ void remove_temporary_in_progress() {
   if (g_writing) unlink(g_temporary);
 }
 
-void write_file_atomically(const std::string& path, const std::string& text) {
+void write_file_atomically(const std::string& name, const std::string& text) {
+  const OutputTarget target = output_target(name);
+  const std::string& path = target.path;
+  if (target.in_place) {
+    std::ofstream out(path, std::ios::binary);
+    out << text;
+    out.flush();
+    REPLICA_USAGE_CHECK(out.good(), "cannot write '{}': {}", name, std::strerror(errno));
+    return;
+  }
   remove_stale_temporaries(path);
   const std::string tmp = temporary_for(path);
   mark_temporary(tmp);
@@ -95,7 +125,7 @@ void write_file_atomically(const std::string& path, const std::string& text) {
   const int err = errno;
   if (!ok) std::remove(tmp.c_str());
   clear_temporary();
-  REPLICA_USAGE_CHECK(ok, "cannot write '{}': {}", path, std::strerror(err));
+  REPLICA_USAGE_CHECK(ok, "cannot write '{}': {}", name, std::strerror(err));
 }
 
 }  // namespace replica

@@ -7,8 +7,18 @@
 
 namespace replica {
 
+// Where an output named `path` is written: a symbolic link's target (the link stays a link),
+// through a temporary renamed over it when that is a regular file or nothing yet; in place when
+// it is a device or a pipe (/dev/null, /dev/stdout), which a rename would replace.
+struct OutputTarget {
+  std::string path;
+  bool in_place = false;
+};
+OutputTarget output_target(const std::string& path);
+
 // `path` (given with `flag`) can be written: not a directory, its directory exists and this
-// process may write into it. UsageError naming the flag otherwise.
+// process may write into it (a device or pipe: may write to it). UsageError naming the flag
+// otherwise.
 void check_output_file(const std::string& flag, const std::string& path);
 // `path` is a writable directory, or can be created: its nearest existing ancestor is one.
 void check_output_dir(const std::string& flag, const std::string& path);
@@ -24,7 +34,8 @@ void mark_temporary(const std::string& tmp);
 void clear_temporary();
 void remove_temporary_in_progress();  // from a signal handler
 
-// Writes `text` to `path` through temporary_for(path), flushed, then renamed over it.
+// Writes `text` to output_target(path): through its temporary, flushed, then renamed over it (or
+// in place, for a device or pipe).
 void write_file_atomically(const std::string& path, const std::string& text);
 
 }  // namespace replica

@@ -19,7 +19,14 @@ Block::Block(Allocator* a, size_t n) : owner(a), ptr(a->allocate(n)), bytes(n) {
 Block::~Block() { owner->release(ptr, bytes); }
 
 Tensor Tensor::empty(Allocator& alloc, const Shape& shape, DType dtype) {
-  for (auto d : shape) REPLICA_CHECK(d >= 0, "negative dimension in shape {}", shape_str(shape));
+  // Checked before shape_numel() multiplies in int64: an overflow there is undefined.
+  int64_t elements = 1;
+  for (auto d : shape) {
+    REPLICA_CHECK(d >= 0, "negative dimension in shape {}", shape_str(shape));
+    REPLICA_CHECK(d == 0 || elements <= (int64_t(1) << 48) / d,
+                  "a tensor of shape {} is too large to allocate", shape_str(shape));
+    elements *= d;
+  }
   Tensor t;
   t.shape_ = shape;
   t.dtype_ = dtype;

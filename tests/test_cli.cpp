@@ -4,8 +4,11 @@
 
 #include "checkpoint_helpers.h"
 #include "cli_helpers.h"
+#include <sys/stat.h>
+
 #include <chrono>
 #include <cstring>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -79,6 +82,49 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --resume", "--checkpoint");
   expect_clean_error("--synthetic --input-shape 3x0x4 --max-steps 1", "--input-shape");
   expect_clean_error("--synthetic --input-shape banana --max-steps 1", "--input-shape");
+  // A number past 64 bits is named as typed, not passed on as the largest int64.
+  expect_clean_error(data + " --batch-size 99999999999999999999",
+                     "--batch-size '99999999999999999999': the number is too large");
+  expect_clean_error(data + " --num-classes 99999999999999999999", "--num-classes");
+  for (const char* timeout : {"0", "-1", "nan", "inf", "1e30"}) {
+    CAPTURE(timeout);
+    expect_clean_error(data + " --mode ddp --devices cpu*2 --timeout " + timeout,
+                       "--timeout must be between 0.001 and 604800 seconds");
+  }
+}
+
+TEST_CASE("a batch larger than the dataset is one batch of the whole dataset") {
+  // 2^62 samples per batch: the loader allocates for the 64 samples there are (it crashed).
+  auto r = run(kTrain + " --synthetic --synthetic-size 64 --max-steps 2 --quiet --no-eval"
+                        " --devices cpu --batch-size 4611686018427387904",
+               60);
+  CHECK_MESSAGE(r.exit_code == 0, r.output);
+}
+
+TEST_CASE("outputs through a symbolic link or into a pipe: the link and the pipe stay") {
+  test::TempDir tmp;
+  const std::string run_args = kTrain + " --synthetic --synthetic-size 64 --batch-size 8" +
+                               " --max-steps 2 --quiet --no-eval --devices cpu";
+  // A link: its target is written, the link stays a link.
+  test::fs::create_symlink("target.json", tmp.path / "link.json");
+  test::fs::create_symlink("model.safetensors", tmp.path / "model-link");
+  auto r = run(run_args + " --metrics-json " + tmp.str("link.json") + " --save-model " +
+               tmp.str("model-link"), 60);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(test::fs::is_symlink(tmp.path / "link.json"));
+  CHECK(test::fs::is_symlink(tmp.path / "model-link"));
+  std::ifstream metrics(tmp.str("target.json"));
+  CHECK(nlohmann::json::parse(metrics)["steps"] == 2);
+  CHECK(load_checkpoint(tmp.str("model.safetensors")).tensors.size() > 0);
+  // A pipe (as /dev/stdout can be): written into, not renamed over.
+  const std::string fifo = tmp.str("pipe");
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  r = run("sh -c 'cat " + fifo + " > " + tmp.str("from-pipe") + " & " + run_args +
+          " --metrics-json " + fifo + "; rc=$?; wait; exit $rc'", 60);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(test::fs::is_fifo(fifo));
+  std::ifstream piped(tmp.str("from-pipe"));
+  CHECK(nlohmann::json::parse(piped)["steps"] == 2);
 }
 
 TEST_CASE("an output that cannot be written fails before training, in seconds") {

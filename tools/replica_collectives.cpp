@@ -24,19 +24,23 @@ using namespace replica;
 
 namespace {
 
-int64_t parse_bytes(const std::string& s) {
-  REPLICA_USAGE_CHECK(!s.empty(), "empty size");
+// "4", "1K", "64M", "2G": from 4 bytes (one float) to 16 GiB.
+int64_t parse_bytes(const std::string& s, const char* flag) {
   int64_t mult = 1;
   std::string num = s;
-  switch (s.back()) {
+  switch (s.empty() ? ' ' : s.back()) {
     case 'K': mult = 1 << 10; num.pop_back(); break;
     case 'M': mult = 1 << 20; num.pop_back(); break;
     case 'G': mult = int64_t(1) << 30; num.pop_back(); break;
     default: break;
   }
-  REPLICA_USAGE_CHECK(!num.empty() && num.find_first_not_of("0123456789") == std::string::npos,
-                      "bad size '{}' (e.g. 1K, 64M)", s);
-  return std::stoll(num) * mult;
+  REPLICA_USAGE_CHECK(!num.empty() && num.size() <= 11 &&
+                          num.find_first_not_of("0123456789") == std::string::npos,
+                      "{} '{}': expected a size like 4, 1K, 64M or 2G", flag, s);
+  const int64_t bytes = std::stoll(num) * mult;
+  REPLICA_USAGE_CHECK(bytes >= 4 && bytes <= (int64_t(16) << 30),
+                      "{} '{}': sizes go from 4 bytes (one float) to 16G", flag, s);
+  return bytes;
 }
 
 // t's values on the host, once the group's collectives are done (a copy for GPU tensors).
@@ -123,8 +127,12 @@ int main(int argc, char** argv) {
   return run_program("replica-collectives", [&] {
     REPLICA_USAGE_CHECK(do_check || do_bench, "give --check and/or --bench");
     REPLICA_USAGE_CHECK(iters >= 1, "--iters must be at least 1");
+    const int64_t min_bytes = parse_bytes(min_s, "--min-bytes");
+    const int64_t max_bytes = parse_bytes(max_s, "--max-bytes");
+    REPLICA_USAGE_CHECK(min_bytes <= max_bytes, "--min-bytes {} is larger than --max-bytes {}",
+                        min_s, max_s);
     RendezvousOptions ro;
-    ro.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
+    ro.timeout = timeout_from_seconds(timeout_s, "--timeout");
     Rendezvous rv = rendezvous(ro);
     const GroupOptions go = group_options(rv, parse_comm_backend(backend), ro.timeout);
     // NCCL: the LOCAL_RANK-th GPU, shared round-robin when there are fewer GPUs than ranks.
@@ -140,7 +148,7 @@ int main(int argc, char** argv) {
                                   pg->describe().c_str());
     int rc = 0;
     if (do_check) rc = check(*pg, ctx);
-    if (do_bench) bench(*pg, ctx, parse_bytes(min_s), parse_bytes(max_s), iters);
+    if (do_bench) bench(*pg, ctx, min_bytes, max_bytes, iters);
     pg->leave(ctx);
     return rc;
   });

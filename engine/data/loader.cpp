@@ -138,16 +138,19 @@ Loader::Loader(const Dataset& data, int64_t batch_size, bool drop_last, int pref
   REPLICA_USAGE_CHECK(data.size() <= INT32_MAX, "a dataset of {} samples is too large (2^31 - 1)",
                       data.size());
   s->resident = resident;
+  // No batch holds more samples than the dataset (the sampler's indices are at most that
+  // many): a --batch-size beyond it allocates for the dataset, not for the number given.
+  const int64_t rows = std::min<int64_t>(batch_size, std::max<int64_t>(data.size(), 1));
   Shape image_shape = data.sample_shape();
-  image_shape.insert(image_shape.begin(), batch_size);
+  image_shape.insert(image_shape.begin(), rows);
   // prefetch ready + one the consumer works on + one it may still hold (e.g. an H2D copy in flight)
   const int pool = prefetch + 2;
   for (int i = 0; i < pool; ++i) {
     State::Slot slot;
-    slot.indices = Tensor::empty(pinned_allocator(), {batch_size}, DType::I32);
+    slot.indices = Tensor::empty(pinned_allocator(), {rows}, DType::I32);
     if (!resident) {
       slot.images = Tensor::empty(pinned_allocator(), image_shape, DType::F32);
-      slot.labels = Tensor::empty(pinned_allocator(), {batch_size}, DType::I32);
+      slot.labels = Tensor::empty(pinned_allocator(), {rows}, DType::I32);
     }
     s->slots.push_back(std::move(slot));
     s->free.push_back(pool - 1 - i);
@@ -170,7 +173,8 @@ int Loader::pool_size() const { return static_cast<int>(state_->slots.size()); }
 
 int64_t Loader::batches_per_epoch(int64_t n_indices) const {
   if (n_indices <= 0) return 0;
-  return drop_last_ ? n_indices / batch_size_ : (n_indices + batch_size_ - 1) / batch_size_;
+  if (drop_last_) return n_indices / batch_size_;
+  return (n_indices - 1) / batch_size_ + 1;  // rounded up, without overflow for a huge batch
 }
 
 void Loader::start_epoch(std::vector<int64_t> indices, int64_t epoch, int64_t first_batch) {

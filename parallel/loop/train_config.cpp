@@ -72,7 +72,7 @@ void validate(const TrainConfig& c) {
                       "unknown --mode '{}' (dp, ddp, single)", c.mode);
   REPLICA_USAGE_CHECK(c.backend == "auto" || c.backend == "gloo" || c.backend == "nccl",
                       "unknown --backend '{}' (auto, gloo, nccl)", c.backend);
-  REPLICA_USAGE_CHECK(c.timeout_s > 0, "--timeout must be positive, got {}", c.timeout_s);
+  timeout_from_seconds(c.timeout_s, "--timeout");
   REPLICA_USAGE_CHECK(c.accumulate >= 1, "--accumulate must be at least 1, got {}", c.accumulate);
   REPLICA_USAGE_CHECK(c.accumulate == 1 || c.mode == "ddp", "--accumulate applies to --mode ddp");
   REPLICA_USAGE_CHECK(c.reduce == "root" || c.reduce == "tree",

@@ -32,7 +32,7 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
     return make_dp_engine(devices, c.engine, dp);
   }
   Rendezvous rv = rendezvous_env_ranks();
-  const std::chrono::milliseconds timeout(int64_t(c.timeout_s * 1000));
+  const std::chrono::milliseconds timeout = timeout_from_seconds(c.timeout_s, "--timeout");
   if (rv.world_size > 1) {
     RendezvousOptions ro;
     ro.init_method = c.init_method;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 
 #include "engine/error.h"
@@ -96,6 +97,14 @@ std::string local_address_toward(const std::string& host) {
   }
   freeaddrinfo(found);
   return address;
+}
+
+std::chrono::milliseconds timeout_from_seconds(double s, const char* flag) {
+  constexpr double kWeek = 7 * 24 * 3600;
+  REPLICA_USAGE_CHECK(std::isfinite(s) && s >= 0.001 && s <= kWeek,
+                      "{} must be between 0.001 and {:.0f} seconds (a week), got {}", flag, kWeek,
+                      s);
+  return std::chrono::milliseconds(std::llround(s * 1000));
 }
 
 Rendezvous rendezvous_env_ranks() {

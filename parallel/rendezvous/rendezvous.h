@@ -31,6 +31,10 @@ struct Rendezvous {
   std::string address = "127.0.0.1";
 };
 
+// A --timeout given in seconds, as every program takes it: from a millisecond to a week (NaN,
+// infinity or a year would overflow the clocks it is added to); UsageError naming `flag` else.
+std::chrono::milliseconds timeout_from_seconds(double seconds, const char* flag);
+
 // Rank and world size from the environment: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE
 // (replica-launch, torchrun), else OMPI_COMM_WORLD_*, else SLURM_PROCID/SLURM_NTASKS/
 // SLURM_LOCALID, else a single process. store stays null.

@@ -6,6 +6,7 @@
 
 #include "engine/error.h"
 #include "layers/model.h"
+#include "parallel/rendezvous/rendezvous.h"
 
 namespace replica::bench {
 
@@ -27,7 +28,7 @@ void validate_common(const BenchOptions& o) {
   REPLICA_USAGE_CHECK(o.trace_steps >= 0, "--trace-steps must be >= 0, got {}", o.trace_steps);
   REPLICA_USAGE_CHECK(o.threads_per_device >= 0, "--threads-per-device must be >= 1, got {}",
                       o.threads_per_device);
-  REPLICA_USAGE_CHECK(o.timeout_s > 0, "--timeout must be positive, got {}", o.timeout_s);
+  timeout_from_seconds(o.timeout_s, "--timeout");
   REPLICA_USAGE_CHECK(o.reduce == "root" || o.reduce == "tree",
                       "unknown --reduce '{}' (root, tree)", o.reduce);
   REPLICA_USAGE_CHECK(o.backend == "auto" || o.backend == "gloo" || o.backend == "nccl",

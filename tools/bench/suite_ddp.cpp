@@ -23,7 +23,7 @@ Rendezvous join(const SuiteOptions& o) {
   Rendezvous rv = rendezvous_env_ranks();
   if (rv.world_size > 1) {
     RendezvousOptions ro;
-    ro.timeout = std::chrono::milliseconds(int64_t(o.timeout_s * 1000));
+    ro.timeout = timeout_from_seconds(o.timeout_s, "--timeout");
     rv = rendezvous(ro);
   }
   return rv;
@@ -63,7 +63,7 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   const Device device = o.devices[rv.rank % int(o.devices.size())];
   const GroupOptions go =
       group_options(rv, parse_comm_backend(ddp_backend(o, rv.world_size)),
-                    std::chrono::milliseconds(int64_t(o.timeout_s * 1000)));
+                    timeout_from_seconds(o.timeout_s, "--timeout"));
 
   if (kind == "allreduce") {
     DeviceContext ctx(device, ContextOptions{o.run.threads_per_device, false});

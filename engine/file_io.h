@@ -1,0 +1,47 @@
+// Exact reads and writes on POSIX file descriptors, for the checkpoint writer and reader:
+// interrupted calls retried, large transfers in pieces, failures as replica::Error naming the
+// file.
+#pragma once
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace replica {
+
+// Owns a file descriptor; close() reports what ::close() said (a late write error on NFS).
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() { close(); }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int close() {
+    int r = 0;
+    if (fd_ >= 0) r = ::close(fd_);
+    fd_ = -1;
+    return r;
+  }
+
+ private:
+  int fd_;
+};
+
+// Writes all n bytes; `what` names the file in an error.
+void write_all(int fd, const void* data, size_t n, const std::string& what);
+// Reads exactly n bytes at offset; false at end of file.
+bool read_at(int fd, void* data, size_t n, uint64_t offset, const std::string& path);
+
+// Checkpoints are little-endian on disk and copied as raw bytes.
+inline bool little_endian() {
+  const uint16_t x = 1;
+  uint8_t b;
+  std::memcpy(&b, &x, 1);
+  return b == 1;
+}
+
+
+}  // namespace replica
