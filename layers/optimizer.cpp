@@ -18,6 +18,8 @@ void Optimizer::load_state(DeviceContext& ctx, int64_t numel, int64_t steps,
     REPLICA_CHECK(src != nullptr, "checkpoint lacks optimizer state '{}'", name);
     REPLICA_CHECK(src->numel() == dst.numel(), "optimizer state '{}' has {} values, expected {}",
                   name, src->numel(), dst.numel());
+    REPLICA_CHECK(src->dtype() == dst.dtype(), "optimizer state '{}' is {}, expected {}", name,
+                  dtype_name(src->dtype()), dtype_name(dst.dtype()));
     ctx.ops().copy(ctx, dst, *src);
   }
   ctx.synchronize();

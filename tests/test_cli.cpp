@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/allocator.h"
 #include "engine/checkpoint.h"
 #include "engine/context.h"
 #include "engine/device.h"
@@ -180,6 +181,17 @@ TEST_CASE("bad data directories are one-line errors") {
     g << "this is not an IDX file at all, just text";
   }
   expect_clean_error("--data " + tmp.str("garbage") + " --max-steps 1", "train-labels");
+
+  // A test label past the training classes: named before training, not a NaN test loss after.
+  test::write_mnist_dir(tmp.path / "labels", 64, 16);
+  {
+    std::fstream l(tmp.path / "labels" / "t10k-labels-idx1-ubyte",
+                   std::ios::binary | std::ios::in | std::ios::out);
+    l.seekp(8 + 3);  // after the IDX header: the fourth test label
+    l.put(char(200));
+  }
+  expect_clean_error("--data " + tmp.str("labels") + " --max-steps 1",
+                     "the test labels go up to 200, the training labels to 9");
 }
 
 TEST_CASE("a short run writes metrics with the documented fields") {
@@ -270,6 +282,23 @@ TEST_CASE("resume refuses a checkpoint of another model or batch size") {
                          " --quiet --max-steps 3 --batch-size 16 --resume --checkpoint " +
                          tmp.str("ck"),
                      "batch size");
+  // Metadata that is not a count, and a tensor of another dtype, are named.
+  const std::string ck = tmp.str("ck/checkpoint.safetensors");
+  const std::string resume = "--data " + tmp.str("data") +
+                             " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
+                             tmp.str("ck");
+  Checkpoint good = load_checkpoint(ck);
+  for (const char* epoch : {"-1", "abc", "99999999999999999999"}) {
+    Checkpoint bad = good;
+    bad.metadata["epoch"] = epoch;
+    save_checkpoint(ck, bad);
+    expect_clean_error(resume, fmt::format("metadata 'epoch' is '{}', not a count", epoch));
+  }
+  Checkpoint retyped = good;
+  for (auto& [name, t] : retyped.tensors)
+    if (name == "model.fc2.bias") t = Tensor::empty(host_allocator(), t.shape(), DType::I32);
+  save_checkpoint(ck, retyped);
+  expect_clean_error(resume, "tensor 'model.fc2.bias' is I32, expected F32");
   // A corrupt checkpoint is an error, not a crash.
   test::fs::resize_file(tmp.path / "ck" / "checkpoint.safetensors", 100);
   expect_clean_error("--data " + tmp.str("data") +

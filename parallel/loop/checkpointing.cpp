@@ -1,5 +1,7 @@
 #include "parallel/loop/checkpointing.h"
 
+#include <charconv>
+#include <cstdint>
 #include <filesystem>
 
 #include "engine/checkpoint.h"
@@ -20,6 +22,20 @@ std::string meta(const Checkpoint& c, const std::string& key, const std::string&
   REPLICA_USAGE_CHECK(it != c.metadata.end(), "{}: not a replica training checkpoint (no '{}')",
                       path, key);
   return it->second;
+}
+
+// A count in the metadata (a step, an epoch, a batch size, a seed): decimal digits that fit,
+// at least `least`.
+uint64_t meta_count(const Checkpoint& c, const std::string& key, const std::string& path,
+                    uint64_t least = 0) {
+  const std::string text = meta(c, key, path);
+  uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  REPLICA_USAGE_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size() &&
+                          v >= least && v <= uint64_t(INT64_MAX),
+                      "{}: corrupt checkpoint: metadata '{}' is '{}', not a count{}", path, key,
+                      text, least ? fmt::format(" of at least {}", least) : "");
+  return v;
 }
 
 // The primary replica's parameters and buffers as host tensors (names prefixed as given) and the
@@ -97,10 +113,10 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
   REPLICA_USAGE_CHECK(meta(c, "optimizer", path) == engine.optimizer().name(),
                       "{}: checkpoint was trained with {}, this run uses {}", path,
                       meta(c, "optimizer", path), engine.optimizer().name());
-  REPLICA_USAGE_CHECK(std::stoll(meta(c, "batch_size", path)) == batch_size,
+  REPLICA_USAGE_CHECK(int64_t(meta_count(c, "batch_size", path, 1)) == batch_size,
                       "{}: checkpoint was trained with batch size {}, this run uses {}", path,
                       meta(c, "batch_size", path), batch_size);
-  if (std::stoull(meta(c, "seed", path)) != seed)
+  if (meta_count(c, "seed", path) != seed)
     throw UsageError(fmt::format("{}: checkpoint was trained with --seed {}, this run uses {}",
                                  path, meta(c, "seed", path), seed));
   DeviceContext& ctx = engine.primary();
@@ -109,23 +125,29 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
     REPLICA_USAGE_CHECK(src != nullptr, "{}: tensor '{}' missing", path, name);
     REPLICA_USAGE_CHECK(src->shape() == dst.shape(), "{}: tensor '{}' has shape {}, expected {}",
                         path, name, shape_str(src->shape()), shape_str(dst.shape()));
+    REPLICA_USAGE_CHECK(src->dtype() == dst.dtype(), "{}: tensor '{}' is {}, expected {}", path,
+                        name, dtype_name(src->dtype()), dtype_name(dst.dtype()));
     ctx.ops().copy(ctx, dst, *src);
   };
   std::vector<std::pair<std::string, Tensor>> optim_state;
   for (const auto& [name, t] : c.tensors)
     if (name.rfind("optim.", 0) == 0) optim_state.emplace_back(name.substr(6), t);
+  RunPosition pos;  // read before anything is restored: a corrupt field changes nothing
+  pos.epoch = int64_t(meta_count(c, "epoch", path));
+  pos.batch_in_epoch = int64_t(meta_count(c, "batch_in_epoch", path));
+  pos.global_step = int64_t(meta_count(c, "step", path));
+  const int64_t optimizer_steps = int64_t(meta_count(c, "optimizer_steps", path));
   ctx.run([&] {
     for (Param* p : model.params()) restore("model." + p->name, p->value);
     for (Buffer* b : model.buffers()) restore("buffer." + b->name, b->value);
-    engine.optimizer().load_state(ctx, model.num_params(),
-                                  std::stoll(meta(c, "optimizer_steps", path)), optim_state);
+    try {
+      engine.optimizer().load_state(ctx, model.num_params(), optimizer_steps, optim_state);
+    } catch (const Error& e) {
+      throw UsageError(fmt::format("{}: {}", path, e.what()));
+    }
     ctx.synchronize();
   });
   engine.state_loaded();
-  RunPosition pos;
-  pos.epoch = std::stoll(meta(c, "epoch", path));
-  pos.batch_in_epoch = std::stoll(meta(c, "batch_in_epoch", path));
-  pos.global_step = std::stoll(meta(c, "step", path));
   return pos;
 }
 
