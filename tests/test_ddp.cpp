@@ -38,6 +38,24 @@ TEST_CASE("collectives in closed form on 2, 3 and 4 ranks") {
   }
 }
 
+TEST_CASE("a file:// rendezvous directory serves run after run: a job that ends removes its keys") {
+  if (!replica::gloo_available()) {
+    MESSAGE("SKIPPED: this build has no Gloo");
+    return;
+  }
+  test::TempDir tmp;
+  const std::string job = kTrain + " --synthetic --synthetic-size 64 --batch-size 8 --quiet" +
+                          " --no-eval --max-steps 2 --mode ddp --devices cpu*2" +
+                          " --threads-per-device 1 --init-method file://" + tmp.str("rdzv");
+  for (int i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    auto r = run(job, 120);
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+    CHECK(test::fs::is_empty(tmp.path / "rdzv"));
+  }
+}
+
 TEST_CASE("DDP on N ranks equals one process on the same global batch") {
   if (!replica::gloo_available()) {
     MESSAGE("SKIPPED: this build has no Gloo");

@@ -45,13 +45,15 @@ PeerMonitor::PeerMonitor(std::unique_ptr<Store> store, int rank, int world,
   thread_ = std::thread([this] { beat_loop(); });
 }
 
-PeerMonitor::~PeerMonitor() {
+PeerMonitor::~PeerMonitor() { stop(); }
+
+void PeerMonitor::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   wake_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
 }
 
 void PeerMonitor::entering(const char* collective) {

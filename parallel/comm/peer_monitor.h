@@ -46,6 +46,10 @@ class PeerMonitor {
   PeerMonitor(const PeerMonitor&) = delete;
   PeerMonitor& operator=(const PeerMonitor&) = delete;
 
+  // Ends the heartbeat (idempotent): once a rank is done with the job, its monitor writes to the
+  // store no more.
+  void stop();
+
   // As a collective starts: counts it and remembers its name (a string literal). Lock-free.
   void entering(const char* collective);
 

@@ -59,8 +59,11 @@ void ProcessGroup::leave(DeviceContext& ctx) {
   };
   store_->add(prefix + "done", 1);
   wait_for_all(prefix + "done");
+  if (monitor_) monitor_->stop();  // every rank is done: no heartbeat after "left"
   store_->add(prefix + "left", 1);
-  if (rank_ == 0) wait_for_all(prefix + "left");
+  if (rank_ != 0) return;
+  wait_for_all(prefix + "left");
+  store_->remove_keys();  // nobody writes to it any more: a file:// directory is clean again
 }
 ProcessGroup::~ProcessGroup() = default;
 

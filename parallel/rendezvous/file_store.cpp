@@ -110,6 +110,17 @@ std::string FileStore::path_for(const std::string& key) const {
   return dir_ + "/" + name;
 }
 
+// The store's own files only: keys ("k-", "h-"), counter locks ("l") and temporaries (".tmp-").
+void FileStore::remove_keys() {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("k-", 0) == 0 || name.rfind("h-", 0) == 0 || name.rfind("l", 0) == 0 ||
+        name.rfind(".tmp-", 0) == 0)
+      std::filesystem::remove(entry.path(), ec);
+  }
+}
+
 void FileStore::set(const std::string& key, const Bytes& value) {
   check_key(key, "set");
   check_value(key, value);

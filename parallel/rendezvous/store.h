@@ -51,6 +51,9 @@ class Store {
   // A new connection to the same store with its own timeout, for a thread that must not queue
   // behind another thread's blocking wait (the peer monitor's heartbeat).
   virtual std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const = 0;
+  // Removes every key, once no rank uses the store any more (the end of a job): a file store's
+  // directory can then serve the next run. A TCP store ends with its server instead.
+  virtual void remove_keys() {}
 
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
@@ -124,8 +127,9 @@ class TcpStoreClient : public Store {
 };
 
 // Keys as files in a shared directory (created if missing), written atomically (temp file +
-// rename); reads poll until the timeout; add() holds flock() on a per-key lock file. Use a fresh
-// directory per run: keys from an earlier run would be seen as set.
+// rename); reads poll until the timeout; add() holds flock() on a per-key lock file. A job that
+// ends in order removes its keys (ProcessGroup::leave); one that failed leaves them, and the
+// next run's rendezvous says the directory is left from an earlier run.
 class FileStore : public Store {
  public:
   explicit FileStore(const std::string& dir,
@@ -141,6 +145,7 @@ class FileStore : public Store {
   std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const override {
     return std::make_unique<FileStore>(dir_, timeout);
   }
+  void remove_keys() override;
 
   // The file that holds key (for tests and messages).
   std::string path_for(const std::string& key) const;
