@@ -83,6 +83,11 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --resume", "--checkpoint");
   expect_clean_error("--synthetic --input-shape 3x0x4 --max-steps 1", "--input-shape");
   expect_clean_error("--synthetic --input-shape banana --max-steps 1", "--input-shape");
+  // DDP: a bad flag every rank shares is one line from the launcher, exit code 2.
+  expect_clean_error(data + " --mode ddp --devices cpu*2 --model foo", "unknown model 'foo'");
+  expect_clean_error(data + " --mode ddp --devices cpu*2 --batch-size 5", "must divide by the 2");
+  expect_clean_error(data + " --mode ddp --devices cpu*2 --backend nccl",
+                     "--backend nccl needs a GPU per rank");
   // A number past 64 bits is named as typed, not passed on as the largest int64.
   expect_clean_error(data + " --batch-size 99999999999999999999",
                      "--batch-size '99999999999999999999': the number is too large");

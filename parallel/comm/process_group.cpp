@@ -109,8 +109,9 @@ std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& o, DeviceCo
     std::string why;
     const NcclPluginApi* nccl = nccl_plugin(&why);
     REPLICA_USAGE_CHECK(nccl != nullptr, "--backend nccl: NCCL {}", why);
-    REPLICA_USAGE_CHECK(ctx.is_cuda(), "--backend nccl needs a GPU per rank (this rank has {})",
-                        ctx.device().str());
+    // Worded alike on every rank, so the launcher prints it once.
+    REPLICA_USAGE_CHECK(ctx.is_cuda(), "--backend nccl needs a GPU per rank; these ranks run on "
+                        "CPU devices (use --backend gloo)");
     return nccl->make_group(o, ctx, std::move(monitor));
   }
   return make_gloo_group(o, std::move(monitor));

@@ -262,7 +262,8 @@ Outcome watch_ranks(const LaunchOptions& o, std::vector<Child>& children, const 
 
 // The launcher's own last line, and its exit code.
 int report_outcome(const LaunchOptions& o, const std::vector<Child>& children, const Outcome& out,
-                   const std::vector<int>& culprits) {
+                   const RankErrors::Printed& printed) {
+  const std::vector<int>& culprits = printed.culprits;
   const char* name = o.name.c_str();
   if (out.forwarded) {
     std::fprintf(stderr, "%s: received %s: stopped %zu rank%s\n", name,
@@ -271,6 +272,8 @@ int report_outcome(const LaunchOptions& o, const std::vector<Child>& children, c
     return 128 + out.forwarded;
   }
   if (!out.failed) return 0;
+  // The same bad flag in every rank's command line: its one line was the whole story.
+  if (printed.usage_error_of_every_rank) return 2;
   const Child& f = *out.failed;
   if (!culprits.empty()) {
     std::string who;
@@ -321,9 +324,9 @@ int launch_ranks(const LaunchOptions& o) {
   // The signals stay blocked: the caller is about to exit, and a second Ctrl-C pressed just
   // now must not kill it before it reports.
   const int failed_rank = out.failed ? out.failed->rank : -1;
-  const std::vector<int> culprits =
+  const RankErrors::Printed printed =
       errors.print(o.node_rank * o.nproc_per_node, o.nproc_per_node, failed_rank);
-  return report_outcome(o, children, out, culprits);
+  return report_outcome(o, children, out, printed);
 }
 
 }  // namespace replica

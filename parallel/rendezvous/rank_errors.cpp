@@ -22,6 +22,7 @@ struct RankReport {
   int rank = 0;
   std::string program, message;
   std::vector<int> silent;  // ranks this one found had stopped answering
+  int exit_code = 1;
 };
 
 std::vector<RankReport> read_reports(const std::string& dir, int first_rank, int count) {
@@ -36,6 +37,7 @@ std::vector<RankReport> read_reports(const std::string& dir, int first_rank, int
     rep.program = j.value("program", std::string("rank"));
     rep.message = j.value("message", std::string());
     rep.silent = j.value("silent", std::vector<int>());
+    rep.exit_code = j.value("exit_code", 1);
     out.push_back(std::move(rep));
   }
   return out;
@@ -54,11 +56,11 @@ RankErrors::~RankErrors() {
   if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
 }
 
-std::vector<int> RankErrors::print(int first_rank, int count, int failed_rank) const {
+RankErrors::Printed RankErrors::print(int first_rank, int count, int failed_rank) const {
   std::vector<RankReport> reports = read_reports(dir_, first_rank, count);
-  std::vector<int> culprits;
+  Printed printed;
   for (const auto& r : reports)
-    if (r.rank == failed_rank) culprits = r.silent;
+    if (r.rank == failed_rank) printed.culprits = r.silent;
   // Ranks that failed because the first one had (a peer gone after the job was stopped) only
   // repeat the story: left out.
   reports.erase(std::remove_if(reports.begin(), reports.end(),
@@ -80,7 +82,12 @@ std::vector<int> RankErrors::print(int first_rank, int count, int failed_rank) c
     const std::string who = everyone ? "every rank" : rank_list(ranks);
     std::fprintf(stderr, "%s [%s]\n", line.c_str(), who.c_str());
   }
-  return culprits;
+  printed.usage_error_of_every_rank =
+      distinct.size() == 1 && int(reports.size()) == count &&
+      std::all_of(reports.begin(), reports.end(), [](const RankReport& r) {
+        return r.exit_code == 2;
+      });
+  return printed;
 }
 
 bool report_error_to_launcher(const std::string& program, const std::exception& error,

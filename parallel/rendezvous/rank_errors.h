@@ -23,11 +23,17 @@ class RankErrors {
 
   const std::string& dir() const { return dir_; }
 
+  struct Printed {
+    std::vector<int> culprits;  // the ranks failed_rank found silent (empty: it named none)
+    // Every rank reported the same usage error (exit code 2: a bad flag all of them share), and
+    // that one line said it all.
+    bool usage_error_of_every_rank = false;
+  };
   // Prints the reports of ranks [first_rank, first_rank + count) to stderr: each distinct message
   // once, tagged "[every rank]", "[rank 3]" or "[ranks 0, 2]". When failed_rank (-1: none) found
   // peers silent, the reports of ranks that only failed because they lost failed_rank are left
-  // out. Returns the ranks failed_rank found silent (empty when it named none).
-  std::vector<int> print(int first_rank, int count, int failed_rank) const;
+  // out.
+  Printed print(int first_rank, int count, int failed_rank) const;
 
  private:
   std::string dir_;
