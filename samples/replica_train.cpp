@@ -193,6 +193,9 @@ int run(int argc, char** argv) {
   }
   if (!c.synthetic) {
     namespace fs = std::filesystem;
+    REPLICA_USAGE_CHECK(!fs::exists(c.data_dir) || fs::is_directory(c.data_dir),
+                        "--data '{}' is a file: give the directory that holds the MNIST-format "
+                        "files (train-images-idx3-ubyte[.gz], ...)", c.data_dir);
     REPLICA_USAGE_CHECK(fs::is_directory(c.data_dir),
                         "data directory '{}' does not exist{}", c.data_dir,
                         c.data_dir == kDefaultData

@@ -83,6 +83,9 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --resume", "--checkpoint");
   expect_clean_error("--synthetic --input-shape 3x0x4 --max-steps 1", "--input-shape");
   expect_clean_error("--synthetic --input-shape banana --max-steps 1", "--input-shape");
+  expect_clean_error(data + " --momentum 0.9", "--momentum and --nesterov are SGD's");
+  expect_clean_error("--data " + tmp.str("data/train-images-idx3-ubyte") + " --max-steps 1",
+                     "is a file: give the directory");
   // DDP: a bad flag every rank shares is one line from the launcher, exit code 2.
   expect_clean_error(data + " --mode ddp --devices cpu*2 --model foo", "unknown model 'foo'");
   expect_clean_error(data + " --mode ddp --devices cpu*2 --batch-size 5", "must divide by the 2");

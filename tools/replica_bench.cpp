@@ -107,6 +107,11 @@ int run(int argc, char** argv) {
                       "--report runs the dp and ddp suites, not 'single'");
   REPLICA_USAGE_CHECK(!single || (o.csv.empty() && o.trace_dir.empty()),
                       "--csv and --trace-dir belong to the dp and ddp suites");
+  // -1 is "not given" (each suite has its own default); any other value is the user's.
+  REPLICA_USAGE_CHECK(o.warmup >= 0 || o.warmup == -1, "--warmup must be >= 0, got {}", o.warmup);
+  REPLICA_USAGE_CHECK(o.steps >= 1 || o.steps == -1, "--steps must be at least 1, got {}", o.steps);
+  REPLICA_USAGE_CHECK(o.repeat >= 1 || o.repeat == -1, "--repeat must be at least 1, got {}",
+                      o.repeat);
   // Outputs are checked before minutes of measuring, not when the results are written.
   check_output_file("--json", o.json);
   check_output_file("--csv", o.csv);
