@@ -175,6 +175,12 @@ int run(int argc, char** argv) {
   REPLICA_USAGE_CHECK(app.count("--batch-size") == 0 || app.count("--batch-per-device") == 0,
                       "give --batch-size (global) or --batch-per-device, not both");
   if (app.count("--batch-size")) c.batch_per_device = 0;  // overrides a preset's per-device batch
+  // A preset's SGD momentum does not follow an --optimizer given over it (typed flags still do).
+  if (app.count("--optimizer") && c.engine.optimizer.name != "sgd" && !app.count("--momentum") &&
+      !app.count("--nesterov")) {
+    c.engine.optimizer.momentum = 0.f;
+    c.engine.optimizer.nesterov = false;
+  }
   REPLICA_USAGE_CHECK(app.count("--batch-per-device") == 0 || c.batch_per_device >= 1,
                       "--batch-per-device must be at least 1, got {}", c.batch_per_device);
   if (app.count("--data")) c.synthetic = false;  // overrides a synthetic preset
