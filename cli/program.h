@@ -29,7 +29,8 @@ inline std::string integer_out_of_range(const CLI::App& app) {
     for (const std::string& text : opt->results()) {
       errno = 0;
       char* end = nullptr;
-      std::strtoll(text.c_str(), &end, 0);
+      if (opt->get_type_name() == "UINT") std::strtoull(text.c_str(), &end, 0);
+      else std::strtoll(text.c_str(), &end, 0);
       if (errno == ERANGE) return fmt::format("{} '{}'", opt->get_name(), text);
     }
   }

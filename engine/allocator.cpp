@@ -15,7 +15,7 @@ Allocator::~Allocator() { empty_cache(); }
 // be reused for a request up to 12.5% smaller while steady-state training hits exact classes.
 size_t Allocator::round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
-  // Past 2^62 the power of two below would overflow (and loop forever); no machine has that.
+  // Past 2^63 the search for the power of two below never ends; 2^50 bytes is beyond any machine.
   REPLICA_CHECK(bytes <= (size_t(1) << 50), "cannot allocate {} bytes: more memory than any "
                 "machine has", bytes);
   if (bytes <= (1u << 16)) return (bytes + 511) & ~size_t(511);

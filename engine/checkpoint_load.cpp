@@ -47,7 +47,6 @@ bool json_deeper_than(const std::string& text, size_t limit) {
   return false;
 }
 
-
 // One tensor as the header describes it: where its bytes lie among the data bytes.
 struct Entry {
   std::string name;

@@ -20,7 +20,6 @@ void write_all(int fd, const void* data, size_t n, const std::string& what) {
   }
 }
 
-
 bool read_at(int fd, void* data, size_t n, uint64_t offset, const std::string& path) {
   char* p = static_cast<char*>(data);
   while (n > 0) {

@@ -43,5 +43,4 @@ inline bool little_endian() {
   return b == 1;
 }
 
-
 }  // namespace replica

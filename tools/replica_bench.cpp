@@ -107,11 +107,6 @@ int run(int argc, char** argv) {
                       "--report runs the dp and ddp suites, not 'single'");
   REPLICA_USAGE_CHECK(!single || (o.csv.empty() && o.trace_dir.empty()),
                       "--csv and --trace-dir belong to the dp and ddp suites");
-  // -1 is "not given" (each suite has its own default); any other value is the user's.
-  REPLICA_USAGE_CHECK(o.warmup >= 0 || o.warmup == -1, "--warmup must be >= 0, got {}", o.warmup);
-  REPLICA_USAGE_CHECK(o.steps >= 1 || o.steps == -1, "--steps must be at least 1, got {}", o.steps);
-  REPLICA_USAGE_CHECK(o.repeat >= 1 || o.repeat == -1, "--repeat must be at least 1, got {}",
-                      o.repeat);
   // Outputs are checked before minutes of measuring, not when the results are written.
   check_output_file("--json", o.json);
   check_output_file("--csv", o.csv);
@@ -135,14 +130,14 @@ int run(int argc, char** argv) {
     REPLICA_USAGE_CHECK(o.report_dir.empty() && o.worker.empty() && o.csv.empty() &&
                             o.trace_dir.empty(),
                         "--suite {} takes --json only (no --report, --csv, --trace-dir)", s.name);
-    if (o.warmup < 0) o.warmup = s.warmup;
-    if (o.steps < 0) o.steps = s.steps;
-    if (o.repeat < 0) o.repeat = s.repeat;
+    if (o.warmup == -1) o.warmup = s.warmup;  // -1: not given; other values reach the checks
+    if (o.steps == -1) o.steps = s.steps;
+    if (o.repeat == -1) o.repeat = s.repeat;
     return s.run(o);
   }
-  if (single && o.warmup < 0) o.warmup = 5;  // dp/ddp: chosen from a measured step time
-  if (single && o.steps < 0) o.steps = 50;
-  if (o.repeat < 0) o.repeat = single ? 1 : 3;
+  if (single && o.warmup == -1) o.warmup = 5;  // dp/ddp: chosen from a measured step time
+  if (single && o.steps == -1) o.steps = 50;
+  if (o.repeat == -1) o.repeat = single ? 1 : 3;
   if (!o.worker.empty()) return run_worker(o);
   return single ? run_single_suite(o) : run_parallel_suites(o);
 }

@@ -75,7 +75,7 @@ void validate(const TrainConfig& c) {
   timeout_from_seconds(c.timeout_s, "--timeout");
   REPLICA_USAGE_CHECK(c.accumulate >= 1, "--accumulate must be at least 1, got {}", c.accumulate);
   REPLICA_USAGE_CHECK(c.accumulate == 1 || c.mode == "ddp", "--accumulate applies to --mode ddp");
-  // Flags of another optimizer or mode would be silently ignored: said instead.
+  // SGD's flags under Adam would be silently ignored: said instead.
   REPLICA_USAGE_CHECK(c.engine.optimizer.name == "sgd" ||
                           (c.engine.optimizer.momentum == 0 && !c.engine.optimizer.nesterov),
                       "--momentum and --nesterov are SGD's; this run uses --optimizer {}",
