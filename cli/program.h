@@ -37,8 +37,10 @@ inline std::string integer_out_of_range(const CLI::App& app) {
   return "";
 }
 
-// Returns an exit code when the program should stop now (help printed, or a bad flag).
-inline std::optional<int> parse_cli(CLI::App& app, const char* name, int argc, char** argv) {
+// Returns an exit code when the program should stop now (help printed). A bad flag is a
+// UsageError, so it takes run_program's one path: one line, exit 2, and under replica-launch
+// one line for all ranks rather than one per rank.
+inline std::optional<int> parse_cli(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -47,14 +49,16 @@ inline std::optional<int> parse_cli(CLI::App& app, const char* name, int argc, c
   } catch (const CLI::ParseError& e) {
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');
-    std::fprintf(stderr, "%s: error: %s (see --help)\n", name, msg.c_str());
-    return 2;
+    throw UsageError(msg + " (see --help)");
   }
-  if (const std::string bad = integer_out_of_range(app); !bad.empty()) {
-    std::fprintf(stderr, "%s: error: %s: the number is too large (see --help)\n", name,
-                 bad.c_str());
-    return 2;
-  }
+  if (const std::string bad = integer_out_of_range(app); !bad.empty())
+    throw UsageError(bad + ": the number is too large (see --help)");
+  // An empty flag value would otherwise read as "not given" (--devices "" as every device).
+  // Positionals (replica-launch's command line) pass through as typed.
+  for (const CLI::Option* opt : app.get_options())
+    if (opt->nonpositional())
+      for (const std::string& text : opt->results())
+        REPLICA_USAGE_CHECK(!text.empty(), "{} '': give a value (see --help)", opt->get_name());
   return std::nullopt;
 }
 

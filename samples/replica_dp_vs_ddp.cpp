@@ -86,7 +86,7 @@ int run(int argc, char** argv) {
   app.add_option("--steps", steps, "optimizer steps per run")->capture_default_str();
   app.add_flag("--keep-logs", keep_logs, "keep both runs' output and metrics in ./dp-vs-ddp/");
   app.allow_extras();
-  if (auto code = parse_cli(app, "replica-dp-vs-ddp", argc, argv)) return *code;
+  if (auto code = parse_cli(app, argc, argv)) return *code;
   std::vector<std::string> extra = app.remaining();
   if (!extra.empty() && extra.front() == "--") extra.erase(extra.begin());
   REPLICA_USAGE_CHECK(extra.empty() || extra.front().rfind("--", 0) == 0,

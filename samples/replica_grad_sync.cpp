@@ -46,7 +46,7 @@ int run(int argc, char** argv) {
   app.add_option("--num-classes", classes, "classes")->capture_default_str();
   app.add_option("--dataset-size", size, "random images in the data set")->capture_default_str();
   app.add_option("--seed", seed, "initialisation and data seed")->capture_default_str();
-  if (auto code = parse_cli(app, "replica-grad-sync", argc, argv)) return *code;
+  if (auto code = parse_cli(app, argc, argv)) return *code;
   REPLICA_USAGE_CHECK(per_rank >= 1 && image >= 32 && classes >= 2 && size >= 1,
                       "batch, image size (>= 32), classes (>= 2) and dataset size must be positive");
   Rendezvous rv = rendezvous();

@@ -154,7 +154,7 @@ int run(int argc, char** argv) {
   app.add_flag("--json", json, "print {\"0\": [...], \"1\": [...]} (rank -> indices), one line");
   app.footer(kFooter);
 
-  if (auto code = parse_cli(app, "replica-sampler", argc, argv)) return *code;
+  if (auto code = parse_cli(app, argc, argv)) return *code;
   REPLICA_USAGE_CHECK(size >= 0, "--size must be >= 0, got {}", size);
   REPLICA_USAGE_CHECK(size <= kMaxSize, "--size must be at most {}, got {}", kMaxSize, size);
   REPLICA_USAGE_CHECK(replicas >= 1, "--replicas must be >= 1, got {}", replicas);

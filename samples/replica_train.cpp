@@ -4,13 +4,17 @@
 //   replica-train --mode ddp                   the same with DDP: starts one rank per device
 //   replica-train --preset seed --epochs 1     the source article's ResNet-101 recipe
 //   replica-train --synthetic --model resnet50 --devices cuda:0 --max-steps 50
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/ranges.h>
 
 #include "cli/program.h"
 
@@ -165,7 +169,7 @@ int run(int argc, char** argv) {
       "Ctrl-C (or SIGTERM) stops after the step in progress, writes the checkpoint (with "
       "--checkpoint) and exits 130; a second Ctrl-C ends at once.");
 
-  if (auto code = parse_cli(app, "replica-train", argc, argv)) return *code;
+  if (auto code = parse_cli(app, argc, argv)) return *code;
   if (list_devices) {
     for (const auto& line : describe_devices()) std::printf("%s\n", line.c_str());
     return 0;
@@ -209,6 +213,15 @@ int run(int argc, char** argv) {
                             : "");
   }
   validate(c);  // flags and the device string, before any data is read or rank started
+  // A flag typed for another mode would be silently ignored: said instead.
+  const std::pair<const char*, std::vector<std::string>> flag_modes[] = {
+      {"--backend", {"ddp"}}, {"--init-method", {"ddp"}}, {"--timeout", {"ddp"}},
+      {"--reduce", {"dp"}},   {"--bucket-cap-mb", {"dp", "ddp"}}};
+  for (const auto& [flag, modes] : flag_modes)
+    REPLICA_USAGE_CHECK(!app.count(flag) || std::count(modes.begin(), modes.end(), c.mode),
+                        "{} applies to --mode {}, not {}", flag, fmt::join(modes, " and "), c.mode);
+  for (const char* flag : {"--synthetic-size", "--num-classes"})
+    REPLICA_USAGE_CHECK(!app.count(flag) || c.synthetic, "{} applies to --synthetic data", flag);
   if (print_config) {
     std::printf("%s\n", config_json(c).dump(2).c_str());
     return 0;

@@ -91,6 +91,21 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --mode ddp --devices cpu*2 --batch-size 5", "must divide by the 2");
   expect_clean_error(data + " --mode ddp --devices cpu*2 --backend nccl",
                      "--backend nccl needs a GPU per rank");
+  // A value CLI11 rejects takes the same path: one line for all ranks.
+  expect_clean_error(data + " --mode ddp --devices cpu*2 --epochs abc", "--epochs = abc");
+  // An empty value is not "not given".
+  expect_clean_error(data + " --devices ''", "--devices '': give a value");
+  expect_clean_error(data + " --trace ''", "--trace '': give a value");
+  // A flag another mode or --synthetic would ignore.
+  expect_clean_error(data + " --backend gloo", "--backend applies to --mode ddp, not dp");
+  expect_clean_error(data + " --init-method file:///tmp/x", "--init-method applies to --mode ddp");
+  expect_clean_error(data + " --timeout 5", "--timeout applies to --mode ddp");
+  expect_clean_error(data + " --mode ddp --devices cpu*2 --reduce tree",
+                     "--reduce applies to --mode dp, not ddp");
+  expect_clean_error(data + " --mode single --bucket-cap-mb 5",
+                     "--bucket-cap-mb applies to --mode dp and ddp, not single");
+  expect_clean_error(data + " --synthetic-size 100", "--synthetic-size applies to --synthetic");
+  expect_clean_error(data + " --num-classes 3", "--num-classes applies to --synthetic");
   // A number past 64 bits is named as typed, not passed on as the largest int64.
   expect_clean_error(data + " --batch-size 99999999999999999999",
                      "--batch-size '99999999999999999999': the number is too large");

@@ -97,12 +97,12 @@ bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
 
-void set_rank_env(int rank, int world, int port) {
+void set_rank_env(int rank, int world, int port, const char* master_addr = "127.0.0.1") {
   setenv("RANK", std::to_string(rank).c_str(), 1);
   setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
   setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
   setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
-  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_ADDR", master_addr, 1);
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
 }
 
@@ -471,6 +471,28 @@ TEST_CASE("rendezvous env:// with 1, 2 and 4 ranks as processes") {
       }));
     for (pid_t k : kids) CHECK(wait_child(k) == 0);
   }
+}
+
+TEST_CASE("rendezvous env:// at a bracketed IPv6 MASTER_ADDR, as URLs write it") {
+  if (local_address_toward("::1").empty()) {
+    MESSAGE("skipped: this machine has no IPv6 loopback");
+    return;
+  }
+  EnvGuard guard(kRankVars);
+  const int port = free_port();
+  std::vector<pid_t> kids;
+  for (int rank : {1, 0})
+    kids.push_back(fork_child([=] {
+      set_rank_env(rank, 2, port, "[::1]");
+      RendezvousOptions o;
+      o.timeout = 20s;
+      Rendezvous r = rendezvous(o);
+      if (r.address != "::1") return 2;  // what peers are told: the address, no brackets
+      if (r.store->add("bye", 1) == 2) r.store->set("all-bye", {});
+      if (rank == 0) r.store->wait({"all-bye"});
+      return 0;
+    }));
+  for (pid_t k : kids) CHECK(wait_child(k) == 0);
 }
 
 TEST_CASE("the address a rank offers its peers: its own end of the route to rank 0's node") {

@@ -97,7 +97,7 @@ int run(int argc, char** argv) {
   auto* hidden = app.add_option_group("");  // DDP rank workers: this program re-executed
   hidden->add_option("--worker", o.worker);
   hidden->add_option("--worker-out", o.worker_out);
-  if (auto code = parse_cli(app, "replica-bench", argc, argv)) return *code;
+  if (auto code = parse_cli(app, argc, argv)) return *code;
 
   o.command_line = "replica-bench";
   for (int i = 1; i < argc; ++i) o.command_line += std::string(" ") + argv[i];

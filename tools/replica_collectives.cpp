@@ -123,8 +123,8 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend,
                  "gloo (CPU tensors) | nccl (GPU tensors; ranks beyond the GPU count share GPUs)")
       ->capture_default_str();
-  if (auto code = parse_cli(app, "replica-collectives", argc, argv)) return *code;
   return run_program("replica-collectives", [&] {
+    if (auto code = parse_cli(app, argc, argv)) return *code;
     REPLICA_USAGE_CHECK(do_check || do_bench, "give --check and/or --bench");
     REPLICA_USAGE_CHECK(iters >= 1, "--iters must be at least 1");
     const int64_t min_bytes = parse_bytes(min_s, "--min-bytes");

@@ -52,7 +52,7 @@ int run(int argc, char** argv) {
       "MASTER_PORT and OMP_NUM_THREADS=1 (unless set). When one exits non-zero or by a "
       "signal, the others get SIGTERM, then SIGKILL after 5 s. A forwarded Ctrl-C gives "
       "the ranks 120 s to stop cleanly; a second one kills them.");
-  if (auto code = parse_cli(app, "replica-launch", argc, argv)) return *code;
+  if (auto code = parse_cli(app, argc, argv)) return *code;
   std::vector<std::string> command = app.remaining();
   if (!command.empty() && command.front() == "--") command.erase(command.begin());
   REPLICA_USAGE_CHECK(!command.empty(),

@@ -142,6 +142,13 @@ Rendezvous rendezvous_env_ranks() {
 
 namespace {
 
+// "[::1]" -> "::1": an IPv6 address as URLs write it, in MASTER_ADDR or tcp://[::1]:P.
+std::string unbracketed(std::string host) {
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  return host;
+}
+
 // Connects r to the store every rank uses: a directory for file://, else rank 0's TCP server at
 // the address env:// (MASTER_ADDR/MASTER_PORT) or tcp://HOST:PORT names. Sets r.store and
 // r.address (the address peers reach r at).
@@ -154,16 +161,14 @@ void connect_store(const std::string& method, Rendezvous& r, milliseconds timeou
     REPLICA_USAGE_CHECK((a && p) || r.world_size == 1,
                         "env:// rendezvous needs MASTER_ADDR and MASTER_PORT (rank 0's address "
                         "and a free port): start the ranks with replica-launch, or set both");
-    host = a ? a : "127.0.0.1";
+    host = unbracketed(a ? a : "127.0.0.1");
     port = p ? parse_int("MASTER_PORT", p) : 0;  // one process: any free port
   } else if (method.rfind("tcp://", 0) == 0) {
     std::string rest = method.substr(6);
     size_t colon = rest.rfind(':');
     REPLICA_USAGE_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
                         "init method '{}': expected tcp://HOST:PORT", method);
-    host = rest.substr(0, colon);
-    if (host.size() > 2 && host.front() == '[' && host.back() == ']')
-      host = host.substr(1, host.size() - 2);
+    host = unbracketed(rest.substr(0, colon));
     port = parse_int("tcp:// port", rest.substr(colon + 1));
   } else if (method.rfind("file://", 0) == 0) {
     REPLICA_USAGE_CHECK(method.size() > 7, "init method '{}': expected file://DIR", method);
@@ -171,7 +176,7 @@ void connect_store(const std::string& method, Rendezvous& r, milliseconds timeou
     // No server to route to: toward MASTER_ADDR if set; on one node, loopback; across nodes
     // (a shared directory), the host name (GLOO_SOCKET_IFNAME names an interface instead).
     if (const char* a = env("MASTER_ADDR")) {
-      r.address = local_address_toward(a);
+      r.address = local_address_toward(unbracketed(a));
     } else if (r.local_world_size < r.world_size) {
       char name[256] = {0};
       gethostname(name, sizeof name - 1);
