@@ -1,6 +1,10 @@
 #include "engine/context.h"
 
+#include <memory>
+#include <mutex>
 #include <thread>
+
+#include <tbb/global_control.h>
 
 #include "engine/cudart.h"
 #include "engine/error.h"
@@ -8,6 +12,35 @@
 #include "engine/ops.h"
 
 namespace replica {
+
+namespace {
+
+// TBB lends arenas at most as many threads as a process-wide limit that defaults to the cores,
+// so devices x threads beyond the cores silently got fewer threads than asked for (and TBB
+// printed a warning mid-line). The limit follows the threads the live CPU contexts hold:
+// oversubscription, when asked for, is real (replica-bench notes that devices then compete).
+std::mutex g_thread_limit_mutex;
+size_t g_threads_held = 0;
+std::unique_ptr<tbb::global_control> g_thread_limit;
+
+void hold_cpu_threads(int n) {
+  std::lock_guard<std::mutex> lock(g_thread_limit_mutex);
+  g_threads_held += size_t(n);
+  const size_t limit = g_thread_limit ? tbb::global_control::active_value(
+                                            tbb::global_control::max_allowed_parallelism)
+                                      : size_t(std::thread::hardware_concurrency());
+  if (g_threads_held <= limit) return;
+  g_thread_limit.reset();  // TBB takes the smallest of the live limits: replace, not add
+  g_thread_limit = std::make_unique<tbb::global_control>(
+      tbb::global_control::max_allowed_parallelism, g_threads_held);
+}
+
+void release_cpu_threads(int n) {
+  std::lock_guard<std::mutex> lock(g_thread_limit_mutex);
+  g_threads_held -= size_t(n);
+}
+
+}  // namespace
 
 DeviceContext::DeviceContext(Device device, ContextOptions options)
     : device_(device), options_(options) {
@@ -20,6 +53,7 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     REPLICA_USAGE_CHECK(!options.cudnn_benchmark,
                         "{} has no cuDNN: --cudnn-benchmark needs a CUDA device", device.str());
     threads_ = options.threads > 0 ? options.threads : cpu_cores();
+    hold_cpu_threads(threads_);
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
     backend_ = make_cpu_backend();
@@ -86,6 +120,7 @@ DeviceContext::~DeviceContext() {
   }
   profiled_.reset();
   backend_.reset();
+  if (arena_) release_cpu_threads(threads_);
 }
 
 void DeviceContext::set_op_profile(OpProfile* profile) {

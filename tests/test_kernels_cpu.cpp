@@ -2,7 +2,10 @@
 // the thread count (bit for bit), loss and metric edge cases, padded max-pooling, empty batches,
 // and the op profile that times each call.
 #include <doctest/doctest.h>
+#include <tbb/parallel_for.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -433,4 +436,28 @@ TEST_CASE("an op profile counts and times every call while set, and none after")
   CHECK(ops.at("fill").calls == 2);
   CHECK(ops.at("add").calls == 1);
   CHECK(ops.at("fill").seconds > 0);
+}
+
+TEST_CASE("a context gets every thread it asks for, more than the cores included") {
+  // Two contexts of cores + 2 threads each: TBB's default limit (the cores) would lend each
+  // arena fewer threads than it holds. Every one of a context's threads must join one loop at
+  // once: each iteration waits until all have arrived (or gives up after 10 s), so no thread
+  // can take a second iteration before every iteration has a thread of its own.
+  const int threads = int(std::thread::hardware_concurrency()) + 2;
+  DeviceContext a(Device{DeviceType::CPU, 0, 0}, ContextOptions{threads});
+  DeviceContext b(Device{DeviceType::CPU, 1, 0}, ContextOptions{threads});
+  for (DeviceContext* ctx : {&a, &b}) {
+    std::atomic<int> arrived{0};
+    std::atomic<bool> gave_up{false};
+    ctx->run([&] {
+      tbb::parallel_for(0, threads, [&](int) {
+        arrived.fetch_add(1);
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (arrived.load() < threads && std::chrono::steady_clock::now() < give_up)
+          std::this_thread::yield();
+        if (arrived.load() < threads) gave_up = true;
+      }, tbb::simple_partitioner());
+    });
+    CHECK_FALSE(gave_up.load());
+  }
 }
