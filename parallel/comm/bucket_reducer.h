@@ -9,7 +9,6 @@
 // (ddp_engine.cpp).
 #pragma once
 #include <functional>
-#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -42,7 +41,6 @@ class BucketReducer {
   void finish();
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
-  bool syncing() const { return sync_; }
 
  private:
   void launch_ready_locked();

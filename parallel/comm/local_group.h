@@ -32,7 +32,6 @@ ReduceStrategy parse_reduce_strategy(const std::string& name);  // "root" | "tre
 class LocalGroup {
  public:
   virtual ~LocalGroup() = default;
-  int size() const { return int(ctx_.size()); }
   virtual std::string describe() const = 0;  // for output: "host adds", "nccl", ...
 
   // A step in which ranks [0, active) take part (the others hold zeros where NCCL needs them).

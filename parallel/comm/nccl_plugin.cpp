@@ -1,7 +1,6 @@
 // Reaching the NCCL plugin from the rest of parallel/ (nccl_plugin.h).
 #include "parallel/comm/nccl_plugin.h"
 
-#include "engine/error.h"
 #include "engine/plugin.h"
 #include "engine/plugin_abi.h"
 

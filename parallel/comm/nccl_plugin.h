@@ -2,7 +2,6 @@
 // hands out, and how the rest of parallel/ reaches it. Loaded the first time a program asks for
 // NCCL, so no other program loads NCCL or the CUDA stack (engine/plugin.h).
 #pragma once
-#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>

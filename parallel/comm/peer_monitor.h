@@ -23,7 +23,7 @@ namespace replica {
 class Store;
 
 // A collective failed because of other ranks: `ranks` are the ones that stopped answering
-// (empty when none could be named). Programs report them (tools/program.h), and the launcher
+// (empty when none could be named). Programs report them (cli/program.h), and the launcher
 // names them in its last line.
 class PeerFailure : public Error {
  public:

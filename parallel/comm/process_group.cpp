@@ -33,10 +33,6 @@ CommBackend parse_comm_backend(const std::string& name) {
   throw UsageError(fmt::format("unknown --backend '{}' (gloo, nccl)", name));
 }
 
-const char* comm_backend_name(CommBackend backend) {
-  return backend == CommBackend::Nccl ? "nccl" : "gloo";
-}
-
 ProcessGroup::ProcessGroup(const GroupOptions& o, std::unique_ptr<PeerMonitor> monitor)
     : rank_(o.rank), size_(o.size), monitor_(std::move(monitor)), store_(o.store),
       timeout_(o.timeout) {}

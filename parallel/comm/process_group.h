@@ -23,7 +23,6 @@ class PeerMonitor;
 
 enum class CommBackend { Gloo, Nccl };
 CommBackend parse_comm_backend(const std::string& name);  // "gloo" | "nccl" (UsageError else)
-const char* comm_backend_name(CommBackend backend);
 
 struct GroupOptions {
   CommBackend backend = CommBackend::Gloo;

@@ -7,7 +7,6 @@
 // the BucketReducer that DDP uses too.
 #include <algorithm>
 #include <optional>
-#include <thread>
 
 #include "engine/error.h"
 #include "engine/trace.h"

@@ -2,7 +2,7 @@
 // progress line (rewritten in place on a terminal), a line per epoch, the closing table of every
 // epoch with the phase breakdown and each device's (DDP: each rank's) peak memory, the metrics
 // JSON, the merged Chrome trace and the saved model. Only the lead process (rank 0) prints and
-// writes; gather_ranks() and finish_traces() are collectives every process takes part in.
+// writes; gather_ranks() and write_rank_trace() are steps every process takes part in.
 #pragma once
 #include <cmath>
 #include <string>

@@ -47,6 +47,4 @@ void StopRequest::uninstall() {
 
 int StopRequest::signal() { return g_signal; }
 
-void StopRequest::clear() { g_signal = 0; }
-
 }  // namespace replica

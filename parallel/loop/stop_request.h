@@ -15,8 +15,6 @@ class StopRequest {
   // The signal that asked to stop, or 0.
   static int signal();
   static bool requested() { return signal() != 0; }
-  // Clears a pending request (tests; a program that keeps running after a stop).
-  static void clear();
 };
 
 }  // namespace replica

@@ -172,19 +172,11 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   }
   try {
     Bytes old;
-    int64_t value = 0;
-    if (read_file(path, &old)) {
-      std::string text = to_string(old);
-      char* end = nullptr;
-      errno = 0;
-      value = std::strtoll(text.c_str(), &end, 10);
-      REPLICA_CHECK(!text.empty() && *end == '\0' && errno == 0,
-                    "store add('{}'): key '{}' holds a value that is not a counter", key, key);
-    }
+    const bool had = read_file(path, &old);
+    const std::string text = to_string(old);
     int64_t sum = 0;
-    REPLICA_CHECK(!__builtin_add_overflow(value, delta, &sum),
-                  "store add('{}'): adding {} to {} overflows the 64-bit counter", key, delta,
-                  value);
+    const std::string why = add_to_counter(had ? &text : nullptr, delta, &sum);
+    if (!why.empty()) throw Error(fmt::format("store add('{}'): {}", key, why));
     write_atomically(dir_, path, to_bytes(std::to_string(sum)));
     close(fd);  // releases the lock
     return sum;

@@ -124,8 +124,7 @@ Child start_rank(const LaunchOptions& o, const std::string& program, int local, 
   return c;
 }
 
-}  // namespace
-
+// The executable for `program`: as given when it holds a '/', else searched in PATH.
 std::string resolve_program(const std::string& program) {
   auto runnable = [](const std::string& p) {
     struct stat st {};
@@ -149,6 +148,8 @@ std::string resolve_program(const std::string& program) {
   }
   throw UsageError(fmt::format("program '{}' not found in PATH", program));
 }
+
+}  // namespace
 
 int pick_free_port() {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);

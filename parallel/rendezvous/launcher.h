@@ -35,9 +35,6 @@ struct LaunchOptions {
 // cannot run.
 int launch_ranks(const LaunchOptions& options);
 
-// The executable for `program`: as given when it holds a '/', else searched in PATH.
-std::string resolve_program(const std::string& program);
-
 // A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
 int pick_free_port();
 

@@ -3,6 +3,9 @@
 // (file_store.cpp). rendezvous() is in rendezvous.cpp.
 #include "parallel/rendezvous/store.h"
 
+#include <cerrno>
+#include <cstdlib>
+
 #include "engine/error.h"
 
 namespace replica {
@@ -19,6 +22,20 @@ void check_value(const std::string& key, const Bytes& value) {
   REPLICA_CHECK(value.size() <= Store::kMaxValueBytes,
                 "store set('{}'): value of {} bytes is over the {} MiB limit", key, value.size(),
                 Store::kMaxValueBytes >> 20);
+}
+
+std::string add_to_counter(const std::string* old, int64_t delta, int64_t* sum) {
+  int64_t value = 0;
+  if (old) {
+    char* end = nullptr;
+    errno = 0;
+    value = std::strtoll(old->c_str(), &end, 10);
+    if (old->empty() || *end != '\0' || errno != 0)
+      return "the key holds a value that is not a counter";
+  }
+  if (__builtin_add_overflow(value, delta, sum))
+    return fmt::format("adding {} to {} overflows the 64-bit counter", delta, value);
+  return "";
 }
 
 std::string format_keys(const std::vector<std::string>& keys) {

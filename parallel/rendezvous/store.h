@@ -65,6 +65,9 @@ class Store {
 // Throws replica::Error when a key or value breaks the size limits (op names the operation).
 void check_key(const std::string& key, const char* op);
 void check_value(const std::string& key, const Bytes& value);
+// add()'s arithmetic, the same in every store: a counter is an int64 as decimal text (absent:
+// 0). Returns why `old` + `delta` cannot be stored (not a counter, or an overflow), else "".
+std::string add_to_counter(const std::string* old, int64_t delta, int64_t* sum);
 // "'a', 'b'" (at most 8 keys, then "and N more").
 std::string format_keys(const std::vector<std::string>& keys);
 // "1.5 s"
@@ -84,12 +87,10 @@ class TcpStoreServer {
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
 
   int port() const { return port_; }
-  const std::string& host() const { return host_; }
 
  private:
   void loop();
 
-  std::string host_;
   int port_ = 0;
   int listen_fd_ = -1;
   int wake_pipe_[2] = {-1, -1};

@@ -81,22 +81,13 @@ struct ServerState {
           c.closed = true;
           return;
         }
-        int64_t value = 0;
         auto it = data.find(f.fields[0]);
-        if (it != data.end()) {
-          char* end = nullptr;
-          errno = 0;
-          value = std::strtoll(it->second.c_str(), &end, 10);
-          if (it->second.empty() || *end != '\0' || errno != 0) {
-            reply(c, kError, {"key '" + f.fields[0] + "' holds a value that is not a counter"});
-            return;
-          }
-        }
-        const auto delta = static_cast<int64_t>(get_le(f.fields[1].data(), 8));
         int64_t sum = 0;
-        if (__builtin_add_overflow(value, delta, &sum)) {
-          reply(c, kError, {fmt::format("adding {} to {} overflows the 64-bit counter",
-                                        delta, value)});
+        const std::string why =
+            add_to_counter(it != data.end() ? &it->second : nullptr,
+                           static_cast<int64_t>(get_le(f.fields[1].data(), 8)), &sum);
+        if (!why.empty()) {
+          reply(c, kError, {why});
           return;
         }
         data[f.fields[0]] = std::to_string(sum);
@@ -157,7 +148,7 @@ struct ServerState {
 
 }  // namespace
 
-TcpStoreServer::TcpStoreServer(const std::string& host, int port) : host_(host) {
+TcpStoreServer::TcpStoreServer(const std::string& host, int port) {
   REPLICA_USAGE_CHECK(port >= 0 && port <= 65535, "store port {} is out of range (0-65535)", port);
   AddrList addrs;
   resolve(host, port, true, &addrs);
