@@ -125,6 +125,16 @@ TEST_CASE("a batch larger than the dataset is one batch of the whole dataset") {
   CHECK_MESSAGE(r.exit_code == 0, r.output);
 }
 
+TEST_CASE("a directory with the training files only: --no-eval trains, evaluation names what is missing") {
+  test::TempDir tmp;
+  test::fs::create_directories(tmp.path / "data");
+  test::write_mnist_split(tmp.path / "data", "train", 64, 1);
+  const std::string args = " --data " + tmp.str("data") + " --devices cpu --max-steps 2 --quiet";
+  auto r = run(kTrain + args + " --no-eval", 60);
+  CHECK_MESSAGE(r.exit_code == 0, r.output);
+  expect_clean_error(args, "missing 2 of the 4 MNIST-format files needed: t10k-images");
+}
+
 TEST_CASE("outputs through a symbolic link or into a pipe: the link and the pipe stay") {
   test::TempDir tmp;
   const std::string run_args = kTrain + " --synthetic --synthetic-size 64 --batch-size 8" +

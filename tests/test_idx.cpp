@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include "engine/data/dataset.h"
 #include "engine/data/idx.h"
 #include "cli_helpers.h"
@@ -301,22 +302,29 @@ TEST_CASE("mnist: directory and file errors") {
   TempDir partial;
   write_split(partial, "t10k", 5, 2, 2, true);
   put_bytes(partial.file("README"), {'x'});
-  // The train split is missing entirely: both its files are listed, whichever split is opened.
-  for (bool train : {true, false}) {
-    std::string e = error_of([&] { open_mnist(partial.path.string(), train); });
-    CHECK(throws_usage([&] { open_mnist(partial.path.string(), train); }));
-    CHECK(contains(e, "missing 2 of the 4 MNIST-format files: train-images-idx3-ubyte[.gz], "
-                      "train-labels-idx1-ubyte[.gz]"));
+  // The train split is missing entirely: both its files are listed, by the directory check of a
+  // run that reads both splits and by opening the train split; the test split opens.
+  for (bool with_test : {true, false}) {
+    std::string e = error_of([&] { check_mnist_dir(partial.path.string(), with_test); });
+    CHECK(throws_usage([&] { check_mnist_dir(partial.path.string(), with_test); }));
+    CHECK(contains(e, fmt::format("missing 2 of the {} MNIST-format files needed: "
+                                  "train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz]",
+                                  with_test ? 4 : 2)));
     CHECK_FALSE(contains(e, "t10k"));
   }
+  CHECK(contains(error_of([&] { open_mnist(partial.path.string(), true); }),
+                 "missing 2 of the 2 MNIST-format files needed"));
+  CHECK(open_mnist(partial.path.string(), false)->size() == 5);
   write_split(partial, "train", 7, 2, 2, false);
   CHECK(open_mnist(partial.path.string(), false)->size() == 5);
   CHECK(open_mnist(partial.path.string(), true)->size() == 7);
-  // Only one file is missing: only it is listed.
+  // Only one file is missing: only it is listed, and only where it is needed.
   fs::remove(partial.file("t10k-labels-idx1-ubyte.gz"));
-  std::string e = error_of([&] { open_mnist(partial.path.string(), true); });
-  CHECK(contains(e, "missing 1 of the 4 MNIST-format files: t10k-labels-idx1-ubyte[.gz]"));
+  std::string e = error_of([&] { check_mnist_dir(partial.path.string(), true); });
+  CHECK(contains(e, "missing 1 of the 4 MNIST-format files needed: t10k-labels-idx1-ubyte[.gz]"));
   CHECK_FALSE(contains(e, "images"));
+  check_mnist_dir(partial.path.string(), false);  // a run without evaluation: all it needs
+  CHECK(open_mnist(partial.path.string(), true)->size() == 7);
 
   // A file passed where the directory should be.
   CHECK(contains(error_of([&] { open_mnist(partial.file("README"), true); }), "not a directory"));

@@ -155,40 +155,50 @@ class SyntheticDataset final : public Dataset {
   int64_t per_;
 };
 
-}  // namespace
+constexpr const char* kMnistFiles =
+    "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
+    "t10k-labels-idx1-ubyte (each optionally .gz)";
 
-std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float mean, float stddev) {
-  const char* expected =
-      "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
-      "t10k-labels-idx1-ubyte (each optionally .gz)";
+// A UsageError unless `dir` is a directory with something in it, and holds the files of
+// `splits` ("train", "t10k"): every missing one is named.
+void require_mnist_files(const std::string& dir, const std::vector<std::string>& splits) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0)
     throw UsageError(fmt::format("{}: no such directory (expected an MNIST-format dataset "
                                  "directory with {})",
-                                 dir, expected));
+                                 dir, kMnistFiles));
   if (!S_ISDIR(st.st_mode))
     throw UsageError(fmt::format("{}: not a directory (expected an MNIST-format dataset directory "
                                  "with {})",
-                                 dir, expected));
+                                 dir, kMnistFiles));
   DIR* d = ::opendir(dir.c_str());
   if (!d) throw UsageError(fmt::format("{}: cannot open directory: {}", dir, std::strerror(errno)));
   bool empty = true;
   while (dirent* e = ::readdir(d))
     if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) empty = false;
   ::closedir(d);
-  if (empty) throw UsageError(fmt::format("{}: directory is empty (expected {})", dir, expected));
+  if (empty) throw UsageError(fmt::format("{}: directory is empty (expected {})", dir, kMnistFiles));
+  std::vector<std::string> missing;
+  for (const std::string& split : splits)
+    for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
+      if (find_idx(dir, split + kind).empty()) missing.push_back(split + kind + "[.gz]");
+  if (!missing.empty())
+    throw UsageError(fmt::format("{}: missing {} of the {} MNIST-format files needed: {}", dir,
+                                 missing.size(), 2 * splits.size(), fmt::join(missing, ", ")));
+}
+
+}  // namespace
+
+void check_mnist_dir(const std::string& dir, bool with_test) {
+  require_mnist_files(dir, with_test ? std::vector<std::string>{"train", "t10k"}
+                                     : std::vector<std::string>{"train"});
+}
+
+std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float mean, float stddev) {
+  require_mnist_files(dir, {train ? "train" : "t10k"});
   REPLICA_USAGE_CHECK(stddev > 0.0f && std::isfinite(stddev) && std::isfinite(mean),
                       "normalisation mean {} / std {}: std must be positive and both finite",
                       mean, stddev);
-
-  // All four files are checked at once, so a half-copied directory is reported in one go.
-  std::vector<std::string> missing;
-  for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                           "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"})
-    if (find_idx(dir, name).empty()) missing.push_back(std::string(name) + "[.gz]");
-  if (!missing.empty())
-    throw UsageError(fmt::format("{}: missing {} of the 4 MNIST-format files: {}", dir,
-                                 missing.size(), fmt::join(missing, ", ")));
   const std::string split = train ? "train" : "t10k";
   const std::string img_path = find_idx(dir, split + "-images-idx3-ubyte");
   const std::string lbl_path = find_idx(dir, split + "-labels-idx1-ubyte");

@@ -29,11 +29,15 @@ class Dataset {
 // without .gz (gzip is detected by content). `train` picks train-* or t10k-*.
 // Pixels become x/255 and then (x - mean)/std: the recipe's ToTensor() + Normalize(0.5, 1.0) is
 // the default. num_classes() is 10, or max label + 1 if a label is larger (EMNIST-style sets).
-// Errors (UsageError): the directory is missing, not a directory or empty; files missing (all of
-// them are listed); (Error) a bad file, image/label count mismatch, images not 3-D or labels
-// not 1-D.
+// Errors (UsageError): the directory is missing, not a directory or empty; the split's files
+// missing (both are listed); (Error) a bad file, image/label count mismatch, images not 3-D or
+// labels not 1-D.
 std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float mean = 0.5f,
                                     float std = 1.0f);
+
+// Before reading either split: a UsageError naming every file `dir` lacks among the training
+// split's and, `with_test`, the test split's, so a half-copied directory is named in one go.
+void check_mnist_dir(const std::string& dir, bool with_test);
 
 // `size` random samples of `sample_shape`: every element standard normal (like torch.randn),
 // labels uniform in [0, num_classes). A pure function of (seed, index, element): reading the

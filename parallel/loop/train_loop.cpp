@@ -35,17 +35,20 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
     test_ = make_synthetic(std::max<int64_t>(c_.synthetic_size / 10, 1), in, classes,
                            c_.engine.seed + 0x7E57ull);
   } else {
+    check_mnist_dir(c_.data_dir, c_.evaluate);  // --no-eval needs no test files
     train_ = open_mnist(c_.data_dir, true);
-    test_ = open_mnist(c_.data_dir, false);
-    REPLICA_USAGE_CHECK(test_->sample_shape() == train_->sample_shape(),
-                        "{}: train images are {}, test images {}", c_.data_dir,
-                        shape_str(train_->sample_shape()), shape_str(test_->sample_shape()));
     c_.engine.input_shape = train_->sample_shape();  // the model fits the data
-    // A test label the model has no output for would make the test loss NaN, hours in.
-    REPLICA_USAGE_CHECK(test_->num_classes() <= train_->num_classes(),
-                        "{}: the test labels go up to {}, the training labels to {}: a test "
-                        "class the model never trains on",
-                        c_.data_dir, test_->num_classes() - 1, train_->num_classes() - 1);
+    if (c_.evaluate) {
+      test_ = open_mnist(c_.data_dir, false);
+      REPLICA_USAGE_CHECK(test_->sample_shape() == train_->sample_shape(),
+                          "{}: train images are {}, test images {}", c_.data_dir,
+                          shape_str(train_->sample_shape()), shape_str(test_->sample_shape()));
+      // A test label the model has no output for would make the test loss NaN, hours in.
+      REPLICA_USAGE_CHECK(test_->num_classes() <= train_->num_classes(),
+                          "{}: the test labels go up to {}, the training labels to {}: a test "
+                          "class the model never trains on",
+                          c_.data_dir, test_->num_classes() - 1, train_->num_classes() - 1);
+    }
   }
   c_.engine.num_classes = std::max<int64_t>(c_.engine.num_classes, train_->num_classes());
   std::string device_spec;
