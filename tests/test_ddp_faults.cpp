@@ -101,3 +101,37 @@ TEST_CASE("a rendezvous with a missing rank times out with an error naming it") 
   CHECK_MESSAGE(contains(r.output, "rank 1"), r.output);
   CHECK(test::count_lines(r.output) == 1);
 }
+
+// Ranks started with different flags (nodes whose command lines differ): a model or bucket
+// layout that differs made Gloo abort in an all-reduce of mismatched sizes; another --lr or
+// --epochs trained apart or waited alone. Every rank now stops at once with the same line.
+TEST_CASE("ranks started with different flags: one error naming the setting, on every rank") {
+  if (!replica::gloo_available()) return;
+  test::TempDir tmp;
+  const std::string base = kTrain + " --mode ddp --devices cpu --synthetic --synthetic-size 64"
+                                    " --batch-size 8 --max-steps 2 --quiet --timeout 20";
+  const std::pair<const char*, const char*> cases[] = {
+      {"--num-classes 5", "in the number of parameters (110845 against 111100): give every rank "
+                          "the same --model, --input-shape and --num-classes"},
+      {"--bucket-cap-mb 0.01", "in the number of gradient buckets"},
+      {"--model resnet18", "in the number of parameters"},
+      {"--lr 0.5", "in --lr: start every rank with the same flags"},
+      {"--seed 7", "in --seed"},
+      {"--drop-last", "in --drop-last"},
+      {"--epochs 2", "in --epochs"}};
+  for (const auto& [flag, expected] : cases) {
+    CAPTURE(std::string(flag));
+    const std::string env = "env WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                            std::to_string(test::next_port());
+    // Rank 1 in the background with the odd flag; rank 0 in the foreground.
+    auto r = run("sh -c '" + env + " RANK=1 LOCAL_RANK=1 " + base + " " + flag +
+                     " > /dev/null 2>" + tmp.str("rank1") + " & pid=$!; " + env + " RANK=0 LOCAL_RANK=0 " + base +
+                     "; rc0=$?; wait $pid; rc1=$?; echo \"exit $rc0 $rc1\"'",
+                 90);
+    INFO(r.output);
+    INFO(test::read_text(tmp.str("rank1")));
+    CHECK(contains(r.output, std::string("rank 1 differs from rank 0 ") + expected));
+    CHECK(contains(r.output, "exit 2 2"));
+    CHECK(test::count_lines(r.output) == 2);  // rank 0's line and the exit codes
+  }
+}

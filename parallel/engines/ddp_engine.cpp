@@ -11,6 +11,7 @@
 #include "engine/trace.h"
 #include "layers/loss.h"
 #include "parallel/comm/bucket_reducer.h"
+#include "parallel/comm/rank_agreement.h"
 #include "parallel/engines/engine_steps.h"
 #include "parallel/engines/scatter.h"
 
@@ -48,6 +49,7 @@ class DdpEngine final : public TrainEngine {
       model_->set_grad_hook(
           [this](const std::vector<Param*>& ready) { reducer_->on_ready(0, ready); });
     }
+    if (group_->size() > 1) agree_on_model();
     sync_from_rank0();  // identical starting point on every rank
   }
 
@@ -203,6 +205,25 @@ class DdpEngine final : public TrainEngine {
     REPLICA_CHECK(std::memcmp(mine.raw(), host.raw(), mine.bytes()) == 0,
                   "rank {}: parameters differ from rank 0's after step {}", group_->rank(),
                   step_.optimizer->steps());
+  }
+
+  // Before the first broadcast: every rank built the same model and buckets, or all stop with
+  // one error (rank_agreement.h) instead of Gloo aborting on mismatched sizes.
+  void agree_on_model() {
+    std::string shapes, bounds;
+    for (const Param* p : model_->params()) shapes += p->name + shape_str(p->value.shape()) + ";";
+    for (const Bucket& b : reducer_->buckets()) bounds += fmt::format("{}+{};", b.offset, b.numel);
+    const std::string same_model =
+        "give every rank the same --model, --input-shape and --num-classes";
+    const std::string same_buckets = "give every rank the same --bucket-cap-mb";
+    const std::vector<Agreed> items = {
+        {"the number of parameters", model_->num_params(), true, same_model},
+        {"the parameters' names and shapes", int64_t(text_hash(shapes)), false, same_model},
+        {"the number of buffer elements", model_->num_buffer_elements(), true, same_model},
+        {"the number of gradient buckets", int64_t(reducer_->buckets().size()), true, same_buckets},
+        {"the gradient buckets' bounds", int64_t(text_hash(bounds)), false, same_buckets}};
+    require_same_on_every_rank(
+        items, [this](const std::vector<int64_t>& mine) { return gather_from_ranks(mine); });
   }
 
   void sync_from_rank0() {

@@ -7,6 +7,7 @@
 
 #include "engine/error.h"
 #include "engine/trace.h"
+#include "parallel/comm/rank_agreement.h"
 #include "parallel/loop/run_summary.h"
 #include "parallel/loop/stop_request.h"
 
@@ -55,6 +56,7 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
   std::vector<Device> devices = resolve_devices(c_, &device_spec);
   engine_ = make_engine(c_, devices);
   world_ = engine_->world_size();
+  if (world_ > 1) agree_on_settings();
   // Ranks sharing one GPU each hold their own copy of a resident set.
   const int copies_per_gpu = world_ > 1 && engine_->shares_gpu() ? world_ : 1;
   const DataPlacement placement = resolve_data_placement(
@@ -100,6 +102,29 @@ TrainLoop::~TrainLoop() = default;
 
 // The whole training set onto every device's memory, once (shared by the logical devices of a
 // GPU): steps then gather their batches there, and the loader thread only hands out indices.
+// DDP: what decides the math and the number of steps is the same on every rank; a rank started
+// with another --lr trained apart, one with another --epochs waited alone in an all-reduce until
+// the timeout. Paths, devices and threads may differ between nodes.
+void TrainLoop::agree_on_settings() {
+  const nlohmann::json settings = config_json(c_);
+  const std::string hint = "start every rank with the same flags";
+  std::vector<Agreed> items;
+  for (const char* key : {"model", "input_shape", "num_classes", "synthetic", "synthetic_size",
+                          "epochs", "max_steps", "batch_size", "batch_per_device", "optimizer",
+                          "lr", "lr_schedule", "momentum", "weight_decay", "nesterov", "seed",
+                          "deterministic", "precision", "accumulate", "bucket_cap_mb"}) {
+    std::string flag = std::string("--") + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    items.push_back({flag, int64_t(text_hash(settings.at(key).dump())), false, hint});
+  }
+  items.push_back({"--no-shuffle", c_.shuffle, false, hint});
+  items.push_back({"--drop-last", c_.drop_last, false, hint});
+  items.push_back({"the number of training samples", train_->size(), true,
+                   "give every rank the same data"});
+  require_same_on_every_rank(
+      items, [this](const std::vector<int64_t>& mine) { return engine_->gather_from_ranks(mine); });
+}
+
 void TrainLoop::place_data() {
   TraceSpan span("host", "place_data");
   const int64_t t0 = Tracer::now_us();

@@ -46,6 +46,7 @@ class TrainLoop {
   nlohmann::json run();
 
  private:
+  void agree_on_settings();
   void place_data();
   void run_epoch(int64_t epoch);
   void log_step(int64_t epoch, int64_t batch, bool last_step);

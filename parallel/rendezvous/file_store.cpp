@@ -80,11 +80,6 @@ void write_atomically(const std::string& dir, const std::string& path, const Byt
   }
 }
 
-uint64_t fnv1a(const std::string& s, uint64_t h) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 }  // namespace
 
 FileStore::FileStore(const std::string& dir, milliseconds timeout) : Store(timeout), dir_(dir) {
@@ -105,8 +100,8 @@ std::string FileStore::path_for(const std::string& key) const {
       name += fmt::format("%{:02X}", c);
   }
   if (name.size() > 200)
-    name = fmt::format("h-{:016x}{:016x}", fnv1a(key, 14695981039346656037ull),
-                       fnv1a(key, 0x9e3779b97f4a7c15ull));
+    name = fmt::format("h-{:016x}{:016x}", text_hash(key),
+                       text_hash(key, 0x9e3779b97f4a7c15ull));
   return dir_ + "/" + name;
 }
 

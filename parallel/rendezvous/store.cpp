@@ -38,6 +38,12 @@ std::string add_to_counter(const std::string* old, int64_t delta, int64_t* sum) 
   return "";
 }
 
+uint64_t text_hash(const std::string& text, uint64_t seed) {
+  uint64_t h = seed;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
 std::string format_keys(const std::vector<std::string>& keys) {
   std::string out;
   for (size_t i = 0; i < keys.size() && i < 8; ++i)

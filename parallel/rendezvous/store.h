@@ -68,6 +68,9 @@ void check_value(const std::string& key, const Bytes& value);
 // add()'s arithmetic, the same in every store: a counter is an int64 as decimal text (absent:
 // 0). Returns why `old` + `delta` cannot be stored (not a counter, or an overflow), else "".
 std::string add_to_counter(const std::string* old, int64_t delta, int64_t* sum);
+// FNV-1a of `text`: the same on every machine and build (std::hash promises neither). File
+// names of keys; settings compared across ranks (parallel/comm/rank_agreement.h).
+uint64_t text_hash(const std::string& text, uint64_t seed = 14695981039346656037ull);
 // "'a', 'b'" (at most 8 keys, then "and N more").
 std::string format_keys(const std::vector<std::string>& keys);
 // "1.5 s"
