@@ -36,6 +36,11 @@ inline std::vector<uint8_t> file_bytes(const std::string& p) {
   return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
 }
 
+inline std::string read_text(const std::string& path) {
+  auto bytes = file_bytes(path);
+  return std::string(bytes.begin(), bytes.end());
+}
+
 inline void put_bytes(const std::string& p, const std::vector<uint8_t>& b) {
   std::ofstream f(p, std::ios::binary | std::ios::trunc);
   f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));

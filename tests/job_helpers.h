@@ -25,11 +25,6 @@ inline const std::string& train_bin() {
   return path;
 }
 
-inline std::string read_text(const std::string& path) {
-  auto bytes = file_bytes(path);
-  return std::string(bytes.begin(), bytes.end());
-}
-
 inline nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
   return nlohmann::json::parse(in);

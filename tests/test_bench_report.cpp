@@ -486,6 +486,32 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
                      "missing field 'samples_per_sec'");
 }
 
+// --json adds rows to a file that holds earlier runs: a write that fails (here a file-size limit,
+// as a full disk would) leaves it as it was, not with half a row appended.
+TEST_CASE("replica-bench --json: a failed write leaves the earlier rows intact") {
+  test::TempDir tmp;
+  const std::string path = tmp.str("rows.jsonl");
+  const std::string old_rows = std::string(R"({"mode": "dp"})") + std::string(3900, ' ') + "\n";
+  {
+    std::ofstream f(path);
+    f << old_rows;
+  }
+  const std::string cmd = kBench + " --suite ops --devices cpu --batch 8 --steps 2 --warmup 1 "
+                                   "--threads-per-device 1 --json " + path;
+  // 8 blocks of 512 bytes: the old rows fit, old and new together do not.
+  auto r = test::run("sh -c \"trap '' XFSZ; ulimit -f 8; " + cmd + "\"", 120);
+  INFO(r.output);
+  CHECK(r.exit_code != 0);
+  CHECK(r.output.find("replica-bench: error: cannot write '" + path + "'") != std::string::npos);
+  CHECK(test::read_text(path) == old_rows);
+  // With room, the new rows follow the old ones.
+  r = test::run(cmd, 120);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  const std::string text = test::read_text(path);
+  CHECK(text.rfind(old_rows, 0) == 0);
+  CHECK(text.size() > old_rows.size());
+}
+
 TEST_CASE("a dead DDP rank ends the benchmark with an error, not a hang") {
   const auto r = test::run("env REPLICA_BENCH_KILL_RANK=1 " + kBench +
                                " --suite ddp --devices cpu*2 --device-counts 2 --steps 3 "

@@ -3,9 +3,11 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include <fmt/ranges.h>
 
@@ -253,11 +255,20 @@ std::string json_lines(const std::vector<nlohmann::json>& rows) {
 
 }  // namespace
 
+// The old lines and the new ones are written whole, as every output is: a full disk or a
+// signal leaves the file as it was, never with half a row appended.
 void append_rows(const std::string& path, const std::vector<nlohmann::json>& rows) {
-  std::ofstream out(path, std::ios::app);
-  REPLICA_USAGE_CHECK(out.good(), "cannot write '{}'", path);
-  out << json_lines(rows);
-  REPLICA_USAGE_CHECK(out.good(), "error writing '{}'", path);
+  std::string text;
+  const OutputTarget target = output_target(path);
+  if (!target.in_place && std::filesystem::exists(target.path)) {
+    std::ifstream in(target.path, std::ios::binary);
+    std::ostringstream old;
+    old << in.rdbuf();
+    REPLICA_USAGE_CHECK(in.good() || in.eof(), "cannot read '{}' to add rows to it", path);
+    text = old.str();
+    if (!text.empty() && text.back() != '\n') text += '\n';
+  }
+  write_file_atomically(path, text + json_lines(rows));
 }
 
 void write_rows(const std::string& path, const std::vector<nlohmann::json>& rows) {

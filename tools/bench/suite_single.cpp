@@ -14,7 +14,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
@@ -32,6 +31,7 @@
 #include "tools/bench/harness.h"
 #include "tools/bench/options.h"
 #include "tools/bench/report_math.h"
+#include "tools/bench/rows.h"
 
 namespace replica::bench {
 
@@ -189,11 +189,6 @@ int run_single_suite(const BenchOptions& o) {
     threads = parse_positive_list(o.threads, ',', "--threads");
   }
   const Shape shape = resolve_input_shape(o);
-  std::ofstream json_out;
-  if (!o.json.empty()) {
-    json_out.open(o.json, std::ios::app);
-    REPLICA_USAGE_CHECK(json_out.good(), "cannot write --json file '{}'", o.json);
-  }
   double load[3] = {0, 0, 0};
   getloadavg(load, 3);
 
@@ -235,7 +230,11 @@ int run_single_suite(const BenchOptions& o) {
                 100 * double(j["fraction_of_sgemm_peak"]),
                 base_sps > 0 ? fmt::format("{:.2f}x", sps / base_sps).c_str() : "-",
                 100 * double(j["cpu_share"]));
-    if (json_out.is_open()) json_out << j.dump() << "\n";
+  }
+  if (!o.json.empty()) {
+    std::vector<nlohmann::json> rows;
+    for (const auto& r : results) rows.push_back(r.j);
+    append_rows(o.json, rows);
   }
   std::printf(
       "train GF/s counts training as 3x the forward FLOPs (forward + data and weight grads).\n"
