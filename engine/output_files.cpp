@@ -85,7 +85,7 @@ void remove_stale_temporaries(const std::string& path) {
     const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
     if (pid == getpid()) continue;
     if (kill(pid_t(pid), 0) == 0 || errno == EPERM) continue;  // that process still runs
-    fs::remove(entry.path(), ec);
+    fs::remove_all(entry.path(), ec);  // a file, or a StagedDirectory
   }
 }
 
@@ -126,6 +126,46 @@ void write_file_atomically(const std::string& name, const std::string& text) {
   if (!ok) std::remove(tmp.c_str());
   clear_temporary();
   REPLICA_USAGE_CHECK(ok, "cannot write '{}': {}", name, std::strerror(err));
+}
+
+StagedDirectory::StagedDirectory(const std::string& dir, bool carry_over) : dir_(dir) {
+  while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();  // "out/" names "out"
+  remove_stale_temporaries(dir_);
+  remove_stale_temporaries(dir_ + ".old");
+  staging_ = temporary_for(dir_);
+  std::error_code ec;
+  fs::remove_all(staging_, ec);
+  fs::create_directories(staging_, ec);
+  REPLICA_USAGE_CHECK(!ec, "cannot create '{}': {}", staging_, ec.message());
+  if (!carry_over || !fs::is_directory(dir_, ec)) return;
+  for (const auto& entry : fs::directory_iterator(dir_, ec))
+    if (entry.is_regular_file(ec)) {
+      fs::copy_file(entry.path(), fs::path(staging_) / entry.path().filename(), ec);
+      REPLICA_USAGE_CHECK(!ec, "cannot copy '{}': {}", entry.path().string(), ec.message());
+    }
+}
+
+StagedDirectory::~StagedDirectory() {
+  std::error_code ec;
+  if (!committed_) fs::remove_all(staging_, ec);
+}
+
+void StagedDirectory::commit() {
+  std::error_code ec;
+  const std::string old = temporary_for(dir_ + ".old");
+  const bool had_old = fs::exists(dir_, ec);
+  if (had_old) {
+    fs::rename(dir_, old, ec);
+    REPLICA_USAGE_CHECK(!ec, "cannot replace '{}': {}", dir_, ec.message());
+  }
+  fs::rename(staging_, dir_, ec);
+  if (ec) {
+    const std::string why = ec.message();
+    if (had_old) fs::rename(old, dir_, ec);  // put the old one back
+    throw UsageError(fmt::format("cannot move '{}' into place as '{}': {}", staging_, dir_, why));
+  }
+  committed_ = true;
+  if (had_old) fs::remove_all(old, ec);
 }
 
 }  // namespace replica

@@ -38,4 +38,24 @@ void remove_temporary_in_progress();  // from a signal handler
 // in place, for a device or pipe).
 void write_file_atomically(const std::string& path, const std::string& text);
 
+// A directory of outputs written whole (replica-bench --report): the work goes into the sibling
+// temporary_for(dir), and commit() swaps it in for `dir`, whose old contents are then removed.
+// A failure or a signal before commit() leaves `dir` as it was; the staging directory is removed
+// when this object goes (or, after a signal, by the next run). `carry_over`: the staging
+// directory starts with a copy of dir's files (a report re-rendered in place keeps its traces).
+class StagedDirectory {
+ public:
+  StagedDirectory(const std::string& dir, bool carry_over);
+  ~StagedDirectory();
+  StagedDirectory(const StagedDirectory&) = delete;
+  StagedDirectory& operator=(const StagedDirectory&) = delete;
+
+  const std::string& path() const { return staging_; }  // where to write until commit()
+  void commit();
+
+ private:
+  std::string dir_, staging_;
+  bool committed_ = false;
+};
+
 }  // namespace replica

@@ -336,6 +336,40 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
         std::string::npos);
 }
 
+// A report is written into a staging directory swapped in at the end: a failure part way (here a
+// 6 KiB file-size limit, as a full disk: results.jsonl and projection.json fit, report.md does
+// not) leaves the old report whole, not half old and half new.
+TEST_CASE("replica-bench --report: a failed run leaves the old report whole; in place keeps traces") {
+  test::TempDir tmp;
+  const std::string out = tmp.str("out");
+  auto r = test::run(kBench + " --report " + out + " --from-results " + kFixture);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  {
+    std::ofstream trace(tmp.str("out/trace-dp-2dev.json"));
+    trace << "{}";
+  }
+  std::map<std::string, std::string> before;
+  for (const auto& e : test::fs::directory_iterator(out))
+    before[e.path().filename().string()] = test::read_text(e.path().string());
+  r = test::run("sh -c \"trap '' XFSZ; ulimit -f 12; " + kBench + " --report " + out +
+                " --from-results " + kFixture + " --compare " + kFixture +
+                "/pytorch_sample.jsonl\"");
+  INFO(r.output);
+  CHECK(r.exit_code != 0);
+  std::map<std::string, std::string> after;
+  for (const auto& e : test::fs::directory_iterator(out))
+    after[e.path().filename().string()] = test::read_text(e.path().string());
+  CHECK(after == before);
+  CHECK(tmp.entries() == 1);  // no staging directory left beside it
+  // Rendered again in place: the traces stay, the report is new.
+  r = test::run(kBench + " --report " + out + " --from-results " + out + " --compare " + kFixture +
+                "/pytorch_sample.jsonl");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(test::read_text(tmp.str("out/trace-dp-2dev.json")) == "{}");
+  CHECK(read_file(tmp.str("out/report.md")).find("Side by side with PyTorch") != std::string::npos);
+  CHECK(tmp.entries() == 1);
+}
+
 TEST_CASE("replica-bench --report --link projects to separate GPUs over the declared link") {
   test::TempDir tmp;
   const auto r = test::run(kBench + " --report " + tmp.str("out") + " --from-results " +

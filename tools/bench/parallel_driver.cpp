@@ -15,6 +15,7 @@
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
+#include "engine/output_files.h"
 #include "parallel/loop/run_summary.h"
 #include "parallel/rendezvous/launcher.h"
 #include "tools/bench/alpha_beta.h"
@@ -193,8 +194,8 @@ Measured measure(const BenchOptions& o) {
 
 // The report directory: results, measurements, projection, plots and report.md. Other engines'
 // rows come from --compare, else from a re-rendered directory's compare.jsonl.
-void write_report_dir(const BenchOptions& o, const Measured& m, std::vector<json> compare,
-                      std::vector<std::string> compare_files, double elapsed_s) {
+PlotOutcome write_report_dir(const BenchOptions& o, const Measured& m, std::vector<json> compare,
+                             std::vector<std::string> compare_files, double elapsed_s) {
   const fs::path dir = o.report_dir;
   if (o.compare.empty() && !o.from_results.empty() &&
       fs::exists(fs::path(o.from_results) / "compare.jsonl") &&
@@ -230,22 +231,32 @@ void write_report_dir(const BenchOptions& o, const Measured& m, std::vector<json
   in.command = o.command_line;
   in.elapsed_s = elapsed_s;
   write_report(in);
-  std::printf("report: %s (%zu plot%s%s)\n", (dir / "report.md").c_str(), plots.files.size(),
-              plots.files.size() == 1 ? "" : "s",
-              plots.note.empty() ? "" : (": " + plots.note).c_str());
+  return plots;
 }
 
 }  // namespace
 
-int run_parallel_suites(const BenchOptions& o) {
+int run_parallel_suites(const BenchOptions& given) {
   const auto t0 = std::chrono::steady_clock::now();
-  const bool report = !o.report_dir.empty();
-  REPLICA_USAGE_CHECK(o.from_results.empty() || report, "--from-results needs --report DIR");
-  if (!o.trace_dir.empty() || report) {
-    const std::string dir = report ? o.report_dir : o.trace_dir;
+  const bool report = !given.report_dir.empty();
+  REPLICA_USAGE_CHECK(given.from_results.empty() || report, "--from-results needs --report DIR");
+  BenchOptions o = given;
+  if (!o.trace_dir.empty() && !report) {
     std::error_code ec;
-    fs::create_directories(dir, ec);
-    REPLICA_USAGE_CHECK(!ec && fs::is_directory(dir), "cannot create directory '{}'", dir);
+    fs::create_directories(o.trace_dir, ec);
+    REPLICA_USAGE_CHECK(!ec && fs::is_directory(o.trace_dir), "cannot create directory '{}'",
+                        o.trace_dir);
+  }
+  // The report is written into a staging directory swapped in at the end: a full disk or a
+  // Ctrl-C leaves the old report whole, never half old and half new. Re-rendered in place, it
+  // keeps the traces it had.
+  std::optional<StagedDirectory> staged;
+  if (report) {
+    std::error_code ec;
+    const bool in_place = !o.from_results.empty() &&
+                          fs::equivalent(o.from_results, o.report_dir, ec);
+    staged.emplace(o.report_dir, in_place);
+    o.report_dir = staged->path();
   }
   // Other engines' rows first: a bad file fails now, not after minutes of measuring.
   std::vector<json> compare;
@@ -272,7 +283,12 @@ int run_parallel_suites(const BenchOptions& o) {
       o.from_results.empty()
           ? std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
           : 0.0;
-  write_report_dir(o, m, std::move(compare), o.compare, elapsed_s);
+  const PlotOutcome plots = write_report_dir(o, m, std::move(compare), o.compare, elapsed_s);
+  staged->commit();
+  std::printf("report: %s (%zu plot%s%s)\n",
+              (fs::path(given.report_dir) / "report.md").c_str(), plots.files.size(),
+              plots.files.size() == 1 ? "" : "s",
+              plots.note.empty() ? "" : (": " + plots.note).c_str());
   return 0;
 }
 
