@@ -416,9 +416,19 @@ TEST_CASE("rank environment: torchrun, OpenMPI and Slurm variables") {
   setenv("LOCAL_WORLD_SIZE", "4", 1);
   r = rendezvous_env_ranks();
   CHECK((r.rank == 5 && r.world_size == 8 && r.local_rank == 1 && r.local_world_size == 4));
-  for (const char* n :
-       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"})
+  // Half a launcher's names: an error, not a job of one (the real rank 0 would wait for it).
+  unsetenv("RANK");
+  CHECK(contains(error_of([] { rendezvous_env_ranks(); }),
+                 "WORLD_SIZE is set but RANK is not: set both"));
+  setenv("RANK", "5", 1);
+  unsetenv("WORLD_SIZE");
+  CHECK(contains(error_of([] { rendezvous_env_ranks(); }),
+                 "RANK is set but WORLD_SIZE is not: set both"));
+  for (const char* n : {"RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"})
     unsetenv(n);
+  CHECK(contains(error_of([] { rendezvous_env_ranks(); }),
+                 "OMPI_COMM_WORLD_SIZE is set but OMPI_COMM_WORLD_RANK is not"));
+  unsetenv("OMPI_COMM_WORLD_SIZE");
   setenv("SLURM_PROCID", "5", 1);
   setenv("SLURM_NTASKS", "6", 1);
   setenv("SLURM_LOCALID", "1", 1);

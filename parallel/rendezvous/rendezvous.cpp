@@ -120,8 +120,10 @@ Rendezvous rendezvous_env_ranks() {
   };
   Rendezvous r;
   for (const Scheme& s : kSchemes) {
+    // One without the other is a launcher half set up: neither trains alone.
+    REPLICA_USAGE_CHECK(!env(s.rank) == !env(s.world), "{} is set but {} is not: set both",
+                        env(s.rank) ? s.rank : s.world, env(s.rank) ? s.world : s.rank);
     if (!env(s.rank)) continue;
-    REPLICA_USAGE_CHECK(env(s.world), "{} is set but {} is not: set both", s.rank, s.world);
     r.rank = env_int(s.rank, 0);
     r.world_size = env_int(s.world, 1);
     r.local_world_size = env_int(s.local_world, r.world_size);
