@@ -52,8 +52,8 @@ void check_output_file(const std::string& flag, const std::string& path) {
     return;
   }
   const fs::path dir = p.parent_path();
-  REPLICA_USAGE_CHECK(fs::is_directory(dir, ec), "{} '{}': directory '{}' does not exist", flag,
-                      path, dir.string());
+  REPLICA_USAGE_CHECK(fs::is_directory(dir, ec), "{} '{}': '{}' {}", flag, path, dir.string(),
+                      fs::exists(dir, ec) ? "is not a directory" : "does not exist");
   REPLICA_USAGE_CHECK(access(dir.c_str(), W_OK) == 0, "{} '{}': cannot write into '{}'", flag,
                       path, dir.string());
 }

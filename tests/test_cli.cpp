@@ -86,6 +86,14 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --momentum 0.9", "--momentum and --nesterov are SGD's");
   expect_clean_error("--data " + tmp.str("data/train-images-idx3-ubyte") + " --max-steps 1",
                      "is a file: give the directory");
+  // A FIFO where a data file should be: named as what it is, not as missing.
+  test::fs::create_directories(tmp.path / "fifo-data");
+  test::write_mnist_split(tmp.path / "fifo-data", "train", 16, 1);
+  test::write_mnist_split(tmp.path / "fifo-data", "t10k", 16, 2);
+  test::fs::remove(tmp.path / "fifo-data" / "t10k-labels-idx1-ubyte");
+  REQUIRE(mkfifo(tmp.str("fifo-data/t10k-labels-idx1-ubyte").c_str(), 0600) == 0);
+  expect_clean_error("--data " + tmp.str("fifo-data") + " --max-steps 1",
+                     "t10k-labels-idx1-ubyte (not a regular file)");
   // DDP: a bad flag every rank shares is one line from the launcher, exit code 2.
   expect_clean_error(data + " --mode ddp --devices cpu*2 --model foo", "unknown model 'foo'");
   expect_clean_error(data + " --mode ddp --devices cpu*2 --batch-size 5", "must divide by the 2");
@@ -173,6 +181,8 @@ TEST_CASE("an output that cannot be written fails before training, in seconds") 
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
   }
   expect_clean_error(data + "--metrics-json " + tmp.str(""), "is a directory");
+  expect_clean_error(data + "--save-model " + tmp.str("data/train-images-idx3-ubyte") + "/m",
+                     "train-images-idx3-ubyte' is not a directory");
   // The bench checks its outputs before it measures anything.
   auto r = run(test::bin("replica-bench") + " --suite dp --json " + missing + "/rows.jsonl", 30);
   CHECK(r.exit_code == 2);

@@ -181,7 +181,14 @@ void require_mnist_files(const std::string& dir, const std::vector<std::string>&
   std::vector<std::string> missing;
   for (const std::string& split : splits)
     for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
-      if (find_idx(dir, split + kind).empty()) missing.push_back(split + kind + "[.gz]");
+      if (find_idx(dir, split + kind).empty()) {
+        // Something that is there but cannot be read as a file (a FIFO, a device) is named so.
+        std::string entry = split + kind + "[.gz]";
+        for (const char* suffix : {"", ".gz"})
+          if (::stat((dir + "/" + split + kind + suffix).c_str(), &st) == 0)
+            entry = split + kind + suffix + " (not a regular file)";
+        missing.push_back(entry);
+      }
   if (!missing.empty())
     throw UsageError(fmt::format("{}: missing {} of the {} MNIST-format files needed: {}", dir,
                                  missing.size(), 2 * splits.size(), fmt::join(missing, ", ")));

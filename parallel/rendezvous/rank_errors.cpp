@@ -82,11 +82,10 @@ RankErrors::Printed RankErrors::print(int first_rank, int count, int failed_rank
     const std::string who = everyone ? "every rank" : rank_list(ranks);
     std::fprintf(stderr, "%s [%s]\n", line.c_str(), who.c_str());
   }
-  printed.usage_error_of_every_rank =
-      distinct.size() == 1 && int(reports.size()) == count &&
-      std::all_of(reports.begin(), reports.end(), [](const RankReport& r) {
-        return r.exit_code == 2;
-      });
+  if (distinct.size() == 1 && int(reports.size()) == count &&
+      std::all_of(reports.begin(), reports.end(),
+                  [&](const RankReport& r) { return r.exit_code == reports[0].exit_code; }))
+    printed.every_rank_exit_code = reports[0].exit_code;
   return printed;
 }
 

@@ -25,9 +25,9 @@ class RankErrors {
 
   struct Printed {
     std::vector<int> culprits;  // the ranks failed_rank found silent (empty: it named none)
-    // Every rank reported the same usage error (exit code 2: a bad flag all of them share), and
-    // that one line said it all.
-    bool usage_error_of_every_rank = false;
+    // Every rank reported the same error with the same exit code (a bad flag all of them share,
+    // a data file all of them read): that one line said it all. 0 otherwise.
+    int every_rank_exit_code = 0;
   };
   // Prints the reports of ranks [first_rank, first_rank + count) to stderr: each distinct message
   // once, tagged "[every rank]", "[rank 3]" or "[ranks 0, 2]". When failed_rank (-1: none) found
