@@ -1,11 +1,39 @@
 #include "engine/allocator.h"
 
+#include <cstdio>
 #include <cstdlib>
 
 #include "engine/cudart.h"
 #include "engine/error.h"
 
 namespace replica {
+
+namespace {
+
+// MemAvailable from /proc/meminfo (0: unknown). Host memory is committed lazily, so a block the
+// machine cannot hold is handed out and the kernel's OOM killer ends the process later, with
+// no message; large host blocks are checked against it first.
+size_t available_host_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  unsigned long long kb = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+  std::fclose(f);
+  return size_t(kb) * 1024;
+}
+
+void check_host_room(size_t bytes) {
+  if (bytes < (size_t(256) << 20)) return;  // small blocks: not worth reading /proc
+  const size_t room = available_host_bytes();
+  if (room != 0 && bytes > room)
+    throw Error(fmt::format("out of host memory: a block of {:.1f} GiB is asked for and {:.1f} "
+                            "GiB is available (a smaller --batch-size?)",
+                            double(bytes) / (1 << 30), double(room) / (1 << 30)));
+}
+
+}  // namespace
 
 Allocator::Allocator(Kind kind, Device device) : kind_(kind), device_(device) {}
 
@@ -29,10 +57,12 @@ void* Allocator::system_alloc(size_t bytes) {
   void* p = nullptr;
   switch (kind_) {
     case Kind::Host:
+      check_host_room(bytes);
       p = std::aligned_alloc(64, bytes);
       REPLICA_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
       break;
     case Kind::PinnedHost:
+      check_host_room(bytes);
       if (cuda_device_count() > 0) p = cudart::malloc_pinned(bytes);
       else p = std::aligned_alloc(64, bytes);
       REPLICA_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);

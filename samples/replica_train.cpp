@@ -167,7 +167,8 @@ int run(int argc, char** argv) {
                "print the settings this command line (and --preset) resolves to, as JSON, and exit");
   app.footer(
       "Ctrl-C (or SIGTERM) stops after the step in progress, writes the checkpoint (with "
-      "--checkpoint) and exits 130; a second Ctrl-C ends at once.");
+      "--checkpoint) and exits 130; a second Ctrl-C ends at once, as the first does before "
+      "training starts.");
 
   if (auto code = parse_cli(app, argc, argv)) return *code;
   if (list_devices) {

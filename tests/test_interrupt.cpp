@@ -72,3 +72,21 @@ TEST_CASE("SIGKILL mid-epoch: the last epoch's checkpoint is intact and resuming
   CHECK(a["test_loss"] == b["test_loss"]);
   CHECK(a["test_accuracy"] == b["test_accuracy"]);
 }
+
+// Before training starts there is nothing to save: a signal ends the process at once. A rank
+// waiting in the rendezvous for a peer used to sit out the whole --timeout.
+TEST_CASE("a signal during the rendezvous ends the rank at once, not after --timeout") {
+  const std::string rank0 = "env WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 "
+                            "MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                            std::to_string(test::next_port()) + " " + kTrain +
+                            " --mode ddp --devices cpu --synthetic --synthetic-size 64"
+                            " --batch-size 8 --max-steps 2 --quiet --timeout 60";
+  const auto start = std::chrono::steady_clock::now();
+  // Rank 1 never comes; SIGTERM (a background job of sh ignores SIGINT) after 2 s.
+  auto r = test::run("sh -c '" + rank0 + " & pid=$!; sleep 2; kill -TERM $pid; wait $pid'", 90);
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  INFO(r.output);
+  CHECK(r.exit_code == 128 + SIGTERM);
+  CHECK(took < 10);
+}

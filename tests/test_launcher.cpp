@@ -186,7 +186,8 @@ TEST_CASE("replica-launch: a rank killed by SIGKILL is named with its signal") {
   CHECK(seconds_since(t0) < 30.0);
   CHECK(r.exit_code == 1);
   CHECK(contains(r.output, "replica-launch: rank 1 (pid "));
-  CHECK(contains(r.output, ") was killed by signal 9 (SIGKILL)"));
+  CHECK(contains(r.output, ") was killed by signal 9 (SIGKILL): out of memory? (the kernel log "
+                           "says: dmesg | grep -i oom)"));
   CHECK(test::count_lines(r.output) == 1);
   CHECK_FALSE(alive(read_pid(tmp.str("pid0"))));
 }

@@ -75,8 +75,10 @@ nlohmann::json run_training(const TrainConfig& config) {
   Tracer& tracer = Tracer::global();
   tracer.set_recording(!config.trace_file.empty());
   tracer.set_sync_device(!config.trace_file.empty());
-  StopHandlers handlers(config.stop_on_signal);
+  // Until the data is read and the engine built there is nothing to save, so a signal ends the
+  // process at once (a rank waiting in the rendezvous used to sit out the whole --timeout).
   TrainLoop loop(config);
+  StopHandlers handlers(config.stop_on_signal);
   return loop.run();
 }
 

@@ -310,8 +310,12 @@ int report_outcome(const LaunchOptions& o, const std::vector<Child>& children, c
                  static_cast<int>(f.pid), WEXITSTATUS(out.failed_status));
   } else {
     const int sig = WTERMSIG(out.failed_status);
-    std::fprintf(stderr, "%s: rank %d (pid %d) was killed by signal %d (%s)\n", name, f.rank,
-                 static_cast<int>(f.pid), sig, signal_name(sig).c_str());
+    // A SIGKILL nobody here sent is most often the kernel's OOM killer, which says so only in
+    // the kernel log.
+    std::fprintf(stderr, "%s: rank %d (pid %d) was killed by signal %d (%s)%s\n", name, f.rank,
+                 static_cast<int>(f.pid), sig, signal_name(sig).c_str(),
+                 sig == SIGKILL ? ": out of memory? (the kernel log says: dmesg | grep -i oom)"
+                                : "");
   }
   return 1;
 }
