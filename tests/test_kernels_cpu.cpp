@@ -8,8 +8,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -460,4 +462,31 @@ TEST_CASE("a context gets every thread it asks for, more than the cores included
     });
     CHECK_FALSE(gave_up.load());
   }
+}
+
+TEST_CASE("a host block larger than the memory available is an error at once, not an OOM kill later") {
+  // MemAvailable + 512 MiB, below MemTotal: the kernel's overcommit would hand it out (the pages
+  // are only committed when touched), and touching them would bring the OOM killer.
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  size_t value = 0, total = 0, available = 0;
+  std::string unit;
+  while (meminfo >> key >> value >> unit) {
+    if (key == "MemTotal:") total = value * 1024;
+    if (key == "MemAvailable:") available = value * 1024;
+  }
+  const size_t ask = available + (size_t(512) << 20);
+  if (available == 0 || ask >= total) {
+    MESSAGE("skipped: /proc/meminfo leaves no room between MemAvailable and MemTotal");
+    return;
+  }
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
+  std::string what;
+  try {
+    ctx.allocator().allocate(ask);
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  CHECK_MESSAGE(what.find("out of host memory: a block of") != std::string::npos, what);
+  CHECK(what.find("GiB is available") != std::string::npos);
 }
