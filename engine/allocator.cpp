@@ -59,13 +59,13 @@ void* Allocator::system_alloc(size_t bytes) {
     case Kind::Host:
       check_host_room(bytes);
       p = std::aligned_alloc(64, bytes);
-      REPLICA_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
+      if (!p) throw Error(fmt::format("out of host memory allocating {} bytes", bytes));
       break;
     case Kind::PinnedHost:
       check_host_room(bytes);
       if (cuda_device_count() > 0) p = cudart::malloc_pinned(bytes);
       else p = std::aligned_alloc(64, bytes);
-      REPLICA_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
+      if (!p) throw Error(fmt::format("out of host memory allocating {} bytes", bytes));
       break;
     case Kind::CudaDevice:
       p = cudart::malloc_device(device_.index, bytes);

@@ -59,8 +59,11 @@ Shape Conv2d::output_shape(const Shape& in) const {
                 shape_str(in));
   int64_t p = window_out(in[2], kernel_, p_.stride, p_.padding);
   int64_t q = window_out(in[3], kernel_, p_.stride, p_.padding);
-  REPLICA_CHECK(p > 0 && q > 0, "Conv2d: input {} is too small for a {}x{} kernel", shape_str(in),
-                kernel_, kernel_);
+  // The images' size is the user's (--input-shape, the data): a usage error, no source line.
+  REPLICA_USAGE_CHECK(p > 0 && q > 0,
+                      "the model's layers shrink its input below one pixel: a {}x{} kernel "
+                      "(stride {}) gets {}; give larger images", kernel_, kernel_, p_.stride,
+                      shape_str(in));
   return {in[0], out_, p, q};
 }
 
@@ -143,7 +146,10 @@ Shape MaxPool2d::output_shape(const Shape& in) const {
   REPLICA_CHECK(in.size() == 4, "MaxPool2d expects NCHW input, got {}", shape_str(in));
   int64_t p = window_out(in[2], p_.kernel, p_.stride, p_.padding);
   int64_t q = window_out(in[3], p_.kernel, p_.stride, p_.padding);
-  REPLICA_CHECK(p > 0 && q > 0, "MaxPool2d: input {} too small", shape_str(in));
+  REPLICA_USAGE_CHECK(p > 0 && q > 0,
+                      "the model's layers shrink its input below one pixel: a {}x{} max-pool "
+                      "(stride {}) gets {}; give larger images", p_.kernel, p_.kernel, p_.stride,
+                      shape_str(in));
   return {in[0], in[1], p, q};
 }
 

@@ -83,6 +83,8 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --resume", "--checkpoint");
   expect_clean_error("--synthetic --input-shape 3x0x4 --max-steps 1", "--input-shape");
   expect_clean_error("--synthetic --input-shape banana --max-steps 1", "--input-shape");
+  expect_clean_error("--synthetic --input-shape 1x3x3 --max-steps 1",
+                     "the model's layers shrink its input below one pixel");
   expect_clean_error(data + " --momentum 0.9", "--momentum and --nesterov are SGD's");
   expect_clean_error("--data " + tmp.str("data/train-images-idx3-ubyte") + " --max-steps 1",
                      "is a file: give the directory");

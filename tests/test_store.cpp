@@ -442,6 +442,13 @@ TEST_CASE("rank environment: torchrun, OpenMPI and Slurm variables") {
   setenv("RANK", "x", 1);
   CHECK_THROWS_AS(rendezvous_env_ranks(), UsageError);
   setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "2147483648", 1);
+  CHECK(contains(error_of([] { rendezvous_env_ranks(); }), "WORLD_SIZE='2147483648' is too large"));
+  setenv("WORLD_SIZE", "100000", 1);
+  CHECK(contains(error_of([] { rendezvous_env_ranks(); }),
+                 "world size 100000 is more than the 65536 ranks a job can have"));
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("RANK", "0", 1);
   RendezvousOptions o;
   o.init_method = "nccl://x";
   CHECK(contains(error_of([&] { rendezvous(o); }), "unknown init method 'nccl://x'"));

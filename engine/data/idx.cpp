@@ -174,6 +174,10 @@ IdxArray parse_idx(std::vector<uint8_t> file, const std::string& path) {
                               path, describe_dims(h.dims), h.data_bytes));
     if (all.data.size() < want || all.truncated) {
       size_t have = all.data.size() - std::min(all.data.size(), h.header_bytes);
+      if (all.truncated && have == h.data_bytes)
+        throw Error(fmt::format("{}: truncated: the gzip stream holds all {} bytes of data but "
+                                "is cut off before its trailer (incomplete download?)",
+                                path, h.data_bytes));
       if (all.truncated)
         throw Error(fmt::format("{}: truncated: header says {} ({} bytes) but the gzip stream is "
                                 "cut off after {} bytes (incomplete download?)",

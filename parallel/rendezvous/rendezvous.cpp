@@ -27,8 +27,9 @@ int parse_int(const std::string& what, const std::string& text) {
   char* end = nullptr;
   errno = 0;
   long v = std::strtol(text.c_str(), &end, 10);
-  REPLICA_USAGE_CHECK(!text.empty() && *end == '\0' && errno == 0 && v >= 0 && v < (1L << 30),
+  REPLICA_USAGE_CHECK(!text.empty() && *end == '\0' && (errno == 0 || errno == ERANGE) && v >= 0,
                       "{}='{}' is not a non-negative integer", what, text);
+  REPLICA_USAGE_CHECK(errno == 0 && v < (1L << 30), "{}='{}' is too large", what, text);
   return static_cast<int>(v);
 }
 
@@ -60,6 +61,10 @@ int slurm_tasks_on_node(const char* spec, int node) {
 void validate(const Rendezvous& r, const std::string& source) {
   REPLICA_USAGE_CHECK(r.world_size >= 1, "{}: world size {} must be at least 1", source,
                       r.world_size);
+  // The rendezvous waits for every rank's key in one request.
+  REPLICA_USAGE_CHECK(r.world_size <= int(Store::kMaxKeysPerRequest),
+                      "{}: world size {} is more than the {} ranks a job can have", source,
+                      r.world_size, Store::kMaxKeysPerRequest);
   REPLICA_USAGE_CHECK(r.rank < r.world_size, "{}: rank {} is not below the world size {}", source,
                       r.rank, r.world_size);
   REPLICA_USAGE_CHECK(r.local_world_size >= 1 && r.local_world_size <= r.world_size,
