@@ -128,21 +128,16 @@ void write_file_atomically(const std::string& name, const std::string& text) {
   REPLICA_USAGE_CHECK(ok, "cannot write '{}': {}", name, std::strerror(err));
 }
 
-StagedDirectory::StagedDirectory(const std::string& dir, bool carry_over) : dir_(dir) {
-  while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();  // "out/" names "out"
-  remove_stale_temporaries(dir_);
-  remove_stale_temporaries(dir_ + ".old");
-  staging_ = temporary_for(dir_);
+StagedDirectory::StagedDirectory(const std::string& dir) : dir_(dir) {
   std::error_code ec;
+  fs::create_directories(dir_, ec);
+  REPLICA_USAGE_CHECK(fs::is_directory(dir_, ec), "cannot create directory '{}'", dir_);
+  const std::string base = (fs::path(dir_) / ".staging").string();
+  remove_stale_temporaries(base);
+  staging_ = temporary_for(base);
   fs::remove_all(staging_, ec);
-  fs::create_directories(staging_, ec);
-  REPLICA_USAGE_CHECK(!ec, "cannot create '{}': {}", staging_, ec.message());
-  if (!carry_over || !fs::is_directory(dir_, ec)) return;
-  for (const auto& entry : fs::directory_iterator(dir_, ec))
-    if (entry.is_regular_file(ec)) {
-      fs::copy_file(entry.path(), fs::path(staging_) / entry.path().filename(), ec);
-      REPLICA_USAGE_CHECK(!ec, "cannot copy '{}': {}", entry.path().string(), ec.message());
-    }
+  fs::create_directory(staging_, ec);
+  REPLICA_USAGE_CHECK(!ec, "cannot write into '{}': {}", dir_, ec.message());
 }
 
 StagedDirectory::~StagedDirectory() {
@@ -152,20 +147,15 @@ StagedDirectory::~StagedDirectory() {
 
 void StagedDirectory::commit() {
   std::error_code ec;
-  const std::string old = temporary_for(dir_ + ".old");
-  const bool had_old = fs::exists(dir_, ec);
-  if (had_old) {
-    fs::rename(dir_, old, ec);
-    REPLICA_USAGE_CHECK(!ec, "cannot replace '{}': {}", dir_, ec.message());
+  for (const auto& entry : fs::directory_iterator(staging_, ec)) {
+    const fs::path to = fs::path(dir_) / entry.path().filename();
+    fs::rename(entry.path(), to, ec);
+    if (ec) throw Error(fmt::format("cannot move '{}' into place: {}", to.string(), ec.message()));
   }
-  fs::rename(staging_, dir_, ec);
-  if (ec) {
-    const std::string why = ec.message();
-    if (had_old) fs::rename(old, dir_, ec);  // put the old one back
-    throw UsageError(fmt::format("cannot move '{}' into place as '{}': {}", staging_, dir_, why));
-  }
+  if (ec) throw Error(fmt::format("cannot read '{}': {}", staging_, ec.message()));
+  for (const std::string& name : dropped_) fs::remove(fs::path(dir_) / name, ec);
   committed_ = true;
-  if (had_old) fs::remove_all(old, ec);
+  fs::remove_all(staging_, ec);
 }
 
 }  // namespace replica

@@ -4,6 +4,7 @@
 // file is written (or, for the writing process itself, when a second Ctrl-C ends it).
 #pragma once
 #include <string>
+#include <vector>
 
 namespace replica {
 
@@ -38,23 +39,26 @@ void remove_temporary_in_progress();  // from a signal handler
 // in place, for a device or pipe).
 void write_file_atomically(const std::string& path, const std::string& text);
 
-// A directory of outputs written whole (replica-bench --report): the work goes into the sibling
-// temporary_for(dir), and commit() swaps it in for `dir`, whose old contents are then removed.
-// A failure or a signal before commit() leaves `dir` as it was; the staging directory is removed
-// when this object goes (or, after a signal, by the next run). `carry_over`: the staging
-// directory starts with a copy of dir's files (a report re-rendered in place keeps its traces).
+// A set of outputs in one directory written as one (replica-bench --report): they go into a
+// hidden staging directory inside `dir`, and commit() renames each into place. A failure or a
+// signal before commit() leaves every file of `dir` as it was (the staging directory is removed
+// when this object goes, or after a signal by the next run); files `dir` holds that the set does
+// not write (a user's notes, the traces a re-rendered report keeps) stay.
 class StagedDirectory {
  public:
-  StagedDirectory(const std::string& dir, bool carry_over);
+  explicit StagedDirectory(const std::string& dir);
   ~StagedDirectory();
   StagedDirectory(const StagedDirectory&) = delete;
   StagedDirectory& operator=(const StagedDirectory&) = delete;
 
   const std::string& path() const { return staging_; }  // where to write until commit()
+  // A file of `dir` the new set does not have: commit() removes it.
+  void drop(const std::string& name) { dropped_.push_back(name); }
   void commit();
 
  private:
   std::string dir_, staging_;
+  std::vector<std::string> dropped_;
   bool committed_ = false;
 };
 

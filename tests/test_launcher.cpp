@@ -1,10 +1,7 @@
 // replica-launch with tiny shell programs as ranks: the environment each rank sees, one failure
 // ending all (exit code or signal named, nothing left running), signals forwarded exactly once,
 // and bad command lines.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -276,29 +273,3 @@ TEST_CASE("replica-launch: help, bad flags and missing programs") {
     CHECK(test::count_lines(r.output) == 1);
   }
 }
-
-TEST_CASE("replica-launch: a master port another program holds is one line, before any rank") {
-  // A listener on the port (what another job's store would be), held by this test process.
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(listen(fd, 1) == 0);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  const int port = ntohs(addr.sin_port);
-  test::TempDir tmp;
-  auto r = test::run(kLaunch + " --nproc-per-node 2 --master-port " + std::to_string(port) +
-                     " -- /bin/sh -c 'touch " + tmp.str("started") + "'");
-  close(fd);
-  INFO(r.output);
-  CHECK(r.exit_code == 2);
-  CHECK(contains(r.output, "replica-launch: error: --master-port " + std::to_string(port) +
-                               " is already in use on this machine"));
-  CHECK(test::count_lines(r.output) == 1);
-  CHECK_FALSE(test::fs::exists(tmp.path / "started"));  // no rank was started
-}
-

@@ -124,23 +124,6 @@ Child start_rank(const LaunchOptions& o, const std::string& program, int local, 
   return c;
 }
 
-// True when a TCP listener on this machine holds `port` (IPv4, any address: what the store's
-// bind would collide with). A port only in TIME_WAIT is free, as SO_REUSEADDR makes it.
-bool port_in_use(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;  // cannot tell: rank 0 will say
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(uint16_t(port));
-  const bool in_use =
-      bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 && errno == EADDRINUSE;
-  close(fd);
-  return in_use;
-}
-
 // The executable for `program`: as given when it holds a '/', else searched in PATH.
 std::string resolve_program(const std::string& program) {
   auto runnable = [](const std::string& p) {
@@ -325,11 +308,6 @@ int report_outcome(const LaunchOptions& o, const std::vector<Child>& children, c
 int launch_ranks(const LaunchOptions& o) {
   REPLICA_USAGE_CHECK(!o.command.empty(), "no program to run");
   const std::string program = resolve_program(o.command.front());
-  // Rank 0 serves the store on this node: a port another program holds is said once, here,
-  // instead of by rank 0 and then by every rank that lost the store.
-  REPLICA_USAGE_CHECK(o.node_rank != 0 || !port_in_use(o.master_port),
-                      "--master-port {} is already in use on this machine: choose another",
-                      o.master_port);
 
   sigset_t watched, old_mask;
   sigemptyset(&watched);

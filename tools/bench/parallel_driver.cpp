@@ -194,9 +194,10 @@ Measured measure(const BenchOptions& o) {
 
 // The report directory: results, measurements, projection, plots and report.md. Other engines'
 // rows come from --compare, else from a re-rendered directory's compare.jsonl.
-PlotOutcome write_report_dir(const BenchOptions& o, const Measured& m, std::vector<json> compare,
-                             std::vector<std::string> compare_files, double elapsed_s) {
-  const fs::path dir = o.report_dir;
+PlotOutcome write_report_dir(const BenchOptions& o, StagedDirectory& out, const Measured& m,
+                             std::vector<json> compare, std::vector<std::string> compare_files,
+                             double elapsed_s) {
+  const fs::path dir = out.path();
   if (o.compare.empty() && !o.from_results.empty() &&
       fs::exists(fs::path(o.from_results) / "compare.jsonl") &&
       fs::file_size(fs::path(o.from_results) / "compare.jsonl") > 0) {
@@ -213,8 +214,7 @@ PlotOutcome write_report_dir(const BenchOptions& o, const Measured& m, std::vect
   write_json_file((dir / "alpha_beta.json").string(),
                   m.alpha_beta.is_null() ? json::object() : m.alpha_beta);
   write_json_file((dir / "projection.json").string(), projection);
-  std::error_code ec;
-  if (compare.empty()) fs::remove(dir / "compare.jsonl", ec);
+  if (compare.empty()) out.drop("compare.jsonl");  // an earlier report's rows are not this one's
   else write_rows((dir / "compare.jsonl").string(), compare);
 
   ReportInputs in;
@@ -247,15 +247,11 @@ int run_parallel_suites(const BenchOptions& given) {
     REPLICA_USAGE_CHECK(!ec && fs::is_directory(o.trace_dir), "cannot create directory '{}'",
                         o.trace_dir);
   }
-  // The report is written into a staging directory swapped in at the end: a full disk or a
-  // Ctrl-C leaves the old report whole, never half old and half new. Re-rendered in place, it
-  // keeps the traces it had.
+  // The report is written into a staging directory and moved into place at the end: a full
+  // disk or a Ctrl-C leaves the old report whole, never half old and half new.
   std::optional<StagedDirectory> staged;
   if (report) {
-    std::error_code ec;
-    const bool in_place = !o.from_results.empty() &&
-                          fs::equivalent(o.from_results, o.report_dir, ec);
-    staged.emplace(o.report_dir, in_place);
+    staged.emplace(o.report_dir);
     o.report_dir = staged->path();
   }
   // Other engines' rows first: a bad file fails now, not after minutes of measuring.
@@ -283,7 +279,8 @@ int run_parallel_suites(const BenchOptions& given) {
       o.from_results.empty()
           ? std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
           : 0.0;
-  const PlotOutcome plots = write_report_dir(o, m, std::move(compare), o.compare, elapsed_s);
+  const PlotOutcome plots =
+      write_report_dir(o, *staged, m, std::move(compare), o.compare, elapsed_s);
   staged->commit();
   std::printf("report: %s (%zu plot%s%s)\n",
               (fs::path(given.report_dir) / "report.md").c_str(), plots.files.size(),
