@@ -10,18 +10,20 @@ namespace replica {
 
 namespace {
 
-// MemAvailable from /proc/meminfo (0: unknown). Host memory is committed lazily, so a block the
-// machine cannot hold is handed out and the kernel's OOM killer ends the process later, with
-// no message; large host blocks are checked against it first.
+// MemAvailable + SwapFree from /proc/meminfo (0: unknown). Host memory is committed lazily, so a
+// block the machine cannot hold is handed out and the kernel's OOM killer ends the process
+// later, with no message; large host blocks are checked against it first.
 size_t available_host_bytes() {
   std::FILE* f = std::fopen("/proc/meminfo", "r");
   if (!f) return 0;
   char line[256];
-  unsigned long long kb = 0;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+  unsigned long long kb = 0, available = 0, swap = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) available = kb;
+    if (std::sscanf(line, "SwapFree: %llu kB", &kb) == 1) swap = kb;
+  }
   std::fclose(f);
-  return size_t(kb) * 1024;
+  return available == 0 ? 0 : size_t(available + swap) * 1024;
 }
 
 void check_host_room(size_t bytes) {
@@ -57,12 +59,10 @@ void* Allocator::system_alloc(size_t bytes) {
   void* p = nullptr;
   switch (kind_) {
     case Kind::Host:
-      check_host_room(bytes);
       p = std::aligned_alloc(64, bytes);
       if (!p) throw Error(fmt::format("out of host memory allocating {} bytes", bytes));
       break;
     case Kind::PinnedHost:
-      check_host_room(bytes);
       if (cuda_device_count() > 0) p = cudart::malloc_pinned(bytes);
       else p = std::aligned_alloc(64, bytes);
       if (!p) throw Error(fmt::format("out of host memory allocating {} bytes", bytes));
@@ -95,12 +95,17 @@ void* Allocator::allocate(size_t bytes) {
     p = it->second.back();
     it->second.pop_back();
   } else {
+    // Host memory: the bytes asked for must fit (the rounded block's tail is never touched).
+    auto fresh = [&] {
+      if (kind_ != Kind::CudaDevice) check_host_room(bytes);
+      return system_alloc(size);
+    };
     try {
-      p = system_alloc(size);
+      p = fresh();
     } catch (const Error&) {
       // Out of memory: give the cache back and try once more before failing.
       free_cached_locked();
-      p = system_alloc(size);
+      p = fresh();
     }
   }
   in_use_ += size;

@@ -26,9 +26,9 @@ std::unique_ptr<tbb::global_control> g_thread_limit;
 void hold_cpu_threads(int n) {
   std::lock_guard<std::mutex> lock(g_thread_limit_mutex);
   g_threads_held += size_t(n);
-  const size_t limit = g_thread_limit ? tbb::global_control::active_value(
-                                            tbb::global_control::max_allowed_parallelism)
-                                      : size_t(std::thread::hardware_concurrency());
+  // TBB's own default when no limit is set: the CPUs this process may run on (its affinity).
+  const size_t limit =
+      tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism);
   if (g_threads_held <= limit) return;
   g_thread_limit.reset();  // TBB takes the smallest of the live limits: replace, not add
   g_thread_limit = std::make_unique<tbb::global_control>(

@@ -23,6 +23,7 @@
 #include "cli/program.h"
 
 #include "engine/error.h"
+#include "parallel/loop/trainer.h"
 #include "parallel/rendezvous/launcher.h"
 
 using namespace replica;
@@ -71,6 +72,22 @@ double phase(const nlohmann::json& m, std::initializer_list<const char*> names,
     if (m["phase_ms_per_step"].contains(n)) ms += m["phase_ms_per_step"][n].get<double>();
   if (per_device && m["mode"] == "dp") ms /= double(std::max<size_t>(1, m["devices"].size()));
   return ms;
+}
+
+// `args` without the flags (and their values) that `mode` does not read (mode_flags()).
+std::vector<std::string> for_mode(const std::vector<std::string>& args, const std::string& mode) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string name = args[i].substr(0, args[i].find('='));
+    const auto f = std::find_if(mode_flags().begin(), mode_flags().end(),
+                                [&](const ModeFlag& m) { return m.flag == name; });
+    if (f == mode_flags().end() || std::count(f->modes.begin(), f->modes.end(), mode)) {
+      out.push_back(args[i]);
+    } else if (name == args[i]) {
+      ++i;  // "--flag value": the value goes too
+    }
+  }
+  return out;
 }
 
 int run(int argc, char** argv) {
@@ -122,6 +139,7 @@ int run(int argc, char** argv) {
   for (const char* mode : {"dp", "ddp"}) {
     std::vector<std::string> args = {"--mode", mode};
     args.insert(args.end(), common.begin(), common.end());
+    args = for_mode(args, mode);  // --reduce to DP, --backend/--timeout/... to DDP
     std::printf("running replica-train --mode %s ...\n", mode);
     std::fflush(stdout);
     m.push_back(run_train(train, args, dir + "/" + mode + ".log", dir + "/" + mode + ".json"));

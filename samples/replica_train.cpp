@@ -214,13 +214,10 @@ int run(int argc, char** argv) {
                             : "");
   }
   validate(c);  // flags and the device string, before any data is read or rank started
-  // A flag typed for another mode would be silently ignored: said instead.
-  const std::pair<const char*, std::vector<std::string>> flag_modes[] = {
-      {"--backend", {"ddp"}}, {"--init-method", {"ddp"}}, {"--timeout", {"ddp"}},
-      {"--reduce", {"dp"}},   {"--bucket-cap-mb", {"dp", "ddp"}}};
-  for (const auto& [flag, modes] : flag_modes)
-    REPLICA_USAGE_CHECK(!app.count(flag) || std::count(modes.begin(), modes.end(), c.mode),
-                        "{} applies to --mode {}, not {}", flag, fmt::join(modes, " and "), c.mode);
+  for (const ModeFlag& f : mode_flags())  // typed for another mode: said, not ignored
+    REPLICA_USAGE_CHECK(!app.count(f.flag) || std::count(f.modes.begin(), f.modes.end(), c.mode),
+                        "{} applies to --mode {}, not {}", f.flag, fmt::join(f.modes, " and "),
+                        c.mode);
   for (const char* flag : {"--synthetic-size", "--num-classes"})
     REPLICA_USAGE_CHECK(!app.count(flag) || c.synthetic, "{} applies to --synthetic data", flag);
   if (print_config) {

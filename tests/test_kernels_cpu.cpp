@@ -465,17 +465,18 @@ TEST_CASE("a context gets every thread it asks for, more than the cores included
 }
 
 TEST_CASE("a host block larger than the memory available is an error at once, not an OOM kill later") {
-  // MemAvailable + 512 MiB, below MemTotal: the kernel's overcommit would hand it out (the pages
-  // are only committed when touched), and touching them would bring the OOM killer.
+  // MemAvailable + SwapFree + 512 MiB, below MemTotal: the kernel's overcommit would hand it out
+  // (the pages are only committed when touched), and touching them would bring the OOM killer.
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
-  size_t value = 0, total = 0, available = 0;
+  size_t value = 0, total = 0, available = 0, swap = 0;
   std::string unit;
   while (meminfo >> key >> value >> unit) {
     if (key == "MemTotal:") total = value * 1024;
     if (key == "MemAvailable:") available = value * 1024;
+    if (key == "SwapFree:") swap = value * 1024;
   }
-  const size_t ask = available + (size_t(512) << 20);
+  const size_t ask = available + swap + (size_t(512) << 20);
   if (available == 0 || ask >= total) {
     MESSAGE("skipped: /proc/meminfo leaves no room between MemAvailable and MemTotal");
     return;

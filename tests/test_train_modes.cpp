@@ -128,8 +128,10 @@ TEST_CASE("--mode dp and --mode ddp on 2 CPU devices, same seed: accuracies with
 }
 
 TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are one line") {
+  // A flag of one mode goes to that mode's run only (replica-train refuses it in the other).
   auto r = run(test::bin("replica-dp-vs-ddp") +
-                   " --devices cpu*2 --steps 20 -- --synthetic --synthetic-size 640 --no-eval",
+                   " --devices cpu*2 --steps 20 -- --synthetic --synthetic-size 640 --no-eval"
+                   " --reduce tree --timeout=60 --backend gloo",
                300);
   INFO(r.output);
   REQUIRE(r.exit_code == 0);

@@ -50,6 +50,13 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"save_model", c.save_model}};
 }
 
+const std::vector<ModeFlag>& mode_flags() {
+  static const std::vector<ModeFlag> flags = {
+      {"--backend", {"ddp"}}, {"--init-method", {"ddp"}},     {"--timeout", {"ddp"}},
+      {"--accumulate", {"ddp"}}, {"--reduce", {"dp"}}, {"--bucket-cap-mb", {"dp", "ddp"}}};
+  return flags;
+}
+
 void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.batch_size >= 1, "--batch-size must be at least 1, got {}", c.batch_size);
   REPLICA_USAGE_CHECK(c.batch_per_device >= 0, "--batch-per-device must be at least 1, got {}",

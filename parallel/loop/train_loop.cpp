@@ -100,8 +100,6 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
 
 TrainLoop::~TrainLoop() = default;
 
-// The whole training set onto every device's memory, once (shared by the logical devices of a
-// GPU): steps then gather their batches there, and the loader thread only hands out indices.
 // DDP: what decides the math and the number of steps is the same on every rank; a rank started
 // with another --lr trained apart, one with another --epochs waited alone in an all-reduce until
 // the timeout. Paths, devices and threads may differ between nodes.
@@ -119,12 +117,17 @@ void TrainLoop::agree_on_settings() {
   }
   items.push_back({"--no-shuffle", c_.shuffle, false, hint});
   items.push_back({"--drop-last", c_.drop_last, false, hint});
+  // These change which collectives run: evaluation all-reduces its sums, resuming broadcasts.
+  items.push_back({"--no-eval", c_.evaluate, false, hint});
+  items.push_back({"--resume", c_.resume, false, hint});
   items.push_back({"the number of training samples", train_->size(), true,
                    "give every rank the same data"});
   require_same_on_every_rank(
       items, [this](const std::vector<int64_t>& mine) { return engine_->gather_from_ranks(mine); });
 }
 
+// The whole training set onto every device's memory, once (shared by the logical devices of a
+// GPU): steps then gather their batches there, and the loader thread only hands out indices.
 void TrainLoop::place_data() {
   TraceSpan span("host", "place_data");
   const int64_t t0 = Tracer::now_us();

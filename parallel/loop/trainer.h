@@ -62,6 +62,14 @@ nlohmann::json config_json(const TrainConfig& config);
 // Checks a config before any work starts (UsageError on the first problem).
 void validate(const TrainConfig& config);
 
+// replica-train's flags that only some --mode values read: typed for another mode, a flag would
+// be silently ignored, so replica-train refuses it and replica-dp-vs-ddp passes it to its run.
+struct ModeFlag {
+  std::string flag;                // "--backend"
+  std::vector<std::string> modes;  // {"ddp"}
+};
+const std::vector<ModeFlag>& mode_flags();
+
 // The devices a run uses: config.devices, or all GPUs if any, else one virtual CPU device per
 // core (DP) / one CPU device (single).
 std::vector<Device> resolve_devices(const TrainConfig& config, std::string* spec = nullptr);
