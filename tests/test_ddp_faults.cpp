@@ -118,7 +118,8 @@ TEST_CASE("ranks started with different flags: one error naming the setting, on 
       {"--lr 0.5", "in --lr: start every rank with the same flags"},
       {"--seed 7", "in --seed"},
       {"--drop-last", "in --drop-last"},
-      {"--epochs 2", "in --epochs"}};
+      {"--epochs 2", "in --epochs"},
+      {"--no-eval", "in --no-eval"}};
   for (const auto& [flag, expected] : cases) {
     CAPTURE(std::string(flag));
     const std::string env = "env WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
