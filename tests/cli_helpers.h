@@ -104,9 +104,10 @@ inline RunResult run(const std::string& command, int timeout_s = 120) {
 
 inline std::string bin(const std::string& name) { return std::string(REPLICA_BIN_DIR) + "/" + name; }
 
-// A port per test run, away from the default 29500 (other jobs on the machine).
+// A port per test run, away from the default 29500 (other jobs on the machine) and below the
+// ephemeral range (32768 up): 30 per process, a block chosen by the process id.
 inline int next_port() {
-  static int port = 29600 + (getpid() % 200) * 10;
+  static int port = 29600 + (getpid() % 100) * 30;
   return port++;
 }
 
