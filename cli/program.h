@@ -65,7 +65,8 @@ inline std::optional<int> parse_cli(CLI::App& app, int argc, char** argv) {
 template <class Body>
 int run_program(const char* name, Body&& body) {
   auto report = [&](const std::exception& e, int code) {
-    if (!report_error_to_launcher(name, e, code)) std::fprintf(stderr, "%s: error: %s\n", name, e.what());
+    if (!report_error_to_launcher(name, e, code))
+      std::fprintf(stderr, "%s: error: %s\n", name, e.what());
     return code;
   };
   try {

@@ -339,7 +339,7 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
 // A report is written into a staging directory swapped in at the end: a failure part way (here a
 // 6 KiB file-size limit, as a full disk: results.jsonl and projection.json fit, report.md does
 // not) leaves the old report whole, not half old and half new.
-TEST_CASE("replica-bench --report: a failed run leaves the old report whole; in place keeps traces") {
+TEST_CASE("replica-bench --report: a failed run leaves the old report whole; traces stay") {
   test::TempDir tmp;
   const std::string out = tmp.str("out");
   test::fs::create_directories(out);

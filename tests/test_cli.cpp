@@ -135,7 +135,7 @@ TEST_CASE("a batch larger than the dataset is one batch of the whole dataset") {
   CHECK_MESSAGE(r.exit_code == 0, r.output);
 }
 
-TEST_CASE("a directory with the training files only: --no-eval trains, evaluation names what is missing") {
+TEST_CASE("training files only: --no-eval trains, evaluation names what is missing") {
   test::TempDir tmp;
   test::fs::create_directories(tmp.path / "data");
   test::write_mnist_split(tmp.path / "data", "train", 64, 1);

@@ -122,11 +122,11 @@ TEST_CASE("ranks started with different flags: one error naming the setting, on 
       {"--no-eval", "in --no-eval"}};
   for (const auto& [flag, expected] : cases) {
     CAPTURE(std::string(flag));
-    const std::string env = "env WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-                            std::to_string(test::next_port());
+    const std::string env = "env WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+                            "MASTER_PORT=" + std::to_string(test::next_port());
     // Rank 1 in the background with the odd flag; rank 0 in the foreground.
-    auto r = run("sh -c '" + env + " RANK=1 LOCAL_RANK=1 " + base + " " + flag +
-                     " > /dev/null 2>" + tmp.str("rank1") + " & pid=$!; " + env + " RANK=0 LOCAL_RANK=0 " + base +
+    auto r = run("sh -c '" + env + " RANK=1 LOCAL_RANK=1 " + base + " " + flag + " > /dev/null 2>" +
+                     tmp.str("rank1") + " & pid=$!; " + env + " RANK=0 LOCAL_RANK=0 " + base +
                      "; rc0=$?; wait $pid; rc1=$?; echo \"exit $rc0 $rc1\"'",
                  90);
     INFO(r.output);

@@ -464,7 +464,7 @@ TEST_CASE("a context gets every thread it asks for, more than the cores included
   }
 }
 
-TEST_CASE("a host block larger than the memory available is an error at once, not an OOM kill later") {
+TEST_CASE("a host block larger than the memory available is an error at once, not an OOM kill") {
   // MemAvailable + SwapFree + 512 MiB, below MemTotal: the kernel's overcommit would hand it out
   // (the pages are only committed when touched), and touching them would bring the OOM killer.
   std::ifstream meminfo("/proc/meminfo");

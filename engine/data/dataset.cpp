@@ -177,7 +177,8 @@ void require_mnist_files(const std::string& dir, const std::vector<std::string>&
   while (dirent* e = ::readdir(d))
     if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) empty = false;
   ::closedir(d);
-  if (empty) throw UsageError(fmt::format("{}: directory is empty (expected {})", dir, kMnistFiles));
+  if (empty)
+    throw UsageError(fmt::format("{}: directory is empty (expected {})", dir, kMnistFiles));
   std::vector<std::string> missing;
   for (const std::string& split : splits)
     for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})

@@ -28,11 +28,11 @@ struct LaunchOptions {
 
 // Starts the ranks and waits for them. Returns 0 when every rank exited 0; 128 + signal after
 // a forwarded signal; the ranks' exit code when every rank reported the same error (its line is
-// all that is printed: 2 for a usage error); 1 when a rank failed otherwise. A rank's fatal error comes back through
-// report_error_to_launcher() (rank_errors.h): the launcher prints each distinct message once,
-// naming the ranks it came from, and its last line names the rank that failed first, or the rank
-// the others found had stopped answering (a PeerFailure). Throws UsageError when the program
-// cannot run.
+// all that is printed: 2 for a usage error); 1 when a rank failed otherwise. A rank's fatal
+// error comes back through report_error_to_launcher() (rank_errors.h): the launcher prints
+// each distinct message once, naming the ranks it came from, and its last line names the rank
+// that failed first, or the rank the others found had stopped answering (a PeerFailure).
+// Throws UsageError when the program cannot run.
 int launch_ranks(const LaunchOptions& options);
 
 // A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
