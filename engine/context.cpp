@@ -53,10 +53,12 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     REPLICA_USAGE_CHECK(!options.cudnn_benchmark,
                         "{} has no cuDNN: --cudnn-benchmark needs a CUDA device", device.str());
     threads_ = options.threads > 0 ? options.threads : cpu_cores();
-    hold_cpu_threads(threads_);
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
     backend_ = make_cpu_backend();
+    // Last, once nothing here can throw: a constructor that throws runs no destructor to give
+    // the threads back (an arena is not initialised, so it spawns no threads, until first used).
+    hold_cpu_threads(threads_);
   } else {
     REPLICA_USAGE_CHECK(device.index < cuda_device_count(), "GPU {} does not exist{}",
                         device.index, cuda_backend_note());
