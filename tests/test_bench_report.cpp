@@ -553,6 +553,33 @@ TEST_CASE("replica-bench --json: a failed write leaves the earlier rows intact")
   CHECK(text.size() > old_rows.size());
 }
 
+// Two runs adding to one file: the second waits for the first. Here a shell holds the
+// directory's lock with the file open for appending while the benchmark runs; without the lock
+// the benchmark's rename would orphan the shell's row.
+TEST_CASE("replica-bench --json: a run adding rows waits for another writer of the file") {
+  test::TempDir tmp;
+  const std::string path = tmp.str("rows.jsonl");
+  {
+    std::ofstream f(path);
+    f << R"({"mode": "first"})" << "\n";
+  }
+  const std::string cmd = kBench + " --suite ops --devices cpu --batch 8 --steps 2 --warmup 1 "
+                                   "--threads-per-device 1 --json " + path;
+  {
+    std::ofstream script(tmp.str("holder.sh"));
+    script << "flock " << tmp.path.string() << " sh -c 'exec 3>>" << path
+           << R"(; sleep 4; printf "%s\n" "{\"mode\": \"held\"}" >&3')" << "\n";
+  }
+  auto r = test::run("sh -c \"sh " + tmp.str("holder.sh") + " & sleep 1; " + cmd + "; wait\"",
+                     120);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  const auto rows = read_lines(path);
+  REQUIRE(rows.size() > 2);
+  CHECK(rows[0]["mode"] == "first");
+  CHECK(rows[1]["mode"] == "held");
+  CHECK(rows.back()["engine"] == "replica");
+}
+
 TEST_CASE("a dead DDP rank ends the benchmark with an error, not a hang") {
   const auto r = test::run("env REPLICA_BENCH_KILL_RANK=1 " + kBench +
                                " --suite ddp --devices cpu*2 --device-counts 2 --steps 3 "

@@ -1,6 +1,10 @@
 #include "tools/bench/rows.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -253,13 +257,35 @@ std::string json_lines(const std::vector<nlohmann::json>& rows) {
   return text;
 }
 
+// Holds an exclusive flock() on a directory while it lives. Two benchmarks appending to one
+// file (a sweep started in two terminals) each read the old rows and rename a new file over
+// them; the lock makes the second wait for the first, so neither run's rows are lost.
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const std::string& dir) : fd_(open(dir.c_str(), O_RDONLY | O_DIRECTORY)) {
+    while (fd_ >= 0 && flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+    }
+  }
+  ~DirectoryLock() {
+    if (fd_ >= 0) close(fd_);  // closing the descriptor releases the lock
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_;
+};
+
 }  // namespace
 
 // The old lines and the new ones are written whole, as every output is: a full disk or a
-// signal leaves the file as it was, never with half a row appended.
+// signal leaves the file as it was, never with half a row appended. A second process appending
+// to the same file waits on the directory's lock.
 void append_rows(const std::string& path, const std::vector<nlohmann::json>& rows) {
   std::string text;
   const OutputTarget target = output_target(path);
+  const std::filesystem::path parent = std::filesystem::path(target.path).parent_path();
+  DirectoryLock lock(parent.empty() ? std::string(".") : parent.string());
   if (!target.in_place && std::filesystem::exists(target.path)) {
     std::ifstream in(target.path, std::ios::binary);
     std::ostringstream old;
