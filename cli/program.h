@@ -37,6 +37,13 @@ inline std::string integer_out_of_range(const CLI::App& app) {
   return "";
 }
 
+// Puts every option declared since the last call (those still in CLI11's default group) under
+// the heading `name` in --help, so a long flag list reads in sections.
+inline void group_options(CLI::App& app, const std::string& name) {
+  for (CLI::Option* opt : app.get_options())
+    if (opt->get_group() == "Options" && opt->get_name() != "--help") opt->group(name);
+}
+
 // Returns an exit code when the program should stop now (help printed). A bad flag is a
 // UsageError, so it takes run_program's one path: one line, exit 2, and under replica-launch
 // one line for all ranks rather than one per rank.

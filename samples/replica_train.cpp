@@ -64,23 +64,19 @@ std::optional<int> launch_ddp_ranks(const TrainConfig& c, int argc, char** argv)
   return launch_ranks(o);
 }
 
-int run(int argc, char** argv) {
-  TrainConfig c;
-  c.data_dir = kDefaultData;
-  const std::string preset = find_preset_flag(argc, argv);
-  if (!preset.empty()) apply_preset(preset, c);
-  OptimizerOptions& opt = c.engine.optimizer;
-  std::string input_shape;
-  bool list_devices = false, no_eval = false, no_shuffle = false;
+// What the command line holds beside TrainConfig's own fields: flags read into another form
+// (--input-shape, --seed, --threads-per-device, the --no-* switches) and the informational ones.
+struct TypedFlags {
+  std::string preset, preset_value, input_shape;
+  bool list_devices = false, no_eval = false, no_shuffle = false, print_config = false;
   int threads = 0;
+  int64_t seed = 0;  // signed: "-1" must be an error, not 2^64 - 1
+};
 
-  CLI::App app{"replica-train: data-parallel training, DP (one process, a thread per device) or "
-               "DDP (a process per device)"};
-  app.set_help_flag("-h,--help", "Print this help and exit");
+void declare_model_and_data(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   std::string preset_help = "flag defaults of a recipe (flags given with it override it):";
   for (const auto& p : presets()) preset_help += "\n  " + p.name + ": " + p.summary;
-  std::string preset_value;
-  app.add_option("--preset", preset_value, preset_help);
+  app.add_option("--preset", t.preset_value, preset_help);
   app.add_option("--model", c.engine.model,
                  "cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152")
       ->capture_default_str();
@@ -89,10 +85,22 @@ int run(int argc, char** argv) {
   app.add_flag("--synthetic", c.synthetic, "random images and labels instead of --data");
   app.add_option("--synthetic-size", c.synthetic_size, "samples in the synthetic set")
       ->capture_default_str();
-  app.add_option("--input-shape", input_shape,
+  app.add_option("--input-shape", t.input_shape,
                  "CxHxW for --synthetic (default 1x28x28 for cnn, 3x224x224 for ResNets)");
   app.add_option("--num-classes", c.engine.num_classes, "classes for --synthetic")
       ->capture_default_str();
+  app.add_option("--data-placement", c.data_placement,
+                 "where the training set lives: device (read once onto every GPU, each step "
+                 "gathers its batch there), host (a loader thread prepares each batch), auto "
+                 "(device on GPUs when it takes at most a quarter of their memory, else host)")
+      ->capture_default_str();
+  app.add_flag("--no-shuffle", t.no_shuffle, "keep the dataset order");
+  app.add_flag("--drop-last", c.drop_last, "drop the last partial batch of each epoch");
+  group_options(app, "Model and data");
+}
+
+void declare_training(CLI::App& app, TrainConfig& c, TypedFlags& t) {
+  OptimizerOptions& opt = c.engine.optimizer;
   app.add_option("--epochs", c.epochs, "epochs to train")->capture_default_str();
   app.add_option("--max-steps", c.max_steps, "stop after N optimizer steps in total (0: no limit)")
       ->capture_default_str();
@@ -109,12 +117,33 @@ int run(int argc, char** argv) {
   app.add_option("--momentum", opt.momentum, "SGD momentum")->capture_default_str();
   app.add_option("--weight-decay", opt.weight_decay, "L2 weight decay")->capture_default_str();
   app.add_flag("--nesterov", opt.nesterov, "Nesterov momentum (SGD)");
+  app.add_option("--seed", t.seed, "seed for initialisation and data order (>= 0)")
+      ->capture_default_str();
+  app.add_option("--precision", c.precision,
+                 "GEMM and convolution math: fp32 (strict), tf32 (GPU tensor cores), bf16 (mixed "
+                 "precision as PyTorch's autocast; rounded alike on CPUs), auto (tf32 where every "
+                 "device has it, else fp32)")
+      ->capture_default_str();
+  app.add_flag("--deterministic", c.engine.deterministic,
+               "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms)");
+  app.add_flag("--cudnn-benchmark", c.engine.cudnn_benchmark,
+               "CUDA: pick each convolution's algorithms by timing them, once per shape "
+               "(torch.backends.cudnn.benchmark); not with --deterministic");
+  group_options(app, "Training");
+}
+
+void declare_parallelism(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_option("--devices", c.devices,
                  "cpu, cpu*N (virtual devices), cuda, cuda:0,1, cuda:0*N (logical devices on one "
                  "GPU); default: all GPUs, else one CPU device per core");
   app.add_option("--mode", c.mode,
                  "dp (one process, a thread per device) | ddp (a process per device; started "
                  "here, or by replica-launch) | single (reference)")
+      ->capture_default_str();
+  app.add_option("--threads-per-device", t.threads,
+                 "CPU threads per device (default: cores / devices)");
+  app.add_option("--reduce", c.reduce, "DP gradient reduction: root | tree")->capture_default_str();
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "gradient bucket size cap")
       ->capture_default_str();
   app.add_option("--backend", c.backend, "DDP collectives: auto | gloo | nccl")
       ->capture_default_str();
@@ -125,29 +154,10 @@ int run(int argc, char** argv) {
   app.add_option("--accumulate", c.accumulate,
                  "DDP: split each rank's batch into K micro-batches, all-reduce once (no_sync)")
       ->capture_default_str();
-  app.add_option("--reduce", c.reduce, "DP gradient reduction: root | tree")->capture_default_str();
-  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "gradient bucket size cap")
-      ->capture_default_str();
-  app.add_option("--threads-per-device", threads,
-                 "CPU threads per device (default: cores / devices)");
-  int64_t seed = int64_t(c.engine.seed);  // signed: "-1" must be an error, not 2^64 - 1
-  app.add_option("--seed", seed, "seed for initialisation and data order (>= 0)")
-      ->capture_default_str();
-  app.add_flag("--deterministic", c.engine.deterministic,
-               "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms)");
-  app.add_flag("--cudnn-benchmark", c.engine.cudnn_benchmark,
-               "CUDA: pick each convolution's algorithms by timing them, once per shape "
-               "(torch.backends.cudnn.benchmark); not with --deterministic");
-  app.add_option("--data-placement", c.data_placement,
-                 "where the training set lives: device (read once onto every GPU, each step "
-                 "gathers its batch there), host (a loader thread prepares each batch), auto "
-                 "(device on GPUs when it takes at most a quarter of their memory, else host)")
-      ->capture_default_str();
-  app.add_option("--precision", c.precision,
-                 "GEMM and convolution math: fp32 (strict), tf32 (GPU tensor cores), bf16 (mixed "
-                 "precision as PyTorch's autocast; rounded alike on CPUs), auto (tf32 where every "
-                 "device has it, else fp32)")
-      ->capture_default_str();
+  group_options(app, "Parallelism");
+}
+
+void declare_outputs(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_option("--checkpoint", c.checkpoint_dir,
                  "directory for the checkpoint (written every epoch, at the end and on Ctrl-C)");
   app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint");
@@ -158,25 +168,18 @@ int run(int argc, char** argv) {
   app.add_option("--metrics-json", c.metrics_json, "write run metrics as JSON");
   app.add_option("--log-every", c.log_every, "progress line every N steps")->capture_default_str();
   app.add_flag("--quiet", c.quiet, "no progress output");
-  app.add_flag("--no-eval", no_eval, "skip the test-set evaluation");
-  app.add_flag("--no-shuffle", no_shuffle, "keep the dataset order");
-  app.add_flag("--drop-last", c.drop_last, "drop the last partial batch of each epoch");
-  app.add_flag("--list-devices", list_devices, "print the devices found and exit");
-  bool print_config = false;
-  app.add_flag("--print-config", print_config,
+  app.add_flag("--no-eval", t.no_eval, "skip the test-set evaluation");
+  app.add_flag("--list-devices", t.list_devices, "print the devices found and exit");
+  app.add_flag("--print-config", t.print_config,
                "print the settings this command line (and --preset) resolves to, as JSON, and exit");
-  app.footer(
-      "Ctrl-C (or SIGTERM) stops after the step in progress, writes the checkpoint (with "
-      "--checkpoint) and exits 130; a second Ctrl-C ends at once, as the first does before "
-      "training starts.");
+  group_options(app, "Checkpoints and output");
+}
 
-  if (auto code = parse_cli(app, argc, argv)) return *code;
-  if (list_devices) {
-    for (const auto& line : describe_devices()) std::printf("%s\n", line.c_str());
-    return 0;
-  }
-  REPLICA_USAGE_CHECK(app.count("--threads-per-device") == 0 || threads >= 1,
-                      "--threads-per-device must be at least 1, got {}", threads);
+// What the flags mean together: a typed flag overrides its preset's value, and the checks that
+// span flags, before any data is read or rank started.
+void resolve_flags(const CLI::App& app, TrainConfig& c, const TypedFlags& t) {
+  REPLICA_USAGE_CHECK(app.count("--threads-per-device") == 0 || t.threads >= 1,
+                      "--threads-per-device must be at least 1, got {}", t.threads);
   REPLICA_USAGE_CHECK(app.count("--batch-size") == 0 || app.count("--batch-per-device") == 0,
                       "give --batch-size (global) or --batch-per-device, not both");
   if (app.count("--batch-size")) c.batch_per_device = 0;  // overrides a preset's per-device batch
@@ -191,15 +194,15 @@ int run(int argc, char** argv) {
   if (app.count("--data")) c.synthetic = false;  // overrides a synthetic preset
   REPLICA_USAGE_CHECK(!(app.count("--data") && app.count("--synthetic")),
                       "give --data DIR or --synthetic, not both");
-  REPLICA_USAGE_CHECK(seed >= 0, "--seed must be >= 0, got {}", seed);
-  c.engine.seed = uint64_t(seed);
-  c.engine.threads_per_device = threads;
-  c.evaluate = !no_eval;
-  c.shuffle = !no_shuffle;
-  if (!input_shape.empty()) {
+  REPLICA_USAGE_CHECK(t.seed >= 0, "--seed must be >= 0, got {}", t.seed);
+  c.engine.seed = uint64_t(t.seed);
+  c.engine.threads_per_device = t.threads;
+  c.evaluate = !t.no_eval;
+  c.shuffle = !t.no_shuffle;
+  if (!t.input_shape.empty()) {
     REPLICA_USAGE_CHECK(c.synthetic, "--input-shape applies to --synthetic data");
-    c.engine.input_shape = parse_input_shape(input_shape);
-  } else if (c.synthetic && c.engine.model != "cnn" && preset.empty()) {
+    c.engine.input_shape = parse_input_shape(t.input_shape);
+  } else if (c.synthetic && c.engine.model != "cnn" && t.preset.empty()) {
     c.engine.input_shape = {3, 224, 224};
   }
   if (!c.synthetic) {
@@ -213,19 +216,47 @@ int run(int argc, char** argv) {
                             ? " (run tools/setup.sh, which installs dataset-fashion-mnist)"
                             : "");
   }
-  validate(c);  // flags and the device string, before any data is read or rank started
+  validate(c);  // flags and the device string
   for (const ModeFlag& f : mode_flags())  // typed for another mode: said, not ignored
     REPLICA_USAGE_CHECK(!app.count(f.flag) || std::count(f.modes.begin(), f.modes.end(), c.mode),
                         "{} applies to --mode {}, not {}", f.flag, fmt::join(f.modes, " and "),
                         c.mode);
   for (const char* flag : {"--synthetic-size", "--num-classes"})
     REPLICA_USAGE_CHECK(!app.count(flag) || c.synthetic, "{} applies to --synthetic data", flag);
-  if (print_config) {
+}
+
+int run(int argc, char** argv) {
+  TrainConfig c;
+  c.data_dir = kDefaultData;
+  TypedFlags t;
+  t.preset = find_preset_flag(argc, argv);
+  if (!t.preset.empty()) apply_preset(t.preset, c);
+  t.seed = int64_t(c.engine.seed);
+
+  CLI::App app{"replica-train: data-parallel training, DP (one process, a thread per device) or "
+               "DDP (a process per device)"};
+  app.set_help_flag("-h,--help", "Print this help and exit");
+  declare_model_and_data(app, c, t);
+  declare_training(app, c, t);
+  declare_parallelism(app, c, t);
+  declare_outputs(app, c, t);
+  app.footer(
+      "Ctrl-C (or SIGTERM) stops after the step in progress, writes the checkpoint (with "
+      "--checkpoint) and exits 130; a second Ctrl-C ends at once, as the first does before "
+      "training starts.");
+
+  if (auto code = parse_cli(app, argc, argv)) return *code;
+  if (t.list_devices) {
+    for (const auto& line : describe_devices()) std::printf("%s\n", line.c_str());
+    return 0;
+  }
+  resolve_flags(app, c, t);
+  if (t.print_config) {
     std::printf("%s\n", config_json(c).dump(2).c_str());
     return 0;
   }
-  if (!preset.empty() && !c.quiet && std::getenv("RANK") == nullptr)
-    std::printf("replica-train: --preset %s (flags given with it override it)\n", preset.c_str());
+  if (!t.preset.empty() && !c.quiet && std::getenv("RANK") == nullptr)
+    std::printf("replica-train: --preset %s (flags given with it override it)\n", t.preset.c_str());
   if (c.mode == "ddp")
     if (auto code = launch_ddp_ranks(c, argc, argv)) return *code;
   const nlohmann::json m = run_training(c);
