@@ -11,6 +11,7 @@
 #include <gloo/barrier_all_to_one.h>
 #include <gloo/broadcast_one_to_all.h>
 #include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 
 #include <cstdlib>
@@ -18,7 +19,6 @@
 
 #include "engine/error.h"
 #include "engine/ops.h"
-#include "parallel/comm/gloo_store.h"
 #include "parallel/comm/peer_monitor.h"
 #include "parallel/comm/process_group.h"
 #include "parallel/rendezvous/store.h"
@@ -26,6 +26,34 @@
 namespace replica {
 
 namespace {
+
+// Our store (TCP or file) behind Gloo's rendezvous interface, so connectFullMesh() exchanges
+// transport addresses through the same rendezvous as everything else, under keys "gloo/...".
+// libgloo 0.5.0 asks for set, get, wait(keys) (the adapter's timeout) and wait(keys, timeout)
+// (Gloo's context timeout); a failure is our Error, naming the keys and the time waited.
+class GlooStore final : public gloo::rendezvous::Store {
+ public:
+  GlooStore(replica::Store& store, std::chrono::milliseconds timeout)
+      : store_(store), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_.set("gloo/" + key, data);
+  }
+  std::vector<char> get(const std::string& key) override {
+    store_.wait({"gloo/" + key}, timeout_);  // the adapter's timeout, not the store's
+    return store_.get("gloo/" + key);
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> prefixed;
+    for (const auto& k : keys) prefixed.push_back("gloo/" + k);
+    store_.wait(prefixed, timeout);
+  }
+
+ private:
+  replica::Store& store_;
+  std::chrono::milliseconds timeout_;
+};
 
 class GlooGroup final : public ProcessGroup {
  public:
@@ -40,7 +68,7 @@ class GlooGroup final : public ProcessGroup {
       device_ = gloo::transport::tcp::CreateDevice(attr);
       auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
       ctx->setTimeout(o.timeout);
-      GlooStoreAdapter adapter(*o.store, o.timeout);
+      GlooStore adapter(*o.store, o.timeout);
       ctx->connectFullMesh(adapter, device_);
       context_ = ctx;
     } catch (const Error&) {

@@ -53,11 +53,6 @@ class CopyGroup final : public LocalGroup {
     if (other_gpu) staging_ = ctx_[0]->alloc({largest_slot});
   }
 
-  std::string describe() const override {
-    return comm_ctx_ ? "adds on a communication stream of " + ctx_[0]->device().str()
-                     : "host adds";
-  }
-
   void begin(int active) override {
     active_ = active;
     for (auto& row : written_this_step_) std::fill(row.begin(), row.end(), 0);

@@ -32,8 +32,6 @@ ReduceStrategy parse_reduce_strategy(const std::string& name);  // "root" | "tre
 class LocalGroup {
  public:
   virtual ~LocalGroup() = default;
-  virtual std::string describe() const = 0;  // for output: "host adds", "nccl", ...
-
   // A step in which ranks [0, active) take part (the others hold zeros where NCCL needs them).
   virtual void begin(int active) { active_ = active; }
   // On rank r's thread, r's device current: r has enqueued the work that writes `slot` (a

@@ -51,10 +51,6 @@ class LocalNcclGroup final : public LocalGroup {
       if (c) ncclCommDestroy(c);
   }
 
-  std::string describe() const override {
-    return "nccl (single process, " + gpu_list() + ", a communication stream per GPU)";
-  }
-
   // Idle ranks zeroed their gradients on their compute streams (the engine's scatter), which a
   // reduce still reads: that is their "all written".
   void begin(int active) override {

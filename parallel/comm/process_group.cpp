@@ -83,14 +83,7 @@ std::string nccl_problem() {
 
 GroupOptions group_options(const Rendezvous& rv, CommBackend backend,
                            std::chrono::milliseconds timeout) {
-  GroupOptions o;
-  o.backend = backend;
-  o.rank = rv.rank;
-  o.size = rv.world_size;
-  o.store = rv.store;
-  o.address = rv.address;
-  o.timeout = timeout;
-  return o;
+  return {backend, rv.rank, rv.world_size, rv.store, rv.address, timeout};
 }
 
 std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& o, DeviceContext& ctx) {

@@ -48,8 +48,8 @@ class DdpEngine final : public TrainEngine {
           "wait_allreduce");
       model_->set_grad_hook(
           [this](const std::vector<Param*>& ready) { reducer_->on_ready(0, ready); });
+      agree_on_model();
     }
-    if (group_->size() > 1) agree_on_model();
     sync_from_rank0();  // identical starting point on every rank
   }
 
@@ -251,20 +251,13 @@ class DdpEngine final : public TrainEngine {
 
 }  // namespace
 
-std::unique_ptr<TrainEngine> make_ddp_engine(std::unique_ptr<DeviceContext> ctx,
-                                             std::unique_ptr<ProcessGroup> group,
-                                             const EngineOptions& options, const DdpOptions& ddp) {
-  REPLICA_CHECK(ctx && group, "a DDP engine needs its device context and its process group");
-  return std::make_unique<DdpEngine>(std::move(ctx), std::move(group), options, ddp);
-}
-
 std::unique_ptr<TrainEngine> make_ddp_engine(const Device& device, const GroupOptions& group,
                                              const EngineOptions& options, const DdpOptions& ddp) {
   auto ctx = std::make_unique<DeviceContext>(device,
                                              context_options(options, options.threads_per_device));
   ctx->activate();  // NCCL sets up its communicator on the current device
   auto made = make_process_group(group, *ctx);
-  return make_ddp_engine(std::move(ctx), std::move(made), options, ddp);
+  return std::make_unique<DdpEngine>(std::move(ctx), std::move(made), options, ddp);
 }
 
 }  // namespace replica

@@ -15,16 +15,11 @@ struct DdpOptions {
   int accumulate = 1;
 };
 
-// The engine of one rank, owning `ctx` and `group` (a group made on ctx; a group of one is a
-// job of one). Parameters and buffers are broadcast from rank 0 when the engine is built; every
-// train_step takes this rank's LOCAL batch; gradients are averaged over the group's ranks in
-// buckets during backward.
-std::unique_ptr<TrainEngine> make_ddp_engine(std::unique_ptr<DeviceContext> ctx,
-                                             std::unique_ptr<ProcessGroup> group,
-                                             const EngineOptions& options, const DdpOptions& ddp);
-
-// The usual way to get one: a context for `device` made as `options` say (threads, precision,
-// ...), the group of `group` on it (make_process_group), and the engine over both.
+// The engine of one rank: a context for `device` made as `options` say (threads, precision,
+// ...), the process group `group` describes on it (make_process_group; a group of one is a job
+// of one), and the engine over both. Parameters and buffers are broadcast from rank 0 when the
+// engine is built; every train_step takes this rank's LOCAL batch; gradients are averaged over
+// the group's ranks in buckets during backward.
 std::unique_ptr<TrainEngine> make_ddp_engine(const Device& device, const GroupOptions& group,
                                              const EngineOptions& options, const DdpOptions& ddp);
 

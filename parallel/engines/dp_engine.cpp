@@ -27,10 +27,8 @@ class DataParallelEngine final : public TrainEngine {
                      const DpOptions& dp)
       : pool_(static_cast<int>(devices.size())) {
     const int n = static_cast<int>(devices.size());
-    int threads = o.threads_per_device;
-    if (threads == 0) {
-      threads = std::max(1, cpu_cores() / n);
-    }
+    const int threads =
+        o.threads_per_device > 0 ? o.threads_per_device : std::max(1, cpu_cores() / n);
     replicas_.resize(n);
     // Contexts and replicas are created on their own worker threads (CUDA: current device).
     pool_.run([&](int i) {
@@ -43,12 +41,8 @@ class DataParallelEngine final : public TrainEngine {
         reducer_->on_ready(i, ready);
       });
     });
-    std::vector<DeviceContext*> ctxs;
     std::vector<Model*> models;
-    for (auto& r : replicas_) {
-      ctxs.push_back(r.ctx.get());
-      models.push_back(r.model.get());
-    }
+    for (auto& r : replicas_) models.push_back(r.model.get());
     // Buckets of gradients summed into replica 0 as backward finishes them on every replica.
     reducer_ = std::make_unique<BucketReducer>(
         models, dp.first_bucket_bytes, dp.bucket_bytes,
@@ -62,7 +56,8 @@ class DataParallelEngine final : public TrainEngine {
     bucket_parts_.resize(replicas_.size());
     int64_t largest = 0;
     for (const Bucket& b : reducer_->buckets()) largest = std::max(largest, b.numel);
-    group_ = make_local_group(ctxs, pool_, dp.strategy, int(reducer_->buckets().size()), largest);
+    group_ = make_local_group(contexts(), pool_, dp.strategy, int(reducer_->buckets().size()),
+                              largest);
     step_.emplace(primary(), o.optimizer);
   }
 

@@ -28,9 +28,7 @@ struct EngineOptions {
 // What each device's context is made with: `threads` CPU threads, the run's determinism,
 // precision and choice of convolution algorithms.
 inline ContextOptions context_options(const EngineOptions& o, int threads) {
-  ContextOptions c{threads, o.deterministic, o.precision};
-  c.cudnn_benchmark = o.cudnn_benchmark;
-  return c;
+  return {threads, o.deterministic, o.precision, /*reserve_workspace=*/true, o.cudnn_benchmark};
 }
 
 class TrainEngine {

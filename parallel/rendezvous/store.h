@@ -1,6 +1,6 @@
 // Key-value stores for DDP rendezvous: rank 0 hosts a small TCP store (env://, tcp://), or the
 // ranks share a directory (file://). The store carries the NCCL unique id, backs Gloo's store
-// interface (parallel/comm/gloo_store.h) and implements the join barrier of rendezvous().
+// interface (parallel/comm/gloo_group.cpp) and implements the join barrier of rendezvous().
 //
 // Every blocking operation has a timeout; a timeout throws replica::Error naming the operation,
 // the keys and how long it waited. Keys are at most kMaxKeyBytes, values at most kMaxValueBytes.
