@@ -256,7 +256,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (!t.preset.empty() && !c.quiet && std::getenv("RANK") == nullptr)
-    std::printf("replica-train: --preset %s (flags given with it override it)\n", t.preset.c_str());
+    std::printf("replica-train: --preset %s (flags given with it override it)\n",
+                t.preset.c_str());
   if (c.mode == "ddp")
     if (auto code = launch_ddp_ranks(c, argc, argv)) return *code;
   const nlohmann::json m = run_training(c);

@@ -25,12 +25,8 @@ using namespace replica::bench;
 
 namespace {
 
-int run(int argc, char** argv) {
-  BenchOptions o;
-  CLI::App app{
-      "replica-bench: training throughput (suite single) and DP-vs-DDP scaling reports "
-      "(suites dp, ddp; --report DIR)"};
-  app.set_help_flag("-h,--help", "Print this help and exit");
+// What to measure: the suite, the model and its batch, the timing windows.
+void declare_workload(CLI::App& app, BenchOptions& o) {
   app.add_option("--suite", o.suite,
                  "single (one device per thread count, vs sgemm) | loader (the input "
                  "pipeline's samples/s) | ops (one device's step, op by op) | dp | ddp | dp,ddp "
@@ -44,13 +40,6 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--threads", o.threads,
                  "single, loader: comma list of CPU thread counts (default: 1,all cores)");
-  app.add_option("--devices", o.devices,
-                 "dp/ddp: the largest device set: cpu*N (default: one per core), cuda, cuda:0,1, "
-                 "cuda:0*N (logical devices sharing GPU 0: labelled, not a scaling measurement)");
-  app.add_option("--device-counts", o.device_counts,
-                 "dp/ddp: comma list of device counts (default: 1,2,4,...,N)");
-  app.add_option("--threads-per-device", o.threads_per_device,
-                 "dp/ddp: CPU threads per device (default: cores / largest count)");
   app.add_option("--warmup", o.warmup,
                  "untimed steps first (default: single 5, loader 2 batches; dp/ddp about 1 s of "
                  "steps, 2..10)");
@@ -60,14 +49,28 @@ int run(int argc, char** argv) {
   app.add_option("--repeat", o.repeat,
                  "single: timed windows; dp/ddp: rounds, each measuring every configuration "
                  "once in turn; the median is reported (default: single 1, loader and dp/ddp 3)");
-  app.add_option("--sgemm-seconds", o.sgemm_seconds, "single: seconds per sgemm ceiling measurement")
+  app.add_option("--sgemm-seconds", o.sgemm_seconds,
+                 "single: seconds per sgemm ceiling measurement")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for weights and synthetic data")->capture_default_str();
+  group_options(app, "What to measure");
+}
+
+// Where and how it runs: devices, threads, collectives, numerics.
+void declare_devices(CLI::App& app, BenchOptions& o) {
+  app.add_option("--devices", o.devices,
+                 "dp/ddp: the largest device set: cpu*N (default: one per core), cuda, cuda:0,1, "
+                 "cuda:0*N (logical devices sharing GPU 0: labelled, not a scaling measurement)");
+  app.add_option("--device-counts", o.device_counts,
+                 "dp/ddp: comma list of device counts (default: 1,2,4,...,N)");
+  app.add_option("--threads-per-device", o.threads_per_device,
+                 "dp/ddp: CPU threads per device (default: cores / largest count)");
   app.add_option("--reduce", o.reduce, "DP gradient reduction: root | tree")->capture_default_str();
-  app.add_option("--backend", o.backend, "DDP collectives: auto | gloo | nccl")->capture_default_str();
+  app.add_option("--backend", o.backend, "DDP collectives: auto | gloo | nccl")
+      ->capture_default_str();
   app.add_option("--precision", o.precision,
-                 "dp/ddp/ops: GEMM and convolution math: fp32 | tf32 (GPU tensor cores) | bf16 (mixed "
-                 "precision) | auto (tf32 where every device has it)")
+                 "dp/ddp/ops: GEMM and convolution math: fp32 | tf32 (GPU tensor cores) | bf16 "
+                 "(mixed precision) | auto (tf32 where every device has it)")
       ->capture_default_str();
   app.add_flag("--cudnn-benchmark", o.cudnn_benchmark,
                "dp/ddp/ops on GPUs: pick each convolution's algorithms by timing them, once per "
@@ -76,6 +79,11 @@ int run(int argc, char** argv) {
                  "DDP: seconds for rendezvous and each collective; ranks that make no "
                  "progress for this long are stopped")
       ->capture_default_str();
+  group_options(app, "Devices and settings");
+}
+
+// What is written: rows, traces, the report and what it is compared with.
+void declare_outputs(CLI::App& app, BenchOptions& o) {
   app.add_option("--json", o.json, "append one JSON object per configuration to FILE");
   app.add_option("--csv", o.csv, "dp/ddp: write the rows as CSV to FILE");
   app.add_option("--trace-dir", o.trace_dir,
@@ -87,18 +95,20 @@ int run(int argc, char** argv) {
                  "--report: JSON-lines rows of another engine (tools/pytorch_bench.py) to show "
                  "beside replica's (repeatable)");
   app.add_option("--from-results", o.from_results,
-                 "--report: render from DIR's saved results.jsonl/alpha_beta.json, measure nothing");
+                 "--report: render from DIR's saved results.jsonl/alpha_beta.json, measure "
+                 "nothing");
   app.add_option("--link", o.link,
                  "--report: project to separate GPUs joined by this link instead of the measured "
                  "bandwidth: nvlink3 | nvlink4 | pcie4 | pcie5 | GB/s per direction");
   app.add_flag("--skip-alpha-beta", o.skip_alpha_beta,
                "--report: do not measure the communication primitives (the projection then "
                "uses the measured 2-device runs)");
-  auto* hidden = app.add_option_group("");  // DDP rank workers: this program re-executed
-  hidden->add_option("--worker", o.worker);
-  hidden->add_option("--worker-out", o.worker_out);
-  if (auto code = parse_cli(app, argc, argv)) return *code;
+  group_options(app, "Outputs and reports");
+}
 
+// Fills in the defaults that depend on the suite, checks the flags together (outputs before
+// minutes of measuring) and runs the suite.
+int run_suite(BenchOptions& o, int argc, char** argv) {
   o.command_line = "replica-bench";
   for (int i = 1; i < argc; ++i) o.command_line += std::string(" ") + argv[i];
   if (o.suite.empty()) o.suite = (!o.report_dir.empty() || !o.worker.empty()) ? "dp,ddp" : "single";
@@ -140,6 +150,22 @@ int run(int argc, char** argv) {
   if (o.repeat == -1) o.repeat = single ? 1 : 3;
   if (!o.worker.empty()) return run_worker(o);
   return single ? run_single_suite(o) : run_parallel_suites(o);
+}
+
+int run(int argc, char** argv) {
+  BenchOptions o;
+  CLI::App app{
+      "replica-bench: training throughput (suite single) and DP-vs-DDP scaling reports "
+      "(suites dp, ddp; --report DIR)"};
+  app.set_help_flag("-h,--help", "Print this help and exit");
+  declare_workload(app, o);
+  declare_devices(app, o);
+  declare_outputs(app, o);
+  auto* hidden = app.add_option_group("");  // DDP rank workers: this program re-executed
+  hidden->add_option("--worker", o.worker);
+  hidden->add_option("--worker-out", o.worker_out);
+  if (auto code = parse_cli(app, argc, argv)) return *code;
+  return run_suite(o, argc, argv);
 }
 
 }  // namespace
