@@ -171,7 +171,8 @@ void declare_outputs(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_flag("--no-eval", t.no_eval, "skip the test-set evaluation");
   app.add_flag("--list-devices", t.list_devices, "print the devices found and exit");
   app.add_flag("--print-config", t.print_config,
-               "print the settings this command line (and --preset) resolves to, as JSON, and exit");
+               "print the settings this command line (and --preset) resolves to, as JSON, and "
+               "exit");
   group_options(app, "Checkpoints and output");
 }
 
