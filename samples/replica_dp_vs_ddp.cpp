@@ -90,63 +90,9 @@ std::vector<std::string> for_mode(const std::vector<std::string>& args, const st
   return out;
 }
 
-int run(int argc, char** argv) {
-  std::string devices;
-  int64_t steps = 400;
-  bool keep_logs = false;
-  CLI::App app{
-      "replica-dp-vs-ddp: DP and DDP on the same model, data, seed, batch and devices, side by "
-      "side.\nusage: replica-dp-vs-ddp [OPTIONS] [-- REPLICA-TRAIN FLAGS...]",
-      "replica-dp-vs-ddp"};
-  app.set_help_flag("-h,--help", "Print this help and exit");
-  app.add_option("--devices", devices, "device string for both runs (default: replica-train's)");
-  app.add_option("--steps", steps, "optimizer steps per run")->capture_default_str();
-  app.add_flag("--keep-logs", keep_logs, "keep both runs' output and metrics in ./dp-vs-ddp/");
-  app.allow_extras();
-  if (auto code = parse_cli(app, argc, argv)) return *code;
-  std::vector<std::string> extra = app.remaining();
-  if (!extra.empty() && extra.front() == "--") extra.erase(extra.begin());
-  REPLICA_USAGE_CHECK(extra.empty() || extra.front().rfind("--", 0) == 0,
-                      "unexpected argument '{}' (replica-train flags go after --)", extra.front());
-  for (const auto& a : extra)
-    REPLICA_USAGE_CHECK(a != "--mode" && a.rfind("--mode=", 0) != 0 && a != "--metrics-json",
-                        "{} is set by replica-dp-vs-ddp itself", a);
-  REPLICA_USAGE_CHECK(steps >= 1, "--steps must be at least 1, got {}", steps);
-
-  const std::string train = (fs::path(current_executable()).parent_path() / "replica-train").string();
-  REPLICA_USAGE_CHECK(fs::exists(train), "replica-train not found next to this program ({})",
-                      train);
-  std::string dir = "dp-vs-ddp";
-  if (!keep_logs) {
-    std::string tmpl = (fs::temp_directory_path() / "replica-dp-vs-ddp-XXXXXX").string();
-    REPLICA_CHECK(mkdtemp(tmpl.data()) != nullptr, "cannot create a temporary directory");
-    dir = tmpl;
-  }
-  fs::create_directories(dir);
-  struct RemoveUnlessKept {  // also when a run fails: its error is in the message
-    std::string dir;
-    bool keep;
-    ~RemoveUnlessKept() {
-      std::error_code ec;
-      if (!keep) fs::remove_all(dir, ec);
-    }
-  } logs{dir, keep_logs};
-  std::vector<std::string> common = {"--max-steps", std::to_string(steps), "--seed", "0"};
-  if (!devices.empty()) common.insert(common.end(), {"--devices", devices});
-  common.insert(common.end(), extra.begin(), extra.end());
-
-  std::vector<nlohmann::json> m;
-  for (const char* mode : {"dp", "ddp"}) {
-    std::vector<std::string> args = {"--mode", mode};
-    args.insert(args.end(), common.begin(), common.end());
-    args = for_mode(args, mode);  // --reduce to DP, --backend/--timeout/... to DDP
-    std::printf("running replica-train --mode %s ...\n", mode);
-    std::fflush(stdout);
-    m.push_back(run_train(train, args, dir + "/" + mode + ".log", dir + "/" + mode + ".json"));
-  }
-
-  const auto& dp = m[0];
-  const auto& ddp = m[1];
+// The two runs side by side: throughput, accuracy, where each step's time went, what was
+// sent and the memory it took, then what the difference means.
+void print_comparison(const nlohmann::json& dp, const nlohmann::json& ddp, int64_t steps) {
   auto row = [](const std::string& what, const std::string& a, const std::string& b,
                 const std::string& note = "") {
     std::printf("%-30s %14s %14s  %s\n", what.c_str(), a.c_str(), b.c_str(), note.c_str());
@@ -217,6 +163,64 @@ int run(int argc, char** argv) {
               sps_ddp > sps_dp * 1.02   ? "DDP is faster here."
               : sps_dp > sps_ddp * 1.02 ? "DP is faster here."
                                         : "DP and DDP are within 2% of each other here.");
+}
+
+int run(int argc, char** argv) {
+  std::string devices;
+  int64_t steps = 400;
+  bool keep_logs = false;
+  CLI::App app{
+      "replica-dp-vs-ddp: DP and DDP on the same model, data, seed, batch and devices, side by "
+      "side.\nusage: replica-dp-vs-ddp [OPTIONS] [-- REPLICA-TRAIN FLAGS...]",
+      "replica-dp-vs-ddp"};
+  app.set_help_flag("-h,--help", "Print this help and exit");
+  app.add_option("--devices", devices, "device string for both runs (default: replica-train's)");
+  app.add_option("--steps", steps, "optimizer steps per run")->capture_default_str();
+  app.add_flag("--keep-logs", keep_logs, "keep both runs' output and metrics in ./dp-vs-ddp/");
+  app.allow_extras();
+  if (auto code = parse_cli(app, argc, argv)) return *code;
+  std::vector<std::string> extra = app.remaining();
+  if (!extra.empty() && extra.front() == "--") extra.erase(extra.begin());
+  REPLICA_USAGE_CHECK(extra.empty() || extra.front().rfind("--", 0) == 0,
+                      "unexpected argument '{}' (replica-train flags go after --)", extra.front());
+  for (const auto& a : extra)
+    REPLICA_USAGE_CHECK(a != "--mode" && a.rfind("--mode=", 0) != 0 && a != "--metrics-json",
+                        "{} is set by replica-dp-vs-ddp itself", a);
+  REPLICA_USAGE_CHECK(steps >= 1, "--steps must be at least 1, got {}", steps);
+
+  const std::string train = (fs::path(current_executable()).parent_path() / "replica-train").string();
+  REPLICA_USAGE_CHECK(fs::exists(train), "replica-train not found next to this program ({})",
+                      train);
+  std::string dir = "dp-vs-ddp";
+  if (!keep_logs) {
+    std::string tmpl = (fs::temp_directory_path() / "replica-dp-vs-ddp-XXXXXX").string();
+    REPLICA_CHECK(mkdtemp(tmpl.data()) != nullptr, "cannot create a temporary directory");
+    dir = tmpl;
+  }
+  fs::create_directories(dir);
+  struct RemoveUnlessKept {  // also when a run fails: its error is in the message
+    std::string dir;
+    bool keep;
+    ~RemoveUnlessKept() {
+      std::error_code ec;
+      if (!keep) fs::remove_all(dir, ec);
+    }
+  } logs{dir, keep_logs};
+  std::vector<std::string> common = {"--max-steps", std::to_string(steps), "--seed", "0"};
+  if (!devices.empty()) common.insert(common.end(), {"--devices", devices});
+  common.insert(common.end(), extra.begin(), extra.end());
+
+  std::vector<nlohmann::json> m;
+  for (const char* mode : {"dp", "ddp"}) {
+    std::vector<std::string> args = {"--mode", mode};
+    args.insert(args.end(), common.begin(), common.end());
+    args = for_mode(args, mode);  // --reduce to DP, --backend/--timeout/... to DDP
+    std::printf("running replica-train --mode %s ...\n", mode);
+    std::fflush(stdout);
+    m.push_back(run_train(train, args, dir + "/" + mode + ".log", dir + "/" + mode + ".json"));
+  }
+
+  print_comparison(m[0], m[1], steps);
   return 0;
 }
 
