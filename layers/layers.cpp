@@ -24,7 +24,7 @@ Shape Linear::output_shape(const Shape& in) const {
 }
 
 Tensor Linear::forward(DeviceContext& ctx, const Tensor& x) {
-  x_ = x;
+  if (training_) x_ = x;
   Tensor y = ctx.alloc(output_shape(x.shape()));
   ctx.ops().linear_forward(ctx, x, params_[0]->value, has_bias_ ? params_[1]->value : Tensor(), y);
   macs_ = double(x.dim(0)) * in_ * out_;
@@ -32,6 +32,7 @@ Tensor Linear::forward(DeviceContext& ctx, const Tensor& x) {
 }
 
 Tensor Linear::backward(DeviceContext& ctx, const Tensor& dy) {
+  REPLICA_CHECK(x_.defined(), "Linear backward without a training-mode forward");
   Tensor dx = needs_input_grad_ ? ctx.alloc(x_.shape()) : Tensor();
   Tensor db = has_bias_ ? params_[1]->grad : Tensor();
   ctx.ops().linear_backward(ctx, x_, params_[0]->value, dy, dx, params_[0]->grad, db);
@@ -68,7 +69,7 @@ Shape Conv2d::output_shape(const Shape& in) const {
 }
 
 Tensor Conv2d::forward(DeviceContext& ctx, const Tensor& x) {
-  x_ = x;
+  if (training_) x_ = x;
   Shape os = output_shape(x.shape());
   Tensor y = ctx.alloc(os);
   ctx.ops().conv2d_forward(ctx, x, params_[0]->value, has_bias_ ? params_[1]->value : Tensor(), y,
@@ -78,6 +79,7 @@ Tensor Conv2d::forward(DeviceContext& ctx, const Tensor& x) {
 }
 
 Tensor Conv2d::backward(DeviceContext& ctx, const Tensor& dy) {
+  REPLICA_CHECK(x_.defined(), "Conv2d backward without a training-mode forward");
   Tensor dx = needs_input_grad_ ? ctx.alloc(x_.shape()) : Tensor();
   Tensor db = has_bias_ ? params_[1]->grad : Tensor();
   ctx.ops().conv2d_backward(ctx, x_, params_[0]->value, dy, dx, params_[0]->grad, db, p_);
@@ -128,12 +130,14 @@ Tensor BatchNorm2d::backward(DeviceContext& ctx, const Tensor& dy) {
 // ---- ReLU, pooling, flatten, dropout --------------------------------------------------------
 
 Tensor ReLU::forward(DeviceContext& ctx, const Tensor& x) {
-  y_ = ctx.alloc(x.shape());
-  ctx.ops().relu_forward(ctx, x, y_);
-  return y_;
+  Tensor y = ctx.alloc(x.shape());
+  ctx.ops().relu_forward(ctx, x, y);
+  if (training_) y_ = y;
+  return y;
 }
 
 Tensor ReLU::backward(DeviceContext& ctx, const Tensor& dy) {
+  REPLICA_CHECK(y_.defined(), "ReLU backward without a training-mode forward");
   Tensor dx = ctx.alloc(dy.shape());
   ctx.ops().relu_backward(ctx, y_, dy, dx);
   y_ = Tensor();
@@ -154,13 +158,14 @@ Shape MaxPool2d::output_shape(const Shape& in) const {
 }
 
 Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
-  x_ = x;
-  y_ = ctx.alloc(output_shape(x.shape()));
-  ctx.ops().maxpool2d_forward(ctx, x, y_, p_);
-  return y_;
+  Tensor y = ctx.alloc(output_shape(x.shape()));
+  ctx.ops().maxpool2d_forward(ctx, x, y, p_);
+  if (training_) x_ = x, y_ = y;
+  return y;
 }
 
 Tensor MaxPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
+  REPLICA_CHECK(x_.defined(), "MaxPool2d backward without a training-mode forward");
   Tensor dx = ctx.alloc(x_.shape());
   ctx.ops().maxpool2d_backward(ctx, x_, y_, dy, dx, p_);
   x_ = y_ = Tensor();

@@ -258,6 +258,27 @@ TEST_CASE("same seed gives bit-identical parameters, a different seed different 
   CHECK_THROWS_AS(a->materialize(cpu(), 42), Error);  // once only
 }
 
+// As under PyTorch's no_grad: an evaluation forward keeps no activation for a backward, so a
+// large evaluation batch costs a few activations' memory (a ResNet-50 at 224x224 evaluated in
+// batches of 256 held every layer's output, 20+ GB, and was killed for memory).
+TEST_CASE("an evaluation forward keeps no activations; a training forward keeps them for backward") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  auto m = make_model("resnet18", {1, 28, 28}, 10);
+  m->materialize(ctx, 3);
+  Tensor x = ctx.alloc({4, 1, 28, 28});
+  for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = float(i % 13) / 13.f - 0.5f;
+  const size_t before = ctx.allocator().bytes_in_use();
+  m->set_training(false);
+  { Tensor y = m->forward(ctx, x); }
+  CHECK(ctx.allocator().bytes_in_use() == before);
+  CHECK_THROWS_WITH_AS(m->root().backward(ctx, ctx.alloc({4, 10})),
+                       doctest::Contains("backward without a training-mode forward"), Error);
+  m->set_training(true);
+  { Tensor y = m->forward(ctx, x); }
+  // Among what backward needs: bn1's input, the stem convolution's 4x64x14x14 output.
+  CHECK(ctx.allocator().bytes_in_use() >= before + 4 * 64 * 14 * 14 * sizeof(float));
+}
+
 TEST_CASE("BatchNorm2d: running statistics updated as PyTorch (momentum 0.1, unbiased var)") {
   auto m = wrap(std::make_unique<BatchNorm2d>(2));
   // x [2, 2, 1, 2]: channel 0 holds {1, 2, 3, 4}, channel 1 holds {-1, -1, 5, 5}.

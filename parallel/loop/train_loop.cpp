@@ -254,12 +254,16 @@ void TrainLoop::log_step(int64_t epoch, int64_t b, bool last_step) {
 }
 
 // Each process evaluates its interleaved shard (rank, rank+R, ...: no padding, so nothing is
-// counted twice); the totals are summed across processes, so every rank reports the same. The
-// global evaluation batch is the same in every mode: DDP ranks take their share of it.
+// counted twice); the totals are summed across processes, so every rank reports the same.
+// Evaluation runs in the training's batches (DDP ranks: their share of it), so every device sees
+// the shapes of a training step: the caching allocator hands back the blocks training freed,
+// and evaluating never needs more memory than a training step. (In larger batches, every
+// activation size was new: ResNet-50 at 224x224 in batches of 256 took 12.9 GB of host memory
+// on cpu*2, against 3.9 GB for training alone.)
 void TrainLoop::evaluate() {
   TraceSpan span("host", "evaluate");
   engine_->set_training(false);
-  const int64_t batch = std::max<int64_t>(1, std::max<int64_t>(c_.batch_size, 256) / world_);
+  const int64_t batch = std::max<int64_t>(1, c_.batch_size / world_);
   Loader loader(*test_, batch, false);
   std::vector<int64_t> shard;
   for (int64_t i = engine_->rank(); i < test_->size(); i += world_) shard.push_back(i);
