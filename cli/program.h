@@ -11,6 +11,7 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -37,6 +38,46 @@ inline std::string integer_out_of_range(const CLI::App& app) {
   return "";
 }
 
+// Edit distance between two flag names (insertions, deletions, substitutions): how far a typo is.
+inline size_t flag_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// "unknown flag --devics (did you mean --devices?)" for the first flag the parse left over that
+// the program does not have, or "" when there is none. A typo used to read as CLI11's "The
+// following arguments were not expected: cpu*2 --devics", or as "--replicas is required" when
+// the mistyped flag was a required one.
+inline std::string unknown_flag(const CLI::App& app) {
+  for (const std::string& arg : app.remaining()) {
+    if (arg.rfind("--", 0) != 0 || arg == "--") continue;
+    const std::string name = arg.substr(0, arg.find('='));
+    if (app.get_option_no_throw(name) != nullptr) continue;
+    std::string best;
+    size_t best_distance = 3;  // at most two edits, or a prefix of the real flag
+    for (const CLI::Option* opt : app.get_options()) {
+      for (const std::string& known : opt->get_lnames()) {
+        const std::string flag = "--" + known;
+        const size_t d = flag.rfind(name, 0) == 0 ? 1 : flag_distance(name, flag);
+        if (d < best_distance) best_distance = d, best = flag;
+      }
+    }
+    return fmt::format("unknown flag {}{}", name,
+                       best.empty() ? "" : fmt::format(" (did you mean {}?)", best));
+  }
+  return "";
+}
+
 // Puts every option declared since the last call (those still in CLI11's default group) under
 // the heading `name` in --help, so a long flag list reads in sections.
 inline void group_options(CLI::App& app, const std::string& name) {
@@ -54,6 +95,8 @@ inline std::optional<int> parse_cli(CLI::App& app, int argc, char** argv) {
     std::printf("%s", app.help().c_str());
     return 0;
   } catch (const CLI::ParseError& e) {
+    if (const std::string unknown = unknown_flag(app); !unknown.empty())
+      throw UsageError(unknown + " (see --help)");
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');
     throw UsageError(msg + " (see --help)");

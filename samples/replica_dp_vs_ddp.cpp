@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -32,12 +33,12 @@ namespace fs = std::filesystem;
 namespace {
 
 // Runs replica-train with `args`; its own output goes to `log`. Returns its metrics.
-nlohmann::json run_train(const std::string& program, const std::vector<std::string>& args,
-                         const std::string& log, const std::string& metrics) {
+// Runs `program args` with its output in `log`; returns its exit status and what it printed.
+std::pair<int, std::string> run_child(const std::string& program,
+                                      const std::vector<std::string>& args,
+                                      const std::string& log) {
   std::vector<std::string> argv_s = {program};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
-  argv_s.push_back("--metrics-json");
-  argv_s.push_back(metrics);
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -53,11 +54,38 @@ nlohmann::json run_train(const std::string& program, const std::vector<std::stri
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
   std::ifstream in(log);
   std::string text((std::istreambuf_iterator<char>(in)), {});
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::string last = text.substr(text.find_last_of('\n', text.size() - 2) + 1);
-    while (!last.empty() && last.back() == '\n') last.pop_back();
-    throw Error(fmt::format("replica-train {} failed: {}", args.front() + " " + args[1], last));
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), text};
+}
+
+std::string last_line(const std::string& text) {
+  std::string last = text.substr(text.find_last_of('\n', text.size() - 2) + 1);
+  while (!last.empty() && last.back() == '\n') last.pop_back();
+  return last;
+}
+
+// replica-train's own check of a run's flags (--print-config parses, validates and exits), so a
+// mistyped flag after -- is refused at once, before minutes of the first run.
+void check_train_flags(const std::string& program, std::vector<std::string> args,
+                       const std::string& log) {
+  args.push_back("--print-config");
+  const auto [code, text] = run_child(program, args, log);
+  if (code == 2) {  // its one-line usage error, said as this program's
+    std::string line = last_line(text);
+    const std::string own = "replica-train: error: ";
+    if (line.rfind(own, 0) == 0) line = line.substr(own.size());
+    throw UsageError("for replica-train: " + line);
   }
+  REPLICA_CHECK(code == 0, "replica-train {} --print-config failed: {}", args[0] + " " + args[1],
+                last_line(text));
+}
+
+nlohmann::json run_train(const std::string& program, std::vector<std::string> args,
+                         const std::string& log, const std::string& metrics) {
+  args.insert(args.end(), {"--metrics-json", metrics});
+  const auto [code, text] = run_child(program, args, log);
+  if (code != 0)
+    throw Error(fmt::format("replica-train {} failed: {}", args[0] + " " + args[1],
+                            last_line(text)));
   std::ifstream m(metrics);
   return nlohmann::json::parse(m);
 }
@@ -171,7 +199,8 @@ int run(int argc, char** argv) {
   bool keep_logs = false;
   CLI::App app{
       "replica-dp-vs-ddp: DP and DDP on the same model, data, seed, batch and devices, side by "
-      "side.\nusage: replica-dp-vs-ddp [OPTIONS] [-- REPLICA-TRAIN FLAGS...]",
+      "side. Flags after -- go to both replica-train runs: replica-dp-vs-ddp [OPTIONS] [-- "
+      "REPLICA-TRAIN FLAGS...]",
       "replica-dp-vs-ddp"};
   app.set_help_flag("-h,--help", "Print this help and exit");
   app.add_option("--devices", devices, "device string for both runs (default: replica-train's)");
@@ -210,14 +239,19 @@ int run(int argc, char** argv) {
   if (!devices.empty()) common.insert(common.end(), {"--devices", devices});
   common.insert(common.end(), extra.begin(), extra.end());
 
-  std::vector<nlohmann::json> m;
+  std::vector<std::vector<std::string>> runs;
   for (const char* mode : {"dp", "ddp"}) {
     std::vector<std::string> args = {"--mode", mode};
     args.insert(args.end(), common.begin(), common.end());
-    args = for_mode(args, mode);  // --reduce to DP, --backend/--timeout/... to DDP
-    std::printf("running replica-train --mode %s ...\n", mode);
+    runs.push_back(for_mode(args, mode));  // --reduce to DP, --backend/--timeout/... to DDP
+    check_train_flags(train, runs.back(), dir + "/" + mode + ".log");
+  }
+  std::vector<nlohmann::json> m;
+  for (const auto& args : runs) {
+    std::printf("running replica-train --mode %s ...\n", args[1].c_str());
     std::fflush(stdout);
-    m.push_back(run_train(train, args, dir + "/" + mode + ".log", dir + "/" + mode + ".json"));
+    m.push_back(run_train(train, args, dir + "/" + args[1] + ".log",
+                          dir + "/" + args[1] + ".json"));
   }
 
   print_comparison(m[0], m[1], steps);

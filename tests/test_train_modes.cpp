@@ -145,4 +145,9 @@ TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are 
     CHECK(b.exit_code != 0);
     CHECK(b.output.find("error: ") != std::string::npos);
   }
+  // replica-train's flags are checked before the first run starts: one line, exit 2.
+  auto typo = run(test::bin("replica-dp-vs-ddp") + " --device cpu*2", 60);
+  CHECK(typo.exit_code == 2);
+  CHECK(typo.output == "replica-dp-vs-ddp: error: for replica-train: unknown flag --device (did "
+                       "you mean --devices?) (see --help)\n");
 }
