@@ -38,6 +38,32 @@ TEST_CASE("collectives in closed form on 2, 3 and 4 ranks") {
   }
 }
 
+// The bench times what training runs (a persistent buffer) and checks every sum it made.
+TEST_CASE("replica-collectives --bench: every size summed right on 2 ranks") {
+  if (!replica::gloo_available()) {
+    MESSAGE("SKIPPED: this build has no Gloo");
+    return;
+  }
+  auto r = run(launch(2) + test::bin("replica-collectives") +
+                   " --bench --min-bytes 1K --max-bytes 64K --iters 3 --timeout 60",
+               120);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  int rows = 0;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    long bytes = 0, floats = 0, wrong = -1;
+    double us = 0, algbw = 0, busbw = 0;
+    if (std::sscanf(line.c_str(), "%ld %ld %lf %lf %lf %ld", &bytes, &floats, &us, &algbw, &busbw,
+                    &wrong) != 6)
+      continue;
+    ++rows;
+    CHECK(wrong == 0);
+    CHECK(algbw > 0);
+  }
+  CHECK(rows == 7);  // 1K, 2K, ..., 64K
+}
+
 TEST_CASE("a file:// rendezvous directory serves run after run: a job that ends removes its keys") {
   if (!replica::gloo_available()) {
     MESSAGE("SKIPPED: this build has no Gloo");
