@@ -50,7 +50,17 @@ TEST_CASE("bad flags and values are one-line errors") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 64, 16);
   const std::string data = "--data " + tmp.str("data") + " --max-steps 1 --quiet";
-  expect_clean_error("--no-such-flag", "--no-such-flag");
+  expect_clean_error("--no-such-flag", "unknown flag --no-such-flag (see --help)");
+  // A typo is named, with the flag it is closest to, even when the real flag is required.
+  expect_clean_error(data + " --devics cpu*2", "unknown flag --devics (did you mean --devices?)");
+  expect_clean_error(data + " --epoch=2", "unknown flag --epoch (did you mean --epochs?)");
+  expect_clean_error(data + " --batch 8", "unknown flag --batch (did you mean --batch-size?)");
+  {
+    auto r = run(test::bin("replica-sampler") + " --size 5 --replica 2");
+    CHECK(r.exit_code == 2);
+    CHECK(r.output == "replica-sampler: error: unknown flag --replica (did you mean --replicas?) "
+                      "(see --help)\n");
+  }
   expect_clean_error(data + " --batch-size 0", "--batch-size");
   expect_clean_error(data + " --lr -0.1", "learning rate");
   expect_clean_error(data + " --lr nan", "learning rate");
@@ -253,6 +263,16 @@ TEST_CASE("a short run writes metrics with the documented fields") {
     CHECK_MESSAGE(m.contains(key), key);
   CHECK(m["steps"] == 16);
   CHECK(m["epochs"] == 2);
+  // The first step is timed apart: samples/s counts the 15 steps after it.
+  REQUIRE(m["first_step_excluded"] == true);
+  const auto& e1 = m["epoch_summaries"][0];
+  const double first = m["first_step_seconds"].get<double>();
+  CHECK(e1["first_step_seconds"] == first);
+  CHECK_FALSE(m["epoch_summaries"][1].contains("first_step_seconds"));
+  CHECK(e1["samples_per_sec"].get<double>() ==
+        doctest::Approx(224.0 / (e1["seconds"].get<double>() - first)).epsilon(0.02));
+  CHECK(m["samples_per_sec"].get<double>() ==
+        doctest::Approx(480.0 / (m["train_seconds"].get<double>() - first)).epsilon(0.02));
   CHECK(m["peak_memory_bytes"].size() == m["devices"].size());
   CHECK(m["peak_memory_bytes"][0].get<double>() > 0);
   // The synthetic bands are easy: two epochs learn them.
@@ -316,6 +336,28 @@ TEST_CASE("a run resumed from its checkpoint continues bit-identically") {
     test::fs::remove_all(tmp.path / "full");
     test::fs::remove_all(tmp.path / "part");
   }
+}
+
+// --epochs and --max-steps count from the run's first step: a resumed run that has them all
+// says so (exit 0, no empty table), one told to stop before the checkpoint's step is refused.
+TEST_CASE("resume at or past the end of the planned run") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 128, 32);  // 4 steps per epoch at batch 32
+  const std::string base = "--data " + tmp.str("data") + " --batch-size 32 --no-eval " +
+                           "--checkpoint " + tmp.str("ck");
+  REQUIRE(run(kTrain + " " + base + " --quiet").exit_code == 0);
+  auto again = run(kTrain + " " + base + " --resume");
+  INFO(again.output);
+  CHECK(again.exit_code == 0);
+  CHECK(again.output.find("nothing left to train: the checkpoint has all 4 steps that --epochs 1 "
+                          "plan") != std::string::npos);
+  CHECK(again.output.find("train loss") == std::string::npos);
+  expect_clean_error(base + " --resume --max-steps 2 --quiet",
+                     "--resume: the checkpoint in " + tmp.str("ck") + " is at step 4, past the "
+                     "2 steps that --epochs 1 --max-steps 2 plan");
+  auto more = run(kTrain + " " + base + " --resume --epochs 2 --quiet");
+  REQUIRE_MESSAGE(more.exit_code == 0, more.output);
+  CHECK(load_checkpoint(tmp.str("ck/checkpoint.safetensors")).metadata.at("step") == "8");
 }
 
 TEST_CASE("resume refuses a checkpoint of another model or batch size") {

@@ -73,8 +73,7 @@ void RunReport::epoch_done(const nlohmann::json& e, const char* how) {
                                     e["test_loss"].get<double>(),
                                     e["test_accuracy"].get<double>())
                       : "",
-                  e.value("samples", int64_t(0)) / std::max(seconds, 1e-9),
-                  fmt_duration(seconds)));
+                  e.value("samples_per_sec", 0.0), fmt_duration(seconds)));
 }
 
 void RunReport::gather_ranks() {
@@ -104,9 +103,12 @@ void RunReport::write_rank_trace() const {
 
 nlohmann::json RunReport::metrics(const RunTotals& t) const {
   Tracer& tracer = Tracer::global();
-  const nlohmann::json phase_ms = phase_ms_per_step(tracer.phase_totals_us(), {}, t.steps_this_run);
+  const FirstStep& first = t.first_step;  // left out of the per-step figures when excluded
+  const nlohmann::json phase_ms = phase_ms_per_step(
+      tracer.phase_totals_us(), first.phases, t.steps_this_run - (first.excluded ? 1 : 0));
   const double macs = engine_.forward_macs_per_sample();
-  const double sps = t.samples / std::max(t.train_seconds, 1e-9);
+  const double sps =
+      double(t.samples - first.samples) / std::max(t.train_seconds - first.seconds, 1e-9);
   nlohmann::json devices = nlohmann::json::array();
   for (const auto& d : engine_.devices()) devices.push_back(d.str());
   nlohmann::json m = {
@@ -133,6 +135,8 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
       {"epoch_summaries", epochs_},
       {"samples_per_sec", sps},
       {"train_seconds", t.train_seconds},
+      {"first_step_excluded", first.excluded},  // from samples_per_sec and phase_ms_per_step
+      {"first_step_seconds", first.excluded ? nlohmann::json(first.seconds) : nlohmann::json()},
       {"final_loss", t.final_loss},
       {"phase_ms_per_step", phase_ms},  // summed over devices (and the communication thread)
       {"phase_share", phase_shares(phase_ms)},
@@ -174,6 +178,7 @@ void RunReport::finish(const RunTotals& t, const nlohmann::json& m) const {
                           t.steps, checkpoint_path(c_.checkpoint_dir)));
     return;
   }
+  if (epochs_.empty()) return;  // resumed at the end of the run: nothing trained, nothing to show
   // DP's phases run on every device's thread and the communication thread; DDP's are rank 0's.
   const std::string scope = world_ > 1 ? "rank 0" : "summed over devices and threads";
   say("\n" + epoch_table(epochs_, scope));

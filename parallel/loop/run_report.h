@@ -11,9 +11,21 @@
 #include <nlohmann/json.hpp>
 
 #include "parallel/engines/train_engine.h"
+#include "parallel/loop/run_summary.h"
 #include "parallel/loop/trainer.h"
 
 namespace replica {
+
+// The run's first step allocates every buffer and warms the caches (on a GPU it also picks the
+// convolution algorithms): in a 20-step run it weighed as much as five steady steps. When more
+// steps follow in its epoch, the per-step figures (samples/s, phases, wall/step) leave it out
+// and it is reported apart. Where the steady steps start:
+struct FirstStep {
+  bool excluded = false;
+  double seconds = 0;
+  int64_t samples = 0;
+  PhaseTotals phases;  // the Tracer's totals when it had ended
+};
 
 // What the training loop counted, for the metrics.
 struct RunTotals {
@@ -25,6 +37,7 @@ struct RunTotals {
   bool evaluated = false;
   double test_loss = 0, test_accuracy = 0;
   int stop_signal = 0;  // the signal that stopped the run, or 0
+  FirstStep first_step;
 };
 
 class RunReport {

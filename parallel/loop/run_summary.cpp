@@ -97,11 +97,16 @@ std::string epoch_table(const nlohmann::json& epochs, const std::string& scope) 
       out += fmt::format(" {:>{}.1f}", ms.contains(c) ? ms[c].get<double>() : 0.0,
                          std::max<size_t>(c.size(), 7));
     const int64_t steps = e.value("steps", int64_t(0));
-    out += steps > 0 ? fmt::format(" {:>9.1f}\n", 1e3 * e.value("seconds", 0.0) / double(steps))
+    out += steps > 0 ? fmt::format(" {:>9.1f}\n", e.value("ms_per_step", 0.0))
                      : fmt::format(" {:>9}\n", "-");
   }
   out += "phase columns: milliseconds per step, " + scope +
          ";\nphases on different threads overlap: wall/step is a step's real time";
+  for (const auto& e : epochs)
+    if (e.contains("first_step_seconds"))
+      out += fmt::format(";\nsamples/s and the columns per step leave out the run's first step "
+                         "({:.2f} s: it allocates memory and warms caches)",
+                         e["first_step_seconds"].get<double>());
   return out;
 }
 

@@ -95,6 +95,18 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
     report_->say(fmt::format("resumed from {} at epoch {}, step {}",
                              checkpoint_path(c_.checkpoint_dir), pos_.epoch + 1,
                              pos_.global_step));
+    // --epochs and --max-steps count from the run's first step, the resumed ones included.
+    const std::string plan =
+        fmt::format("--epochs {}{}", c_.epochs,
+                    c_.max_steps > 0 ? fmt::format(" --max-steps {}", c_.max_steps) : "");
+    REPLICA_USAGE_CHECK(pos_.global_step <= planned_steps_,
+                        "--resume: the checkpoint in {} is at step {}, past the {} steps that {} "
+                        "plan (they count the resumed steps too): give more to train on",
+                        c_.checkpoint_dir, pos_.global_step, planned_steps_, plan);
+    if (pos_.global_step == planned_steps_)
+      report_->say(fmt::format("nothing left to train: the checkpoint has all {} steps that {} "
+                               "plan (give more to train on)",
+                               planned_steps_, plan));
   }
 }
 
@@ -143,7 +155,9 @@ void TrainLoop::place_data() {
 nlohmann::json TrainLoop::run() {
   Tracer::global().reset_totals();
   t_start_us_ = Tracer::now_us();
-  for (int64_t epoch = pos_.epoch; epoch < c_.epochs && !stop_; ++epoch) run_epoch(epoch);
+  const bool finished = pos_.global_step >= planned_steps_;  // resumed at the end
+  for (int64_t epoch = pos_.epoch; epoch < c_.epochs && !stop_ && !finished; ++epoch)
+    run_epoch(epoch);
   totals_.steps = pos_.global_step;
 
   report_->gather_ranks();      // every rank takes part
@@ -162,6 +176,13 @@ void TrainLoop::run_epoch(int64_t epoch) {
   const int64_t t_epoch = Tracer::now_us();
   const PhaseTotals phases_before = tracer.phase_totals_us();
   const int64_t samples_before = totals_.samples, steps_before = totals_.steps_this_run;
+  // Where this epoch's per-step figures start counting: after the run's first step, if it is
+  // this epoch's and more follow (RunTotals::first_step).
+  struct {
+    int64_t t_us;
+    PhaseTotals phases;
+    int64_t samples, steps;
+  } steady = {t_epoch, phases_before, samples_before, steps_before};
   // Released one step later: a batch's release waits for its device copies (pinned buffers are
   // refilled), and by then they ran long ago, so the host stays a step ahead of the GPU.
   std::shared_ptr<Batch> previous;
@@ -189,6 +210,12 @@ void TrainLoop::run_epoch(int64_t epoch) {
     const bool last_step =
         (b + 1 == per_epoch_) || pos_.global_step == c_.max_steps || interrupted;
     if (pos_.global_step % c_.log_every == 0 || last_step) log_step(epoch, b, last_step);
+    if (totals_.steps_this_run == 1 && !last_step) {  // the steady steps start here
+      engine_->synchronize();  // the first step's device work is the first step's time
+      FirstStep& f = totals_.first_step;
+      f = {true, (Tracer::now_us() - t_epoch) / 1e6, totals_.samples, tracer.phase_totals_us()};
+      steady = {Tracer::now_us(), f.phases, totals_.samples, totals_.steps_this_run};
+    }
     if (interrupted) {
       stop_ = true;
       totals_.stop_signal = StopRequest::signal() ? StopRequest::signal() : SIGINT;  // a peer's
@@ -206,15 +233,21 @@ void TrainLoop::run_epoch(int64_t epoch) {
   pos_.batch_in_epoch = complete ? 0 : b;
   const int64_t steps = totals_.steps_this_run - steps_before;
   const int64_t samples = totals_.samples - samples_before;
-  nlohmann::json e = {{"epoch", epoch + 1},
-                      {"complete", complete},
-                      {"steps", steps},
-                      {"train_loss", totals_.final_loss},
-                      {"samples", samples},
-                      {"seconds", seconds},
-                      {"samples_per_sec", samples / std::max(seconds, 1e-9)},
-                      {"phase_ms_per_step",
-                       phase_ms_per_step(tracer.phase_totals_us(), phases_before, steps)}};
+  const int64_t steady_steps = totals_.steps_this_run - steady.steps;
+  const double steady_seconds = (Tracer::now_us() - steady.t_us) / 1e6;
+  nlohmann::json e = {
+      {"epoch", epoch + 1},
+      {"complete", complete},
+      {"steps", steps},
+      {"train_loss", totals_.final_loss},
+      {"samples", samples},
+      {"seconds", seconds},
+      {"samples_per_sec",
+       double(totals_.samples - steady.samples) / std::max(steady_seconds, 1e-9)},
+      {"ms_per_step", steady_steps > 0 ? 1e3 * steady_seconds / double(steady_steps) : 0.0},
+      {"phase_ms_per_step",
+       phase_ms_per_step(tracer.phase_totals_us(), steady.phases, steady_steps)}};
+  if (steady.steps != steps_before) e["first_step_seconds"] = totals_.first_step.seconds;
   // An interrupted run stops at once: no evaluation (a resumed run evaluates this epoch).
   if (c_.evaluate && !totals_.stop_signal) {
     evaluate();
