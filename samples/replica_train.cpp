@@ -56,10 +56,16 @@ std::optional<int> launch_ddp_ranks(const TrainConfig& c, int argc, char** argv)
     o.command.push_back(argv[i]);
     args += std::string(" ") + argv[i];
   }
+  // The equivalent command as it can be typed where this one was: replica-launch from the
+  // directory this program was started from (build/bin/...), or from PATH as this one was.
+  const std::string self = argv[0];
+  const size_t slash = self.rfind('/');
+  const std::string launcher =
+      (slash == std::string::npos ? "" : self.substr(0, slash + 1)) + "replica-launch";
   if (!c.quiet)
     std::printf("replica-train: --mode ddp: starting %d ranks, as "
-                "`replica-launch --nproc-per-node %d --master-port %d -- replica-train%s`\n",
-                n, n, o.master_port, args.c_str());
+                "`%s --nproc-per-node %d --master-port %d -- %s%s`\n",
+                n, launcher.c_str(), n, o.master_port, self.c_str(), args.c_str());
   std::fflush(stdout);
   return launch_ranks(o);
 }

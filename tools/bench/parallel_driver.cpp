@@ -91,7 +91,7 @@ std::vector<std::string> suites_of(const std::string& suite) {
     const size_t at = suite.find(',', start);
     const std::string s = suite.substr(start, at == std::string::npos ? at : at - start);
     REPLICA_USAGE_CHECK(s == "dp" || s == "ddp",
-                        "--suite '{}': expected single, loader, dp, ddp or dp,ddp", suite);
+                        "--suite '{}': expected single, loader, ops, dp, ddp or dp,ddp", suite);
     if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
     if (at == std::string::npos) break;
     start = at + 1;

@@ -143,8 +143,9 @@ std::string comm_section(const std::vector<json>& rows, const json& ab) {
        "(all-reduce 2(n-1)/n, reduce and broadcast 1). The DP broadcast time is the wall time "
        "during which any device was copying parameters from device 0.\n";
   if (ab.is_object() && !ab.empty()) {
-    s += "\nThe same primitives measured alone (idle machine, fitted t(S) = alpha + S / beta over "
-         "message sizes; points in `alpha_beta.json`):\n\n| primitive | alpha (us) | beta (GB/s) "
+    s += "\nThe same primitives measured alone (no training running; fitted t(S) = alpha + S / "
+         "beta over message sizes; points in `alpha_beta.json`):\n\n| primitive | alpha (us) | "
+         "beta (GB/s) "
          "| sizes |\n|---|---:|---:|---|\n";
     for (const char* k : {"dp_reduce", "dp_broadcast", "ddp_allreduce"}) {
       if (!ab.contains(k)) continue;
