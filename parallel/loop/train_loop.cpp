@@ -90,27 +90,30 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
                       c_.batch_size, train_->size());
   planned_steps_ = c_.max_steps > 0 ? std::min(c_.max_steps, per_epoch_ * c_.epochs)
                                     : per_epoch_ * c_.epochs;
-  if (c_.resume) {
-    pos_ = load_training_checkpoint(c_.checkpoint_dir, *engine_, c_.engine.seed, c_.batch_size);
-    report_->say(fmt::format("resumed from {} at epoch {}, step {}",
-                             checkpoint_path(c_.checkpoint_dir), pos_.epoch + 1,
-                             pos_.global_step));
-    // --epochs and --max-steps count from the run's first step, the resumed ones included.
-    const std::string plan =
-        fmt::format("--epochs {}{}", c_.epochs,
-                    c_.max_steps > 0 ? fmt::format(" --max-steps {}", c_.max_steps) : "");
-    REPLICA_USAGE_CHECK(pos_.global_step <= planned_steps_,
-                        "--resume: the checkpoint in {} is at step {}, past the {} steps that {} "
-                        "plan (they count the resumed steps too): give more to train on",
-                        c_.checkpoint_dir, pos_.global_step, planned_steps_, plan);
-    if (pos_.global_step == planned_steps_)
-      report_->say(fmt::format("nothing left to train: the checkpoint has all {} steps that {} "
-                               "plan (give more to train on)",
-                               planned_steps_, plan));
-  }
+  if (c_.resume) resume();
 }
 
 TrainLoop::~TrainLoop() = default;
+
+// Restores the position, parameters and optimizer state from --checkpoint.
+void TrainLoop::resume() {
+  pos_ = load_training_checkpoint(c_.checkpoint_dir, *engine_, c_.engine.seed, c_.batch_size);
+  report_->say(fmt::format("resumed from {} at epoch {}, step {}",
+                           checkpoint_path(c_.checkpoint_dir), pos_.epoch + 1,
+                           pos_.global_step));
+  // --epochs and --max-steps count from the run's first step, the resumed ones included.
+  const std::string plan =
+      fmt::format("--epochs {}{}", c_.epochs,
+                  c_.max_steps > 0 ? fmt::format(" --max-steps {}", c_.max_steps) : "");
+  REPLICA_USAGE_CHECK(pos_.global_step <= planned_steps_,
+                      "--resume: the checkpoint in {} is at step {}, past the {} steps that {} "
+                      "plan (they count the resumed steps too): give more to train on",
+                      c_.checkpoint_dir, pos_.global_step, planned_steps_, plan);
+  if (pos_.global_step == planned_steps_)
+    report_->say(fmt::format("nothing left to train: the checkpoint has all {} steps that {} "
+                             "plan (give more to train on)",
+                             planned_steps_, plan));
+}
 
 // DDP: what decides the math and the number of steps is the same on every rank; a rank started
 // with another --lr trained apart, one with another --epochs waited alone in an all-reduce until
@@ -168,21 +171,39 @@ nlohmann::json TrainLoop::run() {
   return m;
 }
 
+TrainLoop::Mark TrainLoop::mark() const {
+  return {Tracer::now_us(), Tracer::global().phase_totals_us(), totals_.samples,
+          totals_.steps_this_run};
+}
+
 void TrainLoop::run_epoch(int64_t epoch) {
-  Tracer& tracer = Tracer::global();
   const int64_t first = epoch == pos_.epoch ? pos_.batch_in_epoch : 0;
   sampler_->set_epoch(epoch);
   loader_->start_epoch(sampler_->indices(), epoch, first);
-  const int64_t t_epoch = Tracer::now_us();
-  const PhaseTotals phases_before = tracer.phase_totals_us();
-  const int64_t samples_before = totals_.samples, steps_before = totals_.steps_this_run;
-  // Where this epoch's per-step figures start counting: after the run's first step, if it is
-  // this epoch's and more follow (RunTotals::first_step).
-  struct {
-    int64_t t_us;
-    PhaseTotals phases;
-    int64_t samples, steps;
-  } steady = {t_epoch, phases_before, samples_before, steps_before};
+  const Mark start = mark();
+  Mark steady = start;  // where this epoch's per-step figures start counting
+  const int64_t b = train_batches(epoch, first, start, steady);
+  const bool complete = b >= per_epoch_;
+  pos_.epoch = complete ? epoch + 1 : epoch;
+  pos_.batch_in_epoch = complete ? 0 : b;
+  nlohmann::json e = epoch_summary(epoch, complete, start, steady);
+  totals_.train_seconds += e["seconds"].get<double>();
+  // An interrupted run stops at once: no evaluation (a resumed run evaluates this epoch).
+  if (c_.evaluate && !totals_.stop_signal) {
+    evaluate();
+    e["test_loss"] = totals_.test_loss;
+    e["test_accuracy"] = totals_.test_accuracy;
+  }
+  if (!c_.checkpoint_dir.empty() && report_->lead()) {
+    TraceSpan span("host", "checkpoint");
+    save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed, c_.batch_size);
+  }
+  report_->epoch_done(e, complete                ? "done"
+                         : totals_.stop_signal ? "interrupted"
+                                               : "ended (--max-steps)");
+}
+
+int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start, Mark& steady) {
   // Released one step later: a batch's release waits for its device copies (pinned buffers are
   // refilled), and by then they ran long ago, so the host stays a step ahead of the GPU.
   std::shared_ptr<Batch> previous;
@@ -212,9 +233,9 @@ void TrainLoop::run_epoch(int64_t epoch) {
     if (pos_.global_step % c_.log_every == 0 || last_step) log_step(epoch, b, last_step);
     if (totals_.steps_this_run == 1 && !last_step) {  // the steady steps start here
       engine_->synchronize();  // the first step's device work is the first step's time
-      FirstStep& f = totals_.first_step;
-      f = {true, (Tracer::now_us() - t_epoch) / 1e6, totals_.samples, tracer.phase_totals_us()};
-      steady = {Tracer::now_us(), f.phases, totals_.samples, totals_.steps_this_run};
+      steady = mark();
+      totals_.first_step = {true, (steady.t_us - start.t_us) / 1e6, totals_.samples,
+                            steady.phases};
     }
     if (interrupted) {
       stop_ = true;
@@ -226,41 +247,28 @@ void TrainLoop::run_epoch(int64_t epoch) {
   engine_->synchronize();
   previous.reset();
   report_->end_progress();
-  const double seconds = (Tracer::now_us() - t_epoch) / 1e6;
-  totals_.train_seconds += seconds;
-  const bool complete = b >= per_epoch_;
-  pos_.epoch = complete ? epoch + 1 : epoch;
-  pos_.batch_in_epoch = complete ? 0 : b;
-  const int64_t steps = totals_.steps_this_run - steps_before;
-  const int64_t samples = totals_.samples - samples_before;
-  const int64_t steady_steps = totals_.steps_this_run - steady.steps;
-  const double steady_seconds = (Tracer::now_us() - steady.t_us) / 1e6;
+  return b;
+}
+
+// The epoch's line in the metrics: its steps, samples and wall time, and the per-step figures
+// from `steady` on (the run's first step left out).
+nlohmann::json TrainLoop::epoch_summary(int64_t epoch, bool complete, const Mark& start,
+                                        const Mark& steady) const {
+  const Mark end = mark();
+  const int64_t steady_steps = end.steps - steady.steps;
+  const double steady_seconds = (end.t_us - steady.t_us) / 1e6;
   nlohmann::json e = {
       {"epoch", epoch + 1},
       {"complete", complete},
-      {"steps", steps},
+      {"steps", end.steps - start.steps},
       {"train_loss", totals_.final_loss},
-      {"samples", samples},
-      {"seconds", seconds},
-      {"samples_per_sec",
-       double(totals_.samples - steady.samples) / std::max(steady_seconds, 1e-9)},
+      {"samples", end.samples - start.samples},
+      {"seconds", (end.t_us - start.t_us) / 1e6},
+      {"samples_per_sec", double(end.samples - steady.samples) / std::max(steady_seconds, 1e-9)},
       {"ms_per_step", steady_steps > 0 ? 1e3 * steady_seconds / double(steady_steps) : 0.0},
-      {"phase_ms_per_step",
-       phase_ms_per_step(tracer.phase_totals_us(), steady.phases, steady_steps)}};
-  if (steady.steps != steps_before) e["first_step_seconds"] = totals_.first_step.seconds;
-  // An interrupted run stops at once: no evaluation (a resumed run evaluates this epoch).
-  if (c_.evaluate && !totals_.stop_signal) {
-    evaluate();
-    e["test_loss"] = totals_.test_loss;
-    e["test_accuracy"] = totals_.test_accuracy;
-  }
-  if (!c_.checkpoint_dir.empty() && report_->lead()) {
-    TraceSpan span("host", "checkpoint");
-    save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed, c_.batch_size);
-  }
-  report_->epoch_done(e, complete                ? "done"
-                         : totals_.stop_signal ? "interrupted"
-                                               : "ended (--max-steps)");
+      {"phase_ms_per_step", phase_ms_per_step(end.phases, steady.phases, steady_steps)}};
+  if (steady.steps != start.steps) e["first_step_seconds"] = totals_.first_step.seconds;
+  return e;
 }
 
 void TrainLoop::log_step(int64_t epoch, int64_t b, bool last_step) {

@@ -48,7 +48,20 @@ class TrainLoop {
  private:
   void agree_on_settings();
   void place_data();
+  void resume();
+  // Where the run stood at an instant: the per-step figures are differences of two of them.
+  struct Mark {
+    int64_t t_us = 0;
+    PhaseTotals phases;
+    int64_t samples = 0, steps = 0;
+  };
+  Mark mark() const;
   void run_epoch(int64_t epoch);
+  // Trains the epoch's batches from `first`; returns the position reached in the epoch. `steady`
+  // moves past the run's first step when that step is this epoch's and more follow.
+  int64_t train_batches(int64_t epoch, int64_t first, const Mark& start, Mark& steady);
+  nlohmann::json epoch_summary(int64_t epoch, bool complete, const Mark& start,
+                               const Mark& steady) const;
   void log_step(int64_t epoch, int64_t batch, bool last_step);
   void evaluate();
 
