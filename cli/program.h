@@ -59,8 +59,12 @@ inline size_t flag_distance(const std::string& a, const std::string& b) {
 // following arguments were not expected: cpu*2 --devics", or as "--replicas is required" when
 // the mistyped flag was a required one.
 inline std::string unknown_flag(const CLI::App& app) {
+  // A program that hands flags on (replica-launch's command, replica-dp-vs-ddp's replica-train
+  // flags) keeps them among the leftovers: they are not its to judge.
+  if (app.get_allow_extras() || app.get_prefix_command()) return "";
   for (const std::string& arg : app.remaining()) {
-    if (arg.rfind("--", 0) != 0 || arg == "--") continue;
+    if (arg == "--") break;
+    if (arg.rfind("--", 0) != 0) continue;
     const std::string name = arg.substr(0, arg.find('='));
     if (app.get_option_no_throw(name) != nullptr) continue;
     std::string best;
@@ -95,7 +99,11 @@ inline std::optional<int> parse_cli(CLI::App& app, int argc, char** argv) {
     std::printf("%s", app.help().c_str());
     return 0;
   } catch (const CLI::ParseError& e) {
-    if (const std::string unknown = unknown_flag(app); !unknown.empty())
+    // Leftovers explain only these two; a bad value (--epochs abc) is CLI11's own message.
+    const bool leftovers_matter = dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr ||
+                                  dynamic_cast<const CLI::RequiredError*>(&e) != nullptr;
+    if (const std::string unknown = leftovers_matter ? unknown_flag(app) : "";
+        !unknown.empty())
       throw UsageError(unknown + " (see --help)");
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');

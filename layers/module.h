@@ -3,7 +3,8 @@
 // keeps what its backward needs from the last forward, so one module instance serves one
 // replica. In evaluation mode (set_training(false)) it keeps nothing, so each activation is
 // freed once the next layer has read it, as under PyTorch's no_grad: evaluating a batch takes
-// a few activations' memory, not the whole network's. Composite modules call their children forward in order and backward in reverse.
+// a few activations' memory, not the whole network's. Composite modules call their children
+// forward in order and backward in reverse.
 //
 // Parameters are declared (name, shape, initialiser) at construction; Model::materialize then
 // makes every parameter a view into ONE flat value buffer and ONE flat gradient buffer.

@@ -32,7 +32,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Runs replica-train with `args`; its own output goes to `log`. Returns its metrics.
 // Runs `program args` with its output in `log`; returns its exit status and what it printed.
 std::pair<int, std::string> run_child(const std::string& program,
                                       const std::vector<std::string>& args,
@@ -73,12 +72,27 @@ void check_train_flags(const std::string& program, std::vector<std::string> args
     std::string line = last_line(text);
     const std::string own = "replica-train: error: ";
     if (line.rfind(own, 0) == 0) line = line.substr(own.size());
+    // A flag neither program has, closer to one of this program's than to replica-train's
+    // nearest: --step for --steps (replica-train would offer --seed).
+    if (line.rfind("unknown flag ", 0) == 0) {
+      const std::string flag = line.substr(13, line.find(' ', 13) - 13);
+      const size_t offered = line.find("did you mean ");
+      const std::string theirs =
+          offered == std::string::npos ? "" : line.substr(offered + 13, line.find('?', offered) -
+                                                                            offered - 13);
+      const size_t beat = theirs.empty() ? 3 : flag_distance(flag, theirs);
+      for (const char* mine : {"--steps", "--devices", "--keep-logs"})
+        if (flag_distance(flag, mine) < beat)
+          throw UsageError(fmt::format("unknown flag {} (did you mean {}?) (see --help)", flag,
+                                       mine));
+    }
     throw UsageError("for replica-train: " + line);
   }
   REPLICA_CHECK(code == 0, "replica-train {} --print-config failed: {}", args[0] + " " + args[1],
                 last_line(text));
 }
 
+// Runs replica-train with `args`; its own output goes to `log`. Returns its metrics.
 nlohmann::json run_train(const std::string& program, std::vector<std::string> args,
                          const std::string& log, const std::string& metrics) {
   args.insert(args.end(), {"--metrics-json", metrics});

@@ -567,10 +567,14 @@ TEST_CASE("replica-bench --json: a run adding rows waits for another writer of t
                                    "--threads-per-device 1 --json " + path;
   {
     std::ofstream script(tmp.str("holder.sh"));
-    script << "flock " << tmp.path.string() << " sh -c 'exec 3>>" << path
-           << R"(; sleep 4; printf "%s\n" "{\"mode\": \"held\"}" >&3')" << "\n";
+    // READY once the lock is held; the row goes in 5 s later, long after the benchmark (about
+    // a second) reached its append.
+    script << "flock " << tmp.path.string() << " sh -c 'exec 3>>" << path << "; touch "
+           << tmp.str("READY")
+           << R"(; sleep 5; printf "%s\n" "{\"mode\": \"held\"}" >&3')" << "\n";
   }
-  auto r = test::run("sh -c \"sh " + tmp.str("holder.sh") + " & sleep 1; " + cmd + "; wait\"",
+  auto r = test::run("sh -c \"sh " + tmp.str("holder.sh") + " & while [ ! -e " +
+                         tmp.str("READY") + " ]; do sleep 0.05; done; " + cmd + "; wait\"",
                      120);
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
   const auto rows = read_lines(path);

@@ -339,19 +339,23 @@ TEST_CASE("a run resumed from its checkpoint continues bit-identically") {
 }
 
 // --epochs and --max-steps count from the run's first step: a resumed run that has them all
-// says so (exit 0, no empty table), one told to stop before the checkpoint's step is refused.
+// says so and evaluates the model (exit 0, no empty table; a run stopped during its last step
+// saved it unevaluated), one told to stop before the checkpoint's step is refused.
 TEST_CASE("resume at or past the end of the planned run") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 128, 32);  // 4 steps per epoch at batch 32
   const std::string base = "--data " + tmp.str("data") + " --batch-size 32 --no-eval " +
                            "--checkpoint " + tmp.str("ck");
   REQUIRE(run(kTrain + " " + base + " --quiet").exit_code == 0);
-  auto again = run(kTrain + " " + base + " --resume");
+  const std::string evaluated = "--data " + tmp.str("data") + " --batch-size 32 --checkpoint " +
+                                tmp.str("ck");
+  auto again = run(kTrain + " " + evaluated + " --resume");
   INFO(again.output);
   CHECK(again.exit_code == 0);
   CHECK(again.output.find("nothing left to train: the checkpoint has all 4 steps that --epochs 1 "
                           "plan") != std::string::npos);
   CHECK(again.output.find("train loss") == std::string::npos);
+  CHECK(again.output.find("\ntest accuracy 0.") != std::string::npos);
   expect_clean_error(base + " --resume --max-steps 2 --quiet",
                      "--resume: the checkpoint in " + tmp.str("ck") + " is at step 4, past the "
                      "2 steps that --epochs 1 --max-steps 2 plan");

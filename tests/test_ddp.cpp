@@ -38,7 +38,8 @@ TEST_CASE("collectives in closed form on 2, 3 and 4 ranks") {
   }
 }
 
-// The bench times what training runs (a persistent buffer) and checks every sum it made.
+// The bench's sums are right at every size (its speed is a measurement, not a test: see
+// bench/results/2026-11-25-cpu-user-walkthrough.md).
 TEST_CASE("replica-collectives --bench: every size summed right on 2 ranks") {
   if (!replica::gloo_available()) {
     MESSAGE("SKIPPED: this build has no Gloo");

@@ -150,4 +150,14 @@ TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are 
   CHECK(typo.exit_code == 2);
   CHECK(typo.output == "replica-dp-vs-ddp: error: for replica-train: unknown flag --device (did "
                        "you mean --devices?) (see --help)\n");
+  // Its own flags: a typo is offered its own nearest flag, a bad value is named as a bad value
+  // (not as the replica-train flags after it).
+  auto own = run(test::bin("replica-dp-vs-ddp") + " --step 10", 60);
+  CHECK(own.exit_code == 2);
+  CHECK(own.output == "replica-dp-vs-ddp: error: unknown flag --step (did you mean --steps?) "
+                      "(see --help)\n");
+  auto value = run(test::bin("replica-dp-vs-ddp") + " --steps abc -- --epochs 2", 60);
+  CHECK(value.exit_code == 2);
+  CHECK(value.output.find("--steps") != std::string::npos);
+  CHECK(value.output.find("unknown flag") == std::string::npos);
 }

@@ -87,6 +87,7 @@ void bench(ProcessGroup& pg, DeviceContext& ctx, int64_t min_bytes, int64_t max_
     // `t` is reused in the same role every iteration on every rank, as a gradient bucket is in
     // training: persistent, so the timed calls run the cached algorithm (Gloo registers a fresh
     // one's buffers with the transport on every call, which cost 20-40x the transfer here).
+    // Gloo keeps each size's algorithm, with its buffers, until the process ends.
     pg.allreduce_sum(ctx, t, /*persistent=*/true);  // warm-up (connections, algorithm objects)
     pg.synchronize(ctx);
     pg.barrier();

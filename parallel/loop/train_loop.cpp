@@ -161,6 +161,13 @@ nlohmann::json TrainLoop::run() {
   const bool finished = pos_.global_step >= planned_steps_;  // resumed at the end
   for (int64_t epoch = pos_.epoch; epoch < c_.epochs && !stop_ && !finished; ++epoch)
     run_epoch(epoch);
+  // A run stopped by a signal during its last step saved that step unevaluated: the resumed
+  // run has nothing to train and evaluates the trained model (every rank alike).
+  if (finished && c_.evaluate) {
+    evaluate();
+    report_->say(fmt::format("test accuracy {:.4f}  test loss {:.4f}", totals_.test_accuracy,
+                             totals_.test_loss));
+  }
   totals_.steps = pos_.global_step;
 
   report_->gather_ranks();      // every rank takes part
