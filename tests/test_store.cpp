@@ -328,7 +328,8 @@ TEST_CASE("tcp store: a port in use is a usage error that says what to do") {
   TcpStoreServer first("127.0.0.1", 0);
   std::string expected = "master port " + std::to_string(first.port()) +
                          " on 127.0.0.1 is already in use (address already in use): choose "
-                         "another --master-port";
+                         "another (replica-launch --master-port, MASTER_PORT, or the port of "
+                         "--init-method tcp://HOST:PORT)";
   try {
     TcpStoreServer second("127.0.0.1", first.port());
     FAIL("no error for a port in use");

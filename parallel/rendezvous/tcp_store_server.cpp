@@ -169,7 +169,8 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port) {
     close(fd);
     REPLICA_USAGE_CHECK(last_err != EADDRINUSE,
                         "master port {} on {} is already in use (address already in use): "
-                        "choose another --master-port",
+                        "choose another (replica-launch --master-port, MASTER_PORT, or the port "
+                        "of --init-method tcp://HOST:PORT)",
                         port, host.empty() ? "*" : host);
   }
   REPLICA_USAGE_CHECK(listen_fd_ >= 0, "cannot listen on {}:{} for the store ({})",
