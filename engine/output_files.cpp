@@ -1,6 +1,8 @@
 #include "engine/output_files.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -9,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "engine/error.h"
 
@@ -21,6 +24,24 @@ namespace {
 char g_temporary[4096];
 std::atomic<bool> g_writing{false};
 static_assert(std::atomic<bool>::is_always_lock_free, "read from a signal handler");
+
+// Holds an exclusive flock() on a directory while it lives: two processes that each read a
+// file and rename a new one over it take turns.
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const std::string& dir) : fd_(open(dir.c_str(), O_RDONLY | O_DIRECTORY)) {
+    while (fd_ >= 0 && flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+    }
+  }
+  ~DirectoryLock() {
+    if (fd_ >= 0) close(fd_);  // closing the descriptor releases the lock
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_;
+};
 
 }  // namespace
 
@@ -126,6 +147,22 @@ void write_file_atomically(const std::string& name, const std::string& text) {
   if (!ok) std::remove(tmp.c_str());
   clear_temporary();
   REPLICA_USAGE_CHECK(ok, "cannot write '{}': {}", name, std::strerror(err));
+}
+
+void append_file_atomically(const std::string& path, const std::string& text) {
+  const OutputTarget target = output_target(path);
+  const fs::path parent = fs::path(target.path).parent_path();
+  DirectoryLock lock(parent.empty() ? std::string(".") : parent.string());
+  std::string old;
+  if (!target.in_place && fs::exists(target.path)) {
+    std::ifstream in(target.path, std::ios::binary);
+    std::ostringstream read;
+    read << in.rdbuf();
+    REPLICA_USAGE_CHECK(in.good() || in.eof(), "cannot read '{}' to add to it", path);
+    old = read.str();
+    if (!old.empty() && old.back() != '\n') old += '\n';
+  }
+  write_file_atomically(path, old + text);
 }
 
 StagedDirectory::StagedDirectory(const std::string& dir) : dir_(dir) {

@@ -39,6 +39,12 @@ void remove_temporary_in_progress();  // from a signal handler
 // in place, for a device or pipe).
 void write_file_atomically(const std::string& path, const std::string& text);
 
+// Adds `text` after what `path` holds (a newline first where its last line has none): the old
+// lines and the new ones are written whole, like every output, so a full disk or a signal leaves
+// the file as it was, never with half a line added. A second process adding to the same file
+// (a sweep started in two terminals) waits for the first, so neither's lines are lost.
+void append_file_atomically(const std::string& path, const std::string& text);
+
 // A set of outputs in one directory written as one (replica-bench --report): they go into a
 // hidden staging directory inside `dir`, and commit() renames each into place. A failure or a
 // signal before commit() leaves every file of `dir` as it was (the staging directory is removed

@@ -1,10 +1,6 @@
 #include "tools/bench/rows.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdlib.h>
-#include <sys/file.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -106,37 +102,64 @@ std::pair<double, std::string> comm_time(const Measurement& m0, int n, bool ddp)
   return t;
 }
 
-}  // namespace
-
-nlohmann::json make_row(const Config& c, const ModelFacts& facts,
-                        const std::vector<Measurement>& ranks, const nlohmann::json& env) {
-  REPLICA_CHECK(!ranks.empty(), "no measurements for {} on {} devices", c.mode, c.devices.size());
+// The communication columns: what was sent (measured and by formula), how long it took and the
+// bandwidths that makes, with nccl-tests' definitions; DP's broadcast apart.
+nlohmann::json comm_fields(const Config& c, const ModelFacts& facts,
+                           const std::vector<Measurement>& ranks) {
   const int n = int(c.devices.size());
   const bool ddp = c.mode == "ddp";
   const Measurement& m0 = ranks[0];
-  const int64_t b = c.run.batch_per_device;
-  const std::vector<double> sps = window_throughput(ranks, n * b);
-  const double sps_med = median(sps);
-  const double ms_per_step = 1e3 * double(n * b) / sps_med;
-  const std::string track = primary_track(c);
-  const nlohmann::json phase_ms = primary_phases(m0, track, ms_per_step);
   const auto [comm_ms, comm_timing] = comm_time(m0, n, ddp);
   const double buffer_bytes = double(facts.params) * sizeof(float);
   const Collective coll = ddp ? Collective::AllReduce : Collective::Reduce;
   const int64_t formula = ddp ? ddp_comm_bytes(facts.params, n) : dp_comm_bytes(facts.params, n);
   int64_t comm_bytes = 0;
   for (const auto& r : ranks) comm_bytes = std::max(comm_bytes, r.comm_bytes);
+  auto nullable = [](bool ok, double v) { return ok ? nlohmann::json(v) : nlohmann::json(); };
+  const bool have_comm = n > 1 && comm_ms > 0;
+  nlohmann::json f = {
+      {"comm_collective", n > 1 ? nlohmann::json(collective_name(coll)) : nlohmann::json()},
+      {"comm_ms", comm_ms},
+      {"comm_timing", comm_timing},
+      {"comm_bytes", comm_bytes},
+      {"comm_bytes_formula", formula},
+      {"comm_bytes_formula_text",
+       ddp ? fmt::format("4 B x {} params (n > 1)", facts.params)
+           : fmt::format("(n-1) x 4 B x {} params", facts.params)},
+      {"comm_bytes_match", comm_bytes == formula},
+      {"buffer_bytes", buffer_bytes},
+      {"bus_factor", n > 1 ? nlohmann::json(bus_factor(coll, n)) : nlohmann::json()},
+      {"algbw_gbps", nullable(have_comm, algbw_gbps(buffer_bytes, comm_ms / 1e3))},
+      {"busbw_gbps", nullable(have_comm, busbw_gbps(coll, n, buffer_bytes, comm_ms / 1e3))},
+  };
+  if (!ddp) {
+    const double bc_ms = n > 1 ? get_ms(m0.track_ms, "*", "broadcast") : 0.0;
+    const double bc_bytes = double(facts.params + facts.buffer_elements) * sizeof(float);
+    f["broadcast_ms"] = bc_ms;
+    f["broadcast_bytes"] = int64_t(n - 1) * int64_t(bc_bytes);
+    f["broadcast_busbw_gbps"] =
+        nullable(n > 1 && bc_ms > 0, busbw_gbps(Collective::Broadcast, n, bc_bytes, bc_ms / 1e3));
+  }
+  return f;
+}
 
+}  // namespace
+
+nlohmann::json make_row(const Config& c, const ModelFacts& facts,
+                        const std::vector<Measurement>& ranks, const nlohmann::json& env) {
+  REPLICA_CHECK(!ranks.empty(), "no measurements for {} on {} devices", c.mode, c.devices.size());
+  const int n = int(c.devices.size());
+  const Measurement& m0 = ranks[0];
+  const int64_t b = c.run.batch_per_device;
+  const std::vector<double> sps = window_throughput(ranks, n * b);
+  const double sps_med = median(sps);
+  const double ms_per_step = 1e3 * double(n * b) / sps_med;
+  const std::string track = primary_track(c);
   nlohmann::json device_list = nlohmann::json::array();
   for (const auto& d : c.devices) device_list.push_back(d.str());
   nlohmann::json peaks = nlohmann::json::array();
   for (const auto& r : ranks)
     for (size_t p : r.peak_memory) peaks.push_back(p);
-  nlohmann::json rank_windows = nlohmann::json::array();
-  for (const auto& r : ranks) rank_windows.push_back(r.window_seconds);
-
-  auto nullable = [](bool ok, double v) { return ok ? nlohmann::json(v) : nlohmann::json(); };
-  const bool have_comm = n > 1 && comm_ms > 0;
   nlohmann::json row = {
       {"engine", "replica"},
       {"mode", c.mode},
@@ -160,41 +183,25 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"ms_per_step", ms_per_step},
       {"speedup", nullptr},
       {"efficiency", nullptr},
-      {"phase_ms", phase_ms},
+      {"phase_ms", primary_phases(m0, track, ms_per_step)},
       {"phase_track", track},
       {"tracks_ms", m0.track_ms},
-      {"comm_collective", n > 1 ? nlohmann::json(collective_name(coll)) : nlohmann::json()},
-      {"comm_ms", comm_ms},
-      {"comm_timing", comm_timing},
-      {"comm_bytes", comm_bytes},
-      {"comm_bytes_formula", formula},
-      {"comm_bytes_formula_text",
-       ddp ? fmt::format("4 B x {} params (n > 1)", facts.params)
-           : fmt::format("(n-1) x 4 B x {} params", facts.params)},
-      {"comm_bytes_match", comm_bytes == formula},
-      {"buffer_bytes", buffer_bytes},
-      {"bus_factor", n > 1 ? nlohmann::json(bus_factor(coll, n)) : nlohmann::json()},
-      {"algbw_gbps", nullable(have_comm, algbw_gbps(buffer_bytes, comm_ms / 1e3))},
-      {"busbw_gbps", nullable(have_comm, busbw_gbps(coll, n, buffer_bytes, comm_ms / 1e3))},
       {"bucket_bytes", facts.bucket_bytes},
       {"peak_memory_bytes", peaks},
       {"final_loss", m0.final_loss},
       {"load_avg_1m", load_now()},
       {"env", env},
   };
-  if (ddp) {
+  row.update(comm_fields(c, facts, ranks));
+  if (c.mode == "ddp") {
     // NCCL between ranks that share a GPU runs over sockets (parallel/comm/nccl_placement.h).
     row["backend"] = c.backend == "nccl" && devices_share_hardware(c.devices) ? "nccl-sockets"
                                                                                 : c.backend;
+    nlohmann::json rank_windows = nlohmann::json::array();
+    for (const auto& r : ranks) rank_windows.push_back(r.window_seconds);
     row["rank_window_seconds"] = rank_windows;
   } else {
     row["reduce"] = c.reduce;
-    const double bc_ms = n > 1 ? get_ms(m0.track_ms, "*", "broadcast") : 0.0;
-    const double bc_bytes = double(facts.params + facts.buffer_elements) * sizeof(float);
-    row["broadcast_ms"] = bc_ms;
-    row["broadcast_bytes"] = int64_t(n - 1) * int64_t(bc_bytes);
-    row["broadcast_busbw_gbps"] =
-        nullable(n > 1 && bc_ms > 0, busbw_gbps(Collective::Broadcast, n, bc_bytes, bc_ms / 1e3));
   }
   return row;
 }
@@ -257,44 +264,10 @@ std::string json_lines(const std::vector<nlohmann::json>& rows) {
   return text;
 }
 
-// Holds an exclusive flock() on a directory while it lives. Two benchmarks appending to one
-// file (a sweep started in two terminals) each read the old rows and rename a new file over
-// them; the lock makes the second wait for the first, so neither run's rows are lost.
-class DirectoryLock {
- public:
-  explicit DirectoryLock(const std::string& dir) : fd_(open(dir.c_str(), O_RDONLY | O_DIRECTORY)) {
-    while (fd_ >= 0 && flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
-    }
-  }
-  ~DirectoryLock() {
-    if (fd_ >= 0) close(fd_);  // closing the descriptor releases the lock
-  }
-  DirectoryLock(const DirectoryLock&) = delete;
-  DirectoryLock& operator=(const DirectoryLock&) = delete;
-
- private:
-  int fd_;
-};
-
 }  // namespace
 
-// The old lines and the new ones are written whole, as every output is: a full disk or a
-// signal leaves the file as it was, never with half a row appended. A second process appending
-// to the same file waits on the directory's lock.
 void append_rows(const std::string& path, const std::vector<nlohmann::json>& rows) {
-  std::string text;
-  const OutputTarget target = output_target(path);
-  const std::filesystem::path parent = std::filesystem::path(target.path).parent_path();
-  DirectoryLock lock(parent.empty() ? std::string(".") : parent.string());
-  if (!target.in_place && std::filesystem::exists(target.path)) {
-    std::ifstream in(target.path, std::ios::binary);
-    std::ostringstream old;
-    old << in.rdbuf();
-    REPLICA_USAGE_CHECK(in.good() || in.eof(), "cannot read '{}' to add rows to it", path);
-    text = old.str();
-    if (!text.empty() && text.back() != '\n') text += '\n';
-  }
-  write_file_atomically(path, text + json_lines(rows));
+  append_file_atomically(path, json_lines(rows));
 }
 
 void write_rows(const std::string& path, const std::vector<nlohmann::json>& rows) {
