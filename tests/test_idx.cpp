@@ -346,6 +346,12 @@ TEST_CASE("mnist: directory and file errors") {
   write_idx(swapped.file("train-images-idx3-ubyte"), {6}, pattern(6), false);
   write_idx(swapped.file("train-labels-idx1-ubyte"), {6, 2, 2}, pattern(24), false);
   CHECK(contains(error_of([&] { open_mnist(swapped.path.string(), true); }),
+                 "train-images-idx3-ubyte holds labels and " +
+                     swapped.file("train-labels-idx1-ubyte") +
+                     " holds images: the two files are swapped"));
+  // Labels where images belong, but no images among the labels: the shape is named.
+  write_idx(swapped.file("train-labels-idx1-ubyte"), {6}, pattern(6), false);
+  CHECK(contains(error_of([&] { open_mnist(swapped.path.string(), true); }),
                  "expected images [n, rows, cols]"));
 
   // A truncated file inside a dataset directory names that file.

@@ -213,6 +213,9 @@ std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float me
 
   IdxArray images = read_idx(img_path);
   IdxArray labels = read_idx(lbl_path);
+  if (images.dims.size() == 1 && labels.dims.size() == 3)
+    throw Error(fmt::format("{} holds labels and {} holds images: the two files are swapped",
+                            img_path, lbl_path));
   if (images.dims.size() != 3)
     throw Error(fmt::format("{}: expected images [n, rows, cols] (3 dimensions), found {} "
                             "dimensions",
