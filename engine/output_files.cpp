@@ -29,7 +29,8 @@ static_assert(std::atomic<bool>::is_always_lock_free, "read from a signal handle
 // file and rename a new one over it take turns.
 class DirectoryLock {
  public:
-  explicit DirectoryLock(const std::string& dir) : fd_(open(dir.c_str(), O_RDONLY | O_DIRECTORY)) {
+  explicit DirectoryLock(const std::string& dir)
+      : fd_(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
     while (fd_ >= 0 && flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
     }
   }

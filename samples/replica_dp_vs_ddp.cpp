@@ -72,17 +72,12 @@ void check_train_flags(const std::string& program, std::vector<std::string> args
     std::string line = last_line(text);
     const std::string own = "replica-train: error: ";
     if (line.rfind(own, 0) == 0) line = line.substr(own.size());
-    // A flag neither program has, closer to one of this program's than to replica-train's
-    // nearest: --step for --steps (replica-train would offer --seed).
+    // A flag neither program has, one edit from a flag only this program has: --step for
+    // --steps (--devices is replica-train's too, and its hint says so already).
     if (line.rfind("unknown flag ", 0) == 0) {
       const std::string flag = line.substr(13, line.find(' ', 13) - 13);
-      const size_t offered = line.find("did you mean ");
-      const std::string theirs =
-          offered == std::string::npos ? "" : line.substr(offered + 13, line.find('?', offered) -
-                                                                            offered - 13);
-      const size_t beat = theirs.empty() ? 3 : flag_distance(flag, theirs);
-      for (const char* mine : {"--steps", "--devices", "--keep-logs"})
-        if (flag_distance(flag, mine) < beat)
+      for (const char* mine : {"--steps", "--keep-logs"})
+        if (flag_distance(flag, mine) <= 1)
           throw UsageError(fmt::format("unknown flag {} (did you mean {}?) (see --help)", flag,
                                        mine));
     }
