@@ -14,75 +14,57 @@ std::unique_ptr<Conv2d> resnet_conv(int64_t in, int64_t out, int k, int stride, 
   return std::make_unique<Conv2d>(in, out, k, stride, pad, false, Init::normal(std));
 }
 
-// The shared shape of both blocks: body(x) + shortcut(x), then ReLU.
-Tensor residual_forward(DeviceContext& ctx, Sequential& body, Sequential* downsample,
-                        ReLU& relu, const Tensor& x) {
-  Tensor out = body.forward(ctx, x);
-  Tensor shortcut = downsample ? downsample->forward(ctx, x) : x;
-  ctx.ops().add(ctx, out, shortcut, 1.f);
-  return relu.forward(ctx, out);
+}  // namespace
+
+ResidualBlock::ResidualBlock() { body_ = &add_child("", std::make_unique<Sequential>()); }
+
+void ResidualBlock::add_shortcut(int64_t in, int64_t out, int stride) {
+  if (stride != 1 || in != out) {
+    downsample_ = &add_child("downsample", std::make_unique<Sequential>());
+    downsample_->add("0", resnet_conv(in, out, 1, stride, 0));
+    downsample_->add("1", std::make_unique<BatchNorm2d>(out));
+  }
+  out_relu_ = &add_child("relu_out", std::make_unique<ReLU>());
 }
 
-Tensor residual_backward(DeviceContext& ctx, Sequential& body, Sequential* downsample,
-                         ReLU& relu, const Tensor& dy) {
-  Tensor dsum = relu.backward(ctx, dy);
+Shape ResidualBlock::output_shape(const Shape& in) const { return body_->output_shape(in); }
+
+Tensor ResidualBlock::forward(DeviceContext& ctx, const Tensor& x) {
+  Tensor out = body_->forward(ctx, x);
+  Tensor shortcut = downsample_ ? downsample_->forward(ctx, x) : x;
+  ctx.ops().add(ctx, out, shortcut, 1.f);
+  return out_relu_->forward(ctx, out);
+}
+
+Tensor ResidualBlock::backward(DeviceContext& ctx, const Tensor& dy) {
+  Tensor dsum = out_relu_->backward(ctx, dy);
   // The downsample branch runs last in forward, so its backward goes first (reverse order).
-  Tensor dshort = downsample ? downsample->backward(ctx, dsum) : dsum;
-  Tensor dx = body.backward(ctx, dsum);
+  Tensor dshort = downsample_ ? downsample_->backward(ctx, dsum) : dsum;
+  Tensor dx = body_->backward(ctx, dsum);
   ctx.ops().add(ctx, dx, dshort, 1.f);
   return dx;
 }
 
-}  // namespace
-
 BasicBlock::BasicBlock(int64_t in, int64_t planes, int stride) {
   // Children registered in torchvision's order: conv1, bn1, conv2, bn2, downsample.
-  body_ = &add_child("", std::make_unique<Sequential>());
-  body_->add("conv1", resnet_conv(in, planes, 3, stride, 1));
-  body_->add("bn1", std::make_unique<BatchNorm2d>(planes));
-  body_->add("relu", std::make_unique<ReLU>());
-  body_->add("conv2", resnet_conv(planes, planes, 3, 1, 1));
-  body_->add("bn2", std::make_unique<BatchNorm2d>(planes));
-  if (stride != 1 || in != planes * kExpansion) {
-    downsample_ = &add_child("downsample", std::make_unique<Sequential>());
-    downsample_->add("0", resnet_conv(in, planes * kExpansion, 1, stride, 0));
-    downsample_->add("1", std::make_unique<BatchNorm2d>(planes * kExpansion));
-  }
-  out_relu_ = &add_child("relu_out", std::make_unique<ReLU>());
-}
-
-Shape BasicBlock::output_shape(const Shape& in) const { return body_->output_shape(in); }
-Tensor BasicBlock::forward(DeviceContext& ctx, const Tensor& x) {
-  return residual_forward(ctx, *body_, downsample_, *out_relu_, x);
-}
-Tensor BasicBlock::backward(DeviceContext& ctx, const Tensor& dy) {
-  return residual_backward(ctx, *body_, downsample_, *out_relu_, dy);
+  body().add("conv1", resnet_conv(in, planes, 3, stride, 1));
+  body().add("bn1", std::make_unique<BatchNorm2d>(planes));
+  body().add("relu", std::make_unique<ReLU>());
+  body().add("conv2", resnet_conv(planes, planes, 3, 1, 1));
+  body().add("bn2", std::make_unique<BatchNorm2d>(planes));
+  add_shortcut(in, planes * kExpansion, stride);
 }
 
 Bottleneck::Bottleneck(int64_t in, int64_t planes, int stride) {
-  body_ = &add_child("", std::make_unique<Sequential>());
-  body_->add("conv1", resnet_conv(in, planes, 1, 1, 0));
-  body_->add("bn1", std::make_unique<BatchNorm2d>(planes));
-  body_->add("relu1", std::make_unique<ReLU>());
-  body_->add("conv2", resnet_conv(planes, planes, 3, stride, 1));
-  body_->add("bn2", std::make_unique<BatchNorm2d>(planes));
-  body_->add("relu2", std::make_unique<ReLU>());
-  body_->add("conv3", resnet_conv(planes, planes * kExpansion, 1, 1, 0));
-  body_->add("bn3", std::make_unique<BatchNorm2d>(planes * kExpansion));
-  if (stride != 1 || in != planes * kExpansion) {
-    downsample_ = &add_child("downsample", std::make_unique<Sequential>());
-    downsample_->add("0", resnet_conv(in, planes * kExpansion, 1, stride, 0));
-    downsample_->add("1", std::make_unique<BatchNorm2d>(planes * kExpansion));
-  }
-  out_relu_ = &add_child("relu_out", std::make_unique<ReLU>());
-}
-
-Shape Bottleneck::output_shape(const Shape& in) const { return body_->output_shape(in); }
-Tensor Bottleneck::forward(DeviceContext& ctx, const Tensor& x) {
-  return residual_forward(ctx, *body_, downsample_, *out_relu_, x);
-}
-Tensor Bottleneck::backward(DeviceContext& ctx, const Tensor& dy) {
-  return residual_backward(ctx, *body_, downsample_, *out_relu_, dy);
+  body().add("conv1", resnet_conv(in, planes, 1, 1, 0));
+  body().add("bn1", std::make_unique<BatchNorm2d>(planes));
+  body().add("relu1", std::make_unique<ReLU>());
+  body().add("conv2", resnet_conv(planes, planes, 3, stride, 1));
+  body().add("bn2", std::make_unique<BatchNorm2d>(planes));
+  body().add("relu2", std::make_unique<ReLU>());
+  body().add("conv3", resnet_conv(planes, planes * kExpansion, 1, 1, 0));
+  body().add("bn3", std::make_unique<BatchNorm2d>(planes * kExpansion));
+  add_shortcut(in, planes * kExpansion, stride);
 }
 
 namespace {

@@ -7,37 +7,42 @@
 
 namespace replica {
 
-// out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)); 3x3 convs, expansion 1.
-class BasicBlock : public Module {
+// out = relu(body(x) + shortcut(x)), the shape both blocks share. The shortcut is x itself, or a
+// strided 1x1 conv + BatchNorm ("downsample") where the block changes resolution or channels.
+class ResidualBlock : public Module {
+ public:
+  Tensor forward(DeviceContext& ctx, const Tensor& x) override;
+  Tensor backward(DeviceContext& ctx, const Tensor& dy) override;
+  Shape output_shape(const Shape& in) const override;
+
+ protected:
+  ResidualBlock();
+  // Called by a block's constructor after it filled body(): registers downsample and the last
+  // ReLU after the body, torchvision's order, so parameters map one to one.
+  void add_shortcut(int64_t in, int64_t out, int stride);
+  Sequential& body() { return *body_; }
+
+ private:
+  Sequential* body_;
+  Sequential* downsample_ = nullptr;
+  ReLU* out_relu_ = nullptr;
+};
+
+// body = bn2(conv2(relu(bn1(conv1(x))))); 3x3 convs, expansion 1.
+class BasicBlock : public ResidualBlock {
  public:
   static constexpr int kExpansion = 1;
   BasicBlock(int64_t in, int64_t planes, int stride);
   std::string type() const override { return "BasicBlock"; }
-  Tensor forward(DeviceContext& ctx, const Tensor& x) override;
-  Tensor backward(DeviceContext& ctx, const Tensor& dy) override;
-  Shape output_shape(const Shape& in) const override;
-
- private:
-  Sequential* body_;
-  Sequential* downsample_ = nullptr;
-  ReLU* out_relu_;
 };
 
-// out = relu(bn3(conv3(relu(bn2(conv2(relu(bn1(conv1(x))))))) + shortcut(x));
+// body = bn3(conv3(relu(bn2(conv2(relu(bn1(conv1(x)))))));
 // 1x1 -> 3x3 (stride here, as torchvision v1.5) -> 1x1 with 4x expansion.
-class Bottleneck : public Module {
+class Bottleneck : public ResidualBlock {
  public:
   static constexpr int kExpansion = 4;
   Bottleneck(int64_t in, int64_t planes, int stride);
   std::string type() const override { return "Bottleneck"; }
-  Tensor forward(DeviceContext& ctx, const Tensor& x) override;
-  Tensor backward(DeviceContext& ctx, const Tensor& dy) override;
-  Shape output_shape(const Shape& in) const override;
-
- private:
-  Sequential* body_;
-  Sequential* downsample_ = nullptr;
-  ReLU* out_relu_;
 };
 
 // ResNet with `blocks` per stage. in_channels 3 for ImageNet-style 224x224 input; the
