@@ -8,8 +8,9 @@ short summary (OUT/PART/summary.md):
                                                      # and over NCCL, one device; accuracies within
                                                      # 0.5 points of each other
     python3 tools/gpu_checks.py overlap --out OUT    # DP on 2 and 4 logical devices and NCCL DDP on
-                                                     # 2: traces (reduce/all-reduce started during
-                                                     # backward, tools/trace_overlap.py) and DP's
+                                                     # 2: ResNet-18 traces (reduce/all-reduce
+                                                     # started during backward,
+                                                     # tools/trace_overlap.py) and DP's CNN
                                                      # samples/s at 1, 2, 4 devices
     python3 tools/gpu_checks.py report --out OUT     # replica-bench --report on 1, 2, 4 logical
                                                      # devices, DDP over Gloo and over NCCL, with
@@ -140,10 +141,13 @@ def overlap(p):
                                      "--backend", "nccl"]))
     else:
         cases.append(("ddp-gloo-2", ["--mode", "ddp", "--devices", p.devices(2)]))
+    # ResNet-18, not the CNN: the CNN's 0.11M parameters fill one bucket, which can only start
+    # once backward is over; ResNet-18's 11M fill three (1 MB first, then 25 MB), so a bucket
+    # launched while backward still runs shows in the trace.
     for name, flags in cases:
         trace = os.path.join(p.dir, name + ".json")
-        p.run(name, [p.bin("replica-train"), "--batch-per-device", "64", "--max-steps", steps,
-                     "--no-eval", "--trace", trace] + flags)
+        p.run(name, [p.bin("replica-train"), "--model", "resnet18", "--batch-per-device", "64",
+                     "--max-steps", steps, "--no-eval", "--trace", trace] + flags)
         code, out = p.run(name + "-overlap", [sys.executable, os.path.join(HERE, "trace_overlap.py"),
                                               trace, "--require-overlap"])
         p.note(f"{name}:\n```text\n{out.strip()}\n```")
