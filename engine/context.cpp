@@ -137,7 +137,7 @@ StreamEvent::~StreamEvent() { cudart::event_destroy(event_); }
 
 void StreamEvent::record(DeviceContext& ctx) {
   if (!ctx.is_cuda()) return;
-  if (!event_) event_ = cudart::event_create();
+  if (!event_) event_ = cudart::event_create(ctx.cuda());
   cudart::event_record(ctx.cuda(), event_);
   recorded_ = true;
 }

@@ -74,7 +74,7 @@ void* malloc_pinned(size_t bytes) { return api().malloc_pinned(bytes); }
 CudaState* create_state(const Device& device, const ContextOptions& options) {
   return api().create_state(device, options);
 }
-void* event_create() { return api().event_create(); }
+void* event_create(CudaState* state) { return api().event_create(state); }
 void event_record(CudaState* state, void* event) { api().event_record(state, event); }
 void stream_wait_event(CudaState* state, void* event) { api().stream_wait_event(state, event); }
 void event_synchronize(void* event) { api().event_synchronize(event); }

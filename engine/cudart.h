@@ -39,7 +39,7 @@ void destroy_state(CudaState* state);
 void synchronize(CudaState* state);  // cudaStreamSynchronize on the context's stream
 
 // Events order work across streams (and devices) without a host sync.
-void* event_create();              // timing disabled
+void* event_create(CudaState* state);  // on the state's device, timing disabled
 void event_destroy(void* event);   // never throws
 void event_record(CudaState* state, void* event);       // on the state's stream
 void stream_wait_event(CudaState* state, void* event);  // the state's stream waits for it
@@ -68,7 +68,7 @@ struct CudaPluginApi {
   CudaState* (*create_state)(const Device&, const ContextOptions&);
   void (*destroy_state)(CudaState*);
   void (*synchronize)(CudaState*);
-  void* (*event_create)();
+  void* (*event_create)(CudaState*);
   void (*event_destroy)(void*);
   void (*event_record)(CudaState*, void*);
   void (*stream_wait_event)(CudaState*, void*);

@@ -78,7 +78,9 @@ TEST_CASE("DDP over NCCL on cuda:0*2 and cuda:0*3 equals one device, evaluation 
     CHECK(test::max_relative(reference, test::checkpoint_params(dir + "/checkpoint.safetensors")) <=
           1e-4);
     const auto m = test::read_json(metrics);
-    CHECK(m["test_accuracy"] == ref_metrics["test_accuracy"]);
+    // Parameters within 1e-4 can still tip a near-tied logit: one of the 96 test samples.
+    CHECK(std::fabs(m["test_accuracy"].get<double>() - ref_metrics["test_accuracy"].get<double>()) <=
+          1.0 / 96 + 1e-9);
     CHECK(std::fabs(m["test_loss"].get<double>() - ref_metrics["test_loss"].get<double>()) <=
           1e-4);
     CHECK(m["devices_share_gpu"] == true);

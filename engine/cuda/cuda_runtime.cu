@@ -230,8 +230,11 @@ CudaState* create_state(const Device& device, const ContextOptions& options) {
     REPLICA_CUBLAS_CHECK(cublasSetStream(s->cublas, s->stream));
     // fp32: no tensor-op math, so GEMMs match the CPU (PyTorch: matmul.allow_tf32 = False).
     // tf32: cublasSgemm may round its inputs to TF32 (PyTorch: matmul.allow_tf32 = True).
-    REPLICA_CUBLAS_CHECK(
-        cublasSetMathMode(s->cublas, tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    // Either way a bf16 GEMM sums in fp32 to the end: without the flag cuBLAS may add split-K
+    // partial sums in bf16, which the CPU's bf16 (fp32 sums, one rounding) does not.
+    const int math = (tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH) |
+                     CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
+    REPLICA_CUBLAS_CHECK(cublasSetMathMode(s->cublas, static_cast<cublasMath_t>(math)));
     REPLICA_CUDNN_CHECK(cudnnCreate(&s->cudnn));
     REPLICA_CUDNN_CHECK(cudnnSetStream(s->cudnn, s->stream));
     if (options.reserve_workspace) cuda_workspace(*s, size_t(64) << 20);
@@ -249,7 +252,10 @@ void synchronize(CudaState* state) {
   REPLICA_CUDA_CHECK(cudaStreamSynchronize(state->stream));
 }
 
-void* event_create() {
+// An event belongs to the device current when it is made, and can only be recorded on that
+// device's streams: made under the state's device, whichever thread asks.
+void* event_create(CudaState* state) {
+  DeviceGuard guard(state->ordinal);
   cudaEvent_t e = nullptr;
   REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   return e;

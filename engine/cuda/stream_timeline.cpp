@@ -61,7 +61,10 @@ void StreamTimeline::poll() noexcept {
   try {
     while (!pending_.empty()) {
       const cudaError_t q = cudaEventQuery(pending_.front().end);
-      if (q == cudaErrorNotReady) return;
+      if (q == cudaErrorNotReady) {
+        (void)cudaGetLastError();  // "not yet" is no error: the next launch check must not see it
+        return;
+      }
       REPLICA_CUDA_CHECK(q);
       resolve(pending_.front());
       pending_.pop_front();

@@ -1,5 +1,6 @@
 #include "engine/data/loader.h"
 
+#include <algorithm>
 #include <climits>
 #include <condition_variable>
 #include <deque>
@@ -101,16 +102,19 @@ struct Loader::State {
 
 void PendingCopies::add(DeviceContext& ctx) {
   if (!ctx.is_cuda()) return;
-  auto e = std::make_unique<StreamEvent>();
-  e->record(ctx);
   std::lock_guard<std::mutex> lock(mutex_);
-  events_.push_back(std::move(e));
+  auto it = std::find_if(events_.begin(), events_.end(), [&](const Copies& c) {
+    return c.ctx == &ctx && c.device == ctx.device();
+  });
+  if (it == events_.end())
+    it = events_.insert(events_.end(), {&ctx, ctx.device(), std::make_unique<StreamEvent>()});
+  it->done->record(ctx);
 }
 
 void PendingCopies::wait() {
+  // The events stay, to be recorded again when the buffer is refilled and copied.
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& e : events_) e->host_wait();
-  events_.clear();
+  for (auto& c : events_) c.done->host_wait();
 }
 
 Batch read_batch(const Dataset& data, const std::vector<int64_t>& indices, Allocator& alloc) {

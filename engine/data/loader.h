@@ -24,13 +24,21 @@ namespace replica {
 
 // Device copies that may still be reading a batch's host memory: on a GPU a host->device copy
 // from pinned memory is asynchronous, so the buffer must not be refilled until it has run.
+// One event per context, recorded again at each copy: a stream runs in order, so its latest
+// copy covers the earlier ones, and a batch used for many steps (replica-bench's) holds no more
+// events than it has devices.
 class PendingCopies {
  public:
   void add(DeviceContext& ctx);  // after enqueueing a copy on ctx's stream (no-op on CPU)
   void wait();                   // the host waits for every copy added
  private:
+  struct Copies {
+    const DeviceContext* ctx;  // compared only, with its device: a context made later at
+    Device device;             // the same address on another GPU needs an event of its own
+    std::unique_ptr<StreamEvent> done;
+  };
   std::mutex mutex_;  // DP's workers copy their chunks from one batch at once
-  std::vector<std::unique_ptr<StreamEvent>> events_;
+  std::vector<Copies> events_;
 };
 
 struct Batch {

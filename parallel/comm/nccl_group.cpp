@@ -247,6 +247,7 @@ class NcclGroup final : public ProcessGroup {
       cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) REPLICA_CUDA_CHECK(q);
+      (void)cudaGetLastError();  // "not yet" is no error: the next launch check must not see it
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
       if (state != ncclSuccess && state != ncclInProgress)
