@@ -80,19 +80,20 @@ void bench(ProcessGroup& pg, DeviceContext& ctx, int64_t min_bytes, int64_t max_
   if (pg.rank() == 0)
     std::printf("%12s %12s %10s %10s %10s %7s\n", "bytes", "floats", "time_us", "algbw_GBs",
                 "busbw_GBs", "#wrong");
-  for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
+  int slot = 0;  // a persistent buffer per size
+  for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2, ++slot) {
     const int64_t count = std::max<int64_t>(1, bytes / 4);
     Tensor t = ctx.alloc({count});
     ctx.ops().fill(ctx, t, 1.f);
     // `t` is reused in the same role every iteration on every rank, as a gradient bucket is in
-    // training: persistent, so the timed calls run the cached algorithm (Gloo registers a fresh
-    // one's buffers with the transport on every call, which cost 20-40x the transfer here).
+    // training: a persistent slot, so the timed calls run the cached algorithm (Gloo registers
+    // a fresh one's buffers with the transport on every call: 20-40x the transfer here).
     // Gloo keeps each size's algorithm, with its buffers, until the process ends.
-    pg.allreduce_sum(ctx, t, /*persistent=*/true);  // warm-up (connections, algorithm objects)
+    pg.allreduce_sum(ctx, t, slot);  // warm-up (connections, algorithm objects)
     pg.synchronize(ctx);
     pg.barrier();
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters; ++i) pg.allreduce_sum(ctx, t, /*persistent=*/true);
+    for (int i = 0; i < iters; ++i) pg.allreduce_sum(ctx, t, slot);
     pg.synchronize(ctx);
     const double us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /

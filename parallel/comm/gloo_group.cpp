@@ -81,10 +81,10 @@ class GlooGroup final : public ProcessGroup {
 
   std::string backend() const override { return "gloo"; }
 
-  void allreduce_sum(DeviceContext& ctx, Tensor& t, bool persistent) override {
+  void allreduce_sum(DeviceContext& ctx, Tensor& t, int slot) override {
     if (t.numel() == 0) return;
     with_host_view(ctx, t, [&](float* p) {
-      if (!persistent) {
+      if (slot < 0) {
         // A fresh algorithm object takes the next slot on every rank alike.
         auto op = make_allreduce(p, t.numel());
         run("gloo all-reduce", [&] { op->run(); });

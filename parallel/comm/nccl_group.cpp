@@ -9,8 +9,10 @@
 // that stopped answering.
 //
 // Collectives run on a stream of the group's own: an event recorded on the caller's stream
-// orders each after the work that produced its input, and the caller's stream waits for them
-// only when it asks (stream_wait), so bucket all-reduces overlap the rest of backward. With
+// orders each after the work that produced its input (for a gradient bucket, the point its grad
+// hook marked with slot_written, not the later one where the communication thread launches it),
+// and the caller's stream waits for them only when it asks (stream_wait), so bucket
+// all-reduces overlap the rest of backward. With
 // --trace each collective is also timed on that stream (StreamTimeline, track "rankR cuda:K
 // nccl stream"), so the trace shows it beside the backward kernels.
 //
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "engine/cuda/cuda_check.h"
 #include "engine/cuda/stream_timeline.h"
@@ -72,12 +75,24 @@ class NcclGroup final : public ProcessGroup {
   }
   bool shared_gpu() const override { return shared_gpu_; }
 
-  void allreduce_sum(DeviceContext& ctx, Tensor& t, bool) override {
+  void allreduce_sum(DeviceContext& ctx, Tensor& t, int slot) override {
     if (t.numel() == 0) return;
     enqueue("nccl all-reduce", "allreduce", ctx, [&] {
       return ncclAllReduce(t.raw(), t.raw(), size_t(t.numel()), ncclFloat, ncclSum, comm_,
                            stream_);
-    });
+    }, slot);
+  }
+
+  // On the training thread, inside backward: its own lock, not mutex_, which the communication
+  // thread holds while NCCL settles a launch.
+  void slot_written(DeviceContext& ctx, int slot) override {
+    std::lock_guard<std::mutex> lock(written_mutex_);
+    ctx.activate();
+    if (size_t(slot) >= written_.size()) written_.resize(size_t(slot) + 1);
+    Written& w = written_[size_t(slot)];
+    if (!w.event) REPLICA_CUDA_CHECK(cudaEventCreateWithFlags(&w.event, cudaEventDisableTiming));
+    REPLICA_CUDA_CHECK(cudaEventRecord(w.event, cuda_state(ctx).stream));
+    w.marked = true;
   }
 
   void broadcast(DeviceContext& ctx, Tensor& t, int root) override {
@@ -97,6 +112,9 @@ class NcclGroup final : public ProcessGroup {
   std::vector<int64_t> all_gather(DeviceContext& ctx, const std::vector<int64_t>& mine) override {
     std::vector<int64_t> out(mine.size() * size_t(size_));
     if (mine.empty()) return out;
+    // A copy from pageable memory may wait for the stream with no timeout: what the stream
+    // waits for is first waited for here, timed.
+    wait_idle(nullptr);
     const int64_t words = int64_t(mine.size()) * 2;  // float-sized words of the F32 tensors
     Tensor host_in = Tensor::empty(host_allocator(), {words});
     Tensor host_out = Tensor::empty(host_allocator(), {words * size_});
@@ -115,6 +133,10 @@ class NcclGroup final : public ProcessGroup {
   }
 
   void stream_wait(DeviceContext& ctx) override {
+    {
+      std::lock_guard<std::mutex> lock(written_mutex_);
+      for (Written& w : written_) w.marked = false;  // a mark not used this step is stale
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (!enqueued_) return;
     ctx.activate();
@@ -188,22 +210,39 @@ class NcclGroup final : public ProcessGroup {
     }
     if (done_) cudaEventDestroy(done_);
     if (inputs_ready_) cudaEventDestroy(inputs_ready_);
+    for (Written& w : written_)
+      if (w.event) cudaEventDestroy(w.event);
+    written_.clear();
     if (stream_) cudaStreamDestroy(stream_);
     done_ = inputs_ready_ = nullptr;
     stream_ = nullptr;
   }
 
-  // Runs one NCCL call on the group's stream, after the work already on ctx's stream.
+  // Runs one NCCL call on the group's stream, after the work already on ctx's stream, or for a
+  // slot marked this step (slot_written), after the work up to that mark.
   template <class Call>
-  void enqueue(const char* what, const char* phase, DeviceContext& ctx, Call&& call) {
+  void enqueue(const char* what, const char* phase, DeviceContext& ctx, Call&& call,
+               int slot = -1) {
     std::lock_guard<std::mutex> lock(mutex_);
     REPLICA_CHECK(comm_ != nullptr, "{} on rank {}: the communicator was aborted by an earlier "
                   "failure", what, rank_);
     entering(what);
     last_ = what;
     ctx.activate();
-    REPLICA_CUDA_CHECK(cudaEventRecord(inputs_ready_, cuda_state(ctx).stream));
-    REPLICA_CUDA_CHECK(cudaStreamWaitEvent(stream_, inputs_ready_, 0));
+    cudaEvent_t mark = nullptr;
+    if (slot >= 0) {
+      std::lock_guard<std::mutex> written_lock(written_mutex_);
+      if (size_t(slot) < written_.size() && written_[size_t(slot)].marked) {
+        written_[size_t(slot)].marked = false;
+        mark = written_[size_t(slot)].event;
+      }
+    }
+    if (mark) {
+      REPLICA_CUDA_CHECK(cudaStreamWaitEvent(stream_, mark, 0));
+    } else {
+      REPLICA_CUDA_CHECK(cudaEventRecord(inputs_ready_, cuda_state(ctx).stream));
+      REPLICA_CUDA_CHECK(cudaStreamWaitEvent(stream_, inputs_ready_, 0));
+    }
     const bool timed = timeline_.begin(stream_);
     check(what, call(), true);
     if (timed) timeline_.end(stream_, phase);
@@ -276,6 +315,13 @@ class NcclGroup final : public ProcessGroup {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
+  // Per bucket slot: where backward finished writing it, if marked this step (slot_written).
+  struct Written {
+    cudaEvent_t event = nullptr;
+    bool marked = false;
+  };
+  std::vector<Written> written_;  // under written_mutex_
+  std::mutex written_mutex_;
   std::mutex mutex_;  // one NCCL call sequence at a time (reducer thread, training thread)
   bool enqueued_ = false;
   const char* last_ = "nccl collective";

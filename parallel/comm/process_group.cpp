@@ -17,7 +17,7 @@ class SingleProcessGroup final : public ProcessGroup {
  public:
   SingleProcessGroup() : ProcessGroup(GroupOptions{}, nullptr) {}
   std::string backend() const override { return "none"; }
-  void allreduce_sum(DeviceContext&, Tensor&, bool) override {}
+  void allreduce_sum(DeviceContext&, Tensor&, int) override {}
   void broadcast(DeviceContext&, Tensor&, int) override {}
   void barrier() override {}
   std::vector<int64_t> all_gather(DeviceContext&, const std::vector<int64_t>& mine) override {

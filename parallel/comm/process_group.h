@@ -47,9 +47,16 @@ class ProcessGroup {
   int size() const { return size_; }
 
   // t <- sum over ranks of t (in place), bit-identical on every rank. t lives on ctx's device.
-  // `persistent`: t's memory is reused in the same role every step on every rank (gradient
-  // buckets), so per-buffer setup may be cached.
-  virtual void allreduce_sum(DeviceContext& ctx, Tensor& t, bool persistent = false) = 0;
+  // `slot` >= 0: t is persistent buffer number `slot` (gradient bucket `slot`), its memory
+  // reused in the same role every step on every rank, so per-buffer setup may be cached; on a
+  // GPU the all-reduce waits for the point slot_written(ctx, slot) marked this step, if it did,
+  // else for all the work on ctx's stream when it is called.
+  virtual void allreduce_sum(DeviceContext& ctx, Tensor& t, int slot = -1) = 0;
+  // Backward has written bucket `slot` (from the grad hook, on ctx's thread). A GPU group keeps
+  // that point of ctx's stream: the bucket's all-reduce, launched from the communication thread
+  // a little later, then waits for no backward kernel queued since. No-op on Gloo, whose
+  // collectives run on the host once backward has handed the bucket over.
+  virtual void slot_written(DeviceContext& ctx, int slot) {}
   // t <- root's t.
   virtual void broadcast(DeviceContext& ctx, Tensor& t, int root) = 0;
   // Returns when every rank has arrived (host-blocking, with the timeout).

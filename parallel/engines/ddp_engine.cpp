@@ -43,9 +43,9 @@ class DdpEngine final : public TrainEngine {
             ctx_.activate();
             const Bucket& bucket = reducer_->buckets()[b];
             Tensor view = model_->flat_grads().view(bucket.offset, {bucket.numel});
-            group_->allreduce_sum(ctx_, view, /*persistent=*/true);
+            group_->allreduce_sum(ctx_, view, /*slot=*/b);
           },
-          "wait_allreduce");
+          "wait_allreduce", [this](int, int b) { group_->slot_written(ctx_, b); });
       model_->set_grad_hook(
           [this](const std::vector<Param*>& ready) { reducer_->on_ready(0, ready); });
       agree_on_model();
@@ -136,16 +136,21 @@ class DdpEngine final : public TrainEngine {
   }
 
   // Sums each rank's evaluation totals, so every rank reports the same metrics.
+  // On a GPU a copy to or from pageable host memory blocks the host until the stream gets
+  // there, with no timeout; so the collectives the stream waits for (the step's buckets, then
+  // this all-reduce) are first waited for by the group, which times out and names a stopped
+  // peer instead of hanging.
   void reduce_metrics(std::vector<double>& values) override {
     if (group_->size() <= 1 || values.empty()) return;
     ctx_.run([&] {
+      group_->synchronize(ctx_);
       Tensor host = Tensor::empty(host_allocator(), {int64_t(values.size())});
       for (size_t i = 0; i < values.size(); ++i) host.f32()[i] = float(values[i]);
       Tensor dev = batch_to_device(ctx_, host);
       group_->allreduce_sum(ctx_, dev);
+      group_->synchronize(ctx_);
       group_->stream_wait(ctx_);
       ctx_.ops().copy(ctx_, host, dev);
-      group_->synchronize(ctx_);
       ctx_.synchronize();
       for (size_t i = 0; i < values.size(); ++i) values[i] = host.f32()[i];
     });
@@ -192,15 +197,16 @@ class DdpEngine final : public TrainEngine {
   // rank's bit for bit after every step.
   void verify_in_sync() {
     if (group_->size() <= 1) return;
+    group_->synchronize(ctx_);  // timed waits before the untimed pageable copies (reduce_metrics)
     Tensor mine = Tensor::empty(host_allocator(), {model_->num_params()});
     Tensor theirs = ctx_.alloc({model_->num_params()});
     ctx_.ops().copy(ctx_, theirs, model_->flat_params());
     group_->broadcast(ctx_, theirs, 0);
+    group_->synchronize(ctx_);
     group_->stream_wait(ctx_);
     Tensor host = Tensor::empty(host_allocator(), {model_->num_params()});
     ctx_.ops().copy(ctx_, mine, model_->flat_params());
     ctx_.ops().copy(ctx_, host, theirs);
-    group_->synchronize(ctx_);
     ctx_.synchronize();
     REPLICA_CHECK(std::memcmp(mine.raw(), host.raw(), mine.bytes()) == 0,
                   "rank {}: parameters differ from rank 0's after step {}", group_->rank(),

@@ -132,12 +132,13 @@ nlohmann::json allreduce_sweep(ProcessGroup& group, DeviceContext& ctx,
     const int iters = int(std::clamp<int64_t>((int64_t(16) << 20) / size, 3, 50));
     std::vector<double> runs;
     ctx.run([&] {
-      group.allreduce_sum(ctx, t, true);  // warm-up: connections, algorithm objects
+      const int slot = int(keep.size()) - 1;  // a persistent buffer per size
+      group.allreduce_sum(ctx, t, slot);  // warm-up: connections, algorithm objects
       group.synchronize(ctx);
       for (int r = 0; r < 3; ++r) {
         group.barrier();
         const auto t0 = Clock::now();
-        for (int i = 0; i < iters; ++i) group.allreduce_sum(ctx, t, true);
+        for (int i = 0; i < iters; ++i) group.allreduce_sum(ctx, t, slot);
         group.synchronize(ctx);
         ctx.synchronize();
         runs.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / iters);
