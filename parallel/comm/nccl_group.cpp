@@ -257,21 +257,10 @@ class NcclGroup final : public ProcessGroup {
     if (r == ncclSuccess) return;
     if (r != ncclInProgress || !comm_known || !comm_)
       abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(r), last_error()));
-    const auto budget = limit.count() ? limit : timeout_;
-    const auto deadline = Clock::now() + budget;
-    auto nap = std::chrono::microseconds(20);
-    for (;;) {
-      ncclResult_t state = ncclSuccess;
-      ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
-      if (q != ncclSuccess) state = q;
-      if (state == ncclSuccess) return;
-      if (state != ncclInProgress)
-        abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(state), last_error()));
-      if (Clock::now() > deadline)
-        abort_and_fail(what, fmt::format("not settled after {:.1f} s", budget.count() / 1000.0));
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, kLongestNap);
-    }
+    poll(what, limit.count() ? limit : timeout_, "not settled", [&] {
+      ncclResult_t state = ncclInProgress;
+      return ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclSuccess;
+    });
   }
 
   // Host wait for the group's stream, watching NCCL's asynchronous errors and the timeout;
@@ -279,23 +268,28 @@ class NcclGroup final : public ProcessGroup {
   void wait_idle(const char* what) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!comm_ || !enqueued_) return;
-    if (!what) what = last_;
-    const auto deadline = Clock::now() + timeout_;
-    auto nap = std::chrono::microseconds(20);
-    for (;;) {
-      cudaError_t q = cudaStreamQuery(stream_);
-      if (q == cudaSuccess) return;
+    poll(what ? what : last_, timeout_, "not finished", [&] {
+      const cudaError_t q = cudaStreamQuery(stream_);
       if (q != cudaErrorNotReady) REPLICA_CUDA_CHECK(q);
       (void)cudaGetLastError();  // "not yet" is no error: the next launch check must not see it
+      return q == cudaSuccess;
+    });
+  }
+
+  // Polls until `done()`, with naps growing to kLongestNap; an asynchronous NCCL error, or the
+  // budget spent (`late` says what was not), aborts the communicator and fails.
+  template <class Done>
+  void poll(const char* what, std::chrono::milliseconds budget, const char* late, Done done) {
+    const auto deadline = Clock::now() + budget;
+    for (auto nap = std::chrono::microseconds(20); !done(); nap = std::min(nap * 2, kLongestNap)) {
       ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &state);
+      const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+      if (q != ncclSuccess) state = q;
       if (state != ncclSuccess && state != ncclInProgress)
         abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(state), last_error()));
       if (Clock::now() > deadline)
-        abort_and_fail(what, fmt::format("not finished after {:.1f} s",
-                                         timeout_.count() / 1000.0));
+        abort_and_fail(what, fmt::format("{} after {:.1f} s", late, budget.count() / 1000.0));
       std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, kLongestNap);
     }
   }
 
