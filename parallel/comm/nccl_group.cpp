@@ -1,20 +1,17 @@
 // The NCCL process group, inside libreplica_nccl.so (with local_nccl.cpp).
 //
 // Communicators are non-blocking (config.blocking = 0), so a missing or stopped peer ends in a
-// timeout rather than a hang. NCCL's contract for them: any call may return ncclInProgress,
-// which is not an error but "not settled yet"; the communicator must then be polled with
-// ncclCommGetAsyncError until it reports success or a real error, before the next NCCL call or
-// stream work. check() does that for every call, bounded by the group's timeout, then aborts
-// the communicator and fails naming the rank, the call and (through the peer monitor) the rank
-// that stopped answering.
+// timeout rather than a hang. NCCL's contract for them: any call may return ncclInProgress ("not
+// settled yet"); the communicator must then be polled with ncclCommGetAsyncError until success
+// or a real error, before the next NCCL call or stream work. check() does that for every call,
+// bounded by the timeout, then aborts the communicator and fails naming the rank, the call and
+// (through the peer monitor) the rank that stopped answering.
 //
-// Collectives run on a stream of the group's own: an event recorded on the caller's stream
-// orders each after the work that produced its input (for a gradient bucket, the point its grad
-// hook marked with slot_written, not the later one where the communication thread launches it),
-// and the caller's stream waits for them only when it asks (stream_wait), so bucket
-// all-reduces overlap the rest of backward. With
-// --trace each collective is also timed on that stream (StreamTimeline, track "rankR cuda:K
-// nccl stream"), so the trace shows it beside the backward kernels.
+// Collectives run on a stream of the group's own, after an event on the caller's stream (for a
+// gradient bucket, the point its grad hook marked with slot_written, not the later one where the
+// communication thread launches it); the caller's stream waits for them only when it asks
+// (stream_wait), so bucket all-reduces overlap the rest of backward. With --trace each is timed
+// on that stream (StreamTimeline, track "rankR cuda:K nccl stream"), beside backward's kernels.
 //
 // Ranks that share one GPU (cuda:0*N) are each given an NCCL_HOSTID of their own, over the
 // socket transport (nccl_placement.h): NCCL otherwise refuses them ("Duplicate GPU detected").
@@ -104,7 +101,7 @@ class NcclGroup final : public ProcessGroup {
 
   // Every rank must arrive: an all-reduce of one float, then the host waits (with the timeout).
   void barrier() override {
-    allreduce_sum(*ctx_, token_, false);
+    allreduce_sum(*ctx_, token_, /*slot=*/-1);
     wait_idle("nccl barrier");
   }
 
@@ -257,10 +254,7 @@ class NcclGroup final : public ProcessGroup {
     if (r == ncclSuccess) return;
     if (r != ncclInProgress || !comm_known || !comm_)
       abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(r), last_error()));
-    poll(what, limit.count() ? limit : timeout_, "not settled", [&] {
-      ncclResult_t state = ncclInProgress;
-      return ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclSuccess;
-    });
+    poll(what, limit.count() ? limit : timeout_, "not settled", [&] { return settled(what); });
   }
 
   // Host wait for the group's stream, watching NCCL's asynchronous errors and the timeout;
@@ -268,25 +262,34 @@ class NcclGroup final : public ProcessGroup {
   void wait_idle(const char* what) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!comm_ || !enqueued_) return;
-    poll(what ? what : last_, timeout_, "not finished", [&] {
+    if (!what) what = last_;
+    poll(what, timeout_, "not finished", [&] {
       const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return true;
       if (q != cudaErrorNotReady) REPLICA_CUDA_CHECK(q);
-      (void)cudaGetLastError();  // "not yet" is no error: the next launch check must not see it
-      return q == cudaSuccess;
+      (void)cudaGetLastError();  // "not yet" is no error: no later check may see it
+      settled(what);             // fails on an asynchronous error
+      return false;
     });
   }
 
-  // Polls until `done()`, with naps growing to kLongestNap; an asynchronous NCCL error, or the
-  // budget spent (`late` says what was not), aborts the communicator and fails.
+  // Whether the communicator has settled (no call in progress); an asynchronous error aborts
+  // it and fails.
+  bool settled(const char* what) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+    if (q != ncclSuccess) state = q;
+    if (state != ncclSuccess && state != ncclInProgress)
+      abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(state), last_error()));
+    return state == ncclSuccess;
+  }
+
+  // Polls until `done()`, with naps growing to kLongestNap; past the budget (`late` says what
+  // was not), aborts the communicator and fails.
   template <class Done>
   void poll(const char* what, std::chrono::milliseconds budget, const char* late, Done done) {
     const auto deadline = Clock::now() + budget;
     for (auto nap = std::chrono::microseconds(20); !done(); nap = std::min(nap * 2, kLongestNap)) {
-      ncclResult_t state = ncclSuccess;
-      const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
-      if (q != ncclSuccess) state = q;
-      if (state != ncclSuccess && state != ncclInProgress)
-        abort_and_fail(what, fmt::format("{} ({})", ncclGetErrorString(state), last_error()));
       if (Clock::now() > deadline)
         abort_and_fail(what, fmt::format("{} after {:.1f} s", late, budget.count() / 1000.0));
       std::this_thread::sleep_for(nap);
@@ -310,10 +313,7 @@ class NcclGroup final : public ProcessGroup {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t inputs_ready_ = nullptr, done_ = nullptr;
   // Per bucket slot: where backward finished writing it, if marked this step (slot_written).
-  struct Written {
-    cudaEvent_t event = nullptr;
-    bool marked = false;
-  };
+  struct Written { cudaEvent_t event = nullptr; bool marked = false; };
   std::vector<Written> written_;  // under written_mutex_
   std::mutex written_mutex_;
   std::mutex mutex_;  // one NCCL call sequence at a time (reducer thread, training thread)
