@@ -81,6 +81,15 @@ std::string nccl_problem() {
   return nccl_plugin(&why) ? "" : why;
 }
 
+void check_nccl_usable(const Device& device) {
+  // Worded alike on every rank, so a launcher prints it once; the device first, as it is what
+  // the user typed.
+  REPLICA_USAGE_CHECK(device.is_cuda(), "--backend nccl needs a GPU per rank; these ranks run on "
+                      "CPU devices (use --backend gloo)");
+  const std::string why = nccl_problem();
+  REPLICA_USAGE_CHECK(why.empty(), "--backend nccl: NCCL {}", why);
+}
+
 GroupOptions group_options(const Rendezvous& rv, CommBackend backend,
                            std::chrono::milliseconds timeout) {
   return {backend, rv.rank, rv.world_size, rv.store, rv.address, timeout};
@@ -95,13 +104,8 @@ std::unique_ptr<ProcessGroup> make_process_group(const GroupOptions& o, DeviceCo
       o.store->connect_again(std::min(o.timeout, std::chrono::milliseconds(5000))), o.rank,
       o.size);
   if (o.backend == CommBackend::Nccl) {
-    std::string why;
-    const NcclPluginApi* nccl = nccl_plugin(&why);
-    REPLICA_USAGE_CHECK(nccl != nullptr, "--backend nccl: NCCL {}", why);
-    // Worded alike on every rank, so the launcher prints it once.
-    REPLICA_USAGE_CHECK(ctx.is_cuda(), "--backend nccl needs a GPU per rank; these ranks run on "
-                        "CPU devices (use --backend gloo)");
-    return nccl->make_group(o, ctx, std::move(monitor));
+    check_nccl_usable(ctx.device());
+    return nccl_plugin(nullptr)->make_group(o, ctx, std::move(monitor));
   }
   return make_gloo_group(o, std::move(monitor));
 }

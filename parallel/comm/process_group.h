@@ -113,5 +113,7 @@ bool gloo_available();
 // Empty when NCCL can be used here, else why not (one line).
 std::string nccl_problem();
 inline bool nccl_available() { return nccl_problem().empty(); }
+// UsageError unless a rank on `device` can use NCCL: a GPU, and NCCL built and loadable.
+void check_nccl_usable(const Device& device);
 
 }  // namespace replica

@@ -7,6 +7,7 @@
 #include "engine/error.h"
 #include "engine/output_files.h"
 #include "layers/optimizer.h"
+#include "parallel/comm/process_group.h"
 #include "parallel/rendezvous/rendezvous.h"
 #include "parallel/loop/trainer.h"
 
@@ -91,7 +92,11 @@ void validate(const TrainConfig& c) {
                       "unknown --reduce '{}' (root, tree)", c.reduce);
   REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
                       "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
-  resolve_precision(c.precision, resolve_devices(c));
+  const std::vector<Device> devices = resolve_devices(c);
+  resolve_precision(c.precision, devices);
+  // Before any rank starts: found by the ranks once they meet, the same error could reach the
+  // launcher as a peer's lost connection instead.
+  if (c.mode == "ddp" && c.backend == "nccl") check_nccl_usable(devices.at(0));
 }
 
 std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out) {
