@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs the DP tests (and the loader/worker tests) under ThreadSanitizer.
+# Runs the DP tests, the loader/worker tests and DDP's (its ranks are TSAN builds of
+# replica-train, so each rank's training, communication and heartbeat threads are checked)
+# under ThreadSanitizer.
 #   tools/tsan.sh            build into build-tsan (CPU only, RelWithDebInfo) and run
 # TBB and OpenBLAS are not instrumented; tools/tsan.supp silences what happens inside them.
 set -euo pipefail
@@ -10,10 +12,14 @@ if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREPLICA_CUDA=OFF \
         -DREPLICA_TSAN=ON >/dev/null
 fi
-cmake --build "$build" -j "$(nproc)" --target test_dp_equivalence test_data
+cmake --build "$build" -j "$(nproc)" --target test_dp_equivalence test_data test_ddp \
+      test_ddp_faults replica-train replica-launch
 export TSAN_OPTIONS="suppressions=$here/tools/tsan.supp halt_on_error=1 second_deadlock_stack=1"
 "$build/bin/test_data"
 # The full DP matrix is slow under TSAN; the CNN cases and the strategy test exercise every
 # thread (workers, communication thread, loader) the same way.
 "$build/bin/test_dp_equivalence" -tc="scatter*,DP cnn*,tree*"
+# A rank that sees a race exits 66, which fails the test that launched it.
+"$build/bin/test_ddp" -tc="DDP on N ranks*,every rank holds*,grad-sync*"
+"$build/bin/test_ddp_faults"
 echo "tsan: no data races reported"
