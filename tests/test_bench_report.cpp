@@ -501,6 +501,7 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite dp --devices tpu", "unknown device");
   expect_clean_error("--suite dp --batch 0", "--batch");
   expect_clean_error("--suite ddp --backend mpi", "--backend");
+  expect_clean_error("--suite ddp --devices cpu*2 --backend nccl", "needs a GPU per rank");
   expect_clean_error("--suite dp --devices cpu*2 --precision tf32", "needs CUDA devices");
   expect_clean_error("--suite single --precision bf16", "--suite single measures CPU threads in fp32");
   expect_clean_error("--suite single --cudnn-benchmark", "--cudnn-benchmark is for dp, ddp and ops");

@@ -43,6 +43,9 @@ SuiteOptions resolve(const BenchOptions& o) {
                   : cuda_device_count() > 0 ? std::string("cuda")
                                             : fmt::format("cpu*{}", cpu_cores());
   s.devices = parse_devices(s.device_spec, true);
+  // Before any configuration runs, not as the first DDP run's failure after a round of others.
+  if (o.backend == "nccl" && o.suite.find("ddp") != std::string::npos)
+    check_nccl_usable(s.devices[0]);
   const int most = int(s.devices.size());
   if (o.device_counts.empty()) {
     s.counts = device_counts_up_to(most);
