@@ -308,6 +308,29 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   CHECK(md.find("| ddp | cnn | 1x28x28 | fp32 | 2 | 64 | 2700.0 | pytorch | 2100.0 | 1.29x | "
                 "87.5% |") != std::string::npos);
   CHECK(md.find("| pytorch | ddp (gloo) | cnn | 1x28x28 | fp32 | 2 |") != std::string::npos);
+  // Rows of different backends still pair up, and the mode column names both: replica's DDP
+  // rows over Gloo here, PyTorch's over NCCL.
+  std::filesystem::create_directories(tmp.path / "mixed-in");
+  for (const char* f : {"alpha_beta.json", "results.jsonl"})
+    std::filesystem::copy_file(kFixture + "/" + f, tmp.path / "mixed-in" / f);
+  {
+    std::ofstream ours(tmp.str("mixed-in/results.jsonl"), std::ios::trunc), theirs(
+        tmp.str("pytorch_nccl.jsonl"));
+    for (auto row : read_lines(kFixture + "/results.jsonl")) {
+      if (row["mode"] == "ddp") row["backend"] = "gloo";
+      ours << row.dump() << "\n";
+    }
+    for (auto row : read_lines(kFixture + "/pytorch_sample.jsonl")) {
+      row["backend"] = "nccl";
+      theirs << row.dump() << "\n";
+    }
+  }
+  const auto mixed = test::run(kBench + " --report " + tmp.str("mixed") + " --from-results " +
+                               tmp.str("mixed-in") + " --compare " + tmp.str("pytorch_nccl.jsonl"));
+  REQUIRE_MESSAGE(mixed.exit_code == 0, mixed.output);
+  CHECK(read_file(tmp.str("mixed/report.md"))
+            .find("| ddp (replica gloo, pytorch nccl) | cnn | 1x28x28 | fp32 | 2 | 64 | 2700.0 | "
+                  "pytorch | 2100.0 | 1.29x |") != std::string::npos);
   // Efficiency 2800 / (2 x 1500); bytes equal to the formula.
   CHECK(md.find("| replica | dp | cnn | 1x28x28 | fp32 | 2 | 128 | 2800.0 | 1.87x | 93.3% |") !=
         std::string::npos);

@@ -29,12 +29,38 @@ $B, else build/bin).
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+
+
+def kill_tree(pid):
+    """SIGKILLs pid and every process descended from it (found through /proc). They stay in
+    this script's process group, so whatever stops this script stops them too."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # "pid (comm) state ppid ..."
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 class Part:
@@ -49,16 +75,25 @@ class Part:
         return self.args.device if n == 1 else f"{self.args.device}*{n}"
 
     def run(self, label, argv, timeout=600):
-        """Runs argv, its output to DIR/label.log; returns (exit code, output)."""
+        """Runs argv, its output straight into DIR/label.log (kept if this script is killed);
+        returns (exit code, output). At the timeout the program and its descendants are killed:
+        its ranks or PyTorch workers must not hold the GPU afterwards."""
         t0 = time.time()
-        try:
-            p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               timeout=timeout, cwd=self.dir)
-            code, out = p.returncode, p.stdout
-        except subprocess.TimeoutExpired as e:
-            code, out = 124, (e.stdout or "") + f"\n(timed out after {timeout} s)"
-        with open(os.path.join(self.dir, label + ".log"), "w") as f:
-            f.write(" ".join(argv) + "\n" + out)
+        log = os.path.join(self.dir, label + ".log")
+        with open(log, "w") as f:
+            f.write(" ".join(argv) + "\n")
+            f.flush()
+            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=self.dir)
+            try:
+                code = p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(p.pid)
+                p.wait()
+                code = 124
+                f.write(f"\n(timed out after {timeout} s)\n")
+        with open(log, errors="replace") as f:
+            f.readline()  # the command line
+            out = f.read()
         print(f"  {label}: exit {code} in {time.time() - t0:.0f} s", flush=True)
         if code != 0:
             self.fail(f"{label} exited {code}: {last_line(out)}")

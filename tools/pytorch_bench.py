@@ -286,10 +286,16 @@ def ddp_rank(rank, args, devs, port, backend, out):
     dist.destroy_process_group()
 
 
-def run_ddp(args, devs, shared):
+def ddp_backend(devs):
+    """One backend for every device count of a run, chosen from the whole --devices set, so the
+    rows' speed-ups never divide Gloo by NCCL: NCCL where each rank has a GPU of its own, Gloo
+    where ranks share GPUs (NCCL refuses two ranks on one GPU) or run on CPUs."""
+    own_gpu = devs[0][0] == "cuda" and len({d[1] for d in devs}) == len(devs)
+    return "nccl" if own_gpu else "gloo"
+
+
+def run_ddp(args, devs, shared, backend):
     n = len(devs)
-    own_gpu = devs[0][0] == "cuda" and not shared and len({d[1] for d in devs}) == n
-    backend = "nccl" if own_gpu else "gloo"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -344,7 +350,10 @@ def main():
     rows = []
     for mode in modes:
         for n in counts:
-            r = run_dp(args, devs[:n], shared and n > 1) if mode == "dp" else run_ddp(args, devs[:n], shared and n > 1)
+            if mode == "dp":
+                r = run_dp(args, devs[:n], shared and n > 1)
+            else:
+                r = run_ddp(args, devs[:n], shared and n > 1, ddp_backend(devs))
             if r:
                 print("pytorch %-3s %2d device(s): %.1f samples/s" % (mode, n, r["samples_per_sec"]))
                 rows.append(r)

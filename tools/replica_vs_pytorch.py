@@ -74,7 +74,8 @@ def run_one(cmd, out_file, read=first_row):
         os.remove(out_file)
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        lines = [l for l in (p.stderr + p.stdout).splitlines() if l.strip()]
+        # The error line is stderr's last; stdout ends with progress lines ("round 1/1: ... failed").
+        lines = [l for l in (p.stderr.strip() or p.stdout).splitlines() if l.strip()]
         return None, lines[-1] if lines else "exit %d" % p.returncode
     result = read(out_file)
     return (result, None) if result else (None, "%s wrote nothing" % os.path.basename(cmd[0]))
@@ -136,8 +137,8 @@ def train_table(results):
             model, shape, batch, precision, bench_cell, sps,
             "%.2f" % (sps / bench["samples_per_sec"]) if bench else "-", wait))
     lines.append("")
-    lines.append("replica-train's samples/s covers its whole run (--max-steps), first steps "
-                 "included.")
+    lines.append("replica-train's samples/s covers its whole run (--max-steps) but the first "
+                 "step, which allocates and warms caches.")
     lines += ["- " + n for n in dict.fromkeys(notes)]
     return "\n".join(lines) + "\n"
 
@@ -217,6 +218,21 @@ def main():
         fail("%s/replica-bench not found: build it (tools/setup.sh --all) or give --bin" % args.bin)
     os.makedirs(args.out, exist_ok=True)
     results, rows = [], []
+
+    def write_results():
+        # After every case, so a run cut short (a time limit) keeps what it measured.
+        text = ("Convolution algorithms: %s.\n\n" % (
+            "timed per shape in both engines (replica --cudnn-benchmark, "
+            "torch.backends.cudnn.benchmark = True)" if args.cudnn_benchmark
+            else "cuDNN's heuristics in both engines (no cudnn.benchmark)")) if gpu else ""
+        text += table(results)
+        if args.with_train:
+            text += "\n" + train_table(results)
+        write_atomically(os.path.join(args.out, "rows.jsonl"),
+                         "".join(json.dumps(r) + "\n" for r in rows))
+        write_atomically(os.path.join(args.out, "table.md"), text)
+        return text
+
     with tempfile.TemporaryDirectory() as tmp:
         for model, shape, batch in cases:
             for precision in precisions:
@@ -232,15 +248,8 @@ def main():
                     model, shape, batch, precision,
                     "%.1f" % r["samples_per_sec"] if r else "-",
                     "%.1f" % p_["samples_per_sec"] if p_ else "-"), flush=True)
-    text = ("Convolution algorithms: %s.\n\n" % (
-        "timed per shape in both engines (replica --cudnn-benchmark, "
-        "torch.backends.cudnn.benchmark = True)" if args.cudnn_benchmark
-        else "cuDNN's heuristics in both engines (no cudnn.benchmark)")) if gpu else ""
-    text += table(results)
-    if args.with_train:
-        text += "\n" + train_table(results)
-    write_atomically(os.path.join(args.out, "rows.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
-    write_atomically(os.path.join(args.out, "table.md"), text)
+                write_results()
+    text = write_results()
     print()
     print(text, end="")
     print("wrote %s/rows.jsonl and %s/table.md" % (args.out, args.out))

@@ -248,6 +248,20 @@ std::string projection_section(const json& projection) {
   return s;
 }
 
+namespace {
+
+// The mode column of a side-by-side row: where the engines used different backends (NCCL
+// against Gloo compares transports as much as engines), each engine's, so the ratio says so.
+std::string compared_mode(const json& other, const json* mine) {
+  const std::string mode = other.value("mode", "?");
+  const std::string theirs = other.value("backend", "");
+  const std::string ours = mine ? mine->value("backend", "") : "";
+  if (theirs.empty() || ours.empty() || theirs == ours) return mode;
+  return fmt::format("{} (replica {}, {} {})", mode, ours, other.value("engine", "other"), theirs);
+}
+
+}  // namespace
+
 // PyTorch's rows beside replica's of the same mode, device count, model, batch and precision
 // (a row of another precision has no partner: "-", never a ratio of unlike things).
 std::string compare_section(const std::vector<json>& rows, const std::vector<json>& compare) {
@@ -262,7 +276,7 @@ std::string compare_section(const std::vector<json>& rows, const std::vector<jso
           r.value("input_shape", "") == c.value("input_shape", r.value("input_shape", "")))
         mine = &r;
     s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} |\n",
-                     c.value("mode", "?"), c.value("model", "?"), c.value("input_shape", "?"),
+                     compared_mode(c, mine), c.value("model", "?"), c.value("input_shape", "?"),
                      precision_of(c), c.value("devices", 0),
                      c.value("batch_per_device", int64_t(0)),
                      mine ? fmt::format("{:.1f}", num(*mine, "samples_per_sec")) : "-",
