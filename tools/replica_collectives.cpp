@@ -104,8 +104,10 @@ void bench(ProcessGroup& pg, DeviceContext& ctx, int64_t min_bytes, int64_t max_
     for (float v : read_back(pg, ctx, t)) wrong += std::fabs(v - expect) > 1e-3 * expect;
     const double algbw = count * 4.0 / us / 1e3;  // GB/s
     const double busbw = algbw * 2.0 * (n - 1) / n;
+    // Bandwidths in significant digits: a latency-bound size on a busy machine measures
+    // 0.0003 GB/s, which three decimals would print as zero.
     if (pg.rank() == 0)
-      std::printf("%12ld %12ld %10.1f %10.3f %10.3f %7ld\n", long(count * 4), long(count), us,
+      std::printf("%12ld %12ld %10.1f %10.3g %10.3g %7ld\n", long(count * 4), long(count), us,
                   algbw, busbw, long(wrong));
   }
 }
