@@ -348,12 +348,13 @@ def main():
     if any(m not in ("dp", "ddp") for m in modes):
         fail("--mode '%s': expected dp, ddp or dp,ddp" % args.mode)
     rows = []
+    backend = ddp_backend(devs)
     for mode in modes:
         for n in counts:
             if mode == "dp":
                 r = run_dp(args, devs[:n], shared and n > 1)
             else:
-                r = run_ddp(args, devs[:n], shared and n > 1, ddp_backend(devs))
+                r = run_ddp(args, devs[:n], shared and n > 1, backend)
             if r:
                 print("pytorch %-3s %2d device(s): %.1f samples/s" % (mode, n, r["samples_per_sec"]))
                 rows.append(r)

@@ -248,8 +248,7 @@ def main():
                     model, shape, batch, precision,
                     "%.1f" % r["samples_per_sec"] if r else "-",
                     "%.1f" % p_["samples_per_sec"] if p_ else "-"), flush=True)
-                write_results()
-    text = write_results()
+                text = write_results()
     print()
     print(text, end="")
     print("wrote %s/rows.jsonl and %s/table.md" % (args.out, args.out))
