@@ -320,9 +320,18 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
       if (row["mode"] == "ddp") row["backend"] = "gloo";
       ours << row.dump() << "\n";
     }
+    // pytorch_bench.py writes JSON null for what a row has not (a DP row's backend, a
+    // one-device row's bus bandwidth): read as absent.
     for (auto row : read_lines(kFixture + "/pytorch_sample.jsonl")) {
-      row["backend"] = "nccl";
+      row["backend"] = row["mode"] == "dp" ? nlohmann::json(nullptr) : nlohmann::json("nccl");
+      row["busbw_gbps"] = nullptr;
       theirs << row.dump() << "\n";
+      if (row["devices"] == 2) {  // and a DP row, whose backend is null
+        row["mode"] = "dp";
+        row["backend"] = nullptr;
+        row["samples_per_sec"] = 2000.0;
+        theirs << row.dump() << "\n";
+      }
     }
   }
   const auto mixed = test::run(kBench + " --report " + tmp.str("mixed") + " --from-results " +
@@ -331,6 +340,9 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   CHECK(read_file(tmp.str("mixed/report.md"))
             .find("| ddp (replica gloo, pytorch nccl) | cnn | 1x28x28 | fp32 | 2 | 64 | 2700.0 | "
                   "pytorch | 2100.0 | 1.29x |") != std::string::npos);
+  CHECK(read_file(tmp.str("mixed/report.md"))
+            .find("| dp | cnn | 1x28x28 | fp32 | 2 | 64 | 2800.0 | pytorch | 2000.0 | 1.40x |") !=
+        std::string::npos);
   // Efficiency 2800 / (2 x 1500); bytes equal to the formula.
   CHECK(md.find("| replica | dp | cnn | 1x28x28 | fp32 | 2 | 128 | 2800.0 | 1.87x | 93.3% |") !=
         std::string::npos);
