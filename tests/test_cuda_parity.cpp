@@ -275,11 +275,11 @@ void conv_case(const ContextOptions& gpu_options, int64_t N, int64_t C, int64_t 
     r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, dx.g, dw.g, dbg, p);
   }
   expect_close(r, dx, kGemmRtol, kConvAtol, tag + " dx");
-  // Timed picks may be transform algorithms (FFT, Winograd): fp32 arithmetic whose error is a
-  // fraction of the whole output's scale, not of each element. On an H100 the filter gradient of
-  // [8,16,14,14] k3 (sums of ~1,600 products, largest |dw| ~1e2) was off by up to 4.0e-4 where an
-  // element had cancelled to ~0.9: 4e-6 of the scale. 2e-5 of the largest |value| bounds that
-  // with a 5x margin and still fails any wrong index or dropped term, which are off by O(1).
+  // Timed picks sum in whatever order (or transform: FFT, Winograd) was fastest: fp32 whose
+  // error is a fraction of the whole output's scale, not of each element. On an H100 the filter
+  // gradient of [8,16,14,14] k3 (sums of ~1,600 products, largest |dw| 110) was off by up to
+  // 4.0e-4 where an element had cancelled to ~0.9: 4e-6 of the scale. 2e-5 of the largest
+  // |value| bounds that with a 5x margin and still fails any wrong index or dropped term.
   const std::vector<float> dw_cpu = host_values(dw.c);
   const double dw_scale = dw_cpu.empty() ? 0.0 : std::fabs(*std::max_element(
       dw_cpu.begin(), dw_cpu.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); }));

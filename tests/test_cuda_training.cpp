@@ -45,10 +45,15 @@ TEST_CASE("cnn: 5 Adam steps agree on CPU and CUDA") {
   compare_training("cnn", {1, 28, 28}, "adam", 5, 1e-4);
 }
 
-// --cudnn-benchmark changes which algorithms run, not the math: still strict fp32.
+// --cudnn-benchmark changes which algorithms run, not the math (still fp32, no TF32), but their
+// summation order is whichever was fastest when timed. On an H100 the parameters after 5 steps
+// were within 1e-5 of the CPU's when this test ran alone, and 2.5e-4 off when it ran beside other
+// GPU suites (Find timed under load picked other algorithms; every step's loss still agreed to
+// 1e-4, and the CNN's max-pools turn rounding into routing, as in test_cuda_precision). So the
+// losses are held to 1e-4 per step and the parameters to 1e-3: a wrong algorithm breaks both.
 TEST_CASE("cnn with timed convolution algorithms: 5 SGD-momentum steps agree on CPU and CUDA") {
   if (!test::have_gpu()) return;
-  compare_training("cnn", {1, 28, 28}, "sgd", 5, 1e-5, /*timed_algorithms=*/true);
+  compare_training("cnn", {1, 28, 28}, "sgd", 5, 1e-3, /*timed_algorithms=*/true);
 }
 
 // ResNet-18 is checked one step at a time, per tensor. Free-running it for several steps
