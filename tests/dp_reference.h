@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -143,6 +144,30 @@ inline double relative_l2(const std::vector<float>& a, const std::vector<float>&
     den += double(a[i]) * a[i];
   }
   return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// How far `b`'s training moved the parameters from where `a`'s did, relative to `a`'s move (both
+// started at `before`): a precision's effect on the update, which comparing parameters would
+// hide under the parameters' own size.
+inline double update_drift(TrainEngine& a, TrainEngine& b, const std::vector<float>& before) {
+  auto update = [&](TrainEngine& e) {
+    std::vector<float> u = params_of(e);
+    for (size_t i = 0; i < u.size(); ++i) u[i] -= before[i];
+    return u;
+  };
+  return relative_l2(update(a), update(b));
+}
+
+// train_in_lockstep from identical parameters, each step's two losses printed under `label`;
+// returns update_drift of `b` against `a`.
+inline double lockstep_update_drift(TrainEngine& a, TrainEngine& b, const Shape& shape, int steps,
+                                    int64_t batch, uint64_t data_seed, double loss_rtol,
+                                    const std::string& label) {
+  const std::vector<float> before = params_of(a);
+  const auto losses = train_in_lockstep(a, b, shape, steps, batch, data_seed, loss_rtol);
+  for (size_t s = 0; s < losses.size(); ++s)
+    MESSAGE(label << " step " << s << ": loss " << losses[s].first << " vs " << losses[s].second);
+  return update_drift(a, b, before);
 }
 
 // max |a-b| / max |a|: a relative error over the whole parameter vector.

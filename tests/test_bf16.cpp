@@ -222,16 +222,8 @@ TEST_CASE("bf16 training follows fp32 (CNN, 4 SGD steps) and differs from it") {
   auto fp32 = make_single_device_engine(kCpu, o);
   o.precision = Precision::Bf16;
   auto bf16 = make_single_device_engine(kCpu, o);
-  const std::vector<float> before = test::params_of(*fp32);
-  const auto losses = test::train_in_lockstep(*fp32, *bf16, o.input_shape, 4, 16, 6, 2e-2);
-  for (size_t s = 0; s < losses.size(); ++s)
-    MESSAGE("step " << s << ": loss fp32 " << losses[s].first << ", bf16 " << losses[s].second);
-  auto update = [&](TrainEngine& e) {
-    std::vector<float> u = test::params_of(e);
-    for (size_t i = 0; i < u.size(); ++i) u[i] -= before[i];
-    return u;
-  };
-  const double drift = test::relative_l2(update(*fp32), update(*bf16));
+  const double drift = test::lockstep_update_drift(*fp32, *bf16, o.input_shape, 4, 16, 6, 2e-2,
+                                                   "fp32 vs bf16");
   MESSAGE("update after 4 steps, relative L2 bf16 vs fp32: " << drift);
   CHECK(drift < 0.1);  // measured 0.033: bf16 moves each gradient by ~2^-9 of its terms
   CHECK(drift > 1e-4);  // the products really went through bf16

@@ -184,16 +184,6 @@ TEST_CASE("tf32 convolutions: within TF32's rounding, forward and backward") {
 
 namespace {
 
-// How far `other`'s step moved the parameters from where `fp32`'s did, relative to fp32's move.
-double update_drift(TrainEngine& fp32, TrainEngine& other, const std::vector<float>& before) {
-  auto update = [&](TrainEngine& e) {
-    std::vector<float> u = test::params_of(e);
-    for (size_t i = 0; i < u.size(); ++i) u[i] -= before[i];
-    return u;
-  };
-  return test::relative_l2(update(fp32), update(other));
-}
-
 // b with every pixel scaled by (1 + u), u uniform in [-rel, rel]: rounding-sized noise.
 Batch perturbed(const Batch& b, float rel, uint32_t seed) {
   Batch p = b;
@@ -214,11 +204,8 @@ TEST_CASE("tf32 training follows fp32: CNN 3 SGD steps") {
   auto fp32 = make_single_device_engine(kGpu, o);
   o.precision = Precision::Tf32;
   auto tf32 = make_single_device_engine(kGpu, o);
-  const std::vector<float> before = test::params_of(*fp32);
-  const auto losses = test::train_in_lockstep(*fp32, *tf32, o.input_shape, 3, 8, 6, 1e-2);
-  for (size_t s = 0; s < losses.size(); ++s)
-    MESSAGE("cnn step " << s << ": loss fp32 " << losses[s].first << ", tf32 " << losses[s].second);
-  const double drift = update_drift(*fp32, *tf32, before);
+  const double drift = test::lockstep_update_drift(*fp32, *tf32, o.input_shape, 3, 8, 6, 1e-2,
+                                                   "cnn fp32 vs tf32");
   MESSAGE("cnn: update after 3 steps, relative L2 tf32 vs fp32: " << drift);
   CHECK(drift < 2e-2);
   if (!tf32_overridden()) CHECK(drift > 1e-6);  // its GEMMs went through TF32
@@ -246,8 +233,8 @@ TEST_CASE("tf32 training follows fp32: ResNet-18 one SGD step, against rounding 
   MESSAGE("resnet18 loss: fp32 " << fp32->last_loss() << ", tf32 " << tf32->last_loss()
                                   << ", fp32 with noisy input " << noisy->last_loss());
   CHECK(std::fabs(fp32->last_loss() - tf32->last_loss()) <= 1e-2 * fp32->last_loss());
-  const double drift = update_drift(*fp32, *tf32, before);
-  const double noise_drift = update_drift(*fp32, *noisy, before);
+  const double drift = test::update_drift(*fp32, *tf32, before);
+  const double noise_drift = test::update_drift(*fp32, *noisy, before);
   MESSAGE("resnet18: update, relative L2 against fp32: tf32 " << drift
           << ", fp32 with +-2^-11 input noise " << noise_drift);
   CHECK(drift < 5 * noise_drift);
