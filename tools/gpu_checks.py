@@ -18,6 +18,10 @@ short summary (OUT/PART/summary.md):
     python3 tools/gpu_checks.py speed --out OUT      # replica against PyTorch per precision
                                                      # (tools/replica_vs_pytorch.py --with-train;
                                                      # --case MODEL:CxHxW:BATCH to pick cases)
+    python3 tools/gpu_checks.py tests --out OUT      # the test suites: the gpu-labelled ones one
+                                                     # at a time (a GPU suite that skips on a GPU
+                                                     # fails the check), then the other unit
+                                                     # suites in parallel
     python3 tools/gpu_checks.py accuracy overlap --out OUT   # several parts in one call
 
 --device cuda:0 (default) runs on GPU 0 and its logical devices (cuda:0*2, cuda:0*4); --device
@@ -29,6 +33,7 @@ $B, else build/bin).
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,6 +144,32 @@ def test_accuracy(m):
     return None
 
 
+CTEST_LINE = re.compile(r"^\s*\d+/\d+ Test\s+#\d+: (\S+) \.*\s*(?:\*+)?(\w+).*?([\d.]+) sec")
+
+
+def tests(p):
+    build = os.path.dirname(p.args.bin)
+    if not os.path.exists(os.path.join(build, "CTestTestfile.cmake")):
+        p.fail(f"no ctest tree in {build} (--bin names the build's bin/ folder)")
+        return
+    # The GPU suites one at a time: they share the GPU, and NCCL's timeouts are part of what
+    # they check. The others in parallel, without the GPU suites a second time.
+    jobs = str(max(2, (os.cpu_count() or 2) // 2))
+    runs = [("gpu-suites", ["-L", "gpu"]), ("unit-suites", ["-L", "unit", "-LE", "gpu", "-j", jobs])]
+    p.note("| suite | result | seconds |\n|---|---|---:|")
+    for label, select in runs:
+        code, out = p.run(label, ["ctest", "--test-dir", build, "--output-on-failure",
+                                  "--timeout", "300"] + select, timeout=900)
+        for line in out.splitlines():
+            m = CTEST_LINE.match(line)
+            if not m:
+                continue
+            name, result, seconds = m.groups()
+            p.note(f"| {name} | {result} | {float(seconds):.1f} |")
+            if label == "gpu-suites" and p.gpu and result == "Skipped":
+                p.fail(f"{name} skipped on {p.args.device}: a GPU check that did not run")
+
+
 def accuracy(p):
     length = ["--max-steps", "300"] if p.args.quick else ["--epochs", "1"]
     runs = [("single", ["--mode", "single", "--devices", p.devices(1)]),
@@ -234,7 +265,7 @@ def speed(p):
             p.note(f.read())
 
 
-PARTS = {"accuracy": accuracy, "overlap": overlap, "report": report, "speed": speed}
+PARTS = {"tests": tests, "accuracy": accuracy, "overlap": overlap, "report": report, "speed": speed}
 
 
 def main():
