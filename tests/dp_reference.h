@@ -158,16 +158,23 @@ inline double update_drift(TrainEngine& a, TrainEngine& b, const std::vector<flo
   return relative_l2(update(a), update(b));
 }
 
-// train_in_lockstep from identical parameters, each step's two losses printed under `label`;
-// returns update_drift of `b` against `a`.
-inline double lockstep_update_drift(TrainEngine& a, TrainEngine& b, const Shape& shape, int steps,
-                                    int64_t batch, uint64_t data_seed, double loss_rtol,
-                                    const std::string& label) {
-  const std::vector<float> before = params_of(a);
-  const auto losses = train_in_lockstep(a, b, shape, steps, batch, data_seed, loss_rtol);
+// The CNN (sgd_options) trained `steps` steps on `device` in fp32 and in `precision` side by side
+// (train_in_lockstep, each step's losses printed); returns update_drift of `precision` against fp32.
+inline double precision_update_drift(const Device& device, Precision precision, int steps,
+                                     int64_t batch, double loss_rtol) {
+  EngineOptions o = sgd_options("cnn", {1, 28, 28});
+  auto fp32 = make_single_device_engine(device, o);
+  o.precision = precision;
+  auto other = make_single_device_engine(device, o);
+  const std::vector<float> before = params_of(*fp32);
+  const auto losses = train_in_lockstep(*fp32, *other, o.input_shape, steps, batch, 6, loss_rtol);
+  const std::string name = precision_name(precision);
   for (size_t s = 0; s < losses.size(); ++s)
-    MESSAGE(label << " step " << s << ": loss " << losses[s].first << " vs " << losses[s].second);
-  return update_drift(a, b, before);
+    MESSAGE("cnn step " << s << ": loss fp32 " << losses[s].first << ", " << name << " "
+                        << losses[s].second);
+  const double drift = update_drift(*fp32, *other, before);
+  MESSAGE("cnn: update after " << steps << " steps, relative L2 " << name << " vs fp32: " << drift);
+  return drift;
 }
 
 // max |a-b| / max |a|: a relative error over the whole parameter vector.
