@@ -1,14 +1,15 @@
 #include "engine/op_profile.h"
 
 #include <chrono>
+#include <type_traits>
 
 #include "engine/context.h"
 
 namespace replica {
 
-void OpProfile::add(const char* op, double seconds) {
+void OpProfile::add(const std::string& key, double seconds) {
   std::lock_guard<std::mutex> lock(mutex_);
-  OpStats& s = ops_[op];
+  OpStats& s = ops_[key];
   ++s.calls;
   s.seconds += seconds;
 }
@@ -25,24 +26,41 @@ void OpProfile::clear() {
 
 namespace {
 
+// The shapes of a call's tensor arguments in order ("-" for an undefined one); the other
+// arguments (the context, scalars, window parameters) are left out.
+template <class... Args>
+std::string tensor_shapes(const Args&... args) {
+  std::string s;
+  auto one = [&s](const auto& a) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, Tensor>)
+      s += (s.empty() ? "" : " ") + (a.defined() ? shape_str(a.shape()) : std::string("-"));
+  };
+  (one(args), ...);
+  return s;
+}
+
 class ProfilingBackend final : public Backend {
  public:
   ProfilingBackend(Backend& inner, OpProfile& profile) : inner_(inner), profile_(profile) {}
 
-  // Each op: synchronise, call the inner backend, synchronise, record.
-#define REPLICA_OP(name, params, args) \
-  void name params override { timed(ctx, #name, [&] { inner_.name args; }); }
+  // Each op: synchronise, call the inner backend, synchronise, record (under its shapes too
+  // when the profile is by shape; they are formatted before the clock starts).
+#define REPLICA_OP(name, params, args)                                              \
+  void name params override {                                                       \
+    timed(ctx, profile_.by_shape() ? #name " " + tensor_shapes args : #name,        \
+          [&] { inner_.name args; });                                               \
+  }
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
 
  private:
   template <class F>
-  void timed(DeviceContext& ctx, const char* op, F&& call) {
+  void timed(DeviceContext& ctx, const std::string& key, F&& call) {
     ctx.synchronize();
     const auto t0 = std::chrono::steady_clock::now();
     call();
     ctx.synchronize();
-    profile_.add(op, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    profile_.add(key, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
 
   Backend& inner_;

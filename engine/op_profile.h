@@ -4,7 +4,9 @@
 // with nothing overlapping it. The profiled step is slower than a real one (nothing overlaps,
 // and each op pays a synchronisation); the shares are what it is for: which ops a step spends
 // its time in, to hold against PyTorch's profiler on the same model. On CPU devices the time is
-// the call's wall time (CPU kernels are synchronous).
+// the call's wall time (CPU kernels are synchronous). A profile made `by_shape` keys each call
+// by its op and the shapes of its tensor arguments ("conv2d_backward [64, 256, 56, 56] ..."),
+// so an op's time splits by layer: which convolution of a ResNet is the slow one.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -23,11 +25,14 @@ struct OpStats {
 
 class OpProfile {
  public:
-  void add(const char* op, double seconds);  // thread-safe (DP's workers share one)
+  explicit OpProfile(bool by_shape = false) : by_shape_(by_shape) {}
+  bool by_shape() const { return by_shape_; }
+  void add(const std::string& key, double seconds);  // thread-safe (DP's workers share one)
   std::map<std::string, OpStats> ops() const;
   void clear();
 
  private:
+  const bool by_shape_;
   mutable std::mutex mutex_;
   std::map<std::string, OpStats> ops_;
 };

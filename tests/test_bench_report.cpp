@@ -514,6 +514,33 @@ TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counte
   CHECK(ops.count("copy") == 0);
 }
 
+TEST_CASE("replica-bench --suite ops --by-shape: each op split by its tensors' shapes") {
+  test::TempDir tmp;
+  const auto r = test::run(kBench + " --suite ops --by-shape --devices cpu --batch 8 --steps 2 "
+                                    "--warmup 1 --threads-per-device 1 --json " +
+                               tmp.str("ops.jsonl"),
+                           120);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("op and tensor shapes") != std::string::npos);
+  // The CNN's two convolutions are two rows of one op, a call each per step; the first takes
+  // the 1-channel batch: x [8, 1, 28, 28], its weight, its bias, y.
+  std::vector<std::string> conv_shapes;
+  for (const auto& row : read_lines(tmp.str("ops.jsonl"))) {
+    REQUIRE(row.contains("shapes"));
+    if (row["op"] != "conv2d_forward") continue;
+    CHECK(row["calls_per_step"].get<double>() == 1);
+    conv_shapes.push_back(row["shapes"].get<std::string>());
+  }
+  REQUIRE(conv_shapes.size() == 2);
+  CHECK(std::count_if(conv_shapes.begin(), conv_shapes.end(), [](const std::string& s) {
+          return s.rfind("[8, 1, 28, 28] ", 0) == 0;
+        }) == 1);
+  const auto other = test::run(kBench + " --suite dp --by-shape --devices cpu", 60);
+  CHECK(other.exit_code != 0);
+  CHECK(other.output.find("--by-shape belongs to --suite ops") != std::string::npos);
+}
+
 TEST_CASE("replica-bench --precision bf16 on a CPU device: the run and its rows say bf16") {
   test::TempDir tmp;
   const auto r = test::run(kBench + " --suite ops --devices cpu --batch 8 --steps 2 --warmup 1 "

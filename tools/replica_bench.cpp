@@ -75,6 +75,8 @@ void declare_devices(CLI::App& app, BenchOptions& o) {
   app.add_flag("--cudnn-benchmark", o.cudnn_benchmark,
                "dp/ddp/ops on GPUs: pick each convolution's algorithms by timing them, once per "
                "shape (as torch.backends.cudnn.benchmark; pytorch_bench.py --cudnn-benchmark)");
+  app.add_flag("--by-shape", o.by_shape,
+               "ops: split each op's time by the shapes of its tensors (which layer is slow)");
   app.add_option("--timeout", o.timeout_s,
                  "DDP: seconds for rendezvous and each collective; ranks that make no "
                  "progress for this long are stopped")
@@ -124,6 +126,7 @@ int run_suite(BenchOptions& o, int argc, char** argv) {
   check_output_dir("--report", o.report_dir);
   REPLICA_USAGE_CHECK(o.compare.empty() || !o.report_dir.empty(), "--compare needs --report DIR");
   REPLICA_USAGE_CHECK(o.link.empty() || !o.report_dir.empty(), "--link needs --report DIR");
+  REPLICA_USAGE_CHECK(!o.by_shape || o.suite == "ops", "--by-shape belongs to --suite ops");
   if (!o.link.empty()) parse_link(o.link);  // a wrong name fails now, not after the runs
   for (const auto& f : o.compare)
     REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(f), "--compare '{}': no such file", f);

@@ -42,7 +42,7 @@ int run_ops_suite(const BenchOptions& o) {
   stepper.seconds(std::max<int64_t>(o.warmup, 1));
   const double real_ms = stepper.seconds(o.steps) * 1e3 / double(o.steps);
 
-  OpProfile profile;
+  OpProfile profile(o.by_shape);
   ctx.set_op_profile(&profile);
   double profiled_ms = 0;
   try {
@@ -66,17 +66,26 @@ int run_ops_suite(const BenchOptions& o) {
   std::printf("replica-bench: suite ops, %s on %s (%s), %s, batch %lld, %lld steps\n",
               o.model.c_str(), device.str().c_str(), precision_name(run.precision),
               shape.c_str(), (long long)o.batch, (long long)o.steps);
-  std::printf("%-28s %10s %10s %8s %10s\n", "op", "calls/step", "ms/step", "share", "us/call");
+  int width = 28;  // by shape, the key is "op [shape] [shape] ...": as wide as the widest
+  for (const auto& [key, s] : ops) width = std::max(width, int(key.size()));
+  std::printf("%-*s %10s %10s %8s %10s\n", width, o.by_shape ? "op and tensor shapes" : "op",
+              "calls/step", "ms/step", "share", "us/call");
   std::vector<nlohmann::json> rows;
-  for (const auto& [name, s] : ops) {
+  for (const auto& [key, s] : ops) {
     const double ms = s.seconds * 1e3 / steps, share = total_s > 0 ? s.seconds / total_s : 0;
-    std::printf("%-28s %10.1f %10.3f %7.1f%% %10.1f\n", name.c_str(), double(s.calls) / steps, ms,
-                100 * share, s.calls ? s.seconds * 1e6 / double(s.calls) : 0.0);
-    rows.push_back({{"suite", "ops"}, {"engine", "replica"}, {"model", o.model},
-                    {"input_shape", shape}, {"batch", o.batch}, {"device", device.str()},
-                    {"precision", precision_name(run.precision)}, {"op", name},
-                    {"calls_per_step", double(s.calls) / steps}, {"ms_per_step", ms},
-                    {"share", share}, {"step_ms", real_ms}, {"profiled_step_ms", profiled_ms}});
+    std::printf("%-*s %10.1f %10.3f %7.1f%% %10.1f\n", width, key.c_str(),
+                double(s.calls) / steps, ms, 100 * share,
+                s.calls ? s.seconds * 1e6 / double(s.calls) : 0.0);
+    const size_t space = key.find(' ');
+    nlohmann::json row = {{"suite", "ops"}, {"engine", "replica"}, {"model", o.model},
+                          {"input_shape", shape}, {"batch", o.batch}, {"device", device.str()},
+                          {"precision", precision_name(run.precision)},
+                          {"op", key.substr(0, space)},
+                          {"calls_per_step", double(s.calls) / steps}, {"ms_per_step", ms},
+                          {"share", share}, {"step_ms", real_ms},
+                          {"profiled_step_ms", profiled_ms}};
+    if (space != std::string::npos) row["shapes"] = key.substr(space + 1);
+    rows.push_back(row);
   }
   std::printf("ops %.3f ms of a profiled step of %.3f ms; an ordinary step takes %.3f ms (the "
               "difference: overlap and a synchronisation per op)\n",
