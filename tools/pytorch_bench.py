@@ -24,6 +24,8 @@ Gloo on CPU or when ranks share a GPU (cuda:0*N, labelled devices_share_gpu).
     bf16  torch.autocast(bfloat16) around forward and loss, model and inputs channels_last
     auto  (default) tf32 when every GPU has TF32 tensor cores (compute capability 8.0+), else fp32
 --cudnn-benchmark sets torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape).
+--memory-format nchw keeps bf16 in NCHW, replica's layout (auto: channels_last for bf16 images,
+as PyTorch's recipes do; channels_last forces it in every precision). Rows say which.
 """
 import argparse
 import json
@@ -116,7 +118,9 @@ def apply_precision(args):
 
 
 def channels_last(args):
-    return args.precision == "bf16" and len(args.shape) == 3
+    if len(args.shape) != 3 or args.memory_format == "nchw":
+        return False
+    return args.memory_format == "channels_last" or args.precision == "bf16"
 
 
 def prepare_model(model, args):
@@ -228,6 +232,7 @@ def row(args, mode, devs, shared, params, windows, phases, loss, peaks, backend=
         "model": args.model, "input_shape": "x".join(map(str, args.shape)), "params": params,
         "batch_per_device": args.batch_per_device, "global_batch": n * args.batch_per_device,
         "threads_per_device": args.threads_per_device, "precision": args.precision,
+        "memory_format": "channels_last" if channels_last(args) else "nchw",
         "cudnn_benchmark": args.cudnn_benchmark, "warmup_steps": args.warmup,
         "timed_steps": args.steps, "repeats": args.repeat,
         "data": "synthetic, preloaded on the device", "samples_per_sec": med,
@@ -327,6 +332,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="auto", help="auto | fp32 | tf32 | bf16 (autocast + channels_last)")
     p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
+    p.add_argument("--memory-format", default="auto", choices=["auto", "nchw", "channels_last"],
+                   help="images' layout: auto (channels_last for bf16), nchw, channels_last")
     p.add_argument("--out", required=True, help="JSON-lines file to write (replaced)")
     args = p.parse_args()
     if not args.devices:
