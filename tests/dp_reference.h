@@ -158,8 +158,9 @@ inline double update_drift(TrainEngine& a, TrainEngine& b, const std::vector<flo
   return relative_l2(update(a), update(b));
 }
 
-// The CNN (sgd_options) trained `steps` steps on `device` in fp32 and in `precision` side by side
-// (train_in_lockstep, each step's losses printed); returns update_drift of `precision` against fp32.
+// The CNN (sgd_options) trained `steps` steps on `device` in fp32 and in `precision` side by
+// side (train_in_lockstep, each step's losses printed); returns update_drift of `precision`
+// against fp32.
 inline double precision_update_drift(const Device& device, Precision precision, int steps,
                                      int64_t batch, double loss_rtol) {
   EngineOptions o = sgd_options("cnn", {1, 28, 28});

@@ -314,8 +314,8 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
   conv_case(heuristic, 3, 3, 9, 11, 8, 7, Conv2dParams{2, 3}, false);  // ResNet stem shape
   conv_case(heuristic, 3, 5, 5, 7, 4, 1, Conv2dParams{2, 0}, true);    // 1x1 downsample
   conv_case(deterministic, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
-  // Timed picks (cuDNN's Find) stay fp32 (no TF32): the same tolerance but for transform
-  // algorithms' filter gradients (conv_case).
+  // Timed picks (cuDNN's Find) stay fp32 (no TF32): the same tolerance, but filter gradients
+  // are held to the output's scale (conv_case).
   conv_case(timed, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
   conv_case(timed, 8, 16, 14, 14, 32, 3, Conv2dParams{1, 1}, false);
   conv_case(timed, 3, 3, 9, 11, 8, 7, Conv2dParams{2, 3}, false);

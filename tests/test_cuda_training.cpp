@@ -50,7 +50,8 @@ TEST_CASE("cnn: 5 Adam steps agree on CPU and CUDA") {
 // were within 1e-5 of the CPU's when this test ran alone, and 2.5e-4 off when it ran beside other
 // GPU suites (Find timed under load picked other algorithms; every step's loss still agreed to
 // 1e-4, and the CNN's max-pools turn rounding into routing, as in test_cuda_precision). So the
-// losses are held to 1e-4 per step and the parameters to 1e-3: a wrong algorithm breaks both.
+// losses are held to 1e-4 per step, which is what a wrong algorithm breaks, and the parameters
+// to 1e-3, against drift beyond what rounding's routing gave.
 TEST_CASE("cnn with timed convolution algorithms: 5 SGD-momentum steps agree on CPU and CUDA") {
   if (!test::have_gpu()) return;
   compare_training("cnn", {1, 28, 28}, "sgd", 5, 1e-3, /*timed_algorithms=*/true);

@@ -20,8 +20,9 @@ short summary (OUT/PART/summary.md):
                                                      # --case MODEL:CxHxW:BATCH to pick cases)
     python3 tools/gpu_checks.py tests --out OUT      # the test suites: the gpu-labelled ones one
                                                      # at a time (a GPU suite that skips on a GPU
-                                                     # fails the check), then the other unit
-                                                     # suites in parallel
+                                                     # fails the check; a case inside one that
+                                                     # returns early, e.g. no TF32, does not),
+                                                     # then the other unit suites in parallel
     python3 tools/gpu_checks.py accuracy overlap --out OUT   # several parts in one call
 
 --device cuda:0 (default) runs on GPU 0 and its logical devices (cuda:0*2, cuda:0*4); --device
@@ -152,21 +153,26 @@ def tests(p):
     if not os.path.exists(os.path.join(build, "CTestTestfile.cmake")):
         p.fail(f"no ctest tree in {build} (--bin names the build's bin/ folder)")
         return
-    # The GPU suites one at a time: they share the GPU, and NCCL's timeouts are part of what
-    # they check. The others in parallel, without the GPU suites a second time.
+    listing = subprocess.run(["ctest", "--test-dir", build, "-N", "-L", "gpu"],
+                             capture_output=True, text=True).stdout
+    # The GPU suites one at a time, each under its own limit (a hung one costs 300 s, not the
+    # rest): they share the GPU, and NCCL's timeouts are part of what they check. Then the
+    # others in parallel, without the GPU suites a second time.
+    runs = [("gpu-" + name, ["-R", f"^{name}$"], 300)
+            for name in re.findall(r"Test\s+#\d+: (\S+)", listing)]
     jobs = str(max(2, (os.cpu_count() or 2) // 2))
-    runs = [("gpu-suites", ["-L", "gpu"]), ("unit-suites", ["-L", "unit", "-LE", "gpu", "-j", jobs])]
+    runs.append(("unit-suites", ["-L", "unit", "-LE", "gpu", "-j", jobs], 900))
     p.note("| suite | result | seconds |\n|---|---|---:|")
-    for label, select in runs:
-        code, out = p.run(label, ["ctest", "--test-dir", build, "--output-on-failure",
-                                  "--timeout", "300"] + select, timeout=900)
+    for label, select, limit in runs:
+        code, out = p.run(label, ["ctest", "--test-dir", build, "--output-on-failure"] + select,
+                          timeout=limit)
         for line in out.splitlines():
             m = CTEST_LINE.match(line)
             if not m:
                 continue
             name, result, seconds = m.groups()
             p.note(f"| {name} | {result} | {float(seconds):.1f} |")
-            if label == "gpu-suites" and p.gpu and result == "Skipped":
+            if label.startswith("gpu-") and p.gpu and result == "Skipped":
                 p.fail(f"{name} skipped on {p.args.device}: a GPU check that did not run")
 
 

@@ -22,6 +22,7 @@ Gloo on CPU or when ranks share a GPU (cuda:0*N, labelled devices_share_gpu).
     fp32  TF32 off for matmuls and cuDNN (torch.backends.{cuda.matmul,cudnn}.allow_tf32 = False)
     tf32  TF32 on for both
     bf16  torch.autocast(bfloat16) around forward and loss, model and inputs channels_last
+          (unless --memory-format nchw)
     auto  (default) tf32 when every GPU has TF32 tensor cores (compute capability 8.0+), else fp32
 --cudnn-benchmark sets torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape).
 --memory-format nchw keeps bf16 in NCHW, replica's layout (auto: channels_last for bf16 images,
@@ -330,7 +331,8 @@ def main():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--precision", default="auto", help="auto | fp32 | tf32 | bf16 (autocast + channels_last)")
+    p.add_argument("--precision", default="auto",
+                   help="auto | fp32 | tf32 | bf16 (autocast; channels_last unless --memory-format nchw)")
     p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--memory-format", default="auto", choices=["auto", "nchw", "channels_last"],
                    help="images' layout: auto (channels_last for bf16), nchw, channels_last")

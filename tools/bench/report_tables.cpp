@@ -34,9 +34,8 @@ std::string with_commas(int64_t v) {
 
 // "dp", "ddp (gloo)", "ddp (nccl-sockets)".
 std::string mode_label(const json& r) {
-  std::string l = r.value("mode", "?");
-  if (r.contains("backend") && r["backend"].is_string())
-    l += fmt::format(" ({})", r["backend"].get<std::string>());
+  std::string l = text(r, "mode", "?");
+  if (!text(r, "backend").empty()) l += fmt::format(" ({})", text(r, "backend"));
   return l;
 }
 
@@ -49,7 +48,7 @@ std::string label(const json& r) {
 // With the convolution algorithms timed per shape (--cudnn-benchmark, PyTorch's
 // cudnn.benchmark) the row says so: rows are compared only with rows that picked alike.
 std::string precision_of(const json& r) {
-  const std::string p = r.value("precision", "fp32");
+  const std::string p = text(r, "precision", "fp32");
   return r.value("cudnn_benchmark", false) ? p + ", cudnn.benchmark" : p;
 }
 
@@ -57,6 +56,11 @@ std::string precision_of(const json& r) {
 
 double num(const json& j, const char* key, double fallback) {
   return j.is_object() && j.contains(key) && j[key].is_number() ? j[key].get<double>() : fallback;
+}
+
+std::string text(const json& j, const char* key, const std::string& fallback) {
+  return j.is_object() && j.contains(key) && j[key].is_string() ? j[key].get<std::string>()
+                                                                : fallback;
 }
 
 bool is_trace(const std::string& s) { return s.size() > 5 && s.substr(s.size() - 5) == ".json"; }
@@ -127,8 +131,7 @@ std::string comm_section(const std::vector<json>& rows, const json& ab) {
     const bool match = r.value("comm_bytes_match", false);
     s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", label(r),
                      r.value("devices", 0),
-                     r["comm_collective"].is_string() ? r["comm_collective"].get<std::string>()
-                                                      : "-",
+                     text(r, "comm_collective", "-"),
                      with_commas(r.value("comm_bytes", int64_t(0))),
                      with_commas(r.value("comm_bytes_formula", int64_t(0))), match ? "yes" : "**NO**",
                      opt(r, "comm_ms", "{:.2f}"), opt(r, "algbw_gbps", "{:.3f}"),
@@ -253,11 +256,11 @@ namespace {
 // The mode column of a side-by-side row: where the engines used different backends (NCCL
 // against Gloo compares transports as much as engines), each engine's, so the ratio says so.
 std::string compared_mode(const json& other, const json* mine) {
-  const std::string mode = other.value("mode", "?");
-  const std::string theirs = other.value("backend", "");
-  const std::string ours = mine ? mine->value("backend", "") : "";
+  const std::string mode = text(other, "mode", "?");
+  const std::string theirs = text(other, "backend");
+  const std::string ours = mine ? text(*mine, "backend") : "";
   if (theirs.empty() || ours.empty() || theirs == ours) return mode;
-  return fmt::format("{} (replica {}, {} {})", mode, ours, other.value("engine", "other"), theirs);
+  return fmt::format("{} (replica {}, {} {})", mode, ours, text(other, "engine", "other"), theirs);
 }
 
 }  // namespace

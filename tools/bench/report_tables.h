@@ -27,6 +27,9 @@ std::string compare_section(const std::vector<nlohmann::json>& rows,
 std::string format_bytes(double bytes);
 // j[key] as a number, or fallback when j has no number there.
 double num(const nlohmann::json& j, const char* key, double fallback = 0);
+// j[key] where it is a string, else `fallback`: other engines' rows write null (Python's None)
+// for what they have not, such as a DP row's backend.
+std::string text(const nlohmann::json& j, const char* key, const std::string& fallback = "");
 // Whether s names a trace file (.json).
 bool is_trace(const std::string& s);
 

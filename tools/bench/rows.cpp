@@ -249,12 +249,6 @@ std::vector<nlohmann::json> read_rows(const std::string& path) {
                         path, number);
     REPLICA_USAGE_CHECK(j["mode"] == "dp" || j["mode"] == "ddp",
                         "{}:{}: 'mode' must be \"dp\" or \"ddp\"", path, number);
-    // Python writes None (a DP row's backend) as null: read as absent, so every reader's
-    // fallback applies. Required fields stay (a one-device row's busbw is null by design).
-    for (auto it = j.begin(); it != j.end();) {
-      const bool required = std::count(required_fields().begin(), required_fields().end(), it.key());
-      it = it->is_null() && !required ? j.erase(it) : std::next(it);
-    }
     if (!j.contains("engine")) j["engine"] = "replica";
     rows.push_back(j);
   }

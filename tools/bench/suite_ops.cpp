@@ -88,8 +88,9 @@ int run_ops_suite(const BenchOptions& o) {
     rows.push_back(row);
   }
   std::printf("ops %.3f ms of a profiled step of %.3f ms; an ordinary step takes %.3f ms (the "
-              "difference: overlap and a synchronisation per op)\n",
-              total_s * 1e3 / steps, profiled_ms, real_ms);
+              "difference: overlap and a synchronisation per op%s)\n",
+              total_s * 1e3 / steps, profiled_ms, real_ms,
+              o.by_shape ? ", and formatting the shapes" : "");
   if (!o.json.empty()) append_rows(o.json, rows);
   return 0;
 }
