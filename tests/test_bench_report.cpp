@@ -47,6 +47,20 @@ std::vector<nlohmann::json> read_lines(const std::string& path) {
   return rows;
 }
 
+// A short `--suite ops` run on one CPU device with `flags` added: its JSON rows, its output in
+// `output`. The run must succeed.
+std::vector<nlohmann::json> ops_rows(const std::string& flags, std::string* output) {
+  test::TempDir tmp;
+  const auto r = test::run(kBench + " --suite ops --devices cpu --batch 8 --warmup 1 "
+                                    "--threads-per-device 1 --json " +
+                               tmp.str("ops.jsonl") + " " + flags,
+                           120);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  *output = r.output;
+  return read_lines(tmp.str("ops.jsonl"));
+}
+
 void expect_clean_error(const std::string& args, const std::string& must_contain) {
   test::RunResult r = test::run(kBench + " " + args, 60);
   INFO("args: " << args << "\noutput: " << r.output);
@@ -483,16 +497,12 @@ TEST_CASE("replica-bench --report: another engine's row meets replica's at equal
 }
 
 TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counted") {
-  test::TempDir tmp;
-  const auto r = test::run(kBench + " --suite ops --devices cpu --batch 8 --steps 3 --warmup 1 "
-                                    "--threads-per-device 1 --json " + tmp.str("ops.jsonl"),
-                           120);
-  INFO(r.output);
-  REQUIRE(r.exit_code == 0);
-  CHECK(r.output.find("suite ops, cnn on cpu:0 (fp32)") != std::string::npos);
+  std::string output;
+  const auto rows = ops_rows("--steps 3", &output);
+  CHECK(output.find("suite ops, cnn on cpu:0 (fp32)") != std::string::npos);
   std::map<std::string, nlohmann::json> ops;
   double shares = 0;
-  for (const auto& row : read_lines(tmp.str("ops.jsonl"))) {
+  for (const auto& row : rows) {
     ops[row["op"].get<std::string>()] = row;
     shares += row["share"].get<double>();
     CHECK(row["ms_per_step"].get<double>() >= 0);
@@ -515,18 +525,13 @@ TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counte
 }
 
 TEST_CASE("replica-bench --suite ops --by-shape: each op split by its tensors' shapes") {
-  test::TempDir tmp;
-  const auto r = test::run(kBench + " --suite ops --by-shape --devices cpu --batch 8 --steps 2 "
-                                    "--warmup 1 --threads-per-device 1 --json " +
-                               tmp.str("ops.jsonl"),
-                           120);
-  INFO(r.output);
-  REQUIRE(r.exit_code == 0);
-  CHECK(r.output.find("op and tensor shapes") != std::string::npos);
+  std::string output;
+  const auto rows = ops_rows("--steps 2 --by-shape", &output);
+  CHECK(output.find("op and tensor shapes") != std::string::npos);
   // The CNN's two convolutions are two rows of one op, a call each per step; the first takes
   // the 1-channel batch: x [8, 1, 28, 28], its weight, its bias, y.
   std::vector<std::string> conv_shapes;
-  for (const auto& row : read_lines(tmp.str("ops.jsonl"))) {
+  for (const auto& row : rows) {
     REQUIRE(row.contains("shapes"));
     if (row["op"] != "conv2d_forward") continue;
     CHECK(row["calls_per_step"].get<double>() == 1);
@@ -542,15 +547,9 @@ TEST_CASE("replica-bench --suite ops --by-shape: each op split by its tensors' s
 }
 
 TEST_CASE("replica-bench --precision bf16 on a CPU device: the run and its rows say bf16") {
-  test::TempDir tmp;
-  const auto r = test::run(kBench + " --suite ops --devices cpu --batch 8 --steps 2 --warmup 1 "
-                                    "--threads-per-device 1 --precision bf16 --json " +
-                               tmp.str("ops.jsonl"),
-                           120);
-  INFO(r.output);
-  REQUIRE(r.exit_code == 0);
-  CHECK(r.output.find("suite ops, cnn on cpu:0 (bf16)") != std::string::npos);
-  const auto rows = read_lines(tmp.str("ops.jsonl"));
+  std::string output;
+  const auto rows = ops_rows("--steps 2 --precision bf16", &output);
+  CHECK(output.find("suite ops, cnn on cpu:0 (bf16)") != std::string::npos);
   REQUIRE(!rows.empty());
   for (const auto& row : rows) CHECK(row["precision"] == "bf16");
 }
