@@ -281,8 +281,8 @@ void conv_case(const ContextOptions& gpu_options, int64_t N, int64_t C, int64_t 
   // 4.0e-4 where an element had cancelled to ~0.9: 4e-6 of the scale. 2e-5 of the largest
   // |value| bounds that with a 5x margin and still fails any wrong index or dropped term.
   const std::vector<float> dw_cpu = host_values(dw.c);
-  const double dw_scale = dw_cpu.empty() ? 0.0 : std::fabs(*std::max_element(
-      dw_cpu.begin(), dw_cpu.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); }));
+  double dw_scale = 0;
+  for (float v : dw_cpu) dw_scale = std::max(dw_scale, std::fabs(double(v)));
   const double dw_atol = gpu_options.cudnn_benchmark ? std::max(kConvAtol, 2e-5 * dw_scale)
                                                      : kConvAtol;
   MESSAGE(tag << " dw: largest |value| " << dw_scale << ", tolerance " << dw_atol);

@@ -34,9 +34,8 @@ std::string with_commas(int64_t v) {
 
 // "dp", "ddp (gloo)", "ddp (nccl-sockets)".
 std::string mode_label(const json& r) {
-  std::string l = text(r, "mode", "?");
-  if (!text(r, "backend").empty()) l += fmt::format(" ({})", text(r, "backend"));
-  return l;
+  const std::string backend = text(r, "backend");
+  return text(r, "mode", "?") + (backend.empty() ? "" : " (" + backend + ")");
 }
 
 // "replica dp", "replica ddp (gloo)", "pytorch ddp (nccl)".
