@@ -52,6 +52,9 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
                         "{} has no TF32: --precision tf32 needs a CUDA device", device.str());
     REPLICA_USAGE_CHECK(!options.cudnn_benchmark,
                         "{} has no cuDNN: --cudnn-benchmark needs a CUDA device", device.str());
+    REPLICA_USAGE_CHECK(!options.channels_last,
+                        "{} has no cuDNN: --memory-format channels_last needs a CUDA device",
+                        device.str());
     threads_ = options.threads > 0 ? options.threads : cpu_cores();
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
@@ -111,6 +114,19 @@ Precision resolve_precision(const std::string& flag, const std::vector<Device>& 
                         cudart::device_name(d.index), cc / 10.0);
   }
   return tf32 ? Precision::Tf32 : Precision::Bf16;
+}
+
+bool resolve_channels_last(const std::string& flag, Precision precision,
+                           const std::vector<Device>& devices) {
+  bool cuda = !devices.empty();
+  for (const Device& d : devices) cuda &= d.is_cuda();
+  if (flag == "auto") return cuda && precision == Precision::Bf16;
+  if (flag == "nchw") return false;
+  REPLICA_USAGE_CHECK(flag == "channels_last",
+                      "unknown --memory-format '{}' (auto, nchw, channels_last)", flag);
+  REPLICA_USAGE_CHECK(cuda, "--memory-format channels_last lays out cuDNN's operands: it needs "
+                      "CUDA devices");
+  return true;
 }
 
 DeviceContext::~DeviceContext() {

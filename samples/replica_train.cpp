@@ -135,6 +135,10 @@ void declare_training(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_flag("--cudnn-benchmark", c.engine.cudnn_benchmark,
                "CUDA: pick each convolution's algorithms by timing them, once per shape "
                "(torch.backends.cudnn.benchmark); not with --deterministic");
+  app.add_option("--memory-format", c.memory_format,
+                 "CUDA: convolutions' operand layout: channels_last (NHWC copies, cuDNN's "
+                 "tensor-core layout), nchw (in place), auto (channels_last in bf16, else nchw)")
+      ->capture_default_str();
   group_options(app, "Training");
 }
 

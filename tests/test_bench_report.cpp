@@ -479,11 +479,14 @@ TEST_CASE("replica-bench --report: another engine's row meets replica's at equal
   for (const auto& row : read_lines(kFixture + "/pytorch_sample.jsonl"))
     if (row["mode"] == "ddp" && row["devices"] == 2) bf16 = row;
   REQUIRE(bf16.is_object());
+  nlohmann::json nhwc = bf16;
   bf16["precision"] = "bf16";
   bf16["samples_per_sec"] = 5000.0;
+  nhwc["memory_format"] = "channels_last";  // fp32, as replica's rows, but on NHWC operands
+  nhwc["samples_per_sec"] = 6000.0;
   {
     std::ofstream out(tmp.str("bf16.jsonl"));
-    out << bf16.dump() << "\n";
+    out << bf16.dump() << "\n" << nhwc.dump() << "\n";
   }
   const auto r = test::run(kBench + " --report " + tmp.str("out") + " --from-results " +
                            kFixture + " --compare " + tmp.str("bf16.jsonl"));
@@ -494,6 +497,8 @@ TEST_CASE("replica-bench --report: another engine's row meets replica's at equal
   // replica's rows ran in fp32: no partner, no ratio.
   CHECK(md.find("| ddp | cnn | 1x28x28 | bf16 | 2 | 64 | - | pytorch | 5000.0 | - |") !=
         std::string::npos);
+  CHECK(md.find("| ddp | cnn | 1x28x28 | fp32, channels_last | 2 | 64 | - | pytorch | 6000.0 | "
+                "- |") != std::string::npos);
 }
 
 TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counted") {
@@ -551,7 +556,10 @@ TEST_CASE("replica-bench --precision bf16 on a CPU device: the run and its rows 
   const auto rows = ops_rows("--steps 2 --precision bf16", &output);
   CHECK(output.find("suite ops, cnn on cpu:0 (bf16)") != std::string::npos);
   REQUIRE(!rows.empty());
-  for (const auto& row : rows) CHECK(row["precision"] == "bf16");
+  for (const auto& row : rows) {
+    CHECK(row["precision"] == "bf16");
+    CHECK(row["memory_format"] == "nchw");  // auto: channels_last is for GPUs
+  }
 }
 
 TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
@@ -569,6 +577,13 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite dp --devices cpu*2 --cudnn-benchmark",
                      "--cudnn-benchmark needs a CUDA device");
   expect_clean_error("--suite dp --precision fp16", "unknown --precision 'fp16'");
+  expect_clean_error("--suite dp --devices cpu*2 --memory-format channels_last",
+                     "--memory-format channels_last lays out cuDNN's operands: it needs CUDA");
+  expect_clean_error("--suite ops --devices cpu --memory-format channels_last", "needs CUDA");
+  expect_clean_error("--suite single --memory-format nchw",
+                     "--memory-format is for dp, ddp and ops");
+  expect_clean_error("--suite loader --memory-format nchw",
+                     "--memory-format is for dp, ddp and ops");
   expect_clean_error("--suite single --report " + tmp.str("r"), "--report");
   expect_clean_error("--suite dp --compare x.jsonl", "--compare needs --report");
   expect_clean_error("--suite dp --link nvlink4", "--link needs --report");

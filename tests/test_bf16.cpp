@@ -123,6 +123,25 @@ TEST_CASE("--precision bf16 is accepted for CPU devices; tf32 still is not; auto
   CHECK_NOTHROW(DeviceContext(kCpu, ContextOptions{1, false, Precision::Bf16}));
 }
 
+TEST_CASE("--memory-format: auto is channels_last for bf16 on GPUs only; CPUs refuse it") {
+  for (const Precision p : {Precision::Fp32, Precision::Bf16}) {
+    CHECK_FALSE(resolve_channels_last("auto", p, {kCpu}));
+    CHECK_FALSE(resolve_channels_last("nchw", p, {kCpu}));
+    CHECK_THROWS_AS(resolve_channels_last("channels_last", p, {kCpu}), UsageError);
+  }
+  CHECK_THROWS_AS(resolve_channels_last("nhwc", Precision::Fp32, {kCpu}), UsageError);
+  // A CUDA device is judged by its type alone: no GPU needs to be present to resolve the flag.
+  const Device gpu{DeviceType::CUDA, 0, 0};
+  CHECK(resolve_channels_last("auto", Precision::Bf16, {gpu}));
+  CHECK_FALSE(resolve_channels_last("auto", Precision::Tf32, {gpu}));
+  CHECK(resolve_channels_last("channels_last", Precision::Fp32, {gpu}));
+  CHECK_FALSE(resolve_channels_last("auto", Precision::Bf16, {gpu, kCpu}));
+  ContextOptions nhwc{1, false, Precision::Fp32};
+  nhwc.channels_last = true;
+  CHECK_THROWS_WITH_AS(DeviceContext(kCpu, nhwc), doctest::Contains("needs a CUDA device"),
+                       UsageError);
+}
+
 TEST_CASE("bf16 linear: operands rounded before the product, results after; biases in fp32") {
   DeviceContext fp32(kCpu, ContextOptions{1});
   DeviceContext bf16 = bf16_cpu();

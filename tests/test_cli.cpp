@@ -84,6 +84,10 @@ TEST_CASE("bad flags and values are one-line errors") {
                      "--cudnn-benchmark needs a CUDA device");
   expect_clean_error(data + " --cudnn-benchmark --deterministic",
                      "cannot be combined with --deterministic");
+  expect_clean_error(data + " --devices cpu --memory-format channels_last",
+                     "--memory-format channels_last lays out cuDNN's operands: it needs CUDA");
+  expect_clean_error(data + " --memory-format nhwc",
+                     "unknown --memory-format 'nhwc' (auto, nchw, channels_last)");
   expect_clean_error(data + " --mode ps", "--mode");
   expect_clean_error(data + " --data-placement gpu",
                      "--data-placement: expected auto, host or device");

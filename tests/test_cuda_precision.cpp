@@ -57,6 +57,15 @@ struct Trio {
   DeviceContext tf32{kGpu, ContextOptions{0, true, Precision::Tf32}};
   DeviceContext cpu_bf16{Device{DeviceType::CPU, 0, 0}, ContextOptions{0, true, Precision::Bf16}};
   DeviceContext bf16{kGpu, ContextOptions{0, true, Precision::Bf16}};
+  // Convolutions on NHWC copies of their operands (--memory-format channels_last).
+  DeviceContext fp32_nhwc{kGpu, channels_last(Precision::Fp32)};
+  DeviceContext bf16_nhwc{kGpu, channels_last(Precision::Bf16)};
+
+  static ContextOptions channels_last(Precision p) {
+    ContextOptions o{0, true, p};
+    o.channels_last = true;
+    return o;
+  }
 
   Tensor put(DeviceContext& ctx, const std::vector<float>& values, const Shape& shape) {
     Tensor h = cpu.alloc(shape);
@@ -285,15 +294,62 @@ TEST_CASE("bf16 GEMMs and convolutions: the CPU's bf16 numbers, forward and back
 
 TEST_CASE("bf16 training on the GPU follows the CPU's bf16: CNN 3 SGD steps") {
   if (!have_tf32()) return;
-  EngineOptions o = test::sgd_options("cnn", {1, 28, 28});
-  o.precision = Precision::Bf16;
-  auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
-  auto gpu = make_single_device_engine(kGpu, o);
-  const auto losses = test::train_in_lockstep(*cpu, *gpu, o.input_shape, 3, 8, 6, 1e-2);
-  for (size_t s = 0; s < losses.size(); ++s)
-    MESSAGE("step " << s << ": loss CPU bf16 " << losses[s].first << ", GPU bf16 "
-                    << losses[s].second);
-  const double drift = test::relative_l2(test::params_of(*cpu), test::params_of(*gpu));
-  MESSAGE("parameters after 3 steps, relative L2 GPU vs CPU (both bf16): " << drift);
-  CHECK(drift < 1e-3);
+  for (const bool nhwc : {false, true}) {
+    CAPTURE(nhwc);
+    EngineOptions o = test::sgd_options("cnn", {1, 28, 28});
+    o.precision = Precision::Bf16;
+    auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
+    o.channels_last = nhwc;
+    auto gpu = make_single_device_engine(kGpu, o);
+    const auto losses = test::train_in_lockstep(*cpu, *gpu, o.input_shape, 3, 8, 6, 1e-2);
+    for (size_t s = 0; s < losses.size(); ++s)
+      MESSAGE("step " << s << ": loss CPU bf16 " << losses[s].first << ", GPU bf16 "
+                      << (nhwc ? "channels_last " : "") << losses[s].second);
+    const double drift = test::relative_l2(test::params_of(*cpu), test::params_of(*gpu));
+    MESSAGE("parameters after 3 steps, relative L2 GPU vs CPU (both bf16): " << drift);
+    CHECK(drift < 1e-3);
+  }
+}
+
+// channels_last copies a convolution's operands into NHWC (weights KRSC) and its results back:
+// the shapes cover a tiled transpose with partial tiles (channels and positions not multiples
+// of 32, 3 input channels as a first layer has), a 1x1 kernel, one input channel and a 1x1
+// output (where NHWC and NCHW lay out alike and the copy is flat).
+TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and bf16") {
+  if (!test::have_gpu()) return;
+  Trio t;
+  const bool bf16 = have_tf32();
+  for (const auto& [x, w, p] : {std::tuple<Shape, Shape, Conv2dParams>{
+                                    {5, 3, 17, 19}, {40, 3, 3, 3}, {1, 1}},
+                                {{3, 48, 9, 9}, {33, 48, 1, 1}, {2, 0}},
+                                {{4, 1, 12, 12}, {20, 1, 5, 5}, {1, 0}},
+                                {{6, 70, 3, 3}, {35, 70, 3, 3}, {1, 0}}}) {
+    CAPTURE(shape_str(x));
+    CAPTURE(shape_str(w));
+    const Shape y{x[0], w[0], window_out(x[2], int(w[2]), p.stride, p.padding),
+                  window_out(x[3], int(w[2]), p.stride, p.padding)};
+    auto forward = [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+      c.ops().conv2d_forward(c, i[0], i[1], i[2], o[0], p);
+    };
+    auto backward = [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+      c.ops().copy(c, o[1], i[3]);  // dw accumulates onto a nonzero gradient
+      c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p);
+    };
+    const std::vector<Shape> fin = {x, w, {w[0]}}, bin = {x, w, y, w};
+    const std::vector<Shape> bout = {x, w, {w[0]}};
+    auto f32 = on_all(t, fin, {y}, forward, {&t.cpu, &t.fp32_nhwc});
+    auto b32 = on_all(t, bin, bout, backward, {&t.cpu, &t.fp32_nhwc});
+    const char* names[] = {"dx", "dw", "db"};
+    CHECK(test::relative_l2(f32[0][0], f32[0][1]) < 1e-5);
+    for (int k = 0; k < 3; ++k) {
+      CAPTURE(names[k]);
+      CHECK(test::relative_l2(b32[k][0], b32[k][1]) < 1e-5);
+    }
+    if (!bf16) continue;
+    const std::vector<DeviceContext*> ctxs = {&t.cpu, &t.cpu_bf16, &t.bf16_nhwc};
+    expect_bf16(on_all(t, fin, {y}, forward, ctxs)[0], "channels_last conv y");
+    auto bb = on_all(t, bin, bout, backward, ctxs);
+    expect_bf16(bb[0], "channels_last conv dx");
+    expect_bf16(bb[1], "channels_last conv dw");
+  }
 }

@@ -25,8 +25,9 @@ Gloo on CPU or when ranks share a GPU (cuda:0*N, labelled devices_share_gpu).
           (unless --memory-format nchw)
     auto  (default) tf32 when every GPU has TF32 tensor cores (compute capability 8.0+), else fp32
 --cudnn-benchmark sets torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape).
---memory-format nchw keeps bf16 in NCHW, replica's layout (auto: channels_last for bf16 images,
-as PyTorch's recipes do; channels_last forces it in every precision). Rows say which.
+--memory-format nchw keeps bf16 in NCHW (auto: channels_last for bf16 images, as PyTorch's
+recipes do; channels_last forces it in every precision). Rows say which. replica-bench takes the
+same flag with the same default, for its convolutions' operands.
 """
 import argparse
 import json

@@ -75,6 +75,10 @@ void declare_devices(CLI::App& app, BenchOptions& o) {
   app.add_flag("--cudnn-benchmark", o.cudnn_benchmark,
                "dp/ddp/ops on GPUs: pick each convolution's algorithms by timing them, once per "
                "shape (as torch.backends.cudnn.benchmark; pytorch_bench.py --cudnn-benchmark)");
+  app.add_option("--memory-format", o.memory_format,
+                 "dp/ddp/ops on GPUs: convolutions' operand layout: channels_last (NHWC copies) | "
+                 "nchw | auto (channels_last in bf16; pytorch_bench.py --memory-format)")
+      ->capture_default_str();
   app.add_flag("--by-shape", o.by_shape,
                "ops: split each op's time by the shapes of its tensors (which layer is slow)");
   app.add_option("--timeout", o.timeout_s,

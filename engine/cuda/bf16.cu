@@ -1,92 +1,215 @@
-// Precision::Bf16 on CUDA devices: fp32 tensors rounded into bf16 copies for cuDNN's and
-// cuBLAS's bf16 tensor-core paths (fp32 accumulation), and their bf16 results widened back into
-// the fp32 tensors the rest of the engine keeps. Rounding goes through bf16_bits (engine/ops.h),
-// the function the CPU's bf16 uses, so both round an operand to the same bf16 number. The copies
-// live in the backend's scratch, taken once per call (a second scratch() call may move it).
+// Staged operands of products on CUDA devices. In bf16 (Precision::Bf16) fp32 tensors are
+// rounded into bf16 copies for cuDNN's and cuBLAS's bf16 tensor-core paths (fp32 accumulation),
+// and their bf16 results widened back into the fp32 tensors the rest of the engine keeps.
+// Rounding goes through bf16_bits (engine/ops.h), the function the CPU's bf16 uses, so both
+// round an operand to the same bf16 number. A convolution with ctx.channels_last() has its
+// copies laid out NHWC (weights KRSC) in the same pass, fp32 or bf16: a tiled transpose, read
+// and written a row of 32 elements at a time. The copies live in the backend's scratch, taken
+// once per call (a second scratch() call may move it).
 #include "engine/cuda/cuda_backend.h"
 
 namespace replica {
 
 namespace {
 
-__global__ void round_to_bf16_kernel(const float* src, uint16_t* dst, int64_t n) {
+template <class T>
+__device__ __forceinline__ T to_staged(float v);
+template <>
+__device__ __forceinline__ uint16_t to_staged<uint16_t>(float v) {
+  return bf16_bits(v);
+}
+template <>
+__device__ __forceinline__ float to_staged<float>(float v) {
+  return v;
+}
+__device__ __forceinline__ float from_staged(uint16_t b) { return bf16_value(b); }
+__device__ __forceinline__ float from_staged(float v) { return v; }
+
+template <class Out>
+__global__ void stage_flat_kernel(const float* src, Out* dst, int64_t n) {
   REPLICA_GRID_STRIDE(i, n)
-    dst[i] = bf16_bits(src[i]);
+    dst[i] = to_staged<Out>(src[i]);
 }
 
-__global__ void widen_bf16_kernel(const uint16_t* src, float* dst, int64_t n, bool accumulate) {
+template <class In>
+__global__ void unstage_flat_kernel(const In* src, float* dst, int64_t n, bool accumulate) {
   REPLICA_GRID_STRIDE(i, n) {
-    const float v = bf16_value(src[i]);
+    const float v = from_staged(src[i]);
     dst[i] = accumulate ? dst[i] + v : v;
   }
 }
 
-// Floats of scratch that hold n bf16 values, 256-byte aligned.
-int64_t bf16_floats(int64_t n) { return ((n + 1) / 2 + 63) / 64 * 64; }
+// A tensor seen as [n][c][hw] (NCHW; weights: [K][C][R*S]); its NHWC form is [n][hw][c].
+struct Planes {
+  int64_t n, c, hw;
+};
 
-// Hands out consecutive bf16 arrays of one scratch block.
+constexpr int kTile = 32, kTileRows = 8;  // a 32x32 tile per block of 32x8 threads
+
+// The tile loop shared by both directions: tile t covers image b, channels [c0, c0+32) and
+// positions [p0, p0+32).
+struct TileIndex {
+  int64_t b, c0, p0;
+  __device__ TileIndex(const Planes& d, int64_t t) {
+    const int64_t ct = (d.c + kTile - 1) / kTile, pt = (d.hw + kTile - 1) / kTile;
+    b = t / (ct * pt);
+    c0 = (t / pt) % ct * kTile;
+    p0 = t % pt * kTile;
+  }
+};
+
+__host__ __device__ inline int64_t tile_count(const Planes& d) {
+  return d.n * ((d.c + kTile - 1) / kTile) * ((d.hw + kTile - 1) / kTile);
+}
+
+// dst[b][p][c] = stage(src[b][c][p]): rows of src read along p, rows of dst written along c.
+template <class Out>
+__global__ void stage_nhwc_kernel(const float* src, Out* dst, Planes d) {
+  __shared__ float tile[kTile][kTile + 1];  // [c - c0][p - p0]; +1: no bank conflicts
+  const int tx = threadIdx.x;
+  for (int64_t t = blockIdx.x; t < tile_count(d); t += gridDim.x) {
+    const TileIndex at(d, t);
+    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+      const int64_t c = at.c0 + j, p = at.p0 + tx;
+      if (c < d.c && p < d.hw) tile[j][tx] = src[(at.b * d.c + c) * d.hw + p];
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+      const int64_t p = at.p0 + j, c = at.c0 + tx;
+      if (p < d.hw && c < d.c) dst[(at.b * d.hw + p) * d.c + c] = to_staged<Out>(tile[tx][j]);
+    }
+    __syncthreads();
+  }
+}
+
+// dst[b][c][p] (+)= unstage(src[b][p][c]): the reverse of stage_nhwc_kernel.
+template <class In>
+__global__ void unstage_nhwc_kernel(const In* src, float* dst, Planes d, bool accumulate) {
+  __shared__ float tile[kTile][kTile + 1];  // [p - p0][c - c0]
+  const int tx = threadIdx.x;
+  for (int64_t t = blockIdx.x; t < tile_count(d); t += gridDim.x) {
+    const TileIndex at(d, t);
+    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+      const int64_t p = at.p0 + j, c = at.c0 + tx;
+      if (p < d.hw && c < d.c) tile[j][tx] = from_staged(src[(at.b * d.hw + p) * d.c + c]);
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+      const int64_t c = at.c0 + j, p = at.p0 + tx;
+      if (c < d.c && p < d.hw) {
+        float& o = dst[(at.b * d.c + c) * d.hw + p];
+        o = accumulate ? o + tile[tx][j] : tile[tx][j];
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// A tensor's planes, and whether its NHWC form is a transpose at all (one channel, or one
+// position per channel, lays out alike either way).
+Planes planes_of(const Tensor& t) {
+  const int64_t n = t.dim(0), c = t.ndim() > 1 ? t.dim(1) : 1;
+  return {n, c, n * c > 0 ? t.numel() / (n * c) : 0};
+}
+bool transposes(const Planes& d) { return d.c > 1 && d.hw > 1; }
+
+unsigned tile_blocks(const Planes& d) {
+  const int64_t tiles = tile_count(d), cap = int64_t(1) << 20;
+  return static_cast<unsigned>(tiles < cap ? tiles : cap);
+}
+
+template <class Out>
+void stage(const Tensor& t, Out* dst, bool nhwc, cudaStream_t stream) {
+  const Planes d = planes_of(t);
+  if (nhwc && transposes(d)) {
+    stage_nhwc_kernel<Out><<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(t.f32(), dst,
+                                                                                 d);
+  } else {
+    stage_flat_kernel<Out><<<cuda::grid_for(t.numel()), cuda::kThreads, 0, stream>>>(
+        t.f32(), dst, t.numel());
+  }
+  REPLICA_LAUNCH_CHECK();
+}
+
+template <class In>
+void unstage(const In* src, Tensor& out, bool nhwc, bool accumulate, cudaStream_t stream) {
+  const Planes d = planes_of(out);
+  if (nhwc && transposes(d)) {
+    unstage_nhwc_kernel<In><<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(
+        src, out.f32(), d, accumulate);
+  } else {
+    unstage_flat_kernel<In><<<cuda::grid_for(out.numel()), cuda::kThreads, 0, stream>>>(
+        src, out.f32(), out.numel(), accumulate);
+  }
+  REPLICA_LAUNCH_CHECK();
+}
+
+// Hands out consecutive staged arrays (bf16 or fp32 elements, 256-byte aligned) of one scratch
+// block; floats(n) is what one takes.
 class Carve {
  public:
-  explicit Carve(float* base) : next_(base) {}
+  Carve(bool bf16, bool nhwc) : bf16_(bf16), nhwc_(nhwc) {}
+  int64_t floats(int64_t n) const { return ((bf16_ ? (n + 1) / 2 : n) + 63) / 64 * 64; }
+  void start(float* base) { next_ = base; }
   void* take(int64_t n) {
     void* out = next_;
-    next_ += bf16_floats(n);
+    next_ += floats(n);
     return out;
   }
-  const void* rounded(const Tensor& t, cudaStream_t stream) {
-    auto* out = static_cast<uint16_t*>(take(t.numel()));
-    if (t.numel() > 0) {
-      round_to_bf16_kernel<<<cuda::grid_for(t.numel()), cuda::kThreads, 0, stream>>>(
-          t.f32(), out, t.numel());
-      REPLICA_LAUNCH_CHECK();
-    }
+  const void* staged(const Tensor& t, cudaStream_t stream) {
+    void* out = take(t.numel());
+    if (t.numel() == 0) return out;
+    if (bf16_) stage(t, static_cast<uint16_t*>(out), nhwc_, stream);
+    else stage(t, static_cast<float*>(out), nhwc_, stream);
     return out;
   }
 
  private:
-  float* next_;
+  bool bf16_, nhwc_;
+  float* next_ = nullptr;
 };
 
 }  // namespace
 
 void ProductIo::finish(const void* result, Tensor& out, bool accumulate,
                        cudaStream_t stream) const {
-  if (!bf16 || out.numel() == 0) return;
-  widen_bf16_kernel<<<cuda::grid_for(out.numel()), cuda::kThreads, 0, stream>>>(
-      static_cast<const uint16_t*>(result), out.f32(), out.numel(), accumulate);
-  REPLICA_LAUNCH_CHECK();
+  if (!staged() || out.numel() == 0) return;
+  if (bf16) unstage(static_cast<const uint16_t*>(result), out, nhwc, accumulate, stream);
+  else unstage(static_cast<const float*>(result), out, nhwc, accumulate, stream);
 }
 
 ProductIo CudaBackend::forward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                                  Tensor& y) {
-  ProductIo io{ctx.precision() == Precision::Bf16, x.f32(), w.f32(), nullptr, y.f32()};
-  if (!io.bf16) return io;
+                                  Tensor& y, bool nhwc) {
+  ProductIo io{ctx.precision() == Precision::Bf16, nhwc, x.f32(), w.f32(), nullptr, y.f32()};
+  if (!io.staged()) return io;
   const cudaStream_t stream = cuda_state(ctx).stream;
-  Carve carve(scratch(ctx, bf16_floats(x.numel()) + bf16_floats(w.numel()) +
-                               bf16_floats(y.numel())));
-  io.x = carve.rounded(x, stream);
-  io.w = carve.rounded(w, stream);
+  Carve carve(io.bf16, io.nhwc);
+  carve.start(scratch(ctx, carve.floats(x.numel()) + carve.floats(w.numel()) +
+                               carve.floats(y.numel())));
+  io.x = carve.staged(x, stream);
+  io.w = carve.staged(w, stream);
   io.y = carve.take(y.numel());
   return io;
 }
 
 ProductIo CudaBackend::backward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                                   const Tensor& dy, Tensor* dx, Tensor* dw) {
-  ProductIo io{ctx.precision() == Precision::Bf16, x.f32(), w.f32(), dy.f32()};
+                                   const Tensor& dy, Tensor* dx, Tensor* dw, bool nhwc) {
+  ProductIo io{ctx.precision() == Precision::Bf16, nhwc, x.f32(), w.f32(), dy.f32()};
   io.dx = dx ? dx->f32() : nullptr;
   io.dw = dw ? dw->f32() : nullptr;
-  if (!io.bf16 || (!dx && !dw)) return io;
+  if (!io.staged() || (!dx && !dw)) return io;
   const cudaStream_t stream = cuda_state(ctx).stream;
   // dx = f(w, dy), dw = g(x, dy): each wants its operand and its result.
-  const int64_t both = bf16_floats(x.numel()) + bf16_floats(w.numel());
-  Carve carve(scratch(ctx, bf16_floats(dy.numel()) + (dx ? both : 0) + (dw ? both : 0)));
-  io.dy = carve.rounded(dy, stream);
+  Carve carve(io.bf16, io.nhwc);
+  const int64_t both = carve.floats(x.numel()) + carve.floats(w.numel());
+  carve.start(scratch(ctx, carve.floats(dy.numel()) + (dx ? both : 0) + (dw ? both : 0)));
+  io.dy = carve.staged(dy, stream);
   if (dx) {
-    io.w = carve.rounded(w, stream);
+    io.w = carve.staged(w, stream);
     io.dx = carve.take(x.numel());
   }
   if (dw) {
-    io.x = carve.rounded(x, stream);
+    io.x = carve.staged(x, stream);
     io.dw = carve.take(w.numel());
   }
   return io;

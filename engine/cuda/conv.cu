@@ -7,7 +7,9 @@
 // type is FMA (no TF32), so results match the CPU backend; in tf32 (Precision::Tf32) each direction runs with the math
 // type of the algorithm chosen for it (tensor ops allowed, down-conversion to fp16/bf16 never).
 // In bf16 (Precision::Bf16) the descriptors hold bf16 data with fp32 compute: operands are
-// rounded into bf16 scratch copies, results widened back into the fp32 tensors (bf16.cu).
+// rounded into bf16 scratch copies, results widened back into the fp32 tensors (bf16.cu). With
+// ctx.channels_last() (bf16's default) those copies, fp32 or bf16, are NHWC and so are the
+// descriptors (filters KRSC): the layout cuDNN's tensor-core kernels are written for.
 // With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias
 // forward/backward are own kernels (the bias gradient is a fixed-order per-channel reduction,
 // so it is deterministic in every mode).
@@ -157,9 +159,10 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
                                  const Conv2dParams& p) {
   const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3);
   const int64_t K = w.dim(0), R = w.dim(2);
-  const bool bf16 = ctx.precision() == Precision::Bf16;
+  const bool bf16 = ctx.precision() == Precision::Bf16, nhwc = ctx.channels_last();
   const cudnnDataType_t data = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
-  ConvKey key{N, C, H, W, K, R, p.stride, p.padding, bf16};
+  const cudnnTensorFormat_t format = nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+  ConvKey key{N, C, H, W, K, R, p.stride, p.padding, bf16, nhwc};
   auto it = conv_plans_.find(key);
   if (it != conv_plans_.end()) return it->second;
 
@@ -169,10 +172,10 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan.y));
     REPLICA_CUDNN_CHECK(cudnnCreateFilterDescriptor(&plan.w));
     REPLICA_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&plan.conv));
-    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.x, CUDNN_TENSOR_NCHW, data,
+    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.x, format, data,
                                                    as_int(N, "N"), as_int(C, "C"),
                                                    as_int(H, "H"), as_int(W, "W")));
-    REPLICA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan.w, data, CUDNN_TENSOR_NCHW,
+    REPLICA_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan.w, data, format,
                                                    as_int(K, "K"), as_int(C, "C"),
                                                    as_int(R, "R"), as_int(R, "R")));
     REPLICA_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(plan.conv, p.padding, p.padding,
@@ -187,8 +190,7 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CHECK(on == N && ok == K && op == P && oq == Q,
                   "conv2d: cuDNN output [{}, {}, {}, {}] differs from expected [{}, {}, {}, {}]",
                   on, ok, op, oq, N, K, P, Q);
-    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.y, CUDNN_TENSOR_NCHW, data,
-                                                   on, ok, op, oq));
+    REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.y, format, data, on, ok, op, oq));
   } catch (...) {
     destroy_plan(plan);
     throw;
@@ -234,7 +236,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     }
     void* ws = plan.fwd.ws ? cuda_workspace(s, plan.fwd.ws) : nullptr;
     const float one = 1.f, zero = 0.f;
-    const ProductIo io = forward_io(ctx, x, w, y);
+    const ProductIo io = forward_io(ctx, x, w, y, ctx.channels_last());
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, io.x, plan.w, io.w,
                                                 plan.conv, plan.fwd.algo, ws, plan.fwd.ws, &zero,
@@ -279,7 +281,8 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   const bool have_channels = x.dim(1) > 0;
   const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
   const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
-  const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr, want_dw ? &dw : nullptr);
+  const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr,
+                                   want_dw ? &dw : nullptr, ctx.channels_last());
 
   if (want_dx) {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
@@ -331,7 +334,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     }
     void* ws = plan.bwd_filter.ws ? cuda_workspace(s, plan.bwd_filter.ws) : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_filter.math));
-    const float beta = io.dw_beta();  // fp32: dw accumulates; bf16: this call's part, added after
+    const float beta = io.dw_beta();  // dw accumulates; staged: this call's part, added after
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
         s.cudnn, &one, plan.x, io.x, plan.y, io.dy, plan.conv, plan.bwd_filter.algo, ws,
         plan.bwd_filter.ws, &beta, plan.w, io.dw));

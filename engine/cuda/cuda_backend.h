@@ -64,23 +64,27 @@ struct ConvPlan {
 };
 
 // What a product (a convolution, a linear layer) reads and writes in one direction: the fp32
-// tensors themselves, or in bf16 (Precision::Bf16) bf16 copies of its operands and bf16 results
-// in the backend's scratch, widened into the fp32 tensors by finish() (bf16.cu).
+// tensors themselves, or staged copies in the backend's scratch: its operands rounded to bf16
+// (Precision::Bf16) and/or laid out NHWC (a convolution with ctx.channels_last()), its results
+// in the same form, brought back into the fp32 NCHW tensors by finish() (bf16.cu).
 struct ProductIo {
-  bool bf16 = false;
+  bool bf16 = false;  // staged as bf16 (else fp32)
+  bool nhwc = false;  // staged as NHWC, weights KRSC (else as the tensors are)
+  bool staged() const { return bf16 || nhwc; }
   const void* x = nullptr;
   const void* w = nullptr;
   const void* dy = nullptr;
   void* y = nullptr;   // forward
   void* dx = nullptr;  // backward: overwritten
-  void* dw = nullptr;  // backward: fp32 accumulates into dw (beta 1); bf16 this call's part
-  float dw_beta() const { return bf16 ? 0.f : 1.f; }
-  // Widens a bf16 result into `out` (accumulate: out += it); a no-op in fp32 and tf32.
+  void* dw = nullptr;  // backward: accumulates into dw (beta 1); staged: this call's part
+  float dw_beta() const { return staged() ? 0.f : 1.f; }
+  // Brings a staged result into `out` (accumulate: out += it); a no-op when nothing is staged.
   void finish(const void* result, Tensor& out, bool accumulate, cudaStream_t stream) const;
 };
 
-// (N, C, H, W, K, R, stride, padding, bf16 data)
-using ConvKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool>;
+// (N, C, H, W, K, R, stride, padding, bf16 data, NHWC layout)
+using ConvKey =
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool, bool>;
 
 class CudaBackend final : public Backend {
  public:
@@ -99,10 +103,12 @@ class CudaBackend final : public Backend {
   void destroy_conv_plans() noexcept;
   std::map<ConvKey, ConvPlan> conv_plans_;
 
-  // A product's operands and results (bf16.cu); backward: dx, dw null when not wanted.
-  ProductIo forward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w, Tensor& y);
+  // A product's operands and results (bf16.cu); backward: dx, dw null when not wanted. `nhwc`:
+  // a convolution's, staged NHWC.
+  ProductIo forward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w, Tensor& y,
+                       bool nhwc = false);
   ProductIo backward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                        Tensor* dx, Tensor* dw);
+                        Tensor* dx, Tensor* dw, bool nhwc = false);
 
   // Device scratch (F32 elements), grown on demand (cuda_backend.cu). Kept by the backend rather
   // than allocated per call so no block is handed back to the allocator while a kernel using it

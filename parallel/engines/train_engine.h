@@ -23,12 +23,14 @@ struct EngineOptions {
   bool deterministic = false;
   Precision precision = Precision::Fp32;  // resolved from --precision (engine/context.h)
   bool cudnn_benchmark = false;  // CUDA: convolution algorithms picked by timing them
+  bool channels_last = false;    // CUDA: convolutions on NHWC operands (--memory-format)
 };
 
 // What each device's context is made with: `threads` CPU threads, the run's determinism,
-// precision and choice of convolution algorithms.
+// precision, choice of convolution algorithms and their operands' layout.
 inline ContextOptions context_options(const EngineOptions& o, int threads) {
-  return {threads, o.deterministic, o.precision, /*reserve_workspace=*/true, o.cudnn_benchmark};
+  return {threads, o.deterministic, o.precision, /*reserve_workspace=*/true, o.cudnn_benchmark,
+          o.channels_last};
 }
 
 class TrainEngine {

@@ -42,6 +42,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"deterministic", c.engine.deterministic},
           {"precision", c.precision},
           {"cudnn_benchmark", c.engine.cudnn_benchmark},
+          {"memory_format", c.memory_format},
           {"reduce", c.reduce},
           {"bucket_cap_mb", c.bucket_cap_mb},
           {"backend", c.backend},
@@ -93,7 +94,7 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
                       "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
   const std::vector<Device> devices = resolve_devices(c);
-  resolve_precision(c.precision, devices);
+  resolve_channels_last(c.memory_format, resolve_precision(c.precision, devices), devices);
   // Before any rank starts: found by the ranks once they meet, the same error could reach the
   // launcher as a peer's lost connection instead.
   if (c.mode == "ddp" && c.backend == "nccl") check_nccl_usable(devices.at(0));

@@ -64,10 +64,11 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
   c_.data_placement = data_placement_name(placement);  // what the metrics record
   report_ = std::make_unique<RunReport>(c_, *engine_, device_spec);
   const int64_t local_batch = c_.batch_size / world_;
-  report_->say(fmt::format("replica: {} on {} ({} mode, {}{}{}), batch {}, {}",
+  report_->say(fmt::format("replica: {} on {} ({} mode, {}{}{}{}), batch {}, {}",
                            engine_->model().summary(),
                            world_ > 1 ? fmt::format("{} ranks", world_) : device_spec,
                            engine_->mode(), precision_name(c_.engine.precision),
+                           c_.engine.channels_last ? ", channels_last" : "",
                            c_.engine.cudnn_benchmark ? ", cuDNN algorithms timed" : "",
                            world_ > 1 ? fmt::format(", {} per rank", local_batch) : "",
                            c_.batch_size, train_->describe()));

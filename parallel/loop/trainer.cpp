@@ -16,6 +16,7 @@ namespace replica {
 
 std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Device>& devices) {
   c.engine.precision = resolve_precision(c.precision, devices);
+  c.engine.channels_last = resolve_channels_last(c.memory_format, c.engine.precision, devices);
   // Gradient buckets (DP and DDP): 1 MB first, so communication starts early, then the cap.
   const size_t bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
   const size_t first_bucket_bytes = std::min(bucket_bytes, size_t(1) << 20);

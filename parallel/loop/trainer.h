@@ -21,6 +21,7 @@ struct TrainConfig {
   double timeout_s = 300;          // DDP: rendezvous and collective timeout
   int accumulate = 1;              // DDP: micro-batches per rank and step (no_sync for K-1)
   std::string precision = "auto";  // auto | fp32 | tf32 | bf16 (engine/context.h: resolve_precision)
+  std::string memory_format = "auto";  // auto | nchw | channels_last (resolve_channels_last)
   std::string reduce = "root";     // DP gradient reduction: root | tree
   double bucket_cap_mb = 25;       // gradient bucket cap (the first bucket is 1 MB)
   std::string devices;             // device string; empty = resolve_devices() default

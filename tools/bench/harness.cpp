@@ -178,6 +178,7 @@ EngineOptions engine_options(const RunOptions& run) {
   eo.threads_per_device = run.threads_per_device;
   eo.precision = run.precision;
   eo.cudnn_benchmark = run.cudnn_benchmark;
+  eo.channels_last = run.channels_last;
   return eo;
 }
 

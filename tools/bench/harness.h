@@ -27,10 +27,11 @@ struct RunOptions {
   int threads_per_device = 1;
   Precision precision = Precision::Fp32;
   bool cudnn_benchmark = false;  // GPUs: convolution algorithms timed per shape
+  bool channels_last = false;    // GPUs: convolutions on NHWC operands (--memory-format)
 };
 
-// The engine options of a run: its model, shape, seed, threads, precision and how convolution
-// algorithms are picked; 10 classes.
+// The engine options of a run: its model, shape, seed, threads, precision, how convolution
+// algorithms are picked and how their operands are laid out; 10 classes.
 EngineOptions engine_options(const RunOptions& run);
 
 // `count` batches of `batch` synthetic samples of `shape`, made once, held where `engine`'s

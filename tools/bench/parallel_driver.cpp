@@ -71,6 +71,7 @@ SuiteOptions resolve(const BenchOptions& o) {
   s.run.seed = o.seed;
   s.run.precision = resolve_precision(o.precision, s.devices);
   s.run.cudnn_benchmark = o.cudnn_benchmark;
+  s.run.channels_last = resolve_channels_last(o.memory_format, s.run.precision, s.devices);
   s.run.threads_per_device = o.threads_per_device > 0
                                  ? o.threads_per_device
                                  : (s.devices[0].is_cuda() ? 1 : std::max(1, cpu_cores() / largest));

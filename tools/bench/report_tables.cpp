@@ -43,12 +43,15 @@ std::string label(const json& r) {
   return fmt::format("{} {}", r.value("engine", "replica"), mode_label(r));
 }
 
-// The math a row ran in; rows written before precisions existed ran in fp32.
-// With the convolution algorithms timed per shape (--cudnn-benchmark, PyTorch's
-// cudnn.benchmark) the row says so: rows are compared only with rows that picked alike.
+// The math a row ran in; rows written before precisions existed ran in fp32. Convolutions on
+// NHWC operands (--memory-format channels_last) and algorithms timed per shape
+// (--cudnn-benchmark, PyTorch's cudnn.benchmark) are named: rows are compared only with rows
+// that ran alike.
 std::string precision_of(const json& r) {
-  const std::string p = text(r, "precision", "fp32");
-  return r.value("cudnn_benchmark", false) ? p + ", cudnn.benchmark" : p;
+  std::string p = text(r, "precision", "fp32");
+  if (text(r, "memory_format", "nchw") == "channels_last") p += ", channels_last";
+  if (r.value("cudnn_benchmark", false)) p += ", cudnn.benchmark";
+  return p;
 }
 
 }  // namespace

@@ -48,6 +48,9 @@ int run_loader_suite(const BenchOptions& o) {
   REPLICA_USAGE_CHECK(!o.cudnn_benchmark,
                       "--suite loader runs no convolutions; --cudnn-benchmark is for dp, ddp and "
                       "ops on GPUs");
+  REPLICA_USAGE_CHECK(o.memory_format == "auto",
+                      "--suite loader runs no convolutions; --memory-format is for dp, ddp and "
+                      "ops on GPUs");
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
   std::vector<int64_t> threads = {1};
   if (!o.threads.empty()) threads = parse_positive_list(o.threads, ',', "--threads");

@@ -34,6 +34,7 @@ int run_ops_suite(const BenchOptions& o) {
   run.threads_per_device = o.threads_per_device;  // CPU: 0 = every core
   run.precision = resolve_precision(o.precision, {device});
   run.cudnn_benchmark = o.cudnn_benchmark;
+  run.channels_last = resolve_channels_last(o.memory_format, run.precision, {device});
   auto engine = make_single_device_engine(device, engine_options(run));
   const Preloaded pre = preload_batches(run.input_shape, o.batch, o.seed, 4, engine.get());
   DeviceContext& ctx = *engine->contexts().at(0);
@@ -63,9 +64,10 @@ int run_ops_suite(const BenchOptions& o) {
             [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
   const double steps = double(o.steps);
   const std::string shape = fmt::format("{}", fmt::join(run.input_shape, "x"));
-  std::printf("replica-bench: suite ops, %s on %s (%s), %s, batch %lld, %lld steps\n",
+  std::printf("replica-bench: suite ops, %s on %s (%s%s), %s, batch %lld, %lld steps\n",
               o.model.c_str(), device.str().c_str(), precision_name(run.precision),
-              shape.c_str(), (long long)o.batch, (long long)o.steps);
+              run.channels_last ? ", channels_last" : "", shape.c_str(), (long long)o.batch,
+              (long long)o.steps);
   int width = 28;  // by shape, the key is "op [shape] [shape] ...": as wide as the widest
   for (const auto& [key, s] : ops) width = std::max(width, int(key.size()));
   std::printf("%-*s %10s %10s %8s %10s\n", width, o.by_shape ? "op and tensor shapes" : "op",
@@ -80,6 +82,7 @@ int run_ops_suite(const BenchOptions& o) {
     nlohmann::json row = {{"suite", "ops"}, {"engine", "replica"}, {"model", o.model},
                           {"input_shape", shape}, {"batch", o.batch}, {"device", device.str()},
                           {"precision", precision_name(run.precision)},
+                          {"memory_format", run.channels_last ? "channels_last" : "nchw"},
                           {"op", key.substr(0, space)},
                           {"calls_per_step", double(s.calls) / steps}, {"ms_per_step", ms},
                           {"share", share}, {"step_ms", real_ms},

@@ -176,6 +176,9 @@ int run_single_suite(const BenchOptions& o) {
   REPLICA_USAGE_CHECK(!o.cudnn_benchmark,
                       "--suite single measures CPU threads; --cudnn-benchmark is for dp, ddp and "
                       "ops on GPUs");
+  REPLICA_USAGE_CHECK(o.memory_format == "auto",
+                      "--suite single measures CPU threads; --memory-format is for dp, ddp and "
+                      "ops on GPUs");
   REPLICA_USAGE_CHECK(o.sgemm_seconds > 0 && o.sgemm_seconds <= 60,
                       "--sgemm-seconds must be in (0, 60], got {}", o.sgemm_seconds);
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
