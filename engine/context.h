@@ -48,7 +48,8 @@ Precision resolve_precision(const std::string& flag, const std::vector<Device>& 
 //                  for bf16, and results transposed back: cuDNN's tensor-core kernels are
 //                  written for NHWC (on an H100, ResNet-50's bf16 NCHW convolutions took 4.4x
 //                  TF32's time, algorithms timed).
-// Everything else stays NCHW. "auto": channels_last in bf16 on CUDA devices, else nchw.
+// Only convolutions whose channel counts are multiples of 8 (the shapes those kernels take);
+// everything else stays NCHW. "auto": channels_last in bf16 on CUDA devices, else nchw.
 // UsageError for another word, or channels_last on CPU devices (they have no cuDNN).
 bool resolve_channels_last(const std::string& flag, Precision precision,
                            const std::vector<Device>& devices);

@@ -312,18 +312,19 @@ TEST_CASE("bf16 training on the GPU follows the CPU's bf16: CNN 3 SGD steps") {
 }
 
 // channels_last copies a convolution's operands into NHWC (weights KRSC) and its results back:
-// the shapes cover a tiled transpose with partial tiles (channels and positions not multiples
-// of 32, 3 input channels as a first layer has), a 1x1 kernel, one input channel and a 1x1
-// output (where NHWC and NCHW lay out alike and the copy is flat).
+// the shapes cover tiled transposes with partial tiles (channels and positions not multiples
+// of 32) and with several tiles each way, a 1x1 kernel and a 1x1 output (where NHWC and NCHW
+// lay out alike and the copy is flat), and 3 input channels (a first layer's, left NCHW).
 TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and bf16") {
   if (!test::have_gpu()) return;
   Trio t;
   const bool bf16 = have_tf32();
   for (const auto& [x, w, p] : {std::tuple<Shape, Shape, Conv2dParams>{
-                                    {5, 3, 17, 19}, {40, 3, 3, 3}, {1, 1}},
-                                {{3, 48, 9, 9}, {33, 48, 1, 1}, {2, 0}},
-                                {{4, 1, 12, 12}, {20, 1, 5, 5}, {1, 0}},
-                                {{6, 70, 3, 3}, {35, 70, 3, 3}, {1, 0}}}) {
+                                    {5, 16, 17, 19}, {40, 16, 3, 3}, {1, 1}},
+                                {{3, 48, 9, 9}, {72, 48, 1, 1}, {2, 0}},
+                                {{6, 72, 3, 3}, {40, 72, 3, 3}, {1, 0}},
+                                {{2, 64, 40, 40}, {64, 64, 3, 3}, {1, 1}},
+                                {{4, 3, 12, 12}, {24, 3, 5, 5}, {1, 0}}}) {
     CAPTURE(shape_str(x));
     CAPTURE(shape_str(w));
     const Shape y{x[0], w[0], window_out(x[2], int(w[2]), p.stride, p.padding),

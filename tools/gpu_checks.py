@@ -18,6 +18,10 @@ short summary (OUT/PART/summary.md):
     python3 tools/gpu_checks.py speed --out OUT      # replica against PyTorch per precision
                                                      # (tools/replica_vs_pytorch.py --with-train;
                                                      # --case MODEL:CxHxW:BATCH to pick cases)
+    python3 tools/gpu_checks.py ops --out OUT        # ResNet-50 batch 64, op by op (replica-bench
+                                                     # --suite ops) in fp32, tf32 and bf16, NCHW
+                                                     # and channels_last: which layout pays, and
+                                                     # where each step's time goes
     python3 tools/gpu_checks.py tests --out OUT      # the test suites: the gpu-labelled ones one
                                                      # at a time (a GPU suite that skips on a GPU
                                                      # fails the check; a case inside one that
@@ -256,6 +260,46 @@ def report(p):
                f"({os.path.relpath(out_dir, p.args.out)}/report.md)")
 
 
+# (precision, memory format) pairs the ops part measures on a GPU; CPU devices run fp32 NCHW only.
+OPS_RUNS = [("fp32", "nchw"), ("tf32", "nchw"), ("tf32", "channels_last"), ("bf16", "nchw"),
+            ("bf16", "channels_last")]
+
+
+def ops(p):
+    # On CPU devices a rehearsal: the same program and table on a model small enough to finish.
+    model, shape = ("resnet50", "3x224x224") if p.gpu else ("resnet18", "3x32x32")
+    runs = OPS_RUNS if p.gpu else [("fp32", "nchw")]
+    steps = "3" if p.args.quick else "10"
+    by_run = {}
+    for precision, layout in runs:
+        name = f"{precision}-{layout}"
+        out_json = os.path.join(p.dir, name + ".jsonl")
+        if os.path.exists(out_json):
+            os.remove(out_json)  # --json appends
+        p.run(name, [p.bin("replica-bench"), "--suite", "ops", "--devices", p.args.device,
+                     "--model", model, "--input-shape", shape, "--batch-per-device", "64",
+                     "--steps", steps, "--precision", precision, "--memory-format", layout,
+                     "--json", out_json])
+        if os.path.exists(out_json):
+            with open(out_json) as f:
+                by_run[name] = [json.loads(l) for l in f if l.strip()]
+    if not by_run:
+        return
+    names = list(by_run)
+    step = {n: (rows[0].get("step_ms") if rows else None) for n, rows in by_run.items()}
+    op_ms = {n: {r["op"]: r["ms_per_step"] for r in rows} for n, rows in by_run.items()}
+    top = sorted({op for m in op_ms.values() for op in m},
+                 key=lambda op: -max(m.get(op, 0) for m in op_ms.values()))[:12]
+    p.note(f"{model} {shape}, batch 64, ms per step (ops timed one by one; the step line is an "
+           f"ordinary step):\n")
+    p.note("| op | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    p.note("| **step** | " + " | ".join(f"{step[n]:.2f}" if step[n] else "-" for n in names)
+           + " |")
+    for op in top:
+        p.note(f"| {op} | " + " | ".join(
+            f"{op_ms[n][op]:.2f}" if op in op_ms[n] else "-" for n in names) + " |")
+
+
 def speed(p):
     if not p.gpu:
         p.note("- not run: replica against PyTorch is measured on the GPU machine")
@@ -271,7 +315,8 @@ def speed(p):
             p.note(f.read())
 
 
-PARTS = {"tests": tests, "accuracy": accuracy, "overlap": overlap, "report": report, "speed": speed}
+PARTS = {"tests": tests, "accuracy": accuracy, "overlap": overlap, "report": report, "ops": ops,
+         "speed": speed}
 
 
 def main():

@@ -9,7 +9,9 @@
 // In bf16 (Precision::Bf16) the descriptors hold bf16 data with fp32 compute: operands are
 // rounded into bf16 scratch copies, results widened back into the fp32 tensors (bf16.cu). With
 // ctx.channels_last() (bf16's default) those copies, fp32 or bf16, are NHWC and so are the
-// descriptors (filters KRSC): the layout cuDNN's tensor-core kernels are written for.
+// descriptors (filters KRSC): the layout cuDNN's tensor-core kernels are written for. Only for
+// convolutions whose input and output channels are multiples of 8, the shapes those kernels
+// take; the others (a first layer's 1 or 3 channels) stay NCHW, where every shape has run.
 // With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias
 // forward/backward are own kernels (the bias gradient is a fixed-order per-channel reduction,
 // so it is deterministic in every mode).
@@ -28,6 +30,11 @@ constexpr size_t kMaxConvWorkspace = size_t(512) << 20;
 int as_int(int64_t v, const char* what) {
   REPLICA_CHECK(v >= 0 && v <= INT32_MAX, "conv2d: {} = {} is out of cuDNN's range", what, v);
   return static_cast<int>(v);
+}
+
+// Whether a convolution of C input and K output channels runs on NHWC copies (see the top).
+bool conv_nhwc(const DeviceContext& ctx, int64_t C, int64_t K) {
+  return ctx.channels_last() && C % 8 == 0 && K % 8 == 0;
 }
 
 // Whether a context's convolutions may use tensor cores: tf32, or bf16 data.
@@ -159,7 +166,7 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
                                  const Conv2dParams& p) {
   const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3);
   const int64_t K = w.dim(0), R = w.dim(2);
-  const bool bf16 = ctx.precision() == Precision::Bf16, nhwc = ctx.channels_last();
+  const bool bf16 = ctx.precision() == Precision::Bf16, nhwc = conv_nhwc(ctx, C, K);
   const cudnnDataType_t data = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
   const cudnnTensorFormat_t format = nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
   ConvKey key{N, C, H, W, K, R, p.stride, p.padding, bf16, nhwc};
@@ -236,7 +243,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     }
     void* ws = plan.fwd.ws ? cuda_workspace(s, plan.fwd.ws) : nullptr;
     const float one = 1.f, zero = 0.f;
-    const ProductIo io = forward_io(ctx, x, w, y, ctx.channels_last());
+    const ProductIo io = forward_io(ctx, x, w, y, conv_nhwc(ctx, x.dim(1), K));
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, io.x, plan.w, io.w,
                                                 plan.conv, plan.fwd.algo, ws, plan.fwd.ws, &zero,
@@ -282,7 +289,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
   const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
   const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr,
-                                   want_dw ? &dw : nullptr, ctx.channels_last());
+                                   want_dw ? &dw : nullptr, conv_nhwc(ctx, x.dim(1), K));
 
   if (want_dx) {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
