@@ -9,6 +9,7 @@
 
 #include <cblas.h>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -86,7 +87,11 @@ double others_cpu_share(const CpuSnapshot& from, const CpuSnapshot& to, int core
   return std::clamp(others / (wall * cores), 0.0, 1.0);
 }
 
+// REPLICA_COMMIT names it where the sources carry no git history (a build copied to another
+// machine); else git describe in the source tree, else the commit the build was configured at.
 std::string git_commit() {
+  const char* named = std::getenv("REPLICA_COMMIT");
+  if (named && *named) return named;
   const std::string dir = REPLICA_SOURCE_DIR;
   if (!dir.empty()) {
     std::string c = first_line_of_command("git -C '" + dir +
