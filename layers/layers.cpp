@@ -90,8 +90,8 @@ Tensor Conv2d::backward(DeviceContext& ctx, const Tensor& dy) {
 
 // ---- BatchNorm2d ----------------------------------------------------------------------------
 
-BatchNorm2d::BatchNorm2d(int64_t channels, float eps, float momentum)
-    : channels_(channels), eps_(eps), momentum_(momentum) {
+BatchNorm2d::BatchNorm2d(int64_t channels, bool relu, float eps, float momentum)
+    : channels_(channels), relu_(relu), eps_(eps), momentum_(momentum) {
   add_param("weight", {channels}, Init::constant(1.f));
   add_param("bias", {channels}, Init::constant(0.f));
   add_buffer("running_mean", {channels}, 0.f);
@@ -106,13 +106,14 @@ Tensor BatchNorm2d::forward(DeviceContext& ctx, const Tensor& x) {
   Tensor& beta = params_[1]->value;
   if (training_) {
     x_ = x;
+    if (relu_) y_ = y;  // the next layer keeps it too: no memory of its own
     save_mean_ = ctx.alloc({channels_});
     save_invstd_ = ctx.alloc({channels_});
     ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, buffers_[0]->value, buffers_[1]->value,
-                                      momentum_, eps_, y, save_mean_, save_invstd_);
+                                      momentum_, eps_, y, save_mean_, save_invstd_, relu_);
   } else {
     ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, buffers_[0]->value, buffers_[1]->value,
-                                     eps_, y);
+                                     eps_, y, relu_);
   }
   return y;
 }
@@ -120,9 +121,9 @@ Tensor BatchNorm2d::forward(DeviceContext& ctx, const Tensor& x) {
 Tensor BatchNorm2d::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "BatchNorm2d backward without a training-mode forward");
   Tensor dx = ctx.alloc(x_.shape());
-  ctx.ops().batchnorm_backward(ctx, x_, params_[0]->value, save_mean_, save_invstd_, dy, dx,
+  ctx.ops().batchnorm_backward(ctx, x_, params_[0]->value, save_mean_, save_invstd_, dy, y_, dx,
                                params_[0]->grad, params_[1]->grad);
-  x_ = save_mean_ = save_invstd_ = Tensor();
+  x_ = y_ = save_mean_ = save_invstd_ = Tensor();
   grads_ready();
   return dx;
 }

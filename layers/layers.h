@@ -41,18 +41,24 @@ class Conv2d : public Module {
 };
 
 // Per-channel batch normalisation; running statistics are buffers (eps 1e-5, momentum 0.1).
+// With relu (BatchNorm2d::kThenReLU), the ReLU that follows it in a ResNet is computed in the
+// same kernels (torch.nn's BatchNorm2d then ReLU, in one pass over the activation): the
+// parameters and their names are BatchNorm2d's, the numbers those of the two layers.
 class BatchNorm2d : public Module {
  public:
-  explicit BatchNorm2d(int64_t channels, float eps = 1e-5f, float momentum = 0.1f);
-  std::string type() const override { return "BatchNorm2d"; }
+  static constexpr bool kThenReLU = true;
+  explicit BatchNorm2d(int64_t channels, bool relu = false, float eps = 1e-5f,
+                       float momentum = 0.1f);
+  std::string type() const override { return relu_ ? "BatchNorm2d+ReLU" : "BatchNorm2d"; }
   Tensor forward(DeviceContext& ctx, const Tensor& x) override;
   Tensor backward(DeviceContext& ctx, const Tensor& dy) override;
   Shape output_shape(const Shape& in) const override { return in; }
 
  private:
   int64_t channels_;
+  bool relu_;
   float eps_, momentum_;
-  Tensor x_, save_mean_, save_invstd_;
+  Tensor x_, y_, save_mean_, save_invstd_;  // y_: the output, kept with a fused ReLU
 };
 
 class ReLU : public Module {

@@ -1,5 +1,7 @@
 // Residual blocks and the ResNet family, laid out and named as torchvision's resnet18/50/101
-// (conv1, bn1, layer1.0.conv1, layer1.0.downsample.0, fc, ...), so weights map one to one.
+// (conv1, bn1, layer1.0.conv1, layer1.0.downsample.0, fc, ...), so weights map one to one. A
+// BatchNorm followed by a ReLU is one BatchNorm2d with kThenReLU (one pass over the activation,
+// not two); the ReLU after a block's sum stays a layer of its own.
 #pragma once
 #include <memory>
 

@@ -327,10 +327,11 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
 
 namespace {
 
-void batchnorm_case(const Shape& shape) {
+// relu: with the ReLU fused (forward's output and backward's mask).
+void batchnorm_case(const Shape& shape, bool relu) {
   Rig r;
   const int64_t C = shape[1];
-  const std::string tag = "batchnorm " + shape_str(shape);
+  const std::string tag = "batchnorm " + shape_str(shape) + (relu ? " + relu" : "");
   Pair x = make_random(r, shape, 30, -2.f, 3.f), y = make_random(r, shape, 31);
   Pair gamma = make_random(r, {C}, 32, 0.5f, 1.5f), beta = make_random(r, {C}, 33);
   Pair rm = make_random(r, {C}, 34), rv = make_random(r, {C}, 35, 0.5f, 2.f);
@@ -338,9 +339,9 @@ void batchnorm_case(const Shape& shape) {
   const float momentum = 0.1f, eps = 1e-5f;
   for (int rep = 0; rep < 2; ++rep) {  // twice: running stats updated twice
     r.c().batchnorm_forward_train(r.cpu, x.c, gamma.c, beta.c, rm.c, rv.c, momentum, eps, y.c,
-                                  sm.c, si.c);
+                                  sm.c, si.c, relu);
     r.g().batchnorm_forward_train(r.gpu, x.g, gamma.g, beta.g, rm.g, rv.g, momentum, eps, y.g,
-                                  sm.g, si.g);
+                                  sm.g, si.g, relu);
   }
   expect_close(r, y, 1e-4, 1e-4, tag + " train y");
   expect_close(r, sm, 1e-4, 1e-5, tag + " save_mean");
@@ -350,17 +351,32 @@ void batchnorm_case(const Shape& shape) {
 
   Pair dy = make_random(r, shape, 38), dx = make_random(r, shape, 39);
   Pair dgamma = make_random(r, {C}, 40), dbeta = make_random(r, {C}, 41);
+  // The mask is read from the CPU's output on both sides, so an element whose output sits at
+  // zero on one backend and a rounding above it on the other cannot split the two.
+  Tensor mask_c = relu ? y.c : Tensor();
+  Tensor mask_g = relu ? make_twin(r, shape, host_values(y.c)).g : Tensor();
   for (int rep = 0; rep < 2; ++rep) {
-    r.c().batchnorm_backward(r.cpu, x.c, gamma.c, sm.c, si.c, dy.c, dx.c, dgamma.c, dbeta.c);
-    r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, dx.g, dgamma.g, dbeta.g);
+    r.c().batchnorm_backward(r.cpu, x.c, gamma.c, sm.c, si.c, dy.c, mask_c, dx.c, dgamma.c,
+                             dbeta.c);
+    r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, mask_g, dx.g, dgamma.g,
+                             dbeta.g);
   }
   expect_close(r, dx, 1e-3, 1e-4, tag + " dx");
+  // The same inputs again give the same bits on the GPU (sums in a fixed order).
+  Pair y2 = make_random(r, shape, 43), dx2 = make_random(r, shape, 44);
+  Pair sm2 = make_random(r, {C}, 45), si2 = make_random(r, {C}, 46);
+  Tensor none;
+  r.g().batchnorm_forward_train(r.gpu, x.g, gamma.g, beta.g, none, none, momentum, eps, y2.g,
+                                sm2.g, si2.g, relu);
+  r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, mask_g, dx2.g, none, none);
+  CHECK(gpu_values(r, y2.g) == gpu_values(r, y.g));
+  CHECK(gpu_values(r, dx2.g) == gpu_values(r, dx.g));
   expect_close(r, dgamma, 1e-4, 1e-4, tag + " dgamma (+= twice)");
   expect_close(r, dbeta, 1e-4, 1e-4, tag + " dbeta (+= twice)");
 
   Pair ye = make_random(r, shape, 42);
-  r.c().batchnorm_forward_eval(r.cpu, x.c, gamma.c, beta.c, rm.c, rv.c, eps, ye.c);
-  r.g().batchnorm_forward_eval(r.gpu, x.g, gamma.g, beta.g, rm.g, rv.g, eps, ye.g);
+  r.c().batchnorm_forward_eval(r.cpu, x.c, gamma.c, beta.c, rm.c, rv.c, eps, ye.c, relu);
+  r.g().batchnorm_forward_eval(r.gpu, x.g, gamma.g, beta.g, rm.g, rv.g, eps, ye.g, relu);
   expect_close(r, ye, 1e-4, 1e-4, tag + " eval y");
 }
 
@@ -368,8 +384,14 @@ void batchnorm_case(const Shape& shape) {
 
 TEST_CASE("cuda parity: batchnorm train, backward and eval") {
   if (!test::have_gpu()) return;
-  batchnorm_case({3, 4, 5, 7});
-  batchnorm_case({5, 6});  // BatchNorm1d-style [N, C]
+  for (const bool relu : {false, true}) {
+    batchnorm_case({3, 4, 5, 7}, relu);
+    batchnorm_case({5, 6}, relu);  // BatchNorm1d-style [N, C]
+    // Enough values per channel for several slices of partial sums (ResNet's early layers),
+    // and slices that begin inside an image's plane.
+    batchnorm_case({16, 3, 40, 40}, relu);
+    batchnorm_case({9, 2, 31, 31}, relu);
+  }
 }
 
 TEST_CASE("cuda parity: relu, mul and dropout") {

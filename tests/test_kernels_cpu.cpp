@@ -214,12 +214,20 @@ TEST_CASE("batchnorm train forward and backward are bit-identical for 1, 2 and 3
     Tensor y = ctx.alloc(xs), mean = ctx.alloc({5}), invstd = ctx.alloc({5});
     Tensor dy = make(ctx, xs, 5), dx = ctx.alloc(xs);
     Tensor dg = make(ctx, {5}, 6), dbeta = make(ctx, {5}, 7);
-    ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd);
-    ctx.ops().batchnorm_backward(ctx, x, gamma, mean, invstd, dy, dx, dg, dbeta);
+    ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd,
+                                      false);
+    ctx.ops().batchnorm_backward(ctx, x, gamma, mean, invstd, dy, Tensor(), dx, dg, dbeta);
     Tensor ye = ctx.alloc(xs);
-    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye);
+    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye, false);
+    // And with a fused ReLU.
+    Tensor yr = ctx.alloc(xs), dxr = ctx.alloc(xs), yer = ctx.alloc(xs);
+    ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, yr, mean, invstd,
+                                      true);
+    ctx.ops().batchnorm_backward(ctx, x, gamma, mean, invstd, dy, yr, dxr, dg, dbeta);
+    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, yer, true);
     std::vector<float> v;
-    for (const Tensor* t : {&y, &mean, &invstd, &rm, &rv, &dx, &dg, &dbeta, &ye}) append(v, *t);
+    for (const Tensor* t : {&y, &mean, &invstd, &rm, &rv, &dx, &dg, &dbeta, &ye, &yr, &dxr, &yer})
+      append(v, *t);
     return v;
   });
   // y is normalised: per channel, (y - beta) / gamma has mean 0 and variance ~1.
@@ -234,6 +242,52 @@ TEST_CASE("batchnorm train forward and backward are bit-identical for 1, 2 and 3
       }
     CHECK(std::fabs(s / 468) < 1e-4);
     CHECK(s2 / 468 == doctest::Approx(1.0).epsilon(1e-3));
+  }
+}
+
+// ResNet's BatchNorm + ReLU pairs run as one op with `relu`: the numbers must be those of the
+// two ops in turn, to the bit (forward in training and evaluation, and backward, where the
+// ReLU's gradient mask is read from the fused output).
+TEST_CASE("batchnorm with a fused ReLU is batchnorm then relu, bit for bit") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
+  auto& ops = ctx.ops();
+  for (const Shape& xs : {Shape{7, 3, 5, 4}, Shape{9, 6}}) {
+    CAPTURE(shape_str(xs));
+    const int64_t C = xs[1];
+    Tensor x = make(ctx, xs, 11), gamma = make(ctx, {C}, 12), beta = make(ctx, {C}, 13);
+    Tensor dy = make(ctx, xs, 14);
+    std::vector<float> runs[2][3];  // [fused][y, dx and gradients, eval y]
+    for (const bool fused : {false, true}) {
+      Tensor rm = make(ctx, {C}, 15), rv = make(ctx, {C}, std::vector<float>(size_t(C), 1.f));
+      Tensor mean = ctx.alloc({C}), invstd = ctx.alloc({C}), y = ctx.alloc(xs);
+      Tensor dx = ctx.alloc(xs), dg = make(ctx, {C}, 16), db = make(ctx, {C}, 17);
+      Tensor ye = ctx.alloc(xs);
+      ops.batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd,
+                                  fused);
+      Tensor out = y, g = dy;
+      if (!fused) {  // the two layers: ReLU after BatchNorm, its backward before
+        out = ctx.alloc(xs);
+        ops.relu_forward(ctx, y, out);
+        g = ctx.alloc(xs);
+        ops.relu_backward(ctx, out, dy, g);
+      }
+      ops.batchnorm_backward(ctx, x, gamma, mean, invstd, g, fused ? out : Tensor(), dx, dg, db);
+      ops.batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye, fused);
+      if (!fused) ops.relu_forward(ctx, ye, ye);
+      runs[fused][0] = values(out);
+      runs[fused][1] = values(dx);
+      for (const Tensor* t : {&dg, &db, &rm, &rv}) append(runs[fused][1], *t);
+      runs[fused][2] = values(ye);
+    }
+    int zeros = 0;
+    for (float v : runs[1][0]) zeros += v == 0.f;
+    CHECK(zeros > 0);  // the ReLU cut something off
+    CHECK(zeros < int(runs[1][0].size()));
+    for (int k = 0; k < 3; ++k) {
+      CAPTURE(k);
+      REQUIRE(runs[0][k].size() == runs[1][k].size());
+      CHECK(std::memcmp(runs[0][k].data(), runs[1][k].data(), runs[0][k].size() * 4) == 0);
+    }
   }
 }
 
@@ -418,8 +472,8 @@ TEST_CASE("an empty batch (N = 0) works for linear, conv2d, relu, pooling and th
   // Batch statistics of nothing are an error, not a crash.
   Tensor g = make(ctx, {2}, 9), be = make(ctx, {2}, 10), rm = ctx.alloc({2}), rv = ctx.alloc({2});
   Tensor m = ctx.alloc({2}), is = ctx.alloc({2});
-  CHECK_THROWS_AS(ops.batchnorm_forward_train(ctx, cx, g, be, rm, rv, 0.1f, 1e-5f, cdx, m, is),
-                  Error);
+  CHECK_THROWS_AS(
+      ops.batchnorm_forward_train(ctx, cx, g, be, rm, rv, 0.1f, 1e-5f, cdx, m, is, false), Error);
 }
 
 TEST_CASE("an op profile counts and times every call while set, and none after") {

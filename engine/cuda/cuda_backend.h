@@ -1,5 +1,5 @@
-// The CUDA backend (private to engine/cuda): cuBLAS for GEMM, cuDNN for convolution and
-// batch-norm, own kernels for elementwise work, pooling, losses and fused optimiser updates.
+// The CUDA backend (private to engine/cuda): cuBLAS for GEMM, cuDNN for convolution, own
+// kernels for batch norm, elementwise work, pooling, losses and fused optimiser updates.
 // Every op enqueues on the context's stream and never synchronises with the host. Member
 // definitions are split by what they compute, in files named as the CPU backend's
 // (engine/cpu/): elementwise.cu, dense.cu, conv.cu, norm.cu, pool.cu, loss_optim.cu; shared
@@ -30,6 +30,20 @@ inline int grid_for(int64_t n, int threads = kThreads) {
   int64_t blocks = (n + threads - 1) / threads;
   const int64_t cap = int64_t(1) << 20;  // grid-stride beyond ~268M threads
   return static_cast<int>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+}
+
+// The sum of every thread's v in a block of a power-of-two size, in a fixed tree (so the same
+// inputs give the same bits); sh holds blockDim.x doubles and may be reused on return.
+__device__ __forceinline__ double block_sum(double v, double* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) sh[threadIdx.x] += sh[threadIdx.x + half];
+    __syncthreads();
+  }
+  const double r = sh[0];
+  __syncthreads();
+  return r;
 }
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0).

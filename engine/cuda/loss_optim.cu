@@ -23,18 +23,6 @@ __device__ __forceinline__ double block_max(double v, double* sh) {
   return r;
 }
 
-__device__ __forceinline__ double block_sum(double v, double* sh) {
-  sh[threadIdx.x] = v;
-  __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) sh[threadIdx.x] += sh[threadIdx.x + half];
-    __syncthreads();
-  }
-  const double r = sh[0];
-  __syncthreads();
-  return r;
-}
-
 // One block per row: probs = softmax(row) (via log-sum-exp in double, as the CPU backend), and
 // row_loss[n] = lse - x[label] (NaN for a label outside [0, C)).
 __global__ void softmax_xent_rows_kernel(const float* logits, const int32_t* labels, float* probs,
@@ -48,7 +36,7 @@ __global__ void softmax_xent_rows_kernel(const float* logits, const int32_t* lab
   mx = block_max(mx, sh);
   double s = 0.0;
   for (int64_t j = threadIdx.x; j < C; j += blockDim.x) s += exp(double(row[j]) - mx);
-  s = block_sum(s, sh);
+  s = cuda::block_sum(s, sh);
   const double lse = mx + log(s);
   for (int64_t j = threadIdx.x; j < C; j += blockDim.x) prow[j] = float(exp(double(row[j]) - lse));
   if (threadIdx.x == 0) {
@@ -62,7 +50,7 @@ __global__ void mean_kernel(const double* row_loss, int64_t N, float* loss) {
   __shared__ double sh[kRowThreads];
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < N; i += blockDim.x) s += row_loss[i];
-  s = block_sum(s, sh);
+  s = cuda::block_sum(s, sh);
   if (threadIdx.x == 0) loss[0] = float(s / double(N));
 }
 
