@@ -24,7 +24,6 @@ void ResidualBlock::add_shortcut(int64_t in, int64_t out, int stride) {
     downsample_->add("0", resnet_conv(in, out, 1, stride, 0));
     downsample_->add("1", std::make_unique<BatchNorm2d>(out));
   }
-  out_relu_ = &add_child("relu_out", std::make_unique<ReLU>());
 }
 
 Shape ResidualBlock::output_shape(const Shape& in) const { return body_->output_shape(in); }
@@ -32,12 +31,16 @@ Shape ResidualBlock::output_shape(const Shape& in) const { return body_->output_
 Tensor ResidualBlock::forward(DeviceContext& ctx, const Tensor& x) {
   Tensor out = body_->forward(ctx, x);
   Tensor shortcut = downsample_ ? downsample_->forward(ctx, x) : x;
-  ctx.ops().add(ctx, out, shortcut, 1.f);
-  return out_relu_->forward(ctx, out);
+  ctx.ops().add_relu(ctx, out, shortcut);  // the sum and its ReLU in one pass
+  if (training_) y_ = out;
+  return out;
 }
 
 Tensor ResidualBlock::backward(DeviceContext& ctx, const Tensor& dy) {
-  Tensor dsum = out_relu_->backward(ctx, dy);
+  REPLICA_CHECK(y_.defined(), "{} backward without a training-mode forward", type());
+  Tensor dsum = ctx.alloc(dy.shape());
+  ctx.ops().relu_backward(ctx, y_, dy, dsum);
+  y_ = Tensor();
   // The downsample branch runs last in forward, so its backward goes first (reverse order).
   Tensor dshort = downsample_ ? downsample_->backward(ctx, dsum) : dsum;
   Tensor dx = body_->backward(ctx, dsum);

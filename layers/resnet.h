@@ -1,7 +1,7 @@
 // Residual blocks and the ResNet family, laid out and named as torchvision's resnet18/50/101
 // (conv1, bn1, layer1.0.conv1, layer1.0.downsample.0, fc, ...), so weights map one to one. A
-// BatchNorm followed by a ReLU is one BatchNorm2d with kThenReLU (one pass over the activation,
-// not two); the ReLU after a block's sum stays a layer of its own.
+// BatchNorm followed by a ReLU is one BatchNorm2d with kThenReLU, and a block's sum and its ReLU
+// are one op (add_relu): one pass over the activation each, not two.
 #pragma once
 #include <memory>
 
@@ -10,7 +10,8 @@
 namespace replica {
 
 // out = relu(body(x) + shortcut(x)), the shape both blocks share. The shortcut is x itself, or a
-// strided 1x1 conv + BatchNorm ("downsample") where the block changes resolution or channels.
+// strided 1x1 conv + BatchNorm ("downsample") where the block changes resolution or channels;
+// the sum and the ReLU are one op (add_relu).
 class ResidualBlock : public Module {
  public:
   Tensor forward(DeviceContext& ctx, const Tensor& x) override;
@@ -19,15 +20,15 @@ class ResidualBlock : public Module {
 
  protected:
   ResidualBlock();
-  // Called by a block's constructor after it filled body(): registers downsample and the last
-  // ReLU after the body, torchvision's order, so parameters map one to one.
+  // Called by a block's constructor after it filled body(): registers downsample after the
+  // body, torchvision's order, so parameters map one to one.
   void add_shortcut(int64_t in, int64_t out, int stride);
   Sequential& body() { return *body_; }
 
  private:
   Sequential* body_;
   Sequential* downsample_ = nullptr;
-  ReLU* out_relu_ = nullptr;
+  Tensor y_;  // the block's output, for the ReLU's backward (training mode)
 };
 
 // body = bn2(conv2(relu(bn1(conv1(x))))); 3x3 convs, expansion 1.

@@ -394,7 +394,7 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
   }
 }
 
-TEST_CASE("cuda parity: relu, mul and dropout") {
+TEST_CASE("cuda parity: relu, add_relu, mul and dropout") {
   if (!test::have_gpu()) return;
   Rig r;
   const Shape s{3, 4, 5, 7};
@@ -406,6 +406,10 @@ TEST_CASE("cuda parity: relu, mul and dropout") {
   r.c().relu_backward(r.cpu, y.c, dy.c, dx.c);
   r.g().relu_backward(r.gpu, y.g, dy.g, dx.g);
   expect_close(r, dx, 0, 0, "relu dx");
+  Pair sum = make_twin(r, s, host_values(dy.c));
+  r.c().add_relu(r.cpu, sum.c, x.c);
+  r.g().add_relu(r.gpu, sum.g, x.g);
+  expect_close(r, sum, 0, 0, "add_relu");
 
   Pair prod = make_random(r, s, 54);
   r.c().mul(r.cpu, x.c, dy.c, prod.c);

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -243,6 +244,22 @@ TEST_CASE("batchnorm train forward and backward are bit-identical for 1, 2 and 3
     CHECK(std::fabs(s / 468) < 1e-4);
     CHECK(s2 / 468 == doctest::Approx(1.0).epsilon(1e-3));
   }
+}
+
+// A residual block's sum and ReLU as one op: add then relu_forward, to the bit.
+TEST_CASE("add_relu is add then relu") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
+  const Shape s{3, 70000};
+  Tensor a = make(ctx, s, 21), b = make(ctx, s, 22), fused = make(ctx, s, 21);
+  Tensor two = ctx.alloc(s);
+  ctx.ops().add(ctx, a, b, 1.f);
+  ctx.ops().relu_forward(ctx, a, two);
+  ctx.ops().add_relu(ctx, fused, b);
+  const std::vector<float> expected = values(two);
+  CHECK(values(fused) == expected);
+  CHECK(std::count(expected.begin(), expected.end(), 0.f) > 0);  // the ReLU cut something off
+  Tensor wrong = ctx.alloc({5});
+  CHECK_THROWS_AS(ctx.ops().add_relu(ctx, fused, wrong), Error);
 }
 
 // ResNet's BatchNorm + ReLU pairs run as one op with `relu`: the numbers must be those of the

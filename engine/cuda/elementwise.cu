@@ -44,6 +44,13 @@ __global__ void relu_backward_kernel(const float* y, const float* dy, float* dx,
   REPLICA_GRID_STRIDE(i, n) { dx[i] = y[i] > 0.f ? dy[i] : 0.f; }
 }
 
+__global__ void add_relu_kernel(float* dst, const float* src, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n) {
+    const float v = dst[i] + src[i];
+    dst[i] = v > 0.f ? v : 0.f;
+  }
+}
+
 __global__ void mul_kernel(const float* a, const float* b, float* out, int64_t n) {
   REPLICA_GRID_STRIDE(i, n) { out[i] = a[i] * b[i]; }
 }
@@ -128,6 +135,17 @@ void CudaBackend::add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float 
   if (n == 0) return;
   axpy_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
       dst.f32(), src.f32(), n, alpha);
+  REPLICA_LAUNCH_CHECK();
+}
+
+void CudaBackend::add_relu(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
+  cuda::expect_device(ctx, dst, "add_relu", "destination");
+  cuda::expect_device(ctx, src, "add_relu", "source");
+  cuda::expect_numel(src, dst.numel(), "add_relu", "source");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  add_relu_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      dst.f32(), src.f32(), n);
   REPLICA_LAUNCH_CHECK();
 }
 
