@@ -127,11 +127,21 @@ void CudaBackend::gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& tab
   REPLICA_LAUNCH_CHECK();
 }
 
+namespace {
+
+// Two operands of an elementwise op on ctx's device with as many elements: returns how many.
+int64_t elementwise_numel(const DeviceContext& ctx, const Tensor& a, const Tensor& b,
+                          const char* op, const char* a_name, const char* b_name) {
+  cuda::expect_device(ctx, a, op, a_name);
+  cuda::expect_device(ctx, b, op, b_name);
+  cuda::expect_numel(b, a.numel(), op, b_name);
+  return a.numel();
+}
+
+}  // namespace
+
 void CudaBackend::add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) {
-  cuda::expect_device(ctx, dst, "add", "destination");
-  cuda::expect_device(ctx, src, "add", "source");
-  cuda::expect_numel(src, dst.numel(), "add", "source");
-  const int64_t n = dst.numel();
+  const int64_t n = elementwise_numel(ctx, dst, src, "add", "destination", "source");
   if (n == 0) return;
   axpy_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
       dst.f32(), src.f32(), n, alpha);
@@ -139,10 +149,7 @@ void CudaBackend::add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float 
 }
 
 void CudaBackend::add_relu(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
-  cuda::expect_device(ctx, dst, "add_relu", "destination");
-  cuda::expect_device(ctx, src, "add_relu", "source");
-  cuda::expect_numel(src, dst.numel(), "add_relu", "source");
-  const int64_t n = dst.numel();
+  const int64_t n = elementwise_numel(ctx, dst, src, "add_relu", "destination", "source");
   if (n == 0) return;
   add_relu_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
       dst.f32(), src.f32(), n);
@@ -159,10 +166,7 @@ void CudaBackend::scale(DeviceContext& ctx, Tensor& t, float alpha) {
 }
 
 void CudaBackend::relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
-  cuda::expect_device(ctx, x, "relu_forward", "x");
-  cuda::expect_device(ctx, y, "relu_forward", "y");
-  cuda::expect_numel(y, x.numel(), "relu_forward", "y");
-  const int64_t n = x.numel();
+  const int64_t n = elementwise_numel(ctx, x, y, "relu_forward", "x", "y");
   if (n == 0) return;
   relu_forward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
       x.f32(), y.f32(), n);

@@ -39,8 +39,10 @@ __device__ __forceinline__ int64_t window_argmax(const float* plane, const PoolD
   return best;
 }
 
-__global__ void maxpool_forward_kernel(const float* x, float* y, PoolDims d, int kernel,
-                                       int stride, int padding) {
+// Every window o's winner: forward writes its value y[o] (-inf when all padding), backward its
+// plane index winner[o] (-1 then); the other pointer is null.
+__global__ void maxpool_windows_kernel(const float* x, float* y, int* winner, PoolDims d,
+                                       int kernel, int stride, int padding) {
   const int64_t total = d.planes * d.P * d.Q;
   REPLICA_GRID_STRIDE(o, total) {
     const int64_t ox = o % d.Q;
@@ -48,7 +50,8 @@ __global__ void maxpool_forward_kernel(const float* x, float* y, PoolDims d, int
     const int64_t plane = o / (d.P * d.Q);
     const float* xp = x + plane * d.H * d.W;
     const int64_t a = window_argmax(xp, d, kernel, stride, padding, oy, ox);
-    y[o] = a >= 0 ? xp[a] : -INFINITY;
+    if (y) y[o] = a >= 0 ? xp[a] : -INFINITY;
+    if (winner) winner[o] = int(a);
   }
 }
 
@@ -61,18 +64,6 @@ __device__ __forceinline__ void covering_windows(int64_t i, int kernel, int stri
   const int64_t b = i + padding;  // oy*stride <= b, b >= 0
   int64_t h = b / stride;
   *hi = h < out - 1 ? h : out - 1;
-}
-
-// winner[o] = the plane index of window o's maximum (window_argmax; -1: all padding).
-__global__ void maxpool_winners_kernel(const float* x, int* winner, PoolDims d, int kernel,
-                                       int stride, int padding) {
-  const int64_t total = d.planes * d.P * d.Q;
-  REPLICA_GRID_STRIDE(o, total) {
-    const int64_t ox = o % d.Q;
-    const int64_t oy = (o / d.Q) % d.P;
-    const int64_t plane = o / (d.P * d.Q);
-    winner[o] = int(window_argmax(x + plane * d.H * d.W, d, kernel, stride, padding, oy, ox));
-  }
 }
 
 __global__ void maxpool_backward_kernel(const int* winner, const float* dy, float* dx, PoolDims d,
@@ -185,8 +176,8 @@ void CudaBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor&
   check_maxpool(x, y, p, op);
   const int64_t total = d.planes * d.P * d.Q;
   if (total == 0) return;
-  maxpool_forward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      x.f32(), y.f32(), d, p.kernel, p.stride, p.padding);
+  maxpool_windows_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+      x.f32(), y.f32(), nullptr, d, p.kernel, p.stride, p.padding);
   REPLICA_LAUNCH_CHECK();
 }
 
@@ -209,8 +200,8 @@ void CudaBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const 
   const cudaStream_t stream = cuda_state(ctx).stream;
   int* winner = reinterpret_cast<int*>(scratch(ctx, windows));  // an int per float slot
   if (windows > 0) {
-    maxpool_winners_kernel<<<cuda::grid_for(windows), cuda::kThreads, 0, stream>>>(
-        x.f32(), winner, d, p.kernel, p.stride, p.padding);
+    maxpool_windows_kernel<<<cuda::grid_for(windows), cuda::kThreads, 0, stream>>>(
+        x.f32(), nullptr, winner, d, p.kernel, p.stride, p.padding);
     REPLICA_LAUNCH_CHECK();
   }
   maxpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, stream>>>(
