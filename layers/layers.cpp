@@ -90,8 +90,10 @@ Tensor Conv2d::backward(DeviceContext& ctx, const Tensor& dy) {
 
 // ---- BatchNorm2d ----------------------------------------------------------------------------
 
-BatchNorm2d::BatchNorm2d(int64_t channels, bool relu, float eps, float momentum)
-    : channels_(channels), relu_(relu), eps_(eps), momentum_(momentum) {
+BatchNorm2d::BatchNorm2d(int64_t channels, ThenReLU) : BatchNorm2d(channels) { relu_ = true; }
+
+BatchNorm2d::BatchNorm2d(int64_t channels, float eps, float momentum)
+    : channels_(channels), relu_(false), eps_(eps), momentum_(momentum) {
   add_param("weight", {channels}, Init::constant(1.f));
   add_param("bias", {channels}, Init::constant(0.f));
   add_buffer("running_mean", {channels}, 0.f);

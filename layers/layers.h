@@ -41,14 +41,14 @@ class Conv2d : public Module {
 };
 
 // Per-channel batch normalisation; running statistics are buffers (eps 1e-5, momentum 0.1).
-// With relu (BatchNorm2d::kThenReLU), the ReLU that follows it in a ResNet is computed in the
-// same kernels (torch.nn's BatchNorm2d then ReLU, in one pass over the activation): the
-// parameters and their names are BatchNorm2d's, the numbers those of the two layers.
+// Made with ThenReLU, the ReLU that follows it in a ResNet is computed in the same kernels
+// (torch.nn's BatchNorm2d then ReLU, in one pass over the activation): the parameters and their
+// names are BatchNorm2d's, the numbers those of the two layers.
 class BatchNorm2d : public Module {
  public:
-  static constexpr bool kThenReLU = true;
-  explicit BatchNorm2d(int64_t channels, bool relu = false, float eps = 1e-5f,
-                       float momentum = 0.1f);
+  struct ThenReLU {};  // a tag, so no number can be taken for it
+  explicit BatchNorm2d(int64_t channels, float eps = 1e-5f, float momentum = 0.1f);
+  BatchNorm2d(int64_t channels, ThenReLU);
   std::string type() const override { return relu_ ? "BatchNorm2d+ReLU" : "BatchNorm2d"; }
   Tensor forward(DeviceContext& ctx, const Tensor& x) override;
   Tensor backward(DeviceContext& ctx, const Tensor& dy) override;

@@ -51,7 +51,7 @@ Tensor ResidualBlock::backward(DeviceContext& ctx, const Tensor& dy) {
 BasicBlock::BasicBlock(int64_t in, int64_t planes, int stride) {
   // Children registered in torchvision's order: conv1, bn1, conv2, bn2, downsample.
   body().add("conv1", resnet_conv(in, planes, 3, stride, 1));
-  body().add("bn1", std::make_unique<BatchNorm2d>(planes, BatchNorm2d::kThenReLU));
+  body().add("bn1", std::make_unique<BatchNorm2d>(planes, BatchNorm2d::ThenReLU{}));
   body().add("conv2", resnet_conv(planes, planes, 3, 1, 1));
   body().add("bn2", std::make_unique<BatchNorm2d>(planes));
   add_shortcut(in, planes * kExpansion, stride);
@@ -59,9 +59,9 @@ BasicBlock::BasicBlock(int64_t in, int64_t planes, int stride) {
 
 Bottleneck::Bottleneck(int64_t in, int64_t planes, int stride) {
   body().add("conv1", resnet_conv(in, planes, 1, 1, 0));
-  body().add("bn1", std::make_unique<BatchNorm2d>(planes, BatchNorm2d::kThenReLU));
+  body().add("bn1", std::make_unique<BatchNorm2d>(planes, BatchNorm2d::ThenReLU{}));
   body().add("conv2", resnet_conv(planes, planes, 3, stride, 1));
-  body().add("bn2", std::make_unique<BatchNorm2d>(planes, BatchNorm2d::kThenReLU));
+  body().add("bn2", std::make_unique<BatchNorm2d>(planes, BatchNorm2d::ThenReLU{}));
   body().add("conv3", resnet_conv(planes, planes * kExpansion, 1, 1, 0));
   body().add("bn3", std::make_unique<BatchNorm2d>(planes * kExpansion));
   add_shortcut(in, planes * kExpansion, stride);
@@ -74,7 +74,7 @@ std::unique_ptr<Module> build_resnet(const int (&blocks)[4], int64_t in_channels
                                      int64_t num_classes) {
   auto net = std::make_unique<Sequential>();
   net->add("conv1", resnet_conv(in_channels, 64, 7, 2, 3));
-  net->add("bn1", std::make_unique<BatchNorm2d>(64, BatchNorm2d::kThenReLU));
+  net->add("bn1", std::make_unique<BatchNorm2d>(64, BatchNorm2d::ThenReLU{}));
   net->add("maxpool", std::make_unique<MaxPool2d>(3, 2, 1));
   int64_t in = 64;
   const int64_t planes[4] = {64, 128, 256, 512};

@@ -1,7 +1,7 @@
 // Residual blocks and the ResNet family, laid out and named as torchvision's resnet18/50/101
 // (conv1, bn1, layer1.0.conv1, layer1.0.downsample.0, fc, ...), so weights map one to one. A
-// BatchNorm followed by a ReLU is one BatchNorm2d with kThenReLU, and a block's sum and its ReLU
-// are one op (add_relu): one pass over the activation each, not two.
+// BatchNorm followed by a ReLU is one BatchNorm2d made with ThenReLU, and a block's sum and its
+// ReLU are one op (add_relu): one pass over the activation each, not two.
 #pragma once
 #include <memory>
 

@@ -427,6 +427,51 @@ TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows 
   }
 }
 
+// Overlapping and padded windows on planes wide enough for windows inside the plane, cut by its
+// left and right edges, and by its top and bottom: against a direct reference, ties and a NaN
+// included; gradients of overlapping windows add up, in window order.
+TEST_CASE("maxpool2d overlapping windows (k3 s2 p1, k3 s1 p1, k2 s1, k4 s3 p2) match a reference") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  const Pool2dParams cases[] = {{3, 2, 1}, {3, 1, 1}, {2, 1, 0}, {4, 3, 2}};
+  for (const Pool2dParams& prm : cases) {
+    CAPTURE(prm.kernel);
+    CAPTURE(prm.stride);
+    const int64_t planes = 2, h = 9, w = 23, hw = h * w;
+    const int64_t p = window_out(h, prm.kernel, prm.stride, prm.padding);
+    const int64_t q = window_out(w, prm.kernel, prm.stride, prm.padding);
+    std::vector<float> xv(size_t(planes * hw));
+    for (size_t i = 0; i < xv.size(); ++i) xv[i] = float((i * 7) % 11);  // many ties
+    xv[40] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> dyv(size_t(planes * p * q)), want_y(dyv.size()), want_dx(xv.size(), 0.f);
+    for (size_t i = 0; i < dyv.size(); ++i) dyv[i] = float(i % 13) - 6.f;
+    for (int64_t pl = 0; pl < planes; ++pl)
+      for (int64_t oy = 0; oy < p; ++oy)
+        for (int64_t ox = 0; ox < q; ++ox) {
+          int64_t best = -1;  // the first maximum of the window's part inside the plane
+          for (int i = 0; i < prm.kernel; ++i)
+            for (int j = 0; j < prm.kernel; ++j) {
+              const int64_t iy = oy * prm.stride - prm.padding + i;
+              const int64_t ix = ox * prm.stride - prm.padding + j;
+              if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
+              const int64_t at = pl * hw + iy * w + ix;
+              const float v = xv[size_t(at)], b = best < 0 ? 0.f : xv[size_t(best)];
+              if (best < 0 || (!std::isnan(b) && (v > b || std::isnan(v)))) best = at;
+            }
+          REQUIRE(best >= 0);
+          const size_t o = size_t((pl * p + oy) * q + ox);
+          want_y[o] = xv[size_t(best)];
+          want_dx[size_t(best)] += dyv[o];
+        }
+    Tensor x = make(ctx, {planes, 1, h, w}, xv), y = ctx.alloc({planes, 1, p, q});
+    ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+    for (size_t o = 0; o < want_y.size(); ++o)
+      CHECK((y.f32()[o] == want_y[o] || (std::isnan(y.f32()[o]) && std::isnan(want_y[o]))));
+    Tensor dy = make(ctx, {planes, 1, p, q}, dyv), dx = make(ctx, {planes, 1, h, w}, 9);
+    ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+    CHECK(values(dx) == want_dx);
+  }
+}
+
 TEST_CASE("maxpool2d ties and NaN: the first maximum wins, a NaN is the maximum; relu_backward") {
   DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
   const float nan = std::numeric_limits<float>::quiet_NaN();

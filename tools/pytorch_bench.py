@@ -25,8 +25,8 @@ Gloo on CPU or when ranks share a GPU (cuda:0*N, labelled devices_share_gpu).
           (unless --memory-format nchw)
     auto  (default) tf32 when every GPU has TF32 tensor cores (compute capability 8.0+), else fp32
 --cudnn-benchmark sets torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape).
---memory-format nchw keeps bf16 in NCHW (auto: channels_last for bf16 images, as PyTorch's
-recipes do; channels_last forces it in every precision). Rows say which. replica-bench takes the
+--memory-format nchw keeps bf16 in NCHW (auto: channels_last for bf16 images on GPUs, as
+PyTorch's recipes do; channels_last forces it in every precision). Rows say which. replica-bench takes the
 same flag with the same default, for its convolutions' operands.
 """
 import argparse
@@ -120,9 +120,11 @@ def apply_precision(args):
 
 
 def channels_last(args):
+    """auto: channels_last for bf16 images on GPUs, as replica-bench's auto (CPU devices: NCHW)."""
     if len(args.shape) != 3 or args.memory_format == "nchw":
         return False
-    return args.memory_format == "channels_last" or args.precision == "bf16"
+    on_gpu = args.devices.startswith("cuda")
+    return args.memory_format == "channels_last" or (args.precision == "bf16" and on_gpu)
 
 
 def prepare_model(model, args):
