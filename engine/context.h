@@ -53,6 +53,10 @@ Precision resolve_precision(const std::string& flag, const std::vector<Device>& 
 // UsageError for another word, or channels_last on CPU devices (they have no cuDNN).
 bool resolve_channels_last(const std::string& flag, Precision precision,
                            const std::vector<Device>& devices);
+// The resolved layout as the flag names it, for rows, metrics and ranks' command lines.
+inline const char* memory_format_name(bool channels_last) {
+  return channels_last ? "channels_last" : "nchw";
+}
 
 struct ContextOptions {
   int threads = 0;             // CPU: threads in this device's arena (0 = all cores)

@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/ranges.h>
 
+#include "cli/gpu_flags.h"
 #include "cli/program.h"
 
 #include "engine/device.h"
@@ -125,20 +126,10 @@ void declare_training(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_flag("--nesterov", opt.nesterov, "Nesterov momentum (SGD)");
   app.add_option("--seed", t.seed, "seed for initialisation and data order (>= 0)")
       ->capture_default_str();
-  app.add_option("--precision", c.precision,
-                 "GEMM and convolution math: fp32 (strict), tf32 (GPU tensor cores), bf16 (mixed "
-                 "precision as PyTorch's autocast; rounded alike on CPUs), auto (tf32 where every "
-                 "device has it, else fp32)")
-      ->capture_default_str();
+  add_math_flags(app, "", c.precision, c.engine.cudnn_benchmark, c.memory_format);
   app.add_flag("--deterministic", c.engine.deterministic,
-               "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms)");
-  app.add_flag("--cudnn-benchmark", c.engine.cudnn_benchmark,
-               "CUDA: pick each convolution's algorithms by timing them, once per shape "
-               "(torch.backends.cudnn.benchmark); not with --deterministic");
-  app.add_option("--memory-format", c.memory_format,
-                 "CUDA: convolutions' operand layout: channels_last (NHWC copies, cuDNN's "
-                 "tensor-core layout), nchw (in place), auto (channels_last in bf16, else nchw)")
-      ->capture_default_str();
+               "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms; not "
+               "with --cudnn-benchmark)");
   group_options(app, "Training");
 }
 

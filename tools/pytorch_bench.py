@@ -26,8 +26,8 @@ Gloo on CPU or when ranks share a GPU (cuda:0*N, labelled devices_share_gpu).
     auto  (default) tf32 when every GPU has TF32 tensor cores (compute capability 8.0+), else fp32
 --cudnn-benchmark sets torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape).
 --memory-format nchw keeps bf16 in NCHW (auto: channels_last for bf16 images on GPUs, as
-PyTorch's recipes do; channels_last forces it in every precision). Rows say which. replica-bench takes the
-same flag with the same default, for its convolutions' operands.
+PyTorch's recipes do; channels_last forces it in every precision). Rows say which.
+replica-bench takes the same flag with the same default, for its convolutions' operands.
 """
 import argparse
 import json
@@ -338,7 +338,7 @@ def main():
                    help="auto | fp32 | tf32 | bf16 (autocast; channels_last unless --memory-format nchw)")
     p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--memory-format", default="auto", choices=["auto", "nchw", "channels_last"],
-                   help="images' layout: auto (channels_last for bf16), nchw, channels_last")
+                   help="images' layout: auto (channels_last for bf16 on GPUs), nchw, channels_last")
     p.add_argument("--out", required=True, help="JSON-lines file to write (replaced)")
     args = p.parse_args()
     if not args.devices:

@@ -15,6 +15,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/gpu_flags.h"
 #include "cli/program.h"
 #include "engine/output_files.h"
 #include "tools/bench/link.h"
@@ -68,17 +69,7 @@ void declare_devices(CLI::App& app, BenchOptions& o) {
   app.add_option("--reduce", o.reduce, "DP gradient reduction: root | tree")->capture_default_str();
   app.add_option("--backend", o.backend, "DDP collectives: auto | gloo | nccl")
       ->capture_default_str();
-  app.add_option("--precision", o.precision,
-                 "dp/ddp/ops: GEMM and convolution math: fp32 | tf32 (GPU tensor cores) | bf16 "
-                 "(mixed precision) | auto (tf32 where every device has it)")
-      ->capture_default_str();
-  app.add_flag("--cudnn-benchmark", o.cudnn_benchmark,
-               "dp/ddp/ops on GPUs: pick each convolution's algorithms by timing them, once per "
-               "shape (as torch.backends.cudnn.benchmark; pytorch_bench.py --cudnn-benchmark)");
-  app.add_option("--memory-format", o.memory_format,
-                 "dp/ddp/ops on GPUs: convolutions' operand layout: channels_last (NHWC copies) | "
-                 "nchw | auto (channels_last in bf16; pytorch_bench.py --memory-format)")
-      ->capture_default_str();
+  add_math_flags(app, "dp/ddp/ops: ", o.precision, o.cudnn_benchmark, o.memory_format);
   app.add_flag("--by-shape", o.by_shape,
                "ops: split each op's time by the shapes of its tensors (which layer is slow)");
   app.add_option("--timeout", o.timeout_s,

@@ -8,8 +8,9 @@ model, input, batch, optimizer (Adam 1e-3) and synthetic data, measured in one r
 Each case MODEL:CxHxW:BATCH runs `replica-bench --suite dp --device-counts 1` and
 `tools/pytorch_bench.py --mode dp --device-counts 1` at every precision (fp32: strict; tf32:
 tensor-core GEMMs and convolutions; bf16: mixed precision, PyTorch's autocast and replica's bf16
-products, both on channels_last convolutions: each engine's --memory-format auto). Writes DIR/rows.jsonl (every row of both engines) and
-DIR/table.md (samples/s side by side, the ratio, peak memory), and prints the table.
+products, both on channels_last convolutions: each engine's --memory-format auto). Writes
+DIR/rows.jsonl (every row of both engines) and DIR/table.md (samples/s side by side, the ratio,
+peak memory), and prints the table.
 Without PyTorch (or without a GPU for tf32) the cells it cannot fill say why.
 
 --cudnn-benchmark has both engines pick each convolution's algorithms by timing them

@@ -174,6 +174,7 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
   if (it != conv_plans_.end()) return it->second;
 
   ConvPlan plan;
+  plan.nhwc = nhwc;
   try {
     REPLICA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan.x));
     REPLICA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan.y));
@@ -243,7 +244,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     }
     void* ws = plan.fwd.ws ? cuda_workspace(s, plan.fwd.ws) : nullptr;
     const float one = 1.f, zero = 0.f;
-    const ProductIo io = forward_io(ctx, x, w, y, conv_nhwc(ctx, x.dim(1), K));
+    const ProductIo io = forward_io(ctx, x, w, y, plan.nhwc);
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, io.x, plan.w, io.w,
                                                 plan.conv, plan.fwd.algo, ws, plan.fwd.ws, &zero,
@@ -288,11 +289,12 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   const bool have_channels = x.dim(1) > 0;
   const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
   const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
+  ConvPlan* const wanted = want_dx || want_dw ? &conv_plan(ctx, x, w, p) : nullptr;
   const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr,
-                                   want_dw ? &dw : nullptr, conv_nhwc(ctx, x.dim(1), K));
+                                   want_dw ? &dw : nullptr, wanted && wanted->nhwc);
 
   if (want_dx) {
-    ConvPlan& plan = conv_plan(ctx, x, w, p);
+    ConvPlan& plan = *wanted;
     if (!plan.have_bwd_data) {
       plan.bwd_data = pick_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
           ctx, plan.conv, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,  // deterministic
@@ -321,7 +323,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   }
 
   if (want_dw) {
-    ConvPlan& plan = conv_plan(ctx, x, w, p);
+    ConvPlan& plan = *wanted;
     if (!plan.have_bwd_filter) {
       plan.bwd_filter = pick_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
           ctx, plan.conv, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,  // deterministic

@@ -71,6 +71,7 @@ struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
+  bool nhwc = false;  // the descriptors, and so the staged operands, are NHWC (conv.cu)
   bool have_fwd = false, have_bwd_data = false, have_bwd_filter = false;
   ConvChoice<cudnnConvolutionFwdAlgo_t> fwd;
   ConvChoice<cudnnConvolutionBwdDataAlgo_t> bwd_data;

@@ -3,9 +3,10 @@
 // a run reproduces to the bit; the order is the GPU's own: slices, then a tree, and the
 // variance one pass over values shifted by the channel's first, so not the CPU's bits). A ReLU
 // that follows the BatchNorm (ResNet's) is fused: applied in the output pass, and in backward
-// the gradient is masked where it is read. That saves the ReLU's own passes over the activation: on an H100
-// ResNet-50's 49 ReLUs (33 of them after a BatchNorm) took 7 ms of its 43 ms TF32 step at batch
-// 64. cuDNN's batch norm fuses an activation only for NHWC half-precision tensors.
+// the gradient is masked where it is read. That saves the ReLU's own passes over the
+// activation: on an H100 ResNet-50's 49 ReLUs (33 of them after a BatchNorm) took 7 ms of its
+// 43 ms TF32 step at batch 64. cuDNN's batch norm fuses an activation only for NHWC
+// half-precision tensors.
 //
 // Training forward: partial sums of x and x^2 per (channel, slice of the channel's N*HW
 // values), one block each; a kernel per channel adds a channel's slices in order and derives
@@ -93,7 +94,7 @@ __device__ __forceinline__ void channel_sums(const double* part_a, const double*
 }
 
 struct TrainOut {
-  float *running_mean, *running_var, *save_mean, *save_invstd;  // any may be null
+  float *running_mean, *running_var, *save_mean, *save_invstd;  // null: not wanted (in pairs)
 };
 
 // Per channel: mean, biased variance, 1/sqrt(var + eps); the running averages (unbiased
@@ -204,8 +205,8 @@ void expect_param(const DeviceContext& ctx, const Tensor& t, int64_t C, const ch
   cuda::expect_numel(t, C, op, what);
 }
 
-const float* ptr_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
-float* ptr_or_null(Tensor& t) { return t.defined() ? t.f32() : nullptr; }
+// An optional tensor's data (undefined: null, "not wanted").
+float* ptr_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
 
 unsigned channel_blocks(int64_t C) { return unsigned((C + cuda::kThreads - 1) / cuda::kThreads); }
 
@@ -258,10 +259,8 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
   bn_partials_kernel<<<unsigned(d.c * S), cuda::kThreads, 0, stream>>>(
       x.f32(), nullptr, nullptr, nullptr, nullptr, d, S, w.part_a, w.part_b);
   REPLICA_LAUNCH_CHECK();
-  const TrainOut out{have_running ? running_mean.f32() : nullptr,
-                     have_running ? running_var.f32() : nullptr,
-                     have_save ? save_mean.f32() : nullptr,
-                     have_save ? save_invstd.f32() : nullptr};
+  const TrainOut out{ptr_or_null(running_mean), ptr_or_null(running_var),
+                     ptr_or_null(save_mean), ptr_or_null(save_invstd)};
   bn_train_stats_kernel<<<channel_blocks(d.c), cuda::kThreads, 0, stream>>>(
       x.f32(), w.part_a, w.part_b, S, d, ptr_or_null(gamma), ptr_or_null(beta), momentum, eps, out,
       w.scale, w.shift);

@@ -120,7 +120,7 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
       {"devices_share_gpu", engine_.shares_gpu()},
       {"precision", precision_name(c_.engine.precision)},
       {"cudnn_benchmark", c_.engine.cudnn_benchmark},
-      {"memory_format", c_.engine.channels_last ? "channels_last" : "nchw"},
+      {"memory_format", memory_format_name(c_.engine.channels_last)},
       {"collectives", world_ > 1 ? nlohmann::json(engine_.comm_description()) : nlohmann::json()},
       {"reduce", c_.mode == "dp" ? nlohmann::json(c_.reduce) : nlohmann::json(nullptr)},
       {"comm_bytes_per_step", engine_.comm_bytes_per_step()},

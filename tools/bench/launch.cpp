@@ -64,7 +64,7 @@ std::vector<std::string> worker_arguments(const SuiteOptions& o) {
       "--seed", std::to_string(o.run.seed),
       "--threads-per-device", std::to_string(o.run.threads_per_device),
       "--precision", precision_name(o.run.precision),
-      "--memory-format", o.run.channels_last ? "channels_last" : "nchw",
+      "--memory-format", memory_format_name(o.run.channels_last),
       "--devices", o.device_spec,
       "--backend", o.backend,
       "--timeout", fmt::format("{}", o.timeout_s)};

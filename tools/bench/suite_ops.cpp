@@ -82,7 +82,7 @@ int run_ops_suite(const BenchOptions& o) {
     nlohmann::json row = {{"suite", "ops"}, {"engine", "replica"}, {"model", o.model},
                           {"input_shape", shape}, {"batch", o.batch}, {"device", device.str()},
                           {"precision", precision_name(run.precision)},
-                          {"memory_format", run.channels_last ? "channels_last" : "nchw"},
+                          {"memory_format", memory_format_name(run.channels_last)},
                           {"op", key.substr(0, space)},
                           {"calls_per_step", double(s.calls) / steps}, {"ms_per_step", ms},
                           {"share", share}, {"step_ms", real_ms},
