@@ -41,18 +41,12 @@ Allocator::Allocator(Kind kind, Device device) : kind_(kind), device_(device) {}
 
 Allocator::~Allocator() { empty_cache(); }
 
-// Small sizes round to 512 bytes; larger ones to 1/8 of their power of two, so a block can
-// be reused for a request up to 12.5% smaller while steady-state training hits exact classes.
 size_t Allocator::round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
-  // Past 2^63 the search for the power of two below never ends; 2^50 bytes is beyond any machine.
+  // Past 2^50 bytes the rounding could overflow; no machine holds that much.
   REPLICA_CHECK(bytes <= (size_t(1) << 50), "cannot allocate {} bytes: more memory than any "
                 "machine has", bytes);
-  if (bytes <= (1u << 16)) return (bytes + 511) & ~size_t(511);
-  size_t p = 1;
-  while (p < bytes) p <<= 1;
-  size_t step = p / 8;
-  return (bytes + step - 1) / step * step;
+  return (bytes + 511) & ~size_t(511);
 }
 
 void* Allocator::system_alloc(size_t bytes) {
@@ -86,14 +80,16 @@ void Allocator::system_free(void* ptr) {
   }
 }
 
-void* Allocator::allocate(size_t bytes) {
-  size_t size = round_size(bytes);
+Allocator::Allocation Allocator::allocate(size_t bytes) {
+  const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  void* p = nullptr;
-  auto it = free_.find(size);
-  if (it != free_.end() && !it->second.empty()) {
-    p = it->second.back();
+  Allocation block{nullptr, size};
+  // Best fit: the smallest cached block that holds the request and wastes at most 1/8 of it.
+  auto it = free_.lower_bound(size);
+  if (it != free_.end() && it->first - size <= size / 8) {
+    block = {it->second.back(), it->first};
     it->second.pop_back();
+    if (it->second.empty()) free_.erase(it);
   } else {
     // Host memory: the bytes asked for must fit (the rounded block's tail is never touched).
     auto fresh = [&] {
@@ -101,24 +97,23 @@ void* Allocator::allocate(size_t bytes) {
       return system_alloc(size);
     };
     try {
-      p = fresh();
+      block.ptr = fresh();
     } catch (const Error&) {
       // Out of memory: give the cache back and try once more before failing.
       free_cached_locked();
-      p = fresh();
+      block.ptr = fresh();
     }
   }
-  in_use_ += size;
+  in_use_ += block.bytes;
   peak_ = std::max(peak_, in_use_);
-  return p;
+  return block;
 }
 
-void Allocator::release(void* ptr, size_t bytes) {
-  if (!ptr) return;
-  size_t size = round_size(bytes);
+void Allocator::release(Allocation block) {
+  if (!block.ptr) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  in_use_ -= size;
-  free_[size].push_back(ptr);
+  in_use_ -= block.bytes;
+  free_[block.bytes].push_back(block.ptr);
 }
 
 void Allocator::free_cached_locked() {

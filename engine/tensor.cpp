@@ -15,8 +15,12 @@ int64_t shape_numel(const Shape& s) {
 
 std::string shape_str(const Shape& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
 
-Block::Block(Allocator* a, size_t n) : owner(a), ptr(a->allocate(n)), bytes(n) {}
-Block::~Block() { owner->release(ptr, bytes); }
+Block::Block(Allocator* a, size_t n) : owner(a) {
+  const Allocator::Allocation block = a->allocate(n);
+  ptr = block.ptr;
+  bytes = block.bytes;
+}
+Block::~Block() { owner->release({ptr, bytes}); }
 
 Tensor Tensor::empty(Allocator& alloc, const Shape& shape, DType dtype) {
   // Checked before shape_numel() multiplies in int64: an overflow there is undefined.

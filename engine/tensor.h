@@ -23,7 +23,7 @@ std::string shape_str(const Shape& s);
 struct Block {
   Allocator* owner = nullptr;
   void* ptr = nullptr;
-  size_t bytes = 0;
+  size_t bytes = 0;  // the allocator's block: at least the n asked for
   Block(Allocator* a, size_t n);
   ~Block();
   Block(const Block&) = delete;
