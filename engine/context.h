@@ -62,9 +62,6 @@ struct ContextOptions {
   int threads = 0;             // CPU: threads in this device's arena (0 = all cores)
   bool deterministic = false;  // CUDA: deterministic algorithms only (CPU always is)
   Precision precision = Precision::Fp32;
-  // CUDA: reserve the cuDNN workspace up front (64 MiB; it grows on demand either way). Off for
-  // contexts that only copy and add (DP's communication stream).
-  bool reserve_workspace = true;
   // CUDA: pick each convolution's algorithms by timing them (cuDNN's Find, as PyTorch's
   // torch.backends.cudnn.benchmark), once per shape, instead of cuDNN's heuristics. The pick
   // can change from run to run, so not with `deterministic`; CUDA devices only.

@@ -242,7 +242,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
           });
       plan.have_fwd = true;
     }
-    void* ws = plan.fwd.ws ? cuda_workspace(s, plan.fwd.ws) : nullptr;
+    void* ws = workspace(ctx, plan.fwd.ws);
     const float one = 1.f, zero = 0.f;
     const ProductIo io = forward_io(ctx, x, w, y, plan.nhwc);
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
@@ -312,7 +312,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
           });
       plan.have_bwd_data = true;
     }
-    void* ws = plan.bwd_data.ws ? cuda_workspace(s, plan.bwd_data.ws) : nullptr;
+    void* ws = workspace(ctx, plan.bwd_data.ws);
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_data.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, io.w, plan.y, io.dy,
                                                      plan.conv, plan.bwd_data.algo, ws,
@@ -341,7 +341,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
           });
       plan.have_bwd_filter = true;
     }
-    void* ws = plan.bwd_filter.ws ? cuda_workspace(s, plan.bwd_filter.ws) : nullptr;
+    void* ws = workspace(ctx, plan.bwd_filter.ws);
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_filter.math));
     const float beta = io.dw_beta();  // dw accumulates; staged: this call's part, added after
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(

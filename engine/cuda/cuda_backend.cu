@@ -49,17 +49,31 @@ void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what
 
 }  // namespace cuda
 
-float* CudaBackend::scratch(DeviceContext& ctx, int64_t floats) {
-  if (floats < 1) floats = 1;
-  if (!scratch_.defined() || scratch_.numel() < floats) {
-    CudaState& s = cuda_state(ctx);
-    // The old block goes back to the allocator's cache: wait until no kernel can still use it.
-    if (scratch_.defined()) REPLICA_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-    int64_t n = floats < 1024 ? 1024 : floats;
-    scratch_ = Tensor();
-    scratch_ = ctx.alloc({n});
+namespace {
+
+// `buffer` with room for at least `floats` elements (at least `least`): the old block goes back
+// to the allocator's cache only once no kernel on the stream can still use it.
+float* grown(DeviceContext& ctx, Tensor& buffer, int64_t floats, int64_t least) {
+  floats = std::max(floats, least);
+  if (!buffer.defined() || buffer.numel() < floats) {
+    if (buffer.defined()) REPLICA_CUDA_CHECK(cudaStreamSynchronize(cuda_state(ctx).stream));
+    buffer = Tensor();
+    buffer = ctx.alloc({floats});
   }
-  return scratch_.f32();
+  return buffer.f32();
+}
+
+}  // namespace
+
+float* CudaBackend::scratch(DeviceContext& ctx, int64_t floats) {
+  return grown(ctx, scratch_, floats, 1024);
+}
+
+void* CudaBackend::workspace(DeviceContext& ctx, size_t bytes) {
+  if (bytes == 0) return nullptr;
+  // Whole MiBs, so a run of slightly growing requests does not reallocate each time.
+  const size_t mib = size_t(1) << 20;
+  return grown(ctx, workspace_, int64_t((bytes + mib - 1) / mib * (mib / sizeof(float))), 0);
 }
 
 }  // namespace replica

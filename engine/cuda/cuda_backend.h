@@ -125,11 +125,14 @@ class CudaBackend final : public Backend {
   ProductIo backward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
                         Tensor* dx, Tensor* dw, bool nhwc = false);
 
-  // Device scratch (F32 elements), grown on demand (cuda_backend.cu). Kept by the backend rather
-  // than allocated per call so no block is handed back to the allocator while a kernel using it
-  // may still be running.
+  // Device scratch (F32 elements) and cuDNN's workspace (bytes), each grown on demand
+  // (cuda_backend.cu). Kept by the backend rather than allocated per call so no block is handed
+  // back to the allocator while a kernel using it may still be running; taken from the device's
+  // allocator, so its peak counts them, as PyTorch's max_memory_allocated counts cuDNN's
+  // workspace. Growing waits for the stream, which only the first iteration's new shapes do.
   float* scratch(DeviceContext& ctx, int64_t floats);
-  Tensor scratch_;
+  void* workspace(DeviceContext& ctx, size_t bytes);
+  Tensor scratch_, workspace_;
 };
 
 }  // namespace replica

@@ -20,8 +20,6 @@ struct CudaState {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   cudnnHandle_t cudnn = nullptr;
-  void* workspace = nullptr;  // scratch for cuDNN algorithms; grows, never shrinks
-  size_t workspace_bytes = 0;
   bool deterministic = false;
   bool tf32 = false;  // Precision::Tf32: GEMMs and convolutions may use TF32 tensor cores
   bool benchmark = false;  // convolution algorithms picked by timing (cuDNN's Find)
@@ -42,11 +40,6 @@ CudaState& cuda_state(const DeviceContext& ctx);
 // kernels not yet launched on another, and the launching thread can be held up by that cudaFree:
 // NCCL's single-process deadlock, which PyTorch prevents with the same lock.
 std::mutex& device_free_mutex();
-
-// Returns the context's workspace, at least `bytes` large. Grows (after a stream synchronise, so
-// no in-flight kernel still uses the old one) only when a bigger size is needed: with algorithms
-// chosen per shape that happens in the first iteration only.
-void* cuda_workspace(CudaState& s, size_t bytes);
 
 }  // namespace replica
 

@@ -85,29 +85,6 @@ std::mutex& device_free_mutex() {
   return m;
 }
 
-void* cuda_workspace(CudaState& s, size_t bytes) {
-  if (bytes <= s.workspace_bytes) return s.workspace;
-  // Round up to 1 MiB so a run of slightly growing requests does not reallocate every time.
-  size_t want = (bytes + (size_t(1) << 20) - 1) & ~((size_t(1) << 20) - 1);
-  REPLICA_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the old workspace may still be in use
-  if (s.workspace) {
-    std::lock_guard<std::mutex> lock(device_free_mutex());
-    REPLICA_CUDA_CHECK(cudaFree(s.workspace));
-    s.workspace = nullptr;
-    s.workspace_bytes = 0;
-  }
-  void* p = nullptr;
-  cudaError_t err = cudaMalloc(&p, want);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw Error(fmt::format("cudaMalloc of a {} MiB workspace on GPU {} failed: {} ({}:{})",
-                            want >> 20, s.ordinal, cudaGetErrorString(err), __FILE__, __LINE__));
-  }
-  s.workspace = p;
-  s.workspace_bytes = want;
-  return p;
-}
-
 // Named apart from cudart:: (the forwarders in libreplica_engine.so): a call inside the plugin
 // must never bind to the forwarder of the same name.
 namespace cuda {
@@ -206,10 +183,6 @@ void release_state(CudaState* s) {
   if (s->stream && cudaStreamSynchronize(s->stream) != cudaSuccess) (void)cudaGetLastError();
   if (s->cudnn) cudnnDestroy(s->cudnn);
   if (s->cublas) cublasDestroy(s->cublas);
-  if (s->workspace) {
-    std::lock_guard<std::mutex> lock(device_free_mutex());
-    if (cudaFree(s->workspace) != cudaSuccess) (void)cudaGetLastError();
-  }
   if (s->stream && cudaStreamDestroy(s->stream) != cudaSuccess) (void)cudaGetLastError();
   delete s;
 }
@@ -237,7 +210,6 @@ CudaState* create_state(const Device& device, const ContextOptions& options) {
     REPLICA_CUBLAS_CHECK(cublasSetMathMode(s->cublas, static_cast<cublasMath_t>(math)));
     REPLICA_CUDNN_CHECK(cudnnCreate(&s->cudnn));
     REPLICA_CUDNN_CHECK(cudnnSetStream(s->cudnn, s->stream));
-    if (options.reserve_workspace) cuda_workspace(*s, size_t(64) << 20);
   } catch (...) {
     release_state(s);
     throw;

@@ -38,9 +38,7 @@ class CopyGroup final : public LocalGroup {
             int slots, int64_t largest_slot)
       : LocalGroup(std::move(contexts)), pool_(pool), strategy_(strategy) {
     if (!ctx_[0]->is_cuda()) return;
-    ContextOptions lean;
-    lean.reserve_workspace = false;  // it copies and adds: no cuDNN workspace
-    comm_ctx_ = std::make_unique<DeviceContext>(ctx_[0]->device(), lean);
+    comm_ctx_ = std::make_unique<DeviceContext>(ctx_[0]->device());
     for (size_t r = 0; r < ctx_.size(); ++r) {
       all_written_.push_back(std::make_unique<StreamEvent>());
       slot_written_.emplace_back();

@@ -29,11 +29,9 @@ class LocalNcclGroup final : public LocalGroup {
  public:
   LocalNcclGroup(const std::vector<DeviceContext*>& contexts, int slots) : LocalGroup(contexts) {
     for (auto* c : ctx_) ordinals_.push_back(c->device().index);
-    ContextOptions lean;
-    lean.reserve_workspace = false;  // it only communicates: no cuDNN workspace
     for (auto* c : ctx_) {
       auto rank = std::make_unique<Rank>();
-      rank->comm = std::make_unique<DeviceContext>(c->device(), lean);
+      rank->comm = std::make_unique<DeviceContext>(c->device());
       for (int s = 0; s < slots; ++s) rank->slot_written.push_back(std::make_unique<StreamEvent>());
       rank->written_this_step.assign(size_t(slots), 0);
       ranks_.push_back(std::move(rank));

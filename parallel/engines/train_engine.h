@@ -29,8 +29,7 @@ struct EngineOptions {
 // What each device's context is made with: `threads` CPU threads, the run's determinism,
 // precision, choice of convolution algorithms and their operands' layout.
 inline ContextOptions context_options(const EngineOptions& o, int threads) {
-  return {threads, o.deterministic, o.precision, /*reserve_workspace=*/true, o.cudnn_benchmark,
-          o.channels_last};
+  return {threads, o.deterministic, o.precision, o.cudnn_benchmark, o.channels_last};
 }
 
 class TrainEngine {
