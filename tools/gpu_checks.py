@@ -21,7 +21,8 @@ short summary (OUT/PART/summary.md):
     python3 tools/gpu_checks.py ops --out OUT        # ResNet-50 batch 64, op by op (replica-bench
                                                      # --suite ops) in fp32, tf32 and bf16, NCHW
                                                      # and channels_last: which layout pays, and
-                                                     # where each step's time goes
+                                                     # where each step's time goes; the CNN at
+                                                     # batch 32 and 256 in fp32 and tf32
     python3 tools/gpu_checks.py tests --out OUT      # the test suites: the gpu-labelled ones one
                                                      # at a time (a GPU suite that skips on a GPU
                                                      # fails the check; a case inside one that
@@ -263,26 +264,31 @@ def report(p):
 # (precision, memory format) pairs the ops part measures on a GPU; CPU devices run fp32 NCHW only.
 OPS_RUNS = [("fp32", "nchw"), ("tf32", "nchw"), ("tf32", "channels_last"), ("bf16", "nchw"),
             ("bf16", "channels_last")]
+# (model, input, batch, runs): ResNet-50 in every precision and layout; the CNN, whose step is
+# about a millisecond, at the main job's batch and at the largest the speed cases time: where the
+# sum of its ops falls short of an ordinary step, launches and host work take the rest (what
+# CUDA Graphs would remove). On CPU devices a rehearsal on a model small enough to finish.
+OPS_GPU_CASES = [("resnet50", "3x224x224", 64, OPS_RUNS),
+                 ("cnn", "1x28x28", 32, [("fp32", "nchw"), ("tf32", "nchw")]),
+                 ("cnn", "1x28x28", 256, [("fp32", "nchw"), ("tf32", "nchw")])]
+OPS_CPU_CASES = [("resnet18", "3x32x32", 64, [("fp32", "nchw")])]
 
 
-def ops(p):
-    # On CPU devices a rehearsal: the same program and table on a model small enough to finish.
-    model, shape = ("resnet50", "3x224x224") if p.gpu else ("resnet18", "3x32x32")
-    runs = OPS_RUNS if p.gpu else [("fp32", "nchw")]
+def ops_case(p, model, shape, batch, runs):
     steps = "3" if p.args.quick else "10"
     by_run = {}
     for precision, layout in runs:
-        name = f"{precision}-{layout}"
+        name = f"{model}-b{batch}-{precision}-{layout}"
         out_json = os.path.join(p.dir, name + ".jsonl")
         if os.path.exists(out_json):
             os.remove(out_json)  # --json appends
         p.run(name, [p.bin("replica-bench"), "--suite", "ops", "--devices", p.args.device,
-                     "--model", model, "--input-shape", shape, "--batch-per-device", "64",
+                     "--model", model, "--input-shape", shape, "--batch-per-device", str(batch),
                      "--steps", steps, "--precision", precision, "--memory-format", layout,
                      "--json", out_json])
         if os.path.exists(out_json):
             with open(out_json) as f:
-                by_run[name] = [json.loads(l) for l in f if l.strip()]
+                by_run[f"{precision}-{layout}"] = [json.loads(l) for l in f if l.strip()]
     if not by_run:
         return
     names = list(by_run)
@@ -290,14 +296,20 @@ def ops(p):
     op_ms = {n: {r["op"]: r["ms_per_step"] for r in rows} for n, rows in by_run.items()}
     top = sorted({op for m in op_ms.values() for op in m},
                  key=lambda op: -max(m.get(op, 0) for m in op_ms.values()))[:12]
-    p.note(f"{model} {shape}, batch 64, ms per step (ops timed one by one; the step line is an "
-           f"ordinary step):\n")
+    p.note(f"\n{model} {shape}, batch {batch}, ms per step (ops timed one by one; the step line "
+           f"is an ordinary step, the sum line the ops' times added up):\n")
     p.note("| op | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
     p.note("| **step** | " + " | ".join(f"{step[n]:.2f}" if step[n] else "-" for n in names)
            + " |")
+    p.note("| sum of ops | " + " | ".join(f"{sum(op_ms[n].values()):.2f}" for n in names) + " |")
     for op in top:
         p.note(f"| {op} | " + " | ".join(
             f"{op_ms[n][op]:.2f}" if op in op_ms[n] else "-" for n in names) + " |")
+
+
+def ops(p):
+    for case in (OPS_GPU_CASES if p.gpu else OPS_CPU_CASES):
+        ops_case(p, *case)
 
 
 def speed(p):
