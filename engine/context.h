@@ -1,6 +1,6 @@
 // DeviceContext: everything one device needs to run work — its allocator, its kernels (Backend),
-// on CPU a TBB arena with its share of the cores, on CUDA a stream, cuBLAS/cuDNN handles and a
-// workspace. One context per device (per logical/virtual device); used by one thread at a time.
+// on CPU a TBB arena with its share of the cores, on CUDA a stream and cuBLAS/cuDNN handles (the
+// backend's scratch and cuDNN workspace come from the allocator). One context per device (per logical/virtual device); used by one thread at a time.
 #pragma once
 #include <memory>
 #include <string>
@@ -17,7 +17,7 @@ namespace replica {
 
 class Backend;
 class OpProfile;
-struct CudaState;  // stream, handles, workspace (engine/cuda/cuda_context.cu)
+struct CudaState;  // stream, handles, math settings (engine/cuda/cuda_runtime.cu)
 
 // How a device may round the inputs of matrix products and convolutions.
 //   Fp32  strict IEEE fp32 with fp32 accumulation: what the CPU kernels do, what CPU-vs-CUDA

@@ -30,10 +30,9 @@ void free_device(int ordinal, void* ptr);
 void* malloc_pinned(size_t bytes);
 void free_pinned(void* ptr);
 
-// Stream, cuBLAS and cuDNN handles (bound to the stream), workspace. One per DeviceContext.
+// Stream and cuBLAS and cuDNN handles (bound to the stream). One per DeviceContext.
 // As `options` say (engine/context.h): determinism, precision (Tf32: GEMMs and convolutions may
-// use TF32 tensor cores), how convolution algorithms are picked, whether the cuDNN workspace is
-// reserved now (it grows on demand either way). `threads` is not used.
+// use TF32 tensor cores), how convolution algorithms are picked. `threads` is not used.
 CudaState* create_state(const Device& device, const ContextOptions& options);
 void destroy_state(CudaState* state);
 void synchronize(CudaState* state);  // cudaStreamSynchronize on the context's stream

@@ -1,4 +1,4 @@
-// CUDA-side internals: the per-context CudaState (stream, cuBLAS/cuDNN handles, workspace) and
+// CUDA-side internals: the per-context CudaState (stream, cuBLAS/cuDNN handles, math settings) and
 // the checking macros. Included only by .cu files of the CUDA backend; the rest of the engine sees
 // CudaState as an opaque type through engine/cudart.h.
 #pragma once

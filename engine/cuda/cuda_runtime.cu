@@ -1,5 +1,5 @@
 // The CUDA runtime behind engine/cudart.h: device discovery, raw allocations, and the
-// per-context state (non-blocking stream, cuBLAS and cuDNN handles bound to it, workspace).
+// per-context state (non-blocking stream, cuBLAS and cuDNN handles bound to it).
 // Runtime API only: the driver API (libcuda) is never linked. The plugin's entry point, at the
 // end, hands these functions to engine/cudart.cpp.
 #include <fmt/format.h>

@@ -254,6 +254,7 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
                 "{}: expected more than 1 value per channel when training, got input {}", op,
                 shape_str(x.shape()));
   const cudaStream_t stream = cuda_state(ctx).stream;
+  const unsigned chunks = chunk_blocks(d);  // checked before any launch updates running stats
   const int S = slices_for(d);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
   bn_partials_kernel<<<unsigned(d.c * S), cuda::kThreads, 0, stream>>>(
@@ -265,8 +266,8 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
       x.f32(), w.part_a, w.part_b, S, d, ptr_or_null(gamma), ptr_or_null(beta), momentum, eps, out,
       w.scale, w.shift);
   REPLICA_LAUNCH_CHECK();
-  bn_output_kernel<<<chunk_blocks(d), cuda::kThreads, 0, stream>>>(x.f32(), y.f32(), w.scale,
-                                                                     w.shift, d, relu);
+  bn_output_kernel<<<chunks, cuda::kThreads, 0, stream>>>(x.f32(), y.f32(), w.scale, w.shift, d,
+                                                          relu);
   REPLICA_LAUNCH_CHECK();
 }
 
@@ -319,6 +320,7 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
   if (dbeta.defined()) expect_param(ctx, dbeta, d.c, op, "dbeta");
   if (x.numel() == 0) return;
   const cudaStream_t stream = cuda_state(ctx).stream;
+  const unsigned chunks = chunk_blocks(d);  // checked before any launch adds into dgamma, dbeta
   const int S = slices_for(d);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
   bn_partials_kernel<<<unsigned(d.c * S), cuda::kThreads, 0, stream>>>(
@@ -330,7 +332,7 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
       ptr_or_null(dbeta), w.sums);
   REPLICA_LAUNCH_CHECK();
   if (!dx.defined()) return;
-  bn_dx_kernel<<<chunk_blocks(d), cuda::kThreads, 0, stream>>>(
+  bn_dx_kernel<<<chunks, cuda::kThreads, 0, stream>>>(
       x.f32(), dy.f32(), ptr_or_null(relu_y), save_mean.f32(), save_invstd.f32(), w.sums, d,
       dx.f32());
   REPLICA_LAUNCH_CHECK();
