@@ -173,9 +173,6 @@ class DdpEngine final : public TrainEngine {
   DeviceContext& primary() override { return ctx_; }
   Optimizer& optimizer() override { return *step_.optimizer; }
   void state_loaded() override { sync_from_rank0(); }
-  std::vector<size_t> peak_memory_bytes() const override {
-    return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
-  }
   double forward_macs_per_sample() const override { return step_.macs_per_sample; }
   void finish() override {
     ctx_.run([&] { group_->leave(ctx_); });

@@ -129,11 +129,6 @@ class DataParallelEngine final : public TrainEngine {
   DeviceContext& primary() override { return *replicas_[0].ctx; }
   Optimizer& optimizer() override { return *step_->optimizer; }
   void state_loaded() override { broadcast(); }
-  std::vector<size_t> peak_memory_bytes() const override {
-    std::vector<size_t> out;
-    for (const auto& r : replicas_) out.push_back(r.ctx->allocator().peak_bytes());
-    return out;
-  }
   double forward_macs_per_sample() const override { return step_->macs_per_sample; }
   // Gradient bytes moved to device 0 in one step.
   int64_t comm_bytes_per_step() const override {

@@ -59,9 +59,6 @@ class SingleDeviceEngine final : public TrainEngine {
   Model& model() override { return *model_; }
   DeviceContext& primary() override { return ctx_; }
   Optimizer& optimizer() override { return *step_.optimizer; }
-  std::vector<size_t> peak_memory_bytes() const override {
-    return {const_cast<DeviceContext&>(ctx_).allocator().peak_bytes()};
-  }
   double forward_macs_per_sample() const override { return step_.macs_per_sample; }
 
  private:

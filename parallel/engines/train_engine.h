@@ -60,7 +60,13 @@ class TrainEngine {
   // bring every other replica in line.
   virtual void state_loaded() {}
 
-  virtual std::vector<size_t> peak_memory_bytes() const = 0;
+  // Each of this process's devices' peak bytes in use (its allocator's high-water mark, counted
+  // as PyTorch's max_memory_allocated), in contexts() order.
+  std::vector<size_t> peak_memory_bytes() {
+    std::vector<size_t> out;
+    for (DeviceContext* c : contexts()) out.push_back(c->allocator().peak_bytes());
+    return out;
+  }
   // This process's place in a multi-process job (DDP); one process otherwise.
   virtual int rank() const { return 0; }
   virtual int world_size() const { return 1; }
