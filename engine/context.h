@@ -1,6 +1,7 @@
 // DeviceContext: everything one device needs to run work — its allocator, its kernels (Backend),
 // on CPU a TBB arena with its share of the cores, on CUDA a stream and cuBLAS/cuDNN handles (the
-// backend's scratch and cuDNN workspace come from the allocator). One context per device (per logical/virtual device); used by one thread at a time.
+// backend's scratch and cuDNN's workspace come from the allocator). One context per device (per
+// logical/virtual device); used by one thread at a time.
 #pragma once
 #include <memory>
 #include <string>

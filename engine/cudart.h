@@ -30,7 +30,7 @@ void free_device(int ordinal, void* ptr);
 void* malloc_pinned(size_t bytes);
 void free_pinned(void* ptr);
 
-// Stream and cuBLAS and cuDNN handles (bound to the stream). One per DeviceContext.
+// A stream, with cuBLAS and cuDNN handles bound to it. One per DeviceContext.
 // As `options` say (engine/context.h): determinism, precision (Tf32: GEMMs and convolutions may
 // use TF32 tensor cores), how convolution algorithms are picked. `threads` is not used.
 CudaState* create_state(const Device& device, const ContextOptions& options);

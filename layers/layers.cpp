@@ -139,10 +139,15 @@ Tensor ReLU::forward(DeviceContext& ctx, const Tensor& x) {
   return y;
 }
 
+Tensor ReLU::gradient(DeviceContext& ctx, const Tensor& y, const Tensor& dy) {
+  Tensor dx = ctx.alloc(dy.shape());
+  ctx.ops().relu_backward(ctx, y, dy, dx);
+  return dx;
+}
+
 Tensor ReLU::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(y_.defined(), "ReLU backward without a training-mode forward");
-  Tensor dx = ctx.alloc(dy.shape());
-  ctx.ops().relu_backward(ctx, y_, dy, dx);
+  Tensor dx = gradient(ctx, y_, dy);
   y_ = Tensor();
   return dx;
 }

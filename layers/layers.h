@@ -67,6 +67,8 @@ class ReLU : public Module {
   Tensor forward(DeviceContext& ctx, const Tensor& x) override;
   Tensor backward(DeviceContext& ctx, const Tensor& dy) override;
   Shape output_shape(const Shape& in) const override { return in; }
+  // The gradient through a ReLU whose output was y (also a fused ReLU's: a residual block's).
+  static Tensor gradient(DeviceContext& ctx, const Tensor& y, const Tensor& dy);
 
  private:
   Tensor y_;

@@ -38,8 +38,7 @@ Tensor ResidualBlock::forward(DeviceContext& ctx, const Tensor& x) {
 
 Tensor ResidualBlock::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(y_.defined(), "{} backward without a training-mode forward", type());
-  Tensor dsum = ctx.alloc(dy.shape());
-  ctx.ops().relu_backward(ctx, y_, dy, dsum);
+  Tensor dsum = ReLU::gradient(ctx, y_, dy);
   y_ = Tensor();
   // The downsample branch runs last in forward, so its backward goes first (reverse order).
   Tensor dshort = downsample_ ? downsample_->backward(ctx, dsum) : dsum;

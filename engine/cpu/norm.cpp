@@ -213,17 +213,14 @@ void CpuBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const T
                                     const Tensor& save_mean, const Tensor& save_invstd,
                                     const Tensor& dy, const Tensor& relu_y, Tensor& dx,
                                     Tensor& dgamma, Tensor& dbeta) {
-  const NchwDims d = nchw(x);
-  float* dxp = dx.defined() ? dx.f32() : nullptr;
-  if (!relu_y.defined()) {
-    batchnorm_backward_impl<false>(ctx, d, x.f32(), dy.f32(), nullptr, save_mean.f32(),
-                                   save_invstd.f32(), gamma.f32(), dxp, dgamma.f32(),
-                                   dbeta.f32());
-    return;
+  const float* ryp = nullptr;
+  if (relu_y.defined()) {
+    cpu::expect_same_numel(relu_y, dy, "batchnorm_backward");
+    ryp = relu_y.f32();
   }
-  cpu::expect_same_numel(relu_y, dy, "batchnorm_backward");
-  batchnorm_backward_impl<true>(ctx, d, x.f32(), dy.f32(), relu_y.f32(), save_mean.f32(),
-                                save_invstd.f32(), gamma.f32(), dxp, dgamma.f32(), dbeta.f32());
+  const auto impl = ryp ? batchnorm_backward_impl<true> : batchnorm_backward_impl<false>;
+  impl(ctx, nchw(x), x.f32(), dy.f32(), ryp, save_mean.f32(), save_invstd.f32(), gamma.f32(),
+       dx.defined() ? dx.f32() : nullptr, dgamma.f32(), dbeta.f32());
 }
 
 }  // namespace replica
