@@ -1,5 +1,6 @@
 #include "engine/allocator.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -66,6 +67,8 @@ void* Allocator::system_alloc(size_t bytes) {
       break;
   }
   ++system_allocs_;
+  held_ += bytes;
+  peak_held_ = std::max(peak_held_, held_);
   return p;
 }
 
@@ -118,7 +121,10 @@ void Allocator::release(Allocation block) {
 
 void Allocator::free_cached_locked() {
   for (auto& [size, blocks] : free_)
-    for (void* b : blocks) system_free(b);
+    for (void* b : blocks) {
+      system_free(b);
+      held_ -= size;
+    }
   free_.clear();
 }
 
@@ -134,6 +140,14 @@ size_t Allocator::bytes_in_use() const {
 size_t Allocator::peak_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return peak_;
+}
+size_t Allocator::bytes_held() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return held_;
+}
+size_t Allocator::peak_held_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_held_;
 }
 size_t Allocator::system_allocations() const {
   std::lock_guard<std::mutex> lock(mutex_);

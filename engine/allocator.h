@@ -37,6 +37,10 @@ class Allocator {
   const Device& device() const { return device_; }
   size_t bytes_in_use() const;
   size_t peak_bytes() const;      // high-water mark of bytes_in_use
+  // Bytes taken from the system and not given back: in use plus cached (PyTorch's
+  // memory_reserved; what nvidia-smi shows of this allocator), and its high-water mark.
+  size_t bytes_held() const;
+  size_t peak_held_bytes() const;
   size_t system_allocations() const;  // calls to the underlying allocator so far
 
   static size_t round_size(size_t bytes);  // the size a fresh block for `bytes` gets
@@ -50,7 +54,7 @@ class Allocator {
   Device device_;
   mutable std::mutex mutex_;
   std::map<size_t, std::vector<void*>> free_;  // block size -> cached blocks (none empty)
-  size_t in_use_ = 0, peak_ = 0, system_allocs_ = 0;
+  size_t in_use_ = 0, peak_ = 0, held_ = 0, peak_held_ = 0, system_allocs_ = 0;
 };
 
 // Process-wide host allocators (pinned is page-locked when a GPU is present, else plain host).

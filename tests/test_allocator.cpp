@@ -1,5 +1,6 @@
 // The caching allocator: what a block costs, when a cached block is handed out again, and the
-// peak it reports (replica-bench's "peak dev0", compared with PyTorch's max_memory_allocated).
+// peaks it reports (replica-bench's "peak dev0", compared with PyTorch's max_memory_allocated,
+// and the bytes held, compared with its max_memory_reserved).
 #include <doctest/doctest.h>
 
 #include "engine/allocator.h"
@@ -40,6 +41,26 @@ TEST_CASE("bytes in use and the peak count blocks, and a released block goes bac
   a.release(z);
   CHECK(a.bytes_in_use() == 0);
   CHECK(a.peak_bytes() == 1024 + 3072);
+}
+
+TEST_CASE("bytes held are in use plus cached until the cache is emptied, as PyTorch's reserved") {
+  Allocator a = host();
+  auto x = a.allocate(1000);
+  auto y = a.allocate(3000);
+  CHECK(a.bytes_held() == 1024 + 3072);
+  a.release(y);
+  CHECK(a.bytes_in_use() == 1024);
+  CHECK(a.bytes_held() == 1024 + 3072);  // y's block is cached, still taken from the system
+  auto z = a.allocate(8000);             // too large for y's block: a fresh one
+  CHECK(a.bytes_held() == 1024 + 3072 + 8192);
+  CHECK(a.peak_bytes() == 1024 + 8192);  // never all three in use at once
+  CHECK(a.peak_held_bytes() == 1024 + 3072 + 8192);
+  a.release(z);
+  a.empty_cache();                       // y's and z's blocks go back; x is still in use
+  CHECK(a.bytes_held() == 1024);
+  CHECK(a.peak_held_bytes() == 1024 + 3072 + 8192);
+  a.release(x);
+  CHECK(a.bytes_held() == 1024);
 }
 
 TEST_CASE("a request takes the smallest cached block that fits and wastes at most 1/8 of it") {

@@ -291,6 +291,9 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
                                                     : ddp_comm_bytes(kCnnParams, n)));
     CHECK(row["comm_bytes_match"] == true);
     CHECK(row["peak_memory_bytes"].size() == size_t(n));
+    REQUIRE(row["peak_held_bytes"].size() == size_t(n));
+    for (int d = 0; d < n; ++d)
+      CHECK(row["peak_held_bytes"][d].get<double>() >= row["peak_memory_bytes"][d].get<double>());
     CHECK(row["data"] == "synthetic, preloaded in host memory (loader not timed)");
     CHECK(row["samples_per_sec"].get<double>() > 0);
     CHECK(row["efficiency"].is_number());
@@ -301,7 +304,11 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
     CHECK(row["precision"] == "fp32");  // CPU devices
     CHECK(row["comm_timing"] == "host");  // Gloo: the communication thread's busy time
   }
-  CHECK(test::count_lines(read_file(tmp.str("rows.csv"))) == 5);
+  const std::string csv = read_file(tmp.str("rows.csv"));
+  CHECK(test::count_lines(csv) == 5);
+  CHECK(csv.substr(0, csv.find('\n'))
+            .find(",peak_memory_dev0_bytes,peak_memory_dev1_bytes,peak_held_dev0_bytes,"
+                  "peak_held_dev1_bytes") != std::string::npos);
   // A track per device and one for the communication thread.
   const auto dp_trace = read_file(tmp.str("traces/trace-dp-2dev.json"));
   for (const char* track : {"\"cpu:0\"", "\"cpu:1\"", "\"comm\"", "\"reduce\"", "\"backward\""})
@@ -324,6 +331,8 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   CHECK(md.find("| ddp | cnn | 1x28x28 | fp32 | 2 | 64 | 2700.0 | pytorch | 2100.0 | 1.29x | "
                 "87.5% |") != std::string::npos);
   CHECK(md.find("| pytorch | ddp (gloo) | cnn | 1x28x28 | fp32 | 2 |") != std::string::npos);
+  // Rows saved before held bytes were reported show none.
+  CHECK(md.find("| replica dp | 2 | 5.18 MB | 5.18 MB | 0 B | - |") != std::string::npos);
   // Rows of different backends still pair up, and the mode column names both: replica's DDP
   // rows over Gloo here, PyTorch's over NCCL.
   std::filesystem::create_directories(tmp.path / "mixed-in");

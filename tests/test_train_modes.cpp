@@ -93,6 +93,14 @@ TEST_CASE("--preset seed trains ResNet-101 with DDP and rank 0 saves the model")
   CHECK(m["world_size"] == 2);
   CHECK(m["batch_size"] == 4);  // 2 per rank
   CHECK(m["model"] == "resnet101");
+  // Every rank's memory, gathered by rank 0: bytes in use at the peak, and held (with the cache).
+  REQUIRE(m["peak_memory_bytes"].size() == 2);
+  REQUIRE(m["peak_held_bytes"].size() == 2);
+  CHECK(m["peak_memory_devices"] == nlohmann::json({"rank 0 cpu:0", "rank 1 cpu:1"}));
+  for (int rank = 0; rank < 2; ++rank) {
+    CHECK(m["peak_memory_bytes"][rank].get<double>() > 0);
+    CHECK(m["peak_held_bytes"][rank].get<double>() >= m["peak_memory_bytes"][rank].get<double>());
+  }
   auto saved = replica::load_checkpoint(tmp.str("model.safetensors"));
   const replica::Tensor* conv1 = saved.find("conv1.weight");
   REQUIRE(conv1 != nullptr);

@@ -203,10 +203,14 @@ def measure(model, data, device, args, out_device=None):
 
 
 def peak_memory(device):
+    """(bytes in use, bytes held) at their peaks: on a GPU the caching allocator's
+    max_memory_allocated and max_memory_reserved, as replica's peak_memory_bytes and
+    peak_held_bytes; on a CPU the process's max RSS, and nothing held to compare."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return (int(torch.cuda.max_memory_allocated(device)),
+                int(torch.cuda.max_memory_reserved(device)))
     import resource
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # process max RSS
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, None
 
 
 def torch_device(d):
@@ -226,6 +230,7 @@ def environment(args):
 
 
 def row(args, mode, devs, shared, params, windows, phases, loss, peaks, backend=None):
+    """peaks: each device's peak_memory() pair."""
     n = len(devs)
     sps = [n * args.batch_per_device * args.steps / w for w in windows]
     med = statistics.median(sps)
@@ -243,7 +248,8 @@ def row(args, mode, devs, shared, params, windows, phases, loss, peaks, backend=
         "samples_per_sec_runs": sps, "ms_per_step": 1e3 * n * args.batch_per_device / med,
         "speedup": None, "efficiency": None, "phase_ms": phases,
         "comm_bytes": (grad if n > 1 else 0) if mode == "ddp" else (n - 1) * grad,
-        "busbw_gbps": None, "peak_memory_bytes": peaks,
+        "busbw_gbps": None, "peak_memory_bytes": [p[0] for p in peaks],
+        "peak_held_bytes": [p[1] for p in peaks] if peaks[0][1] is not None else None,
         "peak_memory_kind": "cuda max_memory_allocated" if devs[0][0] == "cuda" else "process max RSS",
         "backend": backend, "final_loss": loss, "env": environment(args),
     }
@@ -318,7 +324,7 @@ def run_ddp(args, devs, shared, backend):
                 ranks.append(json.load(f))
     windows = [max(rk["windows"][w] for rk in ranks) for w in range(args.repeat)]
     return row(args, "ddp", devs, shared, ranks[0]["params"], windows, ranks[0]["phases"],
-               ranks[0]["loss"], [rk["peak"] for rk in ranks], backend)
+               ranks[0]["loss"], [tuple(rk["peak"]) for rk in ranks], backend)
 
 
 def main():

@@ -145,13 +145,19 @@ def train_table(results):
 
 
 def mb(row):
+    """Device 0's peak bytes in use, and held (in use plus cached) where the row has them:
+    "6139 / 6410 MB"."""
     peaks = row.get("peak_memory_bytes") or []
-    return "%.0f MB" % (peaks[0] / 1e6) if peaks else "-"
+    held = row.get("peak_held_bytes") or []
+    if not peaks:
+        return "-"
+    return ("%.0f / %.0f MB" % (peaks[0] / 1e6, held[0] / 1e6) if held and held[0] is not None
+            else "%.0f MB" % (peaks[0] / 1e6))
 
 
 def table(results):
     lines = ["| model | input | batch | precision | replica samples/s | PyTorch samples/s | "
-             "replica / PyTorch | replica peak | PyTorch peak |",
+             "replica / PyTorch | replica peak / held | PyTorch peak / held |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     notes = []
     for (model, shape, batch, precision), cells in results:
@@ -173,9 +179,10 @@ def table(results):
            for p in [c["pytorch"][0]]):
         notes.append("on CPU PyTorch's peak is its process's max RSS, replica's its allocator's "
                      "peak: not comparable")
-    if notes:
-        lines.append("")
-        lines += ["- " + n for n in notes]
+    notes.append("peak / held: device memory in use at the peak (max_memory_allocated) / held "
+                 "by the caching allocator, in use plus cached (max_memory_reserved)")
+    lines.append("")
+    lines += ["- " + n for n in notes]
     return "\n".join(lines) + "\n"
 
 

@@ -60,13 +60,11 @@ class TrainEngine {
   // bring every other replica in line.
   virtual void state_loaded() {}
 
-  // Each of this process's devices' peak bytes in use (its allocator's high-water mark, counted
-  // as PyTorch's max_memory_allocated), in contexts() order.
-  std::vector<size_t> peak_memory_bytes() {
-    std::vector<size_t> out;
-    for (DeviceContext* c : contexts()) out.push_back(c->allocator().peak_bytes());
-    return out;
-  }
+  // Each of this process's devices' peak memory, in contexts() order, from its allocator: bytes
+  // in use (PyTorch's max_memory_allocated) and bytes held, in use plus cached
+  // (max_memory_reserved).
+  std::vector<size_t> peak_memory_bytes() { return per_device(&Allocator::peak_bytes); }
+  std::vector<size_t> peak_held_bytes() { return per_device(&Allocator::peak_held_bytes); }
   // This process's place in a multi-process job (DDP); one process otherwise.
   virtual int rank() const { return 0; }
   virtual int world_size() const { return 1; }
@@ -90,6 +88,13 @@ class TrainEngine {
   virtual int64_t comm_bytes_per_step() const { return 0; }
   // Multiply-adds of one forward over one sample (for FLOP/s reports).
   virtual double forward_macs_per_sample() const = 0;
+
+ private:
+  std::vector<size_t> per_device(size_t (Allocator::*read)() const) {
+    std::vector<size_t> out;
+    for (DeviceContext* c : contexts()) out.push_back((c->allocator().*read)());
+    return out;
+  }
 };
 
 std::unique_ptr<TrainEngine> make_single_device_engine(const Device& device,

@@ -79,18 +79,23 @@ void RunReport::epoch_done(const nlohmann::json& e, const char* how) {
 void RunReport::gather_ranks() {
   device_names_.clear();
   peaks_.clear();
+  held_.clear();
   for (const auto& d : engine_.devices()) device_names_.push_back(d.str());
   for (size_t p : engine_.peak_memory_bytes()) peaks_.push_back(int64_t(p));
+  for (size_t p : engine_.peak_held_bytes()) held_.push_back(int64_t(p));
   if (world_ <= 1) return;
   const Device mine = engine_.devices()[0];
-  const std::vector<int64_t> all = engine_.gather_from_ranks({peaks_[0], mine.index, mine.slot});
+  const std::vector<int64_t> all =
+      engine_.gather_from_ranks({peaks_[0], held_[0], mine.index, mine.slot});
   peaks_.assign(size_t(world_), 0);
+  held_.assign(size_t(world_), 0);
   device_names_.assign(size_t(world_), "");
   for (size_t r = 0; r < size_t(world_); ++r) {
     Device d = mine;
-    peaks_[r] = all[3 * r];
-    d.index = int(all[3 * r + 1]);
-    d.slot = int(all[3 * r + 2]);
+    peaks_[r] = all[4 * r];
+    held_[r] = all[4 * r + 1];
+    d.index = int(all[4 * r + 2]);
+    d.slot = int(all[4 * r + 3]);
     device_names_[r] = fmt::format("rank {} {}", r, d.str());
   }
 }
@@ -148,6 +153,8 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
       // Training = forward + backward (data and weight gradients): ~3x the forward FLOPs.
       {"train_gflops", 3 * 2 * macs * sps / 1e9},
       {"peak_memory_bytes", peaks_},
+      // In use plus cached: what the allocator took from the system (max_memory_reserved).
+      {"peak_held_bytes", held_},
       // DDP: one entry per rank, "rank R cpu:R" (DP: one per device of this process).
       {"peak_memory_devices", device_names_},
       {"interrupted", t.stop_signal != 0},
@@ -183,11 +190,16 @@ void RunReport::finish(const RunTotals& t, const nlohmann::json& m) const {
   // DP's phases run on every device's thread and the communication thread; DDP's are rank 0's.
   const std::string scope = world_ > 1 ? "rank 0" : "summed over devices and threads";
   say("\n" + epoch_table(epochs_, scope));
-  std::string memory;
-  for (size_t i = 0; i < peaks_.size(); ++i)
-    memory += fmt::format("  {} {:.1f} MB", device_names_[i], peaks_[i] / 1e6);
+  auto per_device = [&](const std::vector<int64_t>& bytes) {
+    std::string line;
+    for (size_t i = 0; i < bytes.size(); ++i)
+      line += fmt::format("  {} {:.1f} MB", device_names_[i], bytes[i] / 1e6);
+    return line;
+  };
+  const char* each = world_ > 1 ? "rank" : "device";
   say("time per step by phase (" + scope + "):" + phase_line(m["phase_ms_per_step"]));
-  say(std::string(world_ > 1 ? "peak memory per rank:" : "peak memory per device:") + memory);
+  say(fmt::format("peak memory per {}:{}", each, per_device(peaks_)));
+  say(fmt::format("held per {} (in use + cached):{}", each, per_device(held_)));
   if (t.evaluated)
     say(fmt::format("test accuracy {:.4f}  test loss {:.4f}  ({} steps, {:.0f} samples/s, "
                     "{:.1f} GFLOP/s)",

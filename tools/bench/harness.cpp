@@ -165,6 +165,7 @@ Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, cons
   }
   tracer.clear_events();
   m.peak_memory = engine.peak_memory_bytes();
+  m.peak_held = engine.peak_held_bytes();
   m.comm_bytes = engine.comm_bytes_per_step();
   return m;
 }
@@ -219,9 +220,12 @@ void merge(Measurement& into, const Measurement& next) {
                              next.window_seconds.end());
   if (!next.trace.empty()) into.trace = next.trace;
   into.final_loss = next.final_loss;
-  into.peak_memory.resize(std::max(into.peak_memory.size(), next.peak_memory.size()), 0);
-  for (size_t i = 0; i < next.peak_memory.size(); ++i)
-    into.peak_memory[i] = std::max(into.peak_memory[i], next.peak_memory[i]);
+  for (auto peaks : {&Measurement::peak_memory, &Measurement::peak_held}) {
+    std::vector<size_t>& a = into.*peaks;
+    const std::vector<size_t>& b = next.*peaks;
+    a.resize(std::max(a.size(), b.size()), 0);
+    for (size_t i = 0; i < b.size(); ++i) a[i] = std::max(a[i], b[i]);
+  }
   into.comm_bytes = std::max(into.comm_bytes, next.comm_bytes);
 }
 
@@ -231,7 +235,7 @@ nlohmann::json to_json(const Measurement& m) {
   return {{"window_seconds", m.window_seconds}, {"steps_per_window", m.steps_per_window},
           {"track_ms", m.track_ms},             {"trace", trace},
           {"final_loss", m.final_loss},         {"peak_memory", m.peak_memory},
-          {"comm_bytes", m.comm_bytes}};
+          {"peak_held", m.peak_held},           {"comm_bytes", m.comm_bytes}};
 }
 
 Measurement measurement_from_json(const nlohmann::json& j) {
@@ -244,6 +248,7 @@ Measurement measurement_from_json(const nlohmann::json& j) {
                        e.at(2).get<int64_t>(), e.at(3).get<int64_t>()});
   m.final_loss = j.at("final_loss").get<float>();
   m.peak_memory = j.at("peak_memory").get<std::vector<size_t>>();
+  m.peak_held = j.at("peak_held").get<std::vector<size_t>>();
   m.comm_bytes = j.at("comm_bytes").get<int64_t>();
   return m;
 }

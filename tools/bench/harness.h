@@ -73,7 +73,8 @@ struct Measurement {
                                        // with device-synchronised spans)
   std::vector<Tracer::Event> trace;    // the traced window's spans (empty without tracing)
   float final_loss = 0;
-  std::vector<size_t> peak_memory;     // per device of the engine
+  std::vector<size_t> peak_memory;     // per device of the engine: bytes in use
+  std::vector<size_t> peak_held;       // and bytes held (in use plus cached)
   int64_t comm_bytes = 0;              // engine->comm_bytes_per_step()
 };
 

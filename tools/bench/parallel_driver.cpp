@@ -104,11 +104,12 @@ std::vector<std::string> suites_of(const std::string& suite) {
 }
 
 void print_table(const std::vector<json>& rows) {
-  std::printf("\n%-5s %7s %11s %8s %10s %9s %12s %8s %9s %11s\n", "mode", "devices", "samples/s",
-              "speedup", "efficiency", "ms/step", "bytes/step", "formula", "busbw", "peak dev0");
+  std::printf("\n%-5s %7s %11s %8s %10s %9s %12s %8s %9s %11s %11s\n", "mode", "devices",
+              "samples/s", "speedup", "efficiency", "ms/step", "bytes/step", "formula", "busbw",
+              "peak dev0", "held dev0");
   for (const auto& r : rows) {
     auto num = [&](const char* k) { return r[k].is_number() ? r[k].get<double>() : -1.0; };
-    std::printf("%-5s %7d %11.1f %8s %10s %9.2f %12lld %8s %9s %11s\n",
+    std::printf("%-5s %7d %11.1f %8s %10s %9.2f %12lld %8s %9s %11s %11s\n",
                 r["mode"].get<std::string>().c_str(), r["devices"].get<int>(),
                 num("samples_per_sec"),
                 num("speedup") < 0 ? "-" : fmt::format("{:.2f}x", num("speedup")).c_str(),
@@ -117,10 +118,13 @@ void print_table(const std::vector<json>& rows) {
                 num("ms_per_step"), (long long)r["comm_bytes"].get<int64_t>(),
                 r.value("comm_bytes_match", false) ? "equal" : "DIFFERS",
                 num("busbw_gbps") < 0 ? "-" : fmt::format("{:.3f}GB/s", num("busbw_gbps")).c_str(),
-                format_bytes(r["peak_memory_bytes"][0].get<double>()).c_str());
+                device0_bytes(r, "peak_memory_bytes").c_str(),
+                device0_bytes(r, "peak_held_bytes").c_str());
   }
   std::printf("weak scaling: batch per device fixed; efficiency = speedup / devices; busbw: "
-              "nccl-tests' bus bandwidth of the reduce (DP) / all-reduce (DDP).\n");
+              "nccl-tests' bus bandwidth of the reduce (DP) / all-reduce (DDP); peak: bytes in "
+              "use (PyTorch's max_memory_allocated), held: in use plus cached (its "
+              "max_memory_reserved).\n");
 }
 
 json read_json_if_present(const std::string& path) {

@@ -30,6 +30,9 @@ double num(const nlohmann::json& j, const char* key, double fallback = 0);
 // j[key] where it is a string, else `fallback`: other engines' rows write null (Python's None)
 // for what they have not, such as a DP row's backend.
 std::string text(const nlohmann::json& j, const char* key, const std::string& fallback = "");
+// Device 0's entry of a row's per-device bytes (peak_memory_bytes, peak_held_bytes) as
+// format_bytes() writes it, or "-" where the row has none (PyTorch's CPU rows, older rows).
+std::string device0_bytes(const nlohmann::json& row, const char* key);
 // Whether s names a trace file (.json).
 bool is_trace(const std::string& s);
 

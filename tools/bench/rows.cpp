@@ -157,9 +157,11 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
   const std::string track = primary_track(c);
   nlohmann::json device_list = nlohmann::json::array();
   for (const auto& d : c.devices) device_list.push_back(d.str());
-  nlohmann::json peaks = nlohmann::json::array();
-  for (const auto& r : ranks)
+  nlohmann::json peaks = nlohmann::json::array(), held = nlohmann::json::array();
+  for (const auto& r : ranks) {
     for (size_t p : r.peak_memory) peaks.push_back(p);
+    for (size_t p : r.peak_held) held.push_back(p);
+  }
   nlohmann::json row = {
       {"engine", "replica"},
       {"mode", c.mode},
@@ -189,6 +191,7 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"tracks_ms", m0.track_ms},
       {"bucket_bytes", facts.bucket_bytes},
       {"peak_memory_bytes", peaks},
+      {"peak_held_bytes", held},
       {"final_loss", m0.final_loss},
       {"load_avg_1m", load_now()},
       {"env", env},
@@ -298,7 +301,13 @@ void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows)
   std::string out;
   std::string header = fmt::format("{}", fmt::join(cols, ","));
   for (const auto& p : phases) header += ",phase_" + p + "_ms";
-  for (size_t d = 0; d < max_devices; ++d) header += fmt::format(",peak_memory_dev{}_bytes", d);
+  // Per device: the peak bytes in use, then the peak bytes held.
+  const std::pair<const char*, const char*> peak_columns[] = {
+      {"peak_memory_bytes", "peak_memory_dev{}_bytes"},
+      {"peak_held_bytes", "peak_held_dev{}_bytes"}};
+  for (const auto& [key, column] : peak_columns)
+    for (size_t d = 0; d < max_devices; ++d)
+      header += "," + fmt::format(fmt::runtime(column), d);
   out += header + "\n";
   for (const auto& r : rows) {
     std::string line;
@@ -308,9 +317,10 @@ void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows)
       line += "," + (r.contains("phase_ms") && r["phase_ms"].is_object() && r["phase_ms"].contains(p)
                          ? cell(r["phase_ms"][p])
                          : std::string());
-    for (size_t d = 0; d < max_devices; ++d) {
-      const auto& pk = r.contains("peak_memory_bytes") ? r["peak_memory_bytes"] : nlohmann::json();
-      line += "," + (pk.is_array() && d < pk.size() ? cell(pk[d]) : std::string());
+    for (const auto& [key, column] : peak_columns) {
+      const auto& pk = r.contains(key) ? r[key] : nlohmann::json();
+      for (size_t d = 0; d < max_devices; ++d)
+        line += "," + (pk.is_array() && d < pk.size() ? cell(pk[d]) : std::string());
     }
     out += line + "\n";
   }
