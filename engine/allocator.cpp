@@ -7,9 +7,28 @@
 #include "engine/cudart.h"
 #include "engine/error.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#define REPLICA_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define REPLICA_ASAN 1
+#endif
+#endif
+#ifndef REPLICA_ASAN
+#define REPLICA_ASAN 0
+#endif
+#if REPLICA_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
+
 namespace replica {
 
 namespace {
+
+// Requests under kSmallRequest share segments of kSmallSegment; on a GPU larger segments are
+// rounded up to it (PyTorch's kSmallSize, kSmallBuffer and kRoundLarge).
+constexpr size_t kSmallRequest = size_t(1) << 20;
+constexpr size_t kSmallSegment = size_t(2) << 20;
 
 // MemAvailable + SwapFree from /proc/meminfo (0: unknown). Host memory is committed lazily, so a
 // block the machine cannot hold is handed out and the kernel's OOM killer ends the process
@@ -42,6 +61,24 @@ Allocator::Allocator(Kind kind, Device device) : kind_(kind), device_(device) {}
 
 Allocator::~Allocator() { empty_cache(); }
 
+size_t Allocator::segment_size(Kind kind, size_t block) {
+  if (block < kSmallRequest) return kSmallSegment;
+  // A GPU maps its memory in 2 MiB pages: the rounding is used either way, so it is held where
+  // later blocks can be cut from it. Host memory is mapped in pages of 4 KiB.
+  if (kind == Kind::CudaDevice) return (block + kSmallSegment - 1) / kSmallSegment * kSmallSegment;
+  return block;
+}
+
+void Allocator::poison(const void* p, size_t bytes, bool on) const {
+#if REPLICA_ASAN
+  if (kind_ == Kind::CudaDevice) return;
+  if (on) ASAN_POISON_MEMORY_REGION(p, bytes);
+  else ASAN_UNPOISON_MEMORY_REGION(p, bytes);
+#else
+  (void)p, (void)bytes, (void)on;
+#endif
+}
+
 size_t Allocator::round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
   // Past 2^50 bytes the rounding could overflow; no machine holds that much.
@@ -67,8 +104,6 @@ void* Allocator::system_alloc(size_t bytes) {
       break;
   }
   ++system_allocs_;
-  held_ += bytes;
-  peak_held_ = std::max(peak_held_, held_);
   return p;
 }
 
@@ -83,49 +118,100 @@ void Allocator::system_free(void* ptr) {
   }
 }
 
+Allocator::Block& Allocator::new_segment(size_t block_size) {
+  const size_t size = segment_size(kind_, block_size);
+  auto fresh = [&] {
+    // Host memory: the whole segment must fit (it is committed as blocks are written).
+    if (kind_ != Kind::CudaDevice) check_host_room(size);
+    return static_cast<char*>(system_alloc(size));
+  };
+  char* ptr = nullptr;
+  try {
+    ptr = fresh();
+  } catch (const Error&) {
+    // Out of memory: give the free segments back and try once more before failing.
+    free_cached_locked();
+    ptr = fresh();
+  }
+  held_ += size;
+  peak_held_ = std::max(peak_held_, held_);
+  poison(ptr, size, true);
+  return blocks_[ptr] = Block{ptr, size, block_size < kSmallRequest, true, nullptr, nullptr};
+}
+
 Allocator::Allocation Allocator::allocate(size_t bytes) {
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  Allocation block{nullptr, size};
-  // Best fit: the smallest cached block that holds the request and wastes at most 1/8 of it.
-  auto it = free_.lower_bound(size);
-  if (it != free_.end() && it->first - size <= size / 8) {
-    block = {it->second.back(), it->first};
-    it->second.pop_back();
-    if (it->second.empty()) free_.erase(it);
+  // Best fit: the smallest free block of the request's pool that holds it.
+  FreeBlocks& candidates = size < kSmallRequest ? free_small_ : free_large_;
+  auto it = candidates.lower_bound({size, nullptr});
+  Block* b = nullptr;
+  if (it != candidates.end()) {
+    b = &blocks_.at(it->second);
+    candidates.erase(it);
   } else {
-    // Host memory: the bytes asked for must fit (the rounded block's tail is never touched).
-    auto fresh = [&] {
-      if (kind_ != Kind::CudaDevice) check_host_room(bytes);
-      return system_alloc(size);
-    };
-    try {
-      block.ptr = fresh();
-    } catch (const Error&) {
-      // Out of memory: give the cache back and try once more before failing.
-      free_cached_locked();
-      block.ptr = fresh();
-    }
+    b = &new_segment(size);
   }
-  in_use_ += block.bytes;
+  if (b->size > size) {  // the rest (a multiple of 512 bytes) stays free, after this block
+    char* rest_ptr = b->ptr + size;
+    Block& rest = blocks_[rest_ptr] =
+        Block{rest_ptr, b->size - size, b->small, true, b, b->next};
+    if (b->next) b->next->prev = &rest;
+    b->next = &rest;
+    b->size = size;
+    pool(rest).insert({rest.size, rest.ptr});
+  }
+  b->free = false;
+  poison(b->ptr, bytes, false);
+  in_use_ += size;
   peak_ = std::max(peak_, in_use_);
-  return block;
+  return {b->ptr, size};
 }
 
-void Allocator::release(Allocation block) {
-  if (!block.ptr) return;
+void Allocator::make_free(Block& block) {
+  Block* b = &block;
+  b->free = true;
+  poison(b->ptr, b->size, true);
+  // Merge with a free neighbour: the lower block absorbs the upper one, which is forgotten.
+  auto absorb = [&](Block* lower, Block* upper) {
+    pool(*lower).erase({lower->size, lower->ptr});
+    pool(*upper).erase({upper->size, upper->ptr});
+    lower->size += upper->size;
+    lower->next = upper->next;
+    if (upper->next) upper->next->prev = lower;
+    blocks_.erase(upper->ptr);
+    return lower;
+  };
+  if (b->prev && b->prev->free) b = absorb(b->prev, b);
+  if (b->next && b->next->free) b = absorb(b, b->next);
+  pool(*b).insert({b->size, b->ptr});
+}
+
+void Allocator::release(Allocation allocation) {
+  if (!allocation.ptr) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  in_use_ -= block.bytes;
-  free_[block.bytes].push_back(block.ptr);
+  auto it = blocks_.find(static_cast<char*>(allocation.ptr));
+  REPLICA_CHECK(it != blocks_.end() && !it->second.free && it->second.size == allocation.bytes,
+                "allocator: releasing {} bytes at {} that it did not hand out",
+                allocation.bytes, allocation.ptr);
+  in_use_ -= it->second.size;
+  make_free(it->second);
 }
 
 void Allocator::free_cached_locked() {
-  for (auto& [size, blocks] : free_)
-    for (void* b : blocks) {
-      system_free(b);
-      held_ -= size;
+  for (FreeBlocks* free : {&free_small_, &free_large_})
+    for (auto it = free->begin(); it != free->end();) {
+      Block& b = blocks_.at(it->second);
+      if (b.prev || b.next) {  // part of a segment that has blocks in use
+        ++it;
+        continue;
+      }
+      poison(b.ptr, b.size, false);
+      system_free(b.ptr);
+      held_ -= b.size;
+      blocks_.erase(b.ptr);
+      it = free->erase(it);
     }
-  free_.clear();
 }
 
 void Allocator::empty_cache() {
@@ -133,26 +219,15 @@ void Allocator::empty_cache() {
   free_cached_locked();
 }
 
-size_t Allocator::bytes_in_use() const {
+size_t Allocator::read(const size_t& counter) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return in_use_;
+  return counter;
 }
-size_t Allocator::peak_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return peak_;
-}
-size_t Allocator::bytes_held() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return held_;
-}
-size_t Allocator::peak_held_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return peak_held_;
-}
-size_t Allocator::system_allocations() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return system_allocs_;
-}
+size_t Allocator::bytes_in_use() const { return read(in_use_); }
+size_t Allocator::peak_bytes() const { return read(peak_); }
+size_t Allocator::bytes_held() const { return read(held_); }
+size_t Allocator::peak_held_bytes() const { return read(peak_held_); }
+size_t Allocator::system_allocations() const { return read(system_allocs_); }
 
 Allocator& host_allocator() {
   static Allocator a(Allocator::Kind::Host, Device{DeviceType::CPU, 0, 0});

@@ -1,6 +1,6 @@
-// The caching allocator: what a block costs, when a cached block is handed out again, and the
-// peaks it reports (replica-bench's "peak dev0", compared with PyTorch's max_memory_allocated,
-// and the bytes held, compared with its max_memory_reserved).
+// The caching allocator: what a block costs, how segments are cut into blocks and merged back,
+// and the peaks it reports (replica-bench's "peak dev0", compared with PyTorch's
+// max_memory_allocated, and the bytes held, compared with its max_memory_reserved).
 #include <doctest/doctest.h>
 
 #include "engine/allocator.h"
@@ -24,73 +24,129 @@ TEST_CASE("a block is the request rounded up to 512 bytes, as PyTorch's allocato
   CHECK_THROWS_AS(Allocator::round_size(size_t(1) << 51), Error);
 }
 
-TEST_CASE("bytes in use and the peak count blocks, and a released block goes back to the cache") {
+TEST_CASE("a segment is 2 MiB for requests under 1 MiB, else the block (on a GPU rounded to 2 MiB)") {
+  const size_t mib = size_t(1) << 20;
+  for (auto kind : {Allocator::Kind::Host, Allocator::Kind::PinnedHost,
+                    Allocator::Kind::CudaDevice}) {
+    CHECK(Allocator::segment_size(kind, 512) == 2 * mib);
+    CHECK(Allocator::segment_size(kind, mib - 512) == 2 * mib);
+    CHECK(Allocator::segment_size(kind, 2 * mib) == 2 * mib);
+  }
+  CHECK(Allocator::segment_size(Allocator::Kind::Host, mib) == mib);
+  CHECK(Allocator::segment_size(Allocator::Kind::Host, 9 * mib + 512) == 9 * mib + 512);
+  CHECK(Allocator::segment_size(Allocator::Kind::CudaDevice, mib) == 2 * mib);
+  CHECK(Allocator::segment_size(Allocator::Kind::CudaDevice, 2 * mib + 512) == 4 * mib);
+  CHECK(Allocator::segment_size(Allocator::Kind::CudaDevice, 9 * mib) == 10 * mib);
+}
+
+TEST_CASE("small requests share a segment; a freed block is handed out again") {
   Allocator a = host();
   auto x = a.allocate(1000);
   auto y = a.allocate(3000);
   CHECK(x.bytes == 1024);
   CHECK(y.bytes == 3072);
+  CHECK(static_cast<char*>(y.ptr) == static_cast<char*>(x.ptr) + 1024);  // cut from one segment
+  CHECK(a.system_allocations() == 1);
   CHECK(a.bytes_in_use() == 1024 + 3072);
   a.release(y);
   CHECK(a.bytes_in_use() == 1024);
   CHECK(a.peak_bytes() == 1024 + 3072);
-  auto z = a.allocate(3000);  // the cached block again: no system allocation
+  auto z = a.allocate(3000);  // y's place again: no system allocation
   CHECK(z.ptr == y.ptr);
-  CHECK(a.system_allocations() == 2);
+  CHECK(a.system_allocations() == 1);
   a.release(x);
   a.release(z);
   CHECK(a.bytes_in_use() == 0);
   CHECK(a.peak_bytes() == 1024 + 3072);
+  CHECK_THROWS_AS(a.release(z), Error);  // twice: refused, nothing corrupted
+  CHECK(a.bytes_in_use() == 0);
 }
 
-TEST_CASE("bytes held are in use plus cached until the cache is emptied, as PyTorch's reserved") {
+TEST_CASE("a request takes the smallest free block that holds it and splits off the rest") {
   Allocator a = host();
-  auto x = a.allocate(1000);
-  auto y = a.allocate(3000);
-  CHECK(a.bytes_held() == 1024 + 3072);
-  a.release(y);
-  CHECK(a.bytes_in_use() == 1024);
-  CHECK(a.bytes_held() == 1024 + 3072);  // y's block is cached, still taken from the system
-  auto z = a.allocate(8000);             // too large for y's block: a fresh one
-  CHECK(a.bytes_held() == 1024 + 3072 + 8192);
-  CHECK(a.peak_bytes() == 1024 + 8192);  // never all three in use at once
-  CHECK(a.peak_held_bytes() == 1024 + 3072 + 8192);
-  a.release(z);
-  a.empty_cache();                       // y's and z's blocks go back; x is still in use
-  CHECK(a.bytes_held() == 1024);
-  CHECK(a.peak_held_bytes() == 1024 + 3072 + 8192);
-  a.release(x);
-  CHECK(a.bytes_held() == 1024);
-}
-
-TEST_CASE("a request takes the smallest cached block that fits and wastes at most 1/8 of it") {
-  Allocator a = host();
-  const size_t mb = size_t(1) << 20;
-  auto big = a.allocate(8 * mb);
-  auto bigger = a.allocate(9 * mb);
+  const size_t mib = size_t(1) << 20;
+  auto big = a.allocate(8 * mib);      // a segment of 8 MiB
+  auto bigger = a.allocate(10 * mib);  // and one of 10 MiB
+  CHECK(a.system_allocations() == 2);
   a.release(big);
   a.release(bigger);
-  const size_t allocs = a.system_allocations();
 
-  // 7.5 MB: the 8 MB block wastes 1/15 of the request; best fit takes it, not the 9 MB one.
-  auto c = a.allocate(7 * mb + mb / 2);
+  // 7.5 MiB: best fit is the 8 MiB block, not the 10 MiB one; the last 0.5 MiB stays free.
+  auto c = a.allocate(7 * mib + mib / 2);
   CHECK(c.ptr == big.ptr);
-  CHECK(c.bytes == 8 * mb);
-  CHECK(a.bytes_in_use() == 8 * mb);  // the whole block is in use
-  CHECK(a.system_allocations() == allocs);
+  CHECK(c.bytes == 7 * mib + mib / 2);
+  CHECK(a.bytes_in_use() == 7 * mib + mib / 2);  // the block, not its segment
 
-  // 6 MB: the 9 MB block would waste half of it, so a fresh block of 6 MB is made.
-  auto d = a.allocate(6 * mb);
-  CHECK(d.ptr != bigger.ptr);
-  CHECK(d.bytes == 6 * mb);
-  CHECK(a.system_allocations() == allocs + 1);
+  // 6 MiB: too large for the 0.5 MiB left, so cut from the 10 MiB block: no new segment.
+  auto d = a.allocate(6 * mib);
+  CHECK(d.ptr == bigger.ptr);
+  CHECK(a.system_allocations() == 2);
 
-  // A larger request never takes a smaller block.
-  auto e = a.allocate(10 * mb);
-  CHECK(e.bytes == 10 * mb);
-  CHECK(a.system_allocations() == allocs + 2);
+  // 10 MiB: no free block holds it (0.5 and 4 MiB are left): a new segment.
+  auto e = a.allocate(10 * mib);
+  CHECK(a.system_allocations() == 3);
+  CHECK(a.bytes_held() == 28 * mib);
   for (auto blk : {c, d, e}) a.release(blk);
   CHECK(a.bytes_in_use() == 0);
+  // Every segment merged back whole, so every one goes back to the system.
+  a.empty_cache();
+  CHECK(a.bytes_held() == 0);
+}
+
+TEST_CASE("a freed block merges with free neighbours; a segment goes back only when all free") {
+  Allocator a = host();
+  const size_t kib = 1024;
+  auto p = a.allocate(64 * kib), q = a.allocate(64 * kib), r = a.allocate(64 * kib);
+  CHECK(a.system_allocations() == 1);
+  a.release(p);
+  a.release(r);       // r merges with the free rest of the segment; q still splits them
+  a.empty_cache();    // q is in use: the segment stays
+  CHECK(a.bytes_held() == 2 * kib * kib);
+  auto s = a.allocate(128 * kib);  // p's 64 KiB is too small: taken from r's merged block
+  CHECK(s.ptr == r.ptr);
+  a.release(s);
+  a.release(q);       // p, q and the rest merge into one free block: the whole segment
+  auto t = a.allocate(192 * kib);  // so 192 KiB fits where p began
+  CHECK(t.ptr == p.ptr);
+  CHECK(a.system_allocations() == 1);
+  a.release(t);
+  a.empty_cache();
+  CHECK(a.bytes_held() == 0);
+}
+
+TEST_CASE("small requests never take pieces of a large segment") {
+  Allocator a = host();
+  const size_t mib = size_t(1) << 20;
+  auto large = a.allocate(4 * mib);
+  a.release(large);  // a free 4 MiB block, for large requests only
+  auto small = a.allocate(4096);
+  CHECK(a.system_allocations() == 2);
+  CHECK((static_cast<char*>(small.ptr) < static_cast<char*>(large.ptr) ||
+         static_cast<char*>(small.ptr) >= static_cast<char*>(large.ptr) + 4 * mib));
+  CHECK(a.bytes_held() == 6 * mib);
+  a.release(small);
+}
+
+TEST_CASE("bytes held are in use plus free blocks until the cache is emptied, as PyTorch's reserved") {
+  Allocator a = host();
+  const size_t mib = size_t(1) << 20;
+  auto x = a.allocate(1000);
+  CHECK(a.bytes_held() == 2 * mib);  // the small segment
+  auto y = a.allocate(3 * mib);
+  CHECK(a.bytes_held() == 5 * mib);  // and a 3 MiB one
+  a.release(y);
+  CHECK(a.bytes_in_use() == 1024);
+  CHECK(a.bytes_held() == 5 * mib);  // y's segment is kept for reuse
+  auto z = a.allocate(4 * mib);      // too large for it: a new segment
+  CHECK(a.bytes_held() == 9 * mib);
+  CHECK(a.peak_bytes() == 1024 + 4 * mib);  // y and z were never in use together
+  CHECK(a.peak_held_bytes() == 9 * mib);
+  a.release(z);
+  a.empty_cache();  // the two large segments go back; x keeps the small one
+  CHECK(a.bytes_held() == 2 * mib);
+  CHECK(a.peak_held_bytes() == 9 * mib);
+  a.release(x);
+  CHECK(a.bytes_held() == 2 * mib);
 }
 
 TEST_CASE("a tensor's block holds its bytes and goes back to its allocator when the last copy goes") {
