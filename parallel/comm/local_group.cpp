@@ -6,6 +6,7 @@
 #include <set>
 
 #include "engine/error.h"
+#include "engine/ops.h"
 #include "engine/trace.h"
 #include "parallel/comm/nccl_plugin.h"
 #include "parallel/comm/worker_pool.h"
