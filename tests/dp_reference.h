@@ -31,6 +31,17 @@ inline std::vector<Batch> make_batches(const Shape& shape, int64_t batch, int st
   return out;
 }
 
+// Trains `e` over `batches` as the training loop does: each batch is prefetched one step early
+// (TrainEngine::prefetch) and its step must take every row staged for it.
+inline void train_prefetching(TrainEngine& e, const std::vector<Batch>& batches) {
+  for (size_t k = 0; k < batches.size(); ++k) {
+    if (k + 1 < batches.size()) e.prefetch(batches[k + 1]);
+    e.train_step(batches[k]);
+    CAPTURE(k);
+    CHECK(batches[k].staged->size() == 0);
+  }
+}
+
 // The values of t (a tensor on e's primary device) on the host.
 inline std::vector<float> host_values(TrainEngine& e, const Tensor& t) {
   Tensor h = Tensor::empty(host_allocator(), t.shape());

@@ -1,7 +1,8 @@
 // DP equivalence on GPUs: logical devices sharing GPU 0 (cuda:0*2, cuda:0*4) and, where there
 // are several, distinct GPUs, against the one-device reference on GPU 0 doing DP's arithmetic
 // in DP's order (to-root and tree), with buckets reduced on device 0's communication stream
-// while backward runs: small buckets, so many reductions overlap it. And the trace of such a
+// while backward runs: small buckets, so many reductions overlap it; batches copied a step
+// ahead on copy streams or in the step. And the trace of such a
 // run shows a reduction finishing on the GPU before backward did. Skips visibly without a GPU.
 #include <doctest/doctest.h>
 
@@ -39,7 +40,13 @@ void check(const std::string& spec, const std::string& model, const std::string&
   const auto devices = parse_devices(spec);
   const auto batches = test::make_batches(o.input_shape, batch, 5, 100 + batch);
   auto dp = make_dp_engine(devices, o, small_buckets(tree));
-  for (const auto& b : batches) dp->train_step(b);
+  // Batches of 9 and 15 come prefetched, as the training loop has them: each replica's chunk
+  // copied on its copy stream while the step before computes.
+  if (batch == 8) {
+    for (const auto& b : batches) dp->train_step(b);
+  } else {
+    test::train_prefetching(*dp, batches);
+  }
   dp->synchronize();
   const auto ref =
       test::reference_params(o, batches, int(devices.size()), tree, Device{DeviceType::CUDA, 0, 0});

@@ -117,6 +117,40 @@ void PendingCopies::wait() {
   for (auto& c : events_) c.done->host_wait();
 }
 
+StagedRows::~StagedRows() {
+  for (Rows& r : rows_) {
+    try {
+      r.copied->host_wait();
+    } catch (...) {
+      // A failed copy surfaces on the device's own stream; here there is nothing to do.
+    }
+  }
+}
+
+void StagedRows::put(Rows rows) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  rows_.push_back(std::move(rows));
+}
+
+std::optional<DeviceBatch> StagedRows::take(DeviceContext& ctx, int64_t begin, int64_t end,
+                                            BatchParts parts) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = std::find_if(rows_.begin(), rows_.end(), [&](const Rows& r) {
+    return r.ctx == &ctx && r.begin == begin && r.end == end && r.parts == parts;
+  });
+  if (it == rows_.end()) return std::nullopt;
+  Rows r = std::move(*it);
+  rows_.erase(it);
+  lock.unlock();
+  r.copied->wait(ctx);
+  return std::move(r.rows);
+}
+
+size_t StagedRows::size() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return rows_.size();
+}
+
 Batch read_batch(const Dataset& data, const std::vector<int64_t>& indices, Allocator& alloc) {
   const int64_t n = int64_t(indices.size());
   Shape image_shape = data.sample_shape();

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -41,6 +42,45 @@ class PendingCopies {
   std::vector<Copies> events_;
 };
 
+// Which parts of a batch a device needs, and rows of a batch on a device: images (F32) and/or
+// labels (I32; a part not asked for stays undefined).
+enum class BatchParts { Images, Labels, Both };
+struct DeviceBatch {
+  Tensor images, labels;
+};
+
+// Rows of a batch copied to a device ahead of the step that uses them, on a copy stream of that
+// device while the step before computes (BatchPrefetcher, parallel/engines/engine_steps.h), and
+// waiting there to be taken by that step. Thread-safe: DP's workers stage and take their own
+// rows of one batch at once.
+class StagedRows {
+ public:
+  struct Rows {
+    const DeviceContext* ctx = nullptr;
+    int64_t begin = 0, end = 0;
+    BatchParts parts = BatchParts::Both;
+    DeviceBatch rows;  // device memory of ctx's allocator
+    std::unique_ptr<StreamEvent> copied;  // recorded on the copy stream after the copies
+  };
+  StagedRows() = default;
+  // Rows never taken are freed only once their copies ran (the host waits: a copy stream may
+  // still be writing memory the allocator would hand out again). Never throws.
+  ~StagedRows();
+  StagedRows(const StagedRows&) = delete;
+  StagedRows& operator=(const StagedRows&) = delete;
+
+  void put(Rows rows);
+  // The rows staged for exactly (ctx, begin, end, parts), no longer held here; ctx's stream
+  // waits for their copies before anything enqueued on it after this call. Empty when none.
+  std::optional<DeviceBatch> take(DeviceContext& ctx, int64_t begin, int64_t end,
+                                  BatchParts parts);
+  size_t size();  // rows staged and not yet taken
+
+ private:
+  std::mutex mutex_;
+  std::vector<Rows> rows_;
+};
+
 struct Batch {
   Tensor images;  // F32 [n, C, H, W] in pinned host memory (pinned_allocator())
   Tensor labels;  // I32 [n]
@@ -48,6 +88,8 @@ struct Batch {
   // Copies made of this batch (shared by copies of the Batch): a Loader's buffer goes back to
   // be refilled only after they ran.
   std::shared_ptr<PendingCopies> copies = std::make_shared<PendingCopies>();
+  // Rows of this batch already copied to devices, for its step to take (shared likewise).
+  std::shared_ptr<StagedRows> staged = std::make_shared<StagedRows>();
   // A Loader's batches: the dataset's sample indices, I32 [n] in pinned host memory. With
   // `resident` set, images and labels are not read at all: each device gathers its rows of the
   // batch from the set it holds (ResidentDataset::images/labels by these indices).

@@ -28,6 +28,7 @@ class DdpEngine final : public TrainEngine {
         group_(std::move(group)),
         track_(fmt::format("rank{} {}", group_->rank(), ctx_.device().str())),
         step_(ctx_, o.optimizer),
+        prefetcher_({&ctx_}, o.prefetch_on_cpu),
         check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),
         accumulate_(d.accumulate) {
     REPLICA_USAGE_CHECK(d.accumulate >= 1, "--accumulate must be at least 1, got {}", d.accumulate);
@@ -124,6 +125,10 @@ class DdpEngine final : public TrainEngine {
       if (check_sync_) verify_in_sync();
     });
     step_.note_forward(model_->last_forward_macs(), batch.size());
+  }
+
+  void prefetch(const Batch& next) override {
+    prefetcher_.stage(ctx_, next, 0, next.size(), BatchParts::Both, track_);
   }
 
   float last_loss() override {
@@ -246,6 +251,7 @@ class DdpEngine final : public TrainEngine {
   std::unique_ptr<ProcessGroup> group_;
   std::string track_;
   PrimaryStep step_;
+  BatchPrefetcher prefetcher_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<BucketReducer> reducer_;
   bool check_sync_;

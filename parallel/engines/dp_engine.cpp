@@ -59,6 +59,7 @@ class DataParallelEngine final : public TrainEngine {
     group_ = make_local_group(contexts(), pool_, dp.strategy, int(reducer_->buckets().size()),
                               largest);
     step_.emplace(primary(), o.optimizer);
+    prefetcher_ = std::make_unique<BatchPrefetcher>(contexts(), o.prefetch_on_cpu);
   }
 
   std::string mode() const override { return "dp"; }
@@ -95,6 +96,19 @@ class DataParallelEngine final : public TrainEngine {
     double macs = 0;
     for (int i = 0; i < active; ++i) macs += replicas_[i].model->last_forward_macs();
     step_->note_forward(macs, total);
+  }
+
+  // Each replica's chunk of the images, and the labels on device 0, as train_step asks for
+  // them; staged from this thread between steps, when no worker touches the contexts.
+  void prefetch(const Batch& next) override {
+    if (!prefetcher_->active()) return;
+    const auto chunks = scatter_chunks(next.size(), static_cast<int>(replicas_.size()));
+    for (size_t i = 0; i < replicas_.size(); ++i) {
+      const int64_t b = chunks[i].begin, e = b + chunks[i].count;
+      if (e > b) prefetcher_->stage(*replicas_[i].ctx, next, b, e, BatchParts::Images,
+                                    replicas_[i].track);
+    }
+    prefetcher_->stage(primary(), next, 0, next.size(), BatchParts::Labels, replicas_[0].track);
   }
 
   float last_loss() override { return step_->read_loss(primary()); }
@@ -238,6 +252,7 @@ class DataParallelEngine final : public TrainEngine {
   std::vector<Tensor> bucket_parts_;  // the bucket being reduced, one view per replica
   std::unique_ptr<BucketReducer> reducer_;
   std::optional<PrimaryStep> step_;  // on device 0, made once the replicas are
+  std::unique_ptr<BatchPrefetcher> prefetcher_;  // likewise
   StreamEvent loss_done_;
   int last_active_ = 1;
 };

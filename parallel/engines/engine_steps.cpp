@@ -1,5 +1,7 @@
 #include "parallel/engines/engine_steps.h"
 
+#include <algorithm>
+
 #include "engine/ops.h"
 #include "engine/trace.h"
 
@@ -20,6 +22,7 @@ Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& par
 
 DeviceBatch batch_rows(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end,
                        BatchParts parts) {
+  if (auto staged = batch.staged->take(ctx, begin, end, parts)) return std::move(*staged);
   const bool images = parts != BatchParts::Labels, labels = parts != BatchParts::Images;
   DeviceBatch out;
   if (!batch.resident) {
@@ -37,6 +40,47 @@ DeviceBatch whole_batch_to_device(DeviceContext& ctx, const Batch& batch,
                                   const std::string& track) {
   TraceSpan span(track, batch.resident ? "batch_gather" : "h2d", &ctx);
   return batch_rows(ctx, batch, 0, batch.size(), BatchParts::Both);
+}
+
+struct BatchPrefetcher::Copier {
+  DeviceContext* ctx;    // the device's own context: its stream computes, its allocator holds
+  DeviceContext stream;  // the copy stream (a context of the same device)
+  StreamEvent allocated;  // where ctx's stream stood when the rows' memory was taken
+  Copier(DeviceContext* c) : ctx(c), stream(c->device(), ContextOptions{1}) {}
+};
+
+BatchPrefetcher::BatchPrefetcher(const std::vector<DeviceContext*>& contexts, bool stage_on_cpu) {
+  for (DeviceContext* c : contexts)
+    if (c->is_cuda() || stage_on_cpu) copiers_.push_back(std::make_unique<Copier>(c));
+}
+
+BatchPrefetcher::~BatchPrefetcher() = default;
+
+void BatchPrefetcher::stage(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end,
+                            BatchParts parts, const std::string& track) {
+  if (batch.resident) return;
+  auto it = std::find_if(copiers_.begin(), copiers_.end(),
+                         [&](const auto& c) { return c->ctx == &ctx; });
+  if (it == copiers_.end()) return;
+  Copier& c = **it;
+  TraceSpan span(track, "h2d", &c.stream);
+  StagedRows::Rows staged{&ctx, begin, end, parts, {}, std::make_unique<StreamEvent>()};
+  const auto copy = [&](const Tensor& host) {
+    Tensor t = ctx.alloc(host.shape(), host.dtype());
+    c.stream.ops().copy(c.stream, t, host);
+    return t;
+  };
+  ctx.run([&] {
+    c.allocated.record(ctx);
+    c.allocated.wait(c.stream);
+    if (parts != BatchParts::Labels)
+      staged.rows.images = copy(batch.images.slice_rows(begin, end));
+    if (parts != BatchParts::Images)
+      staged.rows.labels = copy(batch.labels.slice_rows(begin, end));
+    staged.copied->record(c.stream);
+    batch.copies->add(c.stream);
+  });
+  batch.staged->put(std::move(staged));
 }
 
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,

@@ -15,7 +15,8 @@ class SingleDeviceEngine final : public TrainEngine {
   SingleDeviceEngine(const Device& device, const EngineOptions& o)
       : ctx_(device, context_options(o, o.threads_per_device)),
         track_(device.str()),
-        step_(ctx_, o.optimizer) {
+        step_(ctx_, o.optimizer),
+        prefetcher_({&ctx_}, o.prefetch_on_cpu) {
     model_ = make_model(o.model, o.input_shape, o.num_classes);
     ctx_.run([&] { model_->materialize(ctx_, o.seed); });
   }
@@ -48,6 +49,10 @@ class SingleDeviceEngine final : public TrainEngine {
     step_.note_forward(model_->last_forward_macs(), batch.size());
   }
 
+  void prefetch(const Batch& next) override {
+    prefetcher_.stage(ctx_, next, 0, next.size(), BatchParts::Both, track_);
+  }
+
   float last_loss() override { return step_.read_loss(ctx_); }
 
   void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
@@ -65,6 +70,7 @@ class SingleDeviceEngine final : public TrainEngine {
   DeviceContext ctx_;
   std::string track_;
   PrimaryStep step_;
+  BatchPrefetcher prefetcher_;
   std::unique_ptr<Model> model_;
   Tensor logits_;
 };

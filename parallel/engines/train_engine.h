@@ -24,6 +24,9 @@ struct EngineOptions {
   Precision precision = Precision::Fp32;  // resolved from --precision (engine/context.h)
   bool cudnn_benchmark = false;  // CUDA: convolution algorithms picked by timing them
   bool channels_last = false;    // CUDA: convolutions on NHWC operands (--memory-format)
+  // Tests: prefetch() stages batches on CPU devices too, which otherwise read host batches in
+  // place, so the staging runs where there is no GPU (BatchPrefetcher's stage_on_cpu).
+  bool prefetch_on_cpu = false;
 };
 
 // What each device's context is made with: `threads` CPU threads, the run's determinism,
@@ -45,6 +48,11 @@ class TrainEngine {
   // devices (Batch::resident). May return before the device finishes; the caller keeps `batch`
   // alive until the next train_step or synchronize().
   virtual void train_step(const Batch& batch) = 0;
+  // Starts copying `next`, the batch of the following train_step, to the devices while the
+  // steps before it compute (GPUs, batches in host memory: BatchPrefetcher); that train_step
+  // then reads the copies. Call it before the train_step that precedes `next`'s. Without it
+  // train_step copies its batch itself.
+  virtual void prefetch(const Batch& next) = 0;
   // Mean training loss of the last step (reads it back: a host sync).
   virtual float last_loss() = 0;
   // Eval mode forward over one batch: adds the summed loss and the correct predictions.

@@ -215,6 +215,13 @@ int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start
   // Released one step later: a batch's release waits for its device copies (pinned buffers are
   // refilled), and by then they ran long ago, so the host stays a step ahead of the GPU.
   std::shared_ptr<Batch> previous;
+  // The batch after this step's, taken from the loader a step early so that the engine copies
+  // it to the devices while this step computes (TrainEngine::prefetch).
+  std::shared_ptr<Batch> upcoming;
+  const auto next_batch = [&] {
+    TraceSpan span("host", "data_wait");
+    return loader_->next();
+  };
   int64_t b = first;
   for (; b < per_epoch_; ++b) {
     if (c_.max_steps > 0 && pos_.global_step >= c_.max_steps) {
@@ -223,12 +230,12 @@ int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start
     }
     engine_->optimizer().set_lr(
         scheduled_lr(c_.lr_schedule, c_.engine.optimizer.lr, pos_.global_step, planned_steps_));
-    std::shared_ptr<Batch> batch;
-    {
-      TraceSpan span("host", "data_wait");
-      batch = loader_->next();
-    }
+    std::shared_ptr<Batch> batch = upcoming ? std::move(upcoming) : next_batch();
     if (!batch) break;
+    if (b + 1 < per_epoch_ && (c_.max_steps == 0 || pos_.global_step + 1 < c_.max_steps)) {
+      upcoming = next_batch();
+      if (upcoming) engine_->prefetch(*upcoming);
+    }
     engine_->train_step(*batch);
     previous = batch;
     ++pos_.global_step;
@@ -254,6 +261,7 @@ int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start
   }
   engine_->synchronize();
   previous.reset();
+  upcoming.reset();  // a stop or --max-steps leaves it untrained
   report_->end_progress();
   return b;
 }
