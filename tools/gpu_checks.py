@@ -16,7 +16,9 @@ short summary (OUT/PART/summary.md):
                                                      # devices, DDP over Gloo and over NCCL, with
                                                      # PyTorch's rows beside replica's
     python3 tools/gpu_checks.py speed --out OUT      # replica against PyTorch per precision
-                                                     # (tools/replica_vs_pytorch.py --with-train;
+                                                     # (tools/replica_vs_pytorch.py --with-train,
+                                                     # the training set on the GPU and copied
+                                                     # from the host a step ahead;
                                                      # --case MODEL:CxHxW:BATCH to pick cases)
     python3 tools/gpu_checks.py ops --out OUT        # ResNet-50 batch 64, op by op (replica-bench
                                                      # --suite ops) in fp32, tf32 and bf16, NCHW
@@ -318,7 +320,8 @@ def speed(p):
         return
     out_dir = os.path.join(p.dir, "vs-pytorch")
     code, out = p.run("vs-pytorch", [sys.executable, os.path.join(HERE, "replica_vs_pytorch.py"),
-                                     "--out", out_dir, "--with-train", "--bin", p.args.bin]
+                                     "--out", out_dir, "--with-train",
+                                     "--train-placements", "auto,host", "--bin", p.args.bin]
                       + [a for c in p.args.case for a in ("--case", c)],
                       timeout=3000)
     table = os.path.join(out_dir, "table.md")

@@ -19,7 +19,9 @@ heuristics. The tables say which.
 
 --with-train also runs `replica-train --synthetic` on each case, with its
 input pipeline, and puts its samples/s beside the benchmark's (preloaded batches) with the share
-of a step spent waiting for data: a second table in DIR/table.md.
+of a step spent waiting for data: a second table in DIR/table.md. --train-placements host,device
+runs it once per --data-placement (default: auto): `host` copies each batch from pinned memory,
+a step ahead on a copy stream on GPUs, so train / bench there says what those copies cost.
 
 Defaults: on a machine with an NVIDIA GPU (cuda:0), the CNN at batch 32, 64 and 256, the seed
 recipe's ResNet-101 (1x28x28, batch 256) and ResNet-50 (3x224x224) at 64, 128 and 256, each in
@@ -104,39 +106,40 @@ def measure(args, model, shape, batch, precision, tmp):
     return cells
 
 
-def run_train(args, model, shape, batch, precision, tmp):
+def run_train(args, model, shape, batch, precision, placement, tmp):
     """replica-train on synthetic data: (its metrics, None) or (None, why)."""
     out = os.path.join(tmp, "train.json")
     cmd = [os.path.join(args.bin, "replica-train"), "--synthetic", "--model", model,
            "--input-shape", shape, "--batch-size", str(batch), "--devices", args.device,
-           "--precision", precision, "--max-steps", str(args.train_steps),
+           "--precision", precision, "--data-placement", placement,
+           "--max-steps", str(args.train_steps),
            "--synthetic-size", str(batch * args.train_steps), "--no-eval", "--quiet",
            "--metrics-json", out] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
     return run_one(cmd, out, read=whole_json)
 
 
 def train_table(results):
-    lines = ["| model | input | batch | precision | replica-bench samples/s | replica-train "
-             "samples/s | train / bench | data_wait, % of a step |",
-             "|---|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| model | input | batch | precision | replica-bench samples/s | data placement | "
+             "replica-train samples/s | train / bench | data_wait, % of a step |",
+             "|---|---|---:|---|---:|---|---:|---:|---:|"]
     notes = []
     for (model, shape, batch, precision), cells in results:
-        if "train" not in cells:
-            continue
         bench, _ = cells["replica"]
-        train, why = cells["train"]
         bench_cell = "%.1f" % bench["samples_per_sec"] if bench else "-"
-        if not train:
-            notes.append(why)
-            lines.append("| %s | %s | %d | %s | %s | - | - | - |" % (
-                model, shape, batch, precision, bench_cell))
-            continue
-        sps = train["samples_per_sec"]
-        step_ms = 1e3 * batch / sps
-        wait = 100 * train.get("phase_ms_per_step", {}).get("data_wait", 0.0) / step_ms
-        lines.append("| %s | %s | %d | %s | %s | %.1f | %s | %.1f%% |" % (
-            model, shape, batch, precision, bench_cell, sps,
-            "%.2f" % (sps / bench["samples_per_sec"]) if bench else "-", wait))
+        for placement, (train, why) in cells.get("train", {}).items():
+            if not train:
+                notes.append(why)
+                lines.append("| %s | %s | %d | %s | %s | %s | - | - | - |" % (
+                    model, shape, batch, precision, bench_cell, placement))
+                continue
+            sps = train["samples_per_sec"]
+            step_ms = 1e3 * batch / sps
+            wait = 100 * train.get("phase_ms_per_step", {}).get("data_wait", 0.0) / step_ms
+            used = train.get("config", {}).get("data_placement", placement)
+            lines.append("| %s | %s | %d | %s | %s | %s | %.1f | %s | %.1f%% |" % (
+                model, shape, batch, precision, bench_cell,
+                placement if used == placement else "%s (%s)" % (placement, used), sps,
+                "%.2f" % (sps / bench["samples_per_sec"]) if bench else "-", wait))
     lines.append("")
     lines.append("replica-train's samples/s covers its whole run (--max-steps) but the first "
                  "step, which allocates and warms caches.")
@@ -206,6 +209,8 @@ def main():
     p.add_argument("--with-train", action="store_true",
                    help="also run replica-train --synthetic on each case")
     p.add_argument("--train-steps", type=int, default=100, help="replica-train's --max-steps")
+    p.add_argument("--train-placements", default="auto",
+                   help="comma list of replica-train's --data-placement: auto, host, device")
     p.add_argument("--bin", default=os.path.join(os.path.dirname(HERE), "build", "bin"))
     p.add_argument("--out", required=True, help="directory for rows.jsonl and table.md")
     args = p.parse_args()
@@ -222,6 +227,10 @@ def main():
             fail("--precisions: '%s' is not fp32, tf32 or bf16" % x)
     if args.train_steps < 1:
         fail("--train-steps must be at least 1")
+    placements = args.train_placements.split(",")
+    for x in placements:
+        if x not in ("auto", "host", "device"):
+            fail("--train-placements: '%s' is not auto, host or device" % x)
     if not os.access(os.path.join(args.bin, "replica-bench"), os.X_OK):
         fail("%s/replica-bench not found: build it (tools/setup.sh --all) or give --bin" % args.bin)
     os.makedirs(args.out, exist_ok=True)
@@ -245,12 +254,15 @@ def main():
         for model, shape, batch in cases:
             for precision in precisions:
                 cells = measure(args, model, shape, batch, precision, tmp)
+                rows += [row for (row, _) in cells.values() if row]
                 if args.with_train:
-                    cells["train"] = run_train(args, model, shape, batch, precision, tmp)
-                    if cells["train"][0]:
-                        rows.append(dict(cells["train"][0], engine="replica-train"))
+                    cells["train"] = {}
+                    for placement in placements:
+                        train = run_train(args, model, shape, batch, precision, placement, tmp)
+                        cells["train"][placement] = train
+                        if train[0]:
+                            rows.append(dict(train[0], engine="replica-train"))
                 results.append(((model, shape, batch, precision), cells))
-                rows += [row for key, (row, _) in cells.items() if row and key != "train"]
                 r, p_ = cells["replica"][0], cells["pytorch"][0]
                 print("%s %s batch %d %s: replica %s, PyTorch %s" % (
                     model, shape, batch, precision,
