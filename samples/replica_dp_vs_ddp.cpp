@@ -168,9 +168,9 @@ void print_comparison(const nlohmann::json& dp, const nlohmann::json& ddp, int64
       "communication thread, overlaps backward: DP reduce, DDP all-reduce");
   row("waiting for it after backward", f("{:.2f}", phase(dp, {"wait_reduce"})),
       f("{:.2f}", phase(ddp, {"wait_allreduce"})));
-  row("scatter/gather/broadcast", f("{:.2f}", phase(dp, {"scatter", "gather_loss", "scatter_grad",
-                                                         "broadcast"}, true)),
-      f("{:.2f}", phase(ddp, {"h2d", "batch_gather", "broadcast_buffers"})),
+  row("scatter/gather/broadcast", f("{:.2f}", phase(dp, {"prefetch", "scatter", "gather_loss",
+                                                         "scatter_grad", "broadcast"}, true)),
+      f("{:.2f}", phase(ddp, {"prefetch", "h2d", "batch_gather", "broadcast_buffers"})),
       "DP funnels through device 0");
   row("optimizer step, ms/step", f("{:.2f}", phase(dp, {"step"})), f("{:.2f}", phase(ddp, {"step"})),
       "DP: device 0 only; DDP: every rank");

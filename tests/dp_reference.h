@@ -18,26 +18,37 @@ namespace test {
 
 using namespace replica;
 
-// Batches of `batch` samples from a synthetic set, as host tensors.
+// Batches of `batch` samples from a synthetic set, as host tensors (from `alloc`).
 inline std::vector<Batch> make_batches(const Shape& shape, int64_t batch, int steps,
-                                       uint64_t seed) {
+                                       uint64_t seed, Allocator& alloc = host_allocator()) {
   auto data = make_synthetic(batch * steps, shape, 10, seed);
   std::vector<Batch> out;
   for (int s = 0; s < steps; ++s) {
     std::vector<int64_t> idx(batch);
     for (int64_t i = 0; i < batch; ++i) idx[i] = s * batch + i;
-    out.push_back(read_batch(*data, idx, host_allocator()));
+    out.push_back(read_batch(*data, idx, alloc));
   }
   return out;
 }
 
 // Trains `e` over `batches` as the training loop does: each batch is prefetched one step early
-// (TrainEngine::prefetch) and its step must take every row staged for it.
-inline void train_prefetching(TrainEngine& e, const std::vector<Batch>& batches) {
+// (TrainEngine::prefetch), which stages its rows as its step will ask for them (one staging for
+// one device; DP over `dp_devices`: each busy replica's images and the labels on device 0), and
+// its step must take every one.
+inline void train_prefetching(TrainEngine& e, const std::vector<Batch>& batches,
+                              int dp_devices = 0) {
+  REQUIRE(e.prefetches());
   for (size_t k = 0; k < batches.size(); ++k) {
-    if (k + 1 < batches.size()) e.prefetch(batches[k + 1]);
-    e.train_step(batches[k]);
     CAPTURE(k);
+    if (k + 1 < batches.size()) {
+      const Batch& next = batches[k + 1];
+      e.prefetch(next);
+      size_t expected = 1;
+      if (dp_devices > 0)
+        for (const Chunk& c : scatter_chunks(next.size(), dp_devices)) expected += c.count > 0;
+      CHECK(next.staged->size() == expected);
+    }
+    e.train_step(batches[k]);
     CHECK(batches[k].staged->size() == 0);
   }
 }

@@ -38,14 +38,16 @@ void check(const std::string& spec, const std::string& model, const std::string&
   o.optimizer.lr = opt == "sgd" ? 0.05f : 1e-3f;
   o.optimizer.momentum = opt == "sgd" ? 0.9f : 0.f;
   const auto devices = parse_devices(spec);
-  const auto batches = test::make_batches(o.input_shape, batch, 5, 100 + batch);
+  // Pinned, as the loader's: their copies can run beside the step before.
+  const auto batches =
+      test::make_batches(o.input_shape, batch, 5, 100 + batch, pinned_allocator());
   auto dp = make_dp_engine(devices, o, small_buckets(tree));
   // Batches of 9 and 15 come prefetched, as the training loop has them: each replica's chunk
   // copied on its copy stream while the step before computes.
   if (batch == 8) {
     for (const auto& b : batches) dp->train_step(b);
   } else {
-    test::train_prefetching(*dp, batches);
+    test::train_prefetching(*dp, batches, int(devices.size()));
   }
   dp->synchronize();
   const auto ref =

@@ -1,7 +1,8 @@
 // The training set held on the GPU (--data-placement device, what auto picks on a GPU when the
-// set fits): the same bits as batches copied in from pinned host memory, on one GPU, on logical
-// devices of one GPU sharing one copy (DP), and on DDP ranks holding a copy each; replica-bench
-// keeps its batches there too. Skips visibly without a GPU.
+// set fits): the same bits as batches copied in from pinned host memory (a step ahead, on copy
+// streams), on one GPU, on logical devices of one GPU sharing one copy (DP), and on DDP ranks
+// holding a copy each; replica-bench keeps its batches there too. Batches copied a step ahead
+// give the bits of batches copied in their step. Skips visibly without a GPU.
 #include <doctest/doctest.h>
 
 #include <fstream>
@@ -10,6 +11,7 @@
 
 #include "checkpoint_helpers.h"
 #include "cli_helpers.h"
+#include "dp_reference.h"
 #include "gpu_skip.h"
 
 namespace {
@@ -65,4 +67,22 @@ TEST_CASE("replica-bench on a GPU keeps its preloaded batches in device memory, 
     ++rows;
   }
   CHECK(rows == 4);  // dp and ddp, on 1 and 2 devices
+}
+
+TEST_CASE("on a GPU, batches copied a step ahead on a copy stream give the bits of copies made in the step") {
+  if (!test::have_gpu()) return;
+  using namespace replica;
+  const Device gpu{DeviceType::CUDA, 0, 0};
+  // ResNet-18 at batch 64: steps long enough that the host stages the next batch while the GPU
+  // still runs the step before, into memory an earlier step's tensors held (a copy that did
+  // not wait for those kernels would overwrite what they read).
+  const EngineOptions o = test::sgd_options("resnet18", {1, 28, 28});
+  const auto batches = test::make_batches(o.input_shape, 64, 6, 21, pinned_allocator());
+  auto plain = make_single_device_engine(gpu, o);
+  for (const auto& b : batches) plain->train_step(b);
+  auto ahead = make_single_device_engine(gpu, o);
+  test::train_prefetching(*ahead, batches);
+  plain->synchronize();
+  ahead->synchronize();
+  CHECK(test::params_of(*ahead) == test::params_of(*plain));
 }

@@ -3,11 +3,14 @@
 // training with prefetched batches gives the bits of training without. On a GPU the copies run
 // on a copy stream beside the step before; here the staging runs on CPU devices
 // (stage_on_cpu), where it is only a copy, so its bookkeeping is tested without a GPU. The GPU
-// runs are in test_cuda_dp and test_cuda_resident_data.
+// runs are in test_cuda_dp, test_cuda_resident_data and test_cli (resume, --data-placement
+// host).
 #include <doctest/doctest.h>
 
 #include <cstring>
 
+#include "checkpoint_helpers.h"
+#include "cli_helpers.h"
 #include "dp_reference.h"
 #include "engine/data/resident_dataset.h"
 #include "parallel/engines/dp_engine.h"
@@ -113,10 +116,44 @@ TEST_CASE("training on prefetched batches gives the bits of training without: si
       auto dp_plain = make_dp_engine(parse_devices(spec), o);
       for (const auto& b : batches) dp_plain->train_step(b);
       auto dp = make_dp_engine(parse_devices(spec), o);
-      test::train_prefetching(*dp, batches);
+      test::train_prefetching(*dp, batches, int(parse_devices(spec).size()));
       dp->synchronize();
       dp_plain->synchronize();
       CHECK(test::params_of(*dp) == test::params_of(*dp_plain));
     }
+  }
+}
+
+TEST_CASE("replica-train with batches staged a step ahead ends as without: single, DP, DDP, resume") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 200, 40);
+  // 200 samples, batch 32: 7 steps an epoch with a partial last batch; two epochs reshuffle.
+  const std::string common = test::bin("replica-train") + " --data " + tmp.str("data") +
+                             " --batch-size 32 --epochs 2 --deterministic --quiet --seed 3"
+                             " --threads-per-device 1 --optimizer sgd --momentum 0.9";
+  const std::string staged = "env REPLICA_PREFETCH_ON_CPU=1 ";
+  for (const char* mode : {"--mode single --devices cpu", "--mode dp --devices cpu*2",
+                           "--mode ddp --devices cpu*2"}) {
+    CAPTURE(mode);
+    const std::string train = common + " " + mode + " --checkpoint ";
+    auto plain = test::run(train + tmp.str("plain"), 300);
+    REQUIRE_MESSAGE(plain.exit_code == 0, plain.output);
+    auto ahead = test::run(staged + train + tmp.str("ahead") + " --metrics-json " +
+                               tmp.str("ahead.json"),
+                           300);
+    REQUIRE_MESSAGE(ahead.exit_code == 0, ahead.output);
+    // Stopped mid-epoch 2 (the batch taken ahead is never trained) and resumed.
+    auto part = test::run(staged + train + tmp.str("part") + " --max-steps 9", 300);
+    REQUIRE_MESSAGE(part.exit_code == 0, part.output);
+    auto rest = test::run(staged + train + tmp.str("part") + " --resume", 300);
+    REQUIRE_MESSAGE(rest.exit_code == 0, rest.output);
+    test::check_same_checkpoint(tmp.str("plain/checkpoint.safetensors"),
+                                tmp.str("ahead/checkpoint.safetensors"));
+    test::check_same_checkpoint(tmp.str("plain/checkpoint.safetensors"),
+                                tmp.str("part/checkpoint.safetensors"));
+    // The staging ran: its phase is in the metrics.
+    auto metrics = nlohmann::json::parse(test::read_text(tmp.str("ahead.json")));
+    CHECK(metrics["phase_ms_per_step"].contains("prefetch"));
+    for (const char* dir : {"plain", "ahead", "part"}) test::fs::remove_all(tmp.path / dir);
   }
 }

@@ -26,7 +26,7 @@ except ImportError:
 COLORS = {"dp": "tab:blue", "ddp": "tab:orange"}
 NAMES = {"dp": "DP", "ddp": "DDP"}
 PHASE_COLORS = {
-    "scatter": "#c7e9c0", "h2d": "#c7e9c0", "batch_gather": "#c7e9c0", "forward": "#6baed6", "gather_loss": "#fdae6b",
+    "scatter": "#c7e9c0", "prefetch": "#c7e9c0", "h2d": "#c7e9c0", "batch_gather": "#c7e9c0", "forward": "#6baed6", "gather_loss": "#fdae6b",
     "scatter_grad": "#fdd0a2", "backward": "#2171b5", "reduce": "#e6550d",
     "broadcast_buffers": "#fd8d3c", "finalize": "#e6550d", "step": "#756bb1", "other": "#bdbdbd",
 }

@@ -127,9 +127,13 @@ class DdpEngine final : public TrainEngine {
     step_.note_forward(model_->last_forward_macs(), batch.size());
   }
 
+  // After the step-start wait for the last step's collectives, which train_step does too: a
+  // stopped peer is then named within the timeout, not waited for where staging allocates.
   void prefetch(const Batch& next) override {
+    ctx_.run([&] { group_->synchronize(ctx_); });
     prefetcher_.stage(ctx_, next, 0, next.size(), BatchParts::Both, track_);
   }
+  bool prefetches() const override { return prefetcher_.active(); }
 
   float last_loss() override {
     ctx_.run([&] { group_->synchronize(ctx_); });  // a failed collective surfaces here

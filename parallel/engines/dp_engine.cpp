@@ -111,6 +111,8 @@ class DataParallelEngine final : public TrainEngine {
     prefetcher_->stage(primary(), next, 0, next.size(), BatchParts::Labels, replicas_[0].track);
   }
 
+  bool prefetches() const override { return prefetcher_->active(); }
+
   float last_loss() override { return step_->read_loss(primary()); }
 
   // Evaluation: each replica takes its chunk of the batch (every replica holds the same

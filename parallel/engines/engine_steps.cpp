@@ -63,22 +63,31 @@ void BatchPrefetcher::stage(DeviceContext& ctx, const Batch& batch, int64_t begi
                          [&](const auto& c) { return c->ctx == &ctx; });
   if (it == copiers_.end()) return;
   Copier& c = **it;
-  TraceSpan span(track, "h2d", &c.stream);
+  TraceSpan span(track, "prefetch", &c.stream);
   StagedRows::Rows staged{&ctx, begin, end, parts, {}, std::make_unique<StreamEvent>()};
-  const auto copy = [&](const Tensor& host) {
-    Tensor t = ctx.alloc(host.shape(), host.dtype());
-    c.stream.ops().copy(c.stream, t, host);
-    return t;
-  };
+  const bool images = parts != BatchParts::Labels, labels = parts != BatchParts::Images;
   ctx.run([&] {
+    const Tensor host_images = images ? batch.images.slice_rows(begin, end) : Tensor();
+    const Tensor host_labels = labels ? batch.labels.slice_rows(begin, end) : Tensor();
+    if (images) staged.rows.images = ctx.alloc(host_images.shape(), host_images.dtype());
+    if (labels) staged.rows.labels = ctx.alloc(host_labels.shape(), host_labels.dtype());
+    // The memory is ctx's from here on: only the work ctx's stream holds so far may still
+    // read it as earlier tensors' (the allocator hands out freed blocks at once).
     c.allocated.record(ctx);
     c.allocated.wait(c.stream);
-    if (parts != BatchParts::Labels)
-      staged.rows.images = copy(batch.images.slice_rows(begin, end));
-    if (parts != BatchParts::Images)
-      staged.rows.labels = copy(batch.labels.slice_rows(begin, end));
-    staged.copied->record(c.stream);
-    batch.copies->add(c.stream);
+    try {
+      if (images) c.stream.ops().copy(c.stream, staged.rows.images, host_images);
+      if (labels) c.stream.ops().copy(c.stream, staged.rows.labels, host_labels);
+      staged.copied->record(c.stream);
+      batch.copies->add(c.stream);
+    } catch (...) {
+      // Nothing may be freed, nor the pinned rows refilled, while a copy is queued.
+      try {
+        c.stream.synchronize();
+      } catch (...) {
+      }
+      throw;
+    }
   });
   batch.staged->put(std::move(staged));
 }

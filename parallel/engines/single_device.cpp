@@ -52,6 +52,7 @@ class SingleDeviceEngine final : public TrainEngine {
   void prefetch(const Batch& next) override {
     prefetcher_.stage(ctx_, next, 0, next.size(), BatchParts::Both, track_);
   }
+  bool prefetches() const override { return prefetcher_.active(); }
 
   float last_loss() override { return step_.read_loss(ctx_); }
 

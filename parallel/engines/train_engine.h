@@ -25,7 +25,8 @@ struct EngineOptions {
   bool cudnn_benchmark = false;  // CUDA: convolution algorithms picked by timing them
   bool channels_last = false;    // CUDA: convolutions on NHWC operands (--memory-format)
   // Tests: prefetch() stages batches on CPU devices too, which otherwise read host batches in
-  // place, so the staging runs where there is no GPU (BatchPrefetcher's stage_on_cpu).
+  // place, so the staging runs where there is no GPU (BatchPrefetcher's stage_on_cpu;
+  // replica-train sets it when REPLICA_PREFETCH_ON_CPU is in the environment).
   bool prefetch_on_cpu = false;
 };
 
@@ -51,8 +52,12 @@ class TrainEngine {
   // Starts copying `next`, the batch of the following train_step, to the devices while the
   // steps before it compute (GPUs, batches in host memory: BatchPrefetcher); that train_step
   // then reads the copies. Call it before the train_step that precedes `next`'s. Without it
-  // train_step copies its batch itself.
+  // train_step copies its batch itself. The copies are memory of this engine's devices: a
+  // prefetched batch must be trained, or released, before the engine goes.
   virtual void prefetch(const Batch& next) = 0;
+  // Whether prefetch() copies anything (a GPU, or prefetch_on_cpu): else a loop need not take
+  // batches from its loader early.
+  virtual bool prefetches() const = 0;
   // Mean training loss of the last step (reads it back: a host sync).
   virtual float last_loss() = 0;
   // Eval mode forward over one batch: adds the summed loss and the correct predictions.

@@ -13,7 +13,7 @@ namespace {
 
 // The order phases happen in within a step (DP and DDP); unknown phases sort after these.
 const std::vector<std::string> kPipelineOrder = {
-    "data_wait", "h2d", "batch_gather", "scatter", "forward", "gather_loss", "scatter_grad",
+    "data_wait", "prefetch", "h2d", "batch_gather", "scatter", "forward", "gather_loss", "scatter_grad",
     "backward", "reduce", "wait_reduce", "allreduce", "wait_allreduce", "finalize", "step",
     "broadcast", "broadcast_buffers"};
 

@@ -85,7 +85,11 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
   so.seed = c_.engine.seed;
   so.drop_last = c_.drop_last;
   sampler_ = std::make_unique<DistributedSampler>(so);
-  loader_ = std::make_unique<Loader>(*train_, local_batch, c_.drop_last, 2, resident_.get());
+  // An engine that copies batches a step ahead (TrainEngine::prefetch) holds one batch more:
+  // a buffer more keeps the loader two batches ahead of it.
+  look_ahead_ = engine_->prefetches() && !resident_;
+  loader_ = std::make_unique<Loader>(*train_, local_batch, c_.drop_last, look_ahead_ ? 3 : 2,
+                                     resident_.get());
   per_epoch_ = loader_->batches_per_epoch(sampler_->num_samples());
   REPLICA_USAGE_CHECK(per_epoch_ > 0, "no complete batch of {} in {} samples with drop_last",
                       c_.batch_size, train_->size());
@@ -216,7 +220,7 @@ int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start
   // refilled), and by then they ran long ago, so the host stays a step ahead of the GPU.
   std::shared_ptr<Batch> previous;
   // The batch after this step's, taken from the loader a step early so that the engine copies
-  // it to the devices while this step computes (TrainEngine::prefetch).
+  // it to the devices while this step computes (TrainEngine::prefetch), where it does.
   std::shared_ptr<Batch> upcoming;
   const auto next_batch = [&] {
     TraceSpan span("host", "data_wait");
@@ -232,7 +236,8 @@ int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start
         scheduled_lr(c_.lr_schedule, c_.engine.optimizer.lr, pos_.global_step, planned_steps_));
     std::shared_ptr<Batch> batch = upcoming ? std::move(upcoming) : next_batch();
     if (!batch) break;
-    if (b + 1 < per_epoch_ && (c_.max_steps == 0 || pos_.global_step + 1 < c_.max_steps)) {
+    if (look_ahead_ && b + 1 < per_epoch_ &&
+        (c_.max_steps == 0 || pos_.global_step + 1 < c_.max_steps)) {
       upcoming = next_batch();
       if (upcoming) engine_->prefetch(*upcoming);
     }

@@ -81,6 +81,7 @@ class TrainLoop {
   StopAgreement stop_agreement_;
   int64_t t_start_us_ = 0;
   bool stop_ = false;
+  bool look_ahead_ = false;  // the engine copies each batch a step ahead (host data, GPUs)
 };
 
 }  // namespace replica
