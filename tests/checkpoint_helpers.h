@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -28,6 +29,23 @@ inline void check_same_checkpoint(const std::string& a_path, const std::string& 
     REQUIRE(ta.bytes() == tb.bytes());
     CHECK(std::memcmp(ta.raw(), tb.raw(), ta.bytes()) == 0);
   }
+}
+
+// A small MNIST-format set in tmp/data and a replica-train command over it that ends in the same
+// bits however the batches reach the devices: 200 samples, batch 32 (7 steps an epoch with a
+// partial last batch), two epochs (reshuffled), deterministic, SGD with momentum.
+inline std::string small_mnist_train(const TempDir& tmp) {
+  write_mnist_dir(tmp.path / "data", 200, 40);
+  return bin("replica-train") + " --data " + tmp.str("data") +
+         " --batch-size 32 --epochs 2 --deterministic --quiet --seed 3"
+         " --threads-per-device 1 --optimizer sgd --momentum 0.9";
+}
+
+// The modes every such run is checked in: one device, DP over two, DDP over two ranks.
+inline const std::vector<std::string>& cpu_modes() {
+  static const std::vector<std::string> modes = {
+      "--mode single --devices cpu", "--mode dp --devices cpu*2", "--mode ddp --devices cpu*2"};
+  return modes;
 }
 
 // Runs `train` (a replica-train command) with the training set on the host and on the device:

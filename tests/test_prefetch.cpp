@@ -126,14 +126,9 @@ TEST_CASE("training on prefetched batches gives the bits of training without: si
 
 TEST_CASE("replica-train with batches staged a step ahead ends as without: single, DP, DDP, resume") {
   test::TempDir tmp;
-  test::write_mnist_dir(tmp.path / "data", 200, 40);
-  // 200 samples, batch 32: 7 steps an epoch with a partial last batch; two epochs reshuffle.
-  const std::string common = test::bin("replica-train") + " --data " + tmp.str("data") +
-                             " --batch-size 32 --epochs 2 --deterministic --quiet --seed 3"
-                             " --threads-per-device 1 --optimizer sgd --momentum 0.9";
+  const std::string common = test::small_mnist_train(tmp);
   const std::string staged = "env REPLICA_PREFETCH_ON_CPU=1 ";
-  for (const char* mode : {"--mode single --devices cpu", "--mode dp --devices cpu*2",
-                           "--mode ddp --devices cpu*2"}) {
+  for (const std::string& mode : test::cpu_modes()) {
     CAPTURE(mode);
     const std::string train = common + " " + mode + " --checkpoint ";
     auto plain = test::run(train + tmp.str("plain"), 300);

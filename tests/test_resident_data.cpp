@@ -142,13 +142,8 @@ TEST_CASE("evaluation reads a resident batch as it reads a host one (single and 
 
 TEST_CASE("training on a resident set gives the host path's bits: single, DP cpu*2, DDP 2 ranks") {
   test::TempDir tmp;
-  test::write_mnist_dir(tmp.path / "data", 200, 40);
-  // 200 samples, batch 32: 7 steps an epoch with a partial last batch; two epochs reshuffle.
-  const std::string common = test::bin("replica-train") + " --data " + tmp.str("data") +
-                             " --batch-size 32 --epochs 2 --deterministic --quiet --seed 3"
-                             " --threads-per-device 1 --optimizer sgd --momentum 0.9";
-  for (const char* mode : {"--mode single --devices cpu", "--mode dp --devices cpu*2",
-                           "--mode ddp --devices cpu*2"}) {
+  const std::string common = test::small_mnist_train(tmp);
+  for (const std::string& mode : test::cpu_modes()) {
     CAPTURE(mode);
     test::check_placements_agree(common + " " + mode, tmp);
   }
