@@ -32,6 +32,10 @@ short summary (OUT/PART/summary.md):
                                                      # then the other unit suites in parallel
     python3 tools/gpu_checks.py accuracy overlap --out OUT   # several parts in one call
 
+--budget SECONDS bounds the whole call (a short lease of a GPU machine): programs are cut at
+what is left and those that would start later are listed as not run; the exit code is then 3
+unless a check failed (1). Give the parts in the order they matter.
+
 --device cuda:0 (default) runs on GPU 0 and its logical devices (cuda:0*2, cuda:0*4); --device
 cpu runs the same commands on virtual CPU devices, the parts that need a GPU (NCCL, PyTorch
 rows) skipped with the reason: a rehearsal of the script on a machine without one. --quick
@@ -81,7 +85,7 @@ class Part:
         self.args, self.name = args, name
         self.dir = os.path.join(args.out, name)
         os.makedirs(self.dir, exist_ok=True)
-        self.lines, self.failed = [], []
+        self.lines, self.failed, self.skipped = [], [], []
         self.gpu = args.device.startswith("cuda")
 
     def devices(self, n):
@@ -89,9 +93,19 @@ class Part:
 
     def run(self, label, argv, timeout=600):
         """Runs argv, its output straight into DIR/label.log (kept if this script is killed);
-        returns (exit code, output). At the timeout the program and its descendants are killed:
-        its ranks or PyTorch workers must not hold the GPU afterwards."""
+        returns (exit code, output). At the timeout, or where --budget ends first, the program
+        and its descendants are killed: its ranks or PyTorch workers must not hold the GPU
+        afterwards. Once the budget is spent nothing more starts (exit code None)."""
         t0 = time.time()
+        if self.args.deadline is not None:
+            left = int(self.args.deadline - t0)
+            if left < 10:
+                self.note(f"- {label}: not run, --budget spent")
+                self.skipped.append(label)
+                self.args.skipped.append(f"{self.name}/{label}")
+                print(f"  {label}: not run, --budget spent", flush=True)
+                return None, ""
+            timeout = min(timeout, left)
         log = os.path.join(self.dir, label + ".log")
         with open(log, "w") as f:
             f.write(" ".join(argv) + "\n")
@@ -124,8 +138,12 @@ class Part:
     def finish(self):
         text = f"# {self.name} ({self.args.device}{', quick' if self.args.quick else ''})\n\n"
         text += "\n".join(self.lines) + "\n"
-        text += "\n" + ("all checks passed" if not self.failed else
-                        "FAILED:\n" + "\n".join("- " + f for f in self.failed)) + "\n"
+        if self.failed:
+            text += "\nFAILED:\n" + "\n".join("- " + f for f in self.failed) + "\n"
+        elif self.skipped:
+            text += f"\nthe checks that ran passed; {len(self.skipped)} not run (--budget)\n"
+        else:
+            text += "\nall checks passed\n"
         with open(os.path.join(self.dir, "summary.md"), "w") as f:
             f.write(text)
         print(text)
@@ -345,7 +363,15 @@ def main():
                     help="speed: MODEL:CxHxW:BATCH instead of replica_vs_pytorch.py's defaults "
                          "(repeatable)")
     ap.add_argument("--bin", default=os.environ.get("B") or os.path.join(REPO, "build", "bin"))
+    ap.add_argument("--budget", type=int, metavar="SECONDS",
+                    help="the whole call's time: each program's limit is cut to what is left, "
+                         "and what would start later is listed as not run (a short lease of a "
+                         "GPU machine: give the parts in the order they matter)")
     args = ap.parse_args()
+    if args.budget is not None and args.budget < 60:
+        sys.exit("gpu_checks.py: error: --budget must be at least 60 seconds")
+    args.deadline = time.time() + args.budget if args.budget is not None else None
+    args.skipped = []
     if not os.path.exists(os.path.join(args.bin, "replica-train")):
         sys.exit(f"gpu_checks.py: error: no replica-train in {args.bin} (build first, or --bin)")
     args.out = os.path.abspath(args.out)
@@ -356,6 +382,10 @@ def main():
         print(f"gpu_checks.py {name}: {args.device}, logs in {part.dir}", flush=True)
         PARTS[name](part)
         failed |= part.finish()
+    if args.skipped:
+        print(f"not run (--budget {args.budget} s spent): " + ", ".join(args.skipped))
+        if not failed:
+            sys.exit(3)  # nothing failed, but not everything was checked
     sys.exit(failed)
 
 
