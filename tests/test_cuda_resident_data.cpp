@@ -69,7 +69,7 @@ TEST_CASE("replica-bench on a GPU keeps its preloaded batches in device memory, 
   CHECK(rows == 4);  // dp and ddp, on 1 and 2 devices
 }
 
-TEST_CASE("on a GPU, batches copied a step ahead on a copy stream give the bits of copies made in the step") {
+TEST_CASE("on a GPU, batches copied a step ahead on a copy stream give the in-step copies' bits") {
   if (!test::have_gpu()) return;
   using namespace replica;
   const Device gpu{DeviceType::CUDA, 0, 0};

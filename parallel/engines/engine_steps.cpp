@@ -46,7 +46,7 @@ struct BatchPrefetcher::Copier {
   DeviceContext* ctx;    // the device's own context: its stream computes, its allocator holds
   DeviceContext stream;  // the copy stream (a context of the same device)
   StreamEvent allocated;  // where ctx's stream stood when the rows' memory was taken
-  Copier(DeviceContext* c) : ctx(c), stream(c->device(), ContextOptions{1}) {}
+  explicit Copier(DeviceContext* c) : ctx(c), stream(c->device(), ContextOptions{1}) {}
 };
 
 BatchPrefetcher::BatchPrefetcher(const std::vector<DeviceContext*>& contexts, bool stage_on_cpu) {

@@ -45,8 +45,8 @@ class BatchPrefetcher {
   // Whether any device stages (else train loops need not look ahead for it).
   bool active() const { return !copiers_.empty(); }
   // Enqueues the copy of rows [begin, end) of `batch` to ctx's device (traced as "prefetch" on
-  // `track`: the host's part), for batch_rows(ctx, batch, begin, end, parts) to take. A no-op for a resident
-  // batch or a device without a copy stream. Thread-safe for distinct contexts.
+  // `track`: the host's part), for batch_rows(ctx, batch, begin, end, parts) to take. A no-op
+  // for a resident batch or a device without a copy stream. Thread-safe for distinct contexts.
   void stage(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end,
              BatchParts parts, const std::string& track);
 

@@ -13,9 +13,9 @@ namespace {
 
 // The order phases happen in within a step (DP and DDP); unknown phases sort after these.
 const std::vector<std::string> kPipelineOrder = {
-    "data_wait", "prefetch", "h2d", "batch_gather", "scatter", "forward", "gather_loss", "scatter_grad",
-    "backward", "reduce", "wait_reduce", "allreduce", "wait_allreduce", "finalize", "step",
-    "broadcast", "broadcast_buffers"};
+    "data_wait", "prefetch", "h2d", "batch_gather", "scatter", "forward", "gather_loss",
+    "scatter_grad", "backward", "reduce", "wait_reduce", "allreduce", "wait_allreduce",
+    "finalize", "step", "broadcast", "broadcast_buffers"};
 
 int pipeline_rank(const std::string& phase) {
   auto it = std::find(kPipelineOrder.begin(), kPipelineOrder.end(), phase);
