@@ -2,8 +2,8 @@
 // are several, distinct GPUs, against the one-device reference on GPU 0 doing DP's arithmetic
 // in DP's order (to-root and tree), with buckets reduced on device 0's communication stream
 // while backward runs: small buckets, so many reductions overlap it; batches copied a step
-// ahead on copy streams or in the step. And the trace of such a
-// run shows a reduction finishing on the GPU before backward did. Skips visibly without a GPU.
+// ahead on copy streams or in the step. And the trace of such a run shows a reduction
+// finishing on the GPU before backward did. Skips visibly without a GPU.
 #include <doctest/doctest.h>
 
 #include <cstdio>

@@ -32,9 +32,9 @@ short summary (OUT/PART/summary.md):
                                                      # then the other unit suites in parallel
     python3 tools/gpu_checks.py accuracy overlap --out OUT   # several parts in one call
 
---budget SECONDS bounds the whole call (a short lease of a GPU machine): programs are cut at
-what is left and those that would start later are listed as not run; the exit code is then 3
-unless a check failed (1). Give the parts in the order they matter.
+--budget SECONDS bounds the whole call (a short lease of a GPU machine): a program still running
+when it ends is cut, and it and those that would start later are listed as not run; the exit
+code is then 3 unless a check failed (1). Give the parts in the order they matter.
 
 --device cuda:0 (default) runs on GPU 0 and its logical devices (cuda:0*2, cuda:0*4); --device
 cpu runs the same commands on virtual CPU devices, the parts that need a GPU (NCCL, PyTorch
@@ -95,16 +95,15 @@ class Part:
         """Runs argv, its output straight into DIR/label.log (kept if this script is killed);
         returns (exit code, output). At the timeout, or where --budget ends first, the program
         and its descendants are killed: its ranks or PyTorch workers must not hold the GPU
-        afterwards. Once the budget is spent nothing more starts (exit code None)."""
+        afterwards. A program the budget cut, or one it left no time to start (exit code None),
+        is listed as not run, not as a failure: it checked nothing."""
         t0 = time.time()
+        cut_by_budget = False
         if self.args.deadline is not None:
             left = int(self.args.deadline - t0)
             if left < 10:
-                self.note(f"- {label}: not run, --budget spent")
-                self.skipped.append(label)
-                self.args.skipped.append(f"{self.name}/{label}")
-                print(f"  {label}: not run, --budget spent", flush=True)
-                return None, ""
+                return self.not_run(label, "--budget spent"), ""
+            cut_by_budget = left < timeout
             timeout = min(timeout, left)
         log = os.path.join(self.dir, label + ".log")
         with open(log, "w") as f:
@@ -121,10 +120,18 @@ class Part:
         with open(log, errors="replace") as f:
             f.readline()  # the command line
             out = f.read()
+        if code == 124 and cut_by_budget:
+            return self.not_run(label, f"cut by --budget after {timeout} s"), out
         print(f"  {label}: exit {code} in {time.time() - t0:.0f} s", flush=True)
         if code != 0:
             self.fail(f"{label} exited {code}: {last_line(out)}")
         return code, out
+
+    def not_run(self, label, why):
+        self.note(f"- {label}: not run, {why}")
+        self.skipped.append(label)
+        print(f"  {label}: not run, {why}", flush=True)
+        return None
 
     def bin(self, program):
         return os.path.join(self.args.bin, program)
@@ -371,19 +378,19 @@ def main():
     if args.budget is not None and args.budget < 60:
         sys.exit("gpu_checks.py: error: --budget must be at least 60 seconds")
     args.deadline = time.time() + args.budget if args.budget is not None else None
-    args.skipped = []
     if not os.path.exists(os.path.join(args.bin, "replica-train")):
         sys.exit(f"gpu_checks.py: error: no replica-train in {args.bin} (build first, or --bin)")
     args.out = os.path.abspath(args.out)
     args.bin = os.path.abspath(args.bin)
-    failed = 0
+    failed, skipped = 0, []
     for name in args.parts:
         part = Part(args, name)
         print(f"gpu_checks.py {name}: {args.device}, logs in {part.dir}", flush=True)
         PARTS[name](part)
         failed |= part.finish()
-    if args.skipped:
-        print(f"not run (--budget {args.budget} s spent): " + ", ".join(args.skipped))
+        skipped += [f"{name}/{label}" for label in part.skipped]
+    if skipped:
+        print(f"not run (--budget {args.budget} s spent): " + ", ".join(skipped))
         if not failed:
             sys.exit(3)  # nothing failed, but not everything was checked
     sys.exit(failed)

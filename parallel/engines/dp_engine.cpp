@@ -101,7 +101,6 @@ class DataParallelEngine final : public TrainEngine {
   // Each replica's chunk of the images, and the labels on device 0, as train_step asks for
   // them; staged from this thread between steps, when no worker touches the contexts.
   void prefetch(const Batch& next) override {
-    if (!prefetcher_->active()) return;
     const auto chunks = scatter_chunks(next.size(), static_cast<int>(replicas_.size()));
     for (size_t i = 0; i < replicas_.size(); ++i) {
       const int64_t b = chunks[i].begin, e = b + chunks[i].count;
