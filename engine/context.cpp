@@ -1,5 +1,6 @@
 #include "engine/context.h"
 
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -66,6 +67,9 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     REPLICA_USAGE_CHECK(device.index < cuda_device_count(), "GPU {} does not exist{}",
                         device.index, cuda_backend_note());
     threads_ = 1;
+    if (options_.conv_api == ConvApi::Auto)
+      if (const char* word = std::getenv("REPLICA_CUDNN_API"))
+        options_.conv_api = parse_conv_api(word);
     cudart::set_device(device.index);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::CudaDevice, device);
     cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
@@ -83,6 +87,26 @@ const char* precision_name(Precision p) {
       return "bf16";
     default:
       return "fp32";
+  }
+}
+
+ConvApi parse_conv_api(const std::string& word) {
+  if (word == "auto") return ConvApi::Auto;
+  if (word == "legacy") return ConvApi::Legacy;
+  REPLICA_USAGE_CHECK(word == "graph",
+                      "unknown cuDNN interface '{}' in REPLICA_CUDNN_API (auto, legacy, graph)",
+                      word);
+  return ConvApi::Graph;
+}
+
+const char* conv_api_name(ConvApi api) {
+  switch (api) {
+    case ConvApi::Legacy:
+      return "legacy";
+    case ConvApi::Graph:
+      return "graph";
+    default:
+      return "auto";
   }
 }
 

@@ -59,6 +59,20 @@ inline const char* memory_format_name(bool channels_last) {
   return channels_last ? "channels_last" : "nchw";
 }
 
+// Which cuDNN interface runs a GPU's convolutions (engine/cuda/conv.cu and conv_graph.h):
+//   Legacy  cudnnConvolutionForward and the backward calls, algorithms from cuDNN's *_v7
+//           heuristics or, with cudnn_benchmark, its Find;
+//   Graph   cuDNN's graph API: each direction of each convolution shape built once into an
+//           execution plan and kept; an error where cuDNN offers no engine for one;
+//   Auto    Graph for bf16 data, where cuDNN 9's legacy calls choose and build an engine again
+//           at every backward call (10.7 ms a call for ResNet-50 on an H100), with Legacy for a
+//           convolution the graph API has no engine for; Legacy otherwise.
+// REPLICA_CUDNN_API=auto|graph|legacy in the environment sets it for CUDA contexts left at Auto
+// (ranks inherit it from the launcher), so one build can measure both interfaces.
+enum class ConvApi { Auto, Legacy, Graph };
+ConvApi parse_conv_api(const std::string& word);  // "auto" | "legacy" | "graph", else UsageError
+const char* conv_api_name(ConvApi api);
+
 struct ContextOptions {
   int threads = 0;             // CPU: threads in this device's arena (0 = all cores)
   bool deterministic = false;  // CUDA: deterministic algorithms only (CPU always is)
@@ -69,6 +83,7 @@ struct ContextOptions {
   bool cudnn_benchmark = false;
   // CUDA: convolutions on NHWC copies of their operands (resolve_channels_last).
   bool channels_last = false;
+  ConvApi conv_api = ConvApi::Auto;  // CUDA: the cuDNN interface of convolutions
 };
 
 class DeviceContext {
@@ -90,6 +105,7 @@ class DeviceContext {
   Precision precision() const { return options_.precision; }
   bool cudnn_benchmark() const { return options_.cudnn_benchmark; }
   bool channels_last() const { return options_.channels_last; }
+  ConvApi conv_api() const { return options_.conv_api; }
   CudaState* cuda() const { return cuda_.get(); }
 
   Tensor alloc(const Shape& shape, DType dtype = DType::F32) {

@@ -123,6 +123,20 @@ TEST_CASE("--precision bf16 is accepted for CPU devices; tf32 still is not; auto
   CHECK_NOTHROW(DeviceContext(kCpu, ContextOptions{1, false, Precision::Bf16}));
 }
 
+TEST_CASE("REPLICA_CUDNN_API names cuDNN's interface for convolutions: auto, legacy or graph") {
+  CHECK(parse_conv_api("auto") == ConvApi::Auto);
+  CHECK(parse_conv_api("legacy") == ConvApi::Legacy);
+  CHECK(parse_conv_api("graph") == ConvApi::Graph);
+  for (const ConvApi a : {ConvApi::Auto, ConvApi::Legacy, ConvApi::Graph})
+    CHECK(parse_conv_api(conv_api_name(a)) == a);
+  for (const char* bad : {"", "Graph", "v8", "backend"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(parse_conv_api(bad), doctest::Contains("(auto, legacy, graph)"),
+                         UsageError);
+  }
+  CHECK(ContextOptions{}.conv_api == ConvApi::Auto);
+}
+
 TEST_CASE("--memory-format: auto is channels_last for bf16 on GPUs only; CPUs refuse it") {
   for (const Precision p : {Precision::Fp32, Precision::Bf16}) {
     CHECK_FALSE(resolve_channels_last("auto", p, {kCpu}));

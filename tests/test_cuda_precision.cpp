@@ -13,9 +13,11 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "dp_reference.h"
@@ -349,4 +351,97 @@ TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and
     expect_bf16(bb[0], "channels_last conv dx");
     expect_bf16(bb[1], "channels_last conv dw");
   }
+}
+
+// ConvApi::Graph (REPLICA_CUDNN_API=graph) runs every convolution direction through an execution
+// plan of cuDNN's graph API, built once per shape; Graph is strict, so a shape with no engine
+// fails here instead of falling back to the legacy calls. Each plan must give the CPU's numbers
+// as the legacy calls do: fp32 (also with timed plans, whose trial runs must leave an
+// accumulating dw alone, and NHWC), tf32 within TF32's rounding, bf16 the CPU's bf16 in both
+// layouts, beside the legacy calls' bf16. The shapes are the channels_last case's.
+TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf16, both layouts") {
+  if (!test::have_gpu()) return;
+  auto options = [](Precision p, ConvApi api, bool nhwc, bool timed) {
+    ContextOptions o{0, !timed, p};
+    o.channels_last = nhwc;
+    o.cudnn_benchmark = timed;
+    o.conv_api = api;
+    return o;
+  };
+  Trio t;
+  DeviceContext fp32{kGpu, options(Precision::Fp32, ConvApi::Graph, false, false)};
+  DeviceContext fp32_timed{kGpu, options(Precision::Fp32, ConvApi::Graph, false, true)};
+  DeviceContext fp32_nhwc{kGpu, options(Precision::Fp32, ConvApi::Graph, true, false)};
+  const bool tensor_cores = have_tf32();
+  std::vector<std::unique_ptr<DeviceContext>> more;  // tf32, then bf16 NCHW, NHWC, legacy
+  if (tensor_cores) {
+    more.push_back(std::make_unique<DeviceContext>(
+        kGpu, options(Precision::Tf32, ConvApi::Graph, false, false)));
+    for (const auto& [api, nhwc] : {std::pair{ConvApi::Graph, false},
+                                    std::pair{ConvApi::Graph, true},
+                                    std::pair{ConvApi::Legacy, false}})
+      more.push_back(std::make_unique<DeviceContext>(
+          kGpu, options(Precision::Bf16, api, nhwc, false)));
+  }
+  for (const auto& [x, w, p] : {std::tuple<Shape, Shape, Conv2dParams>{
+                                    {5, 16, 17, 19}, {40, 16, 3, 3}, {1, 1}},
+                                {{3, 48, 9, 9}, {72, 48, 1, 1}, {2, 0}},
+                                {{6, 72, 3, 3}, {40, 72, 3, 3}, {1, 0}},
+                                {{2, 64, 40, 40}, {64, 64, 3, 3}, {1, 1}},
+                                {{4, 3, 12, 12}, {24, 3, 5, 5}, {1, 0}}}) {
+    CAPTURE(shape_str(x));
+    CAPTURE(shape_str(w));
+    const Shape y{x[0], w[0], window_out(x[2], int(w[2]), p.stride, p.padding),
+                  window_out(x[3], int(w[2]), p.stride, p.padding)};
+    auto forward = [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+      c.ops().conv2d_forward(c, i[0], i[1], i[2], o[0], p);
+    };
+    auto backward = [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+      c.ops().copy(c, o[1], i[3]);  // dw accumulates onto a nonzero gradient
+      c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p);
+    };
+    const std::vector<Shape> fin = {x, w, {w[0]}}, bin = {x, w, y, w};
+    const std::vector<Shape> bout = {x, w, {w[0]}};
+    const std::vector<DeviceContext*> strict = {&t.cpu, &fp32, &fp32_timed, &fp32_nhwc};
+    auto f = on_all(t, fin, {y}, forward, strict);
+    auto b = on_all(t, bin, bout, backward, strict);
+    const char* names[] = {"fp32", "fp32 timed", "fp32 NHWC"};
+    for (size_t i = 1; i < strict.size(); ++i) {
+      CAPTURE(names[i - 1]);
+      CHECK(test::relative_l2(f[0][0], f[0][i]) < 2e-5);
+      CHECK(test::relative_l2(b[0][0], b[0][i]) < 2e-5);  // dx
+      CHECK(test::relative_l2(b[1][0], b[1][i]) < 2e-5);  // dw, accumulated
+    }
+    if (!tensor_cores) continue;
+    auto tf = on_all(t, fin, {y}, forward, {&t.cpu, &t.fp32, more[0].get()});
+    auto tb = on_all(t, bin, bout, backward, {&t.cpu, &t.fp32, more[0].get()});
+    expect_precisions(tf[0], "graph tf32 conv y", false);
+    expect_precisions(tb[0], "graph tf32 conv dx", false);
+    expect_precisions(tb[1], "graph tf32 conv dw", false);
+    const char* bf16_names[] = {"graph bf16 NCHW", "graph bf16 NHWC", "legacy bf16 NCHW"};
+    for (size_t k = 1; k < more.size(); ++k) {
+      CAPTURE(bf16_names[k - 1]);
+      const std::vector<DeviceContext*> ctxs = {&t.cpu, &t.cpu_bf16, more[k].get()};
+      expect_bf16(on_all(t, fin, {y}, forward, ctxs)[0], std::string(bf16_names[k - 1]) + " y");
+      auto bb = on_all(t, bin, bout, backward, ctxs);
+      expect_bf16(bb[0], std::string(bf16_names[k - 1]) + " dx");
+      expect_bf16(bb[1], std::string(bf16_names[k - 1]) + " dw");
+    }
+  }
+}
+
+// REPLICA_CUDNN_API chooses for contexts left at Auto; a word it does not know stops the
+// context's creation with a one-line usage error, which every program prints and exits on.
+TEST_CASE("REPLICA_CUDNN_API: an unknown word is a usage error when a GPU context is made") {
+  if (!test::have_gpu()) return;
+  ::setenv("REPLICA_CUDNN_API", "fast", 1);
+  CHECK_THROWS_WITH_AS(DeviceContext{kGpu}, doctest::Contains("unknown cuDNN interface 'fast'"),
+                       UsageError);
+  ::setenv("REPLICA_CUDNN_API", "legacy", 1);
+  CHECK(DeviceContext{kGpu}.conv_api() == ConvApi::Legacy);
+  ContextOptions graph;
+  graph.conv_api = ConvApi::Graph;  // set by the program: the environment does not override
+  CHECK(DeviceContext{kGpu, graph}.conv_api() == ConvApi::Graph);
+  ::unsetenv("REPLICA_CUDNN_API");
+  CHECK(DeviceContext{kGpu}.conv_api() == ConvApi::Auto);
 }

@@ -22,9 +22,11 @@ short summary (OUT/PART/summary.md):
                                                      # --case MODEL:CxHxW:BATCH to pick cases)
     python3 tools/gpu_checks.py ops --out OUT        # ResNet-50 batch 64, op by op (replica-bench
                                                      # --suite ops) in fp32, tf32 and bf16, NCHW
-                                                     # and channels_last: which layout pays, and
-                                                     # where each step's time goes; the CNN at
-                                                     # batch 32 and 256 in fp32 and tf32
+                                                     # and channels_last, cuDNN's legacy calls
+                                                     # and its graph API: which layout and which
+                                                     # interface pay, and where each step's time
+                                                     # goes; the CNN at batch 32 and 256 in fp32
+                                                     # and tf32
     python3 tools/gpu_checks.py tests --out OUT      # the test suites: the gpu-labelled ones one
                                                      # at a time (a GPU suite that skips on a GPU
                                                      # fails the check; a case inside one that
@@ -91,7 +93,7 @@ class Part:
     def devices(self, n):
         return self.args.device if n == 1 else f"{self.args.device}*{n}"
 
-    def run(self, label, argv, timeout=600):
+    def run(self, label, argv, timeout=600, env=None):
         """Runs argv, its output straight into DIR/label.log (kept if this script is killed);
         returns (exit code, output). At the timeout, or where --budget ends first, the program
         and its descendants are killed: its ranks or PyTorch workers must not hold the GPU
@@ -109,7 +111,8 @@ class Part:
         with open(log, "w") as f:
             f.write(" ".join(argv) + "\n")
             f.flush()
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=self.dir)
+            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=self.dir,
+                                 env=dict(os.environ, **env) if env else None)
             try:
                 code = p.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -288,8 +291,12 @@ def report(p):
                f"({os.path.relpath(out_dir, p.args.out)}/report.md)")
 
 
-# (precision, memory format) pairs the ops part measures on a GPU; CPU devices run fp32 NCHW only.
-OPS_RUNS = [("fp32", "nchw"), ("tf32", "nchw"), ("tf32", "channels_last"), ("bf16", "nchw"),
+# (precision, memory format[, cuDNN interface]) runs the ops part measures on a GPU; CPU
+# devices run fp32 NCHW only. The interface is REPLICA_CUDNN_API's word (auto when absent: the
+# graph API for bf16, the legacy calls otherwise), so each default stands beside the other way.
+OPS_RUNS = [("fp32", "nchw"), ("fp32", "nchw", "graph"), ("tf32", "nchw"),
+            ("tf32", "nchw", "graph"), ("tf32", "channels_last", "graph"),
+            ("bf16", "nchw", "legacy"), ("bf16", "nchw"), ("bf16", "channels_last", "legacy"),
             ("bf16", "channels_last")]
 # (model, input, batch, runs): ResNet-50 in every precision and layout; the CNN, whose step is
 # about a millisecond, at the main job's batch and at the largest the speed cases time: where the
@@ -304,18 +311,19 @@ OPS_CPU_CASES = [("resnet18", "3x32x32", 64, [("fp32", "nchw")])]
 def ops_case(p, model, shape, batch, runs):
     steps = "3" if p.args.quick else "10"
     by_run = {}
-    for precision, layout in runs:
-        name = f"{model}-b{batch}-{precision}-{layout}"
+    for precision, layout, *api in runs:
+        api = api[0] if api else None
+        name = f"{model}-b{batch}-{precision}-{layout}" + (f"-{api}" if api else "")
         out_json = os.path.join(p.dir, name + ".jsonl")
         if os.path.exists(out_json):
             os.remove(out_json)  # --json appends
         p.run(name, [p.bin("replica-bench"), "--suite", "ops", "--devices", p.args.device,
                      "--model", model, "--input-shape", shape, "--batch-per-device", str(batch),
                      "--steps", steps, "--precision", precision, "--memory-format", layout,
-                     "--json", out_json])
+                     "--json", out_json], env={"REPLICA_CUDNN_API": api} if api else None)
         if os.path.exists(out_json):
             with open(out_json) as f:
-                by_run[f"{precision}-{layout}"] = [json.loads(l) for l in f if l.strip()]
+                by_run[name.split(f"-b{batch}-", 1)[1]] = [json.loads(l) for l in f if l.strip()]
     if not by_run:
         return
     names = list(by_run)

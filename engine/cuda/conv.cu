@@ -18,14 +18,11 @@
 #include <algorithm>
 #include <vector>
 
-#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/conv_algo.h"
 
 namespace replica {
 
 namespace {
-
-// Largest workspace an algorithm may ask for (beyond it the heuristics' next choice is used).
-constexpr size_t kMaxConvWorkspace = size_t(512) << 20;
 
 int as_int(int64_t v, const char* what) {
   REPLICA_CHECK(v >= 0 && v <= INT32_MAX, "conv2d: {} = {} is out of cuDNN's range", what, v);
@@ -35,69 +32,6 @@ int as_int(int64_t v, const char* what) {
 // Whether a convolution of C input and K output channels runs on NHWC copies (see the top).
 bool conv_nhwc(const DeviceContext& ctx, int64_t C, int64_t K) {
   return ctx.channels_last() && C % 8 == 0 && K % 8 == 0;
-}
-
-// Whether a context's convolutions may use tensor cores: tf32, or bf16 data.
-bool tensor_ops(const DeviceContext& ctx) { return ctx.precision() != Precision::Fp32; }
-
-// Picks the first algorithm in heuristic order that succeeded, fits the workspace cap, uses a
-// math type the precision allows (fp32: no tensor ops; tf32, bf16: no down-conversion), is
-// deterministic when asked, and whose workspace query accepts it under its math type.
-// `ws_query(algo, &bytes)` returns the cuDNN status of that query.
-template <class Perf, class Algo, class WsQuery>
-bool choose_algo(const std::vector<Perf>& perf, int returned, const CudaState& s, bool tensor,
-                 cudnnConvolutionDescriptor_t conv, WsQuery ws_query, ConvChoice<Algo>* out) {
-  for (int i = 0; i < returned; ++i) {
-    const Perf& r = perf[i];
-    if (r.status != CUDNN_STATUS_SUCCESS) continue;
-    if (r.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
-    if (!tensor && r.mathType == CUDNN_TENSOR_OP_MATH) continue;
-    if (s.deterministic && r.determinism != CUDNN_DETERMINISTIC) continue;
-    if (r.memory > kMaxConvWorkspace) continue;
-    const cudnnMathType_t math = tensor ? r.mathType : CUDNN_FMA_MATH;
-    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, math));
-    size_t bytes = 0;
-    if (ws_query(r.algo, &bytes) != CUDNN_STATUS_SUCCESS) continue;
-    if (bytes > kMaxConvWorkspace) continue;
-    *out = {r.algo, bytes, math};
-    return true;
-  }
-  return false;
-}
-
-// Chooses one direction's algorithm: lists the candidates (`count(&n)` checks its own call, then
-// `find(timed, n, &returned, perf)` returns cuDNN's status: timed, fastest first, when the context
-// benchmarks; else, or when timing fails, the heuristics' order) and takes the first acceptable
-// one (choose_algo), else `fallback` with its workspace size, in the math the precision allows
-// (FMA for fp32; DEFAULT for tf32 and bf16, whose data cuDNN may not run without tensor cores).
-template <class Perf, class Algo, class Count, class Find, class WsQuery>
-ConvChoice<Algo> pick_algo(const DeviceContext& ctx, cudnnConvolutionDescriptor_t conv,
-                           Algo fallback, Count count, Find find, WsQuery ws_query) {
-  // The heuristics list the math types the descriptor allows; for fp32 data DEFAULT permits
-  // TF32 tensor cores (compute capability 8.0+), FMA forbids them; bf16 data runs on tensor
-  // cores under DEFAULT.
-  const CudaState& s = cuda_state(ctx);
-  const bool tensor = tensor_ops(ctx);
-  REPLICA_CUDNN_CHECK(
-      cudnnSetConvolutionMathType(conv, tensor ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
-  int max_count = 0;
-  count(&max_count);
-  std::vector<Perf> perf(std::max(max_count, 1));
-  int returned = 0;
-  const int cap = static_cast<int>(perf.size());
-  cudnnStatus_t timed = CUDNN_STATUS_NOT_SUPPORTED;
-  if (s.benchmark) {
-    std::lock_guard<std::mutex> lock(device_free_mutex());  // Find allocates and frees
-    timed = find(true, cap, &returned, perf.data());
-  }
-  if (timed != CUDNN_STATUS_SUCCESS) REPLICA_CUDNN_CHECK(find(false, cap, &returned, perf.data()));
-  ConvChoice<Algo> c;
-  if (!choose_algo(perf, returned, s, tensor, conv, ws_query, &c)) {
-    c = {fallback, 0, tensor ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH};
-    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, c.math));
-    REPLICA_CUDNN_CHECK(ws_query(c.algo, &c.ws));
-  }
-  return c;
 }
 
 // Destroys the descriptors a plan has (any may still be null).
@@ -175,6 +109,9 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
 
   ConvPlan plan;
   plan.nhwc = nhwc;
+  plan.spec.N = N, plan.spec.C = C, plan.spec.H = H, plan.spec.W = W, plan.spec.K = K;
+  plan.spec.R = R, plan.spec.stride = p.stride, plan.spec.padding = p.padding;
+  plan.spec.bf16 = bf16, plan.spec.nhwc = nhwc;
   try {
     REPLICA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan.x));
     REPLICA_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan.y));
@@ -199,11 +136,104 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
                   "conv2d: cuDNN output [{}, {}, {}, {}] differs from expected [{}, {}, {}, {}]",
                   on, ok, op, oq, N, K, P, Q);
     REPLICA_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan.y, format, data, on, ok, op, oq));
+    plan.spec.P = P, plan.spec.Q = Q;
   } catch (...) {
     destroy_plan(plan);
     throw;
   }
-  return conv_plans_.emplace(key, plan).first->second;
+  return conv_plans_.emplace(key, std::move(plan)).first->second;
+}
+
+namespace {
+
+// The legacy calls' algorithm for `dir`, chosen on its first use (pick_algo, conv_algo.h).
+void choose_legacy(const DeviceContext& ctx, ConvPlan& plan, ConvDirection dir) {
+  const CudaState& s = cuda_state(ctx);
+  if (dir == ConvDirection::Forward && !plan.have_fwd) {
+    plan.fwd = pick_algo<cudnnConvolutionFwdAlgoPerf_t>(
+        ctx, plan.conv,
+        CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,  // deterministic, no workspace
+        [&](int* n) {
+          REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(s.cudnn, n));
+        },
+        [&](bool timed, int cap, int* returned, cudnnConvolutionFwdAlgoPerf_t* perf) {
+          return (timed ? cudnnFindConvolutionForwardAlgorithm
+                        : cudnnGetConvolutionForwardAlgorithm_v7)(
+              s.cudnn, plan.x, plan.w, plan.conv, plan.y, cap, returned, perf);
+        },
+        [&](cudnnConvolutionFwdAlgo_t a, size_t* bytes) {
+          return cudnnGetConvolutionForwardWorkspaceSize(s.cudnn, plan.x, plan.w, plan.conv,
+                                                         plan.y, a, bytes);
+        });
+    plan.have_fwd = true;
+  } else if (dir == ConvDirection::BackwardData && !plan.have_bwd_data) {
+    plan.bwd_data = pick_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
+        ctx, plan.conv, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,  // deterministic
+        [&](int* n) {
+          REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(s.cudnn, n));
+        },
+        [&](bool timed, int cap, int* returned, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+          return (timed ? cudnnFindConvolutionBackwardDataAlgorithm
+                        : cudnnGetConvolutionBackwardDataAlgorithm_v7)(
+              s.cudnn, plan.w, plan.y, plan.conv, plan.x, cap, returned, perf);
+        },
+        [&](cudnnConvolutionBwdDataAlgo_t a, size_t* bytes) {
+          return cudnnGetConvolutionBackwardDataWorkspaceSize(s.cudnn, plan.w, plan.y,
+                                                              plan.conv, plan.x, a, bytes);
+        });
+    plan.have_bwd_data = true;
+  } else if (dir == ConvDirection::BackwardFilter && !plan.have_bwd_filter) {
+    plan.bwd_filter = pick_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
+        ctx, plan.conv, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,  // deterministic
+        [&](int* n) {
+          REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(s.cudnn, n));
+        },
+        [&](bool timed, int cap, int* returned, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+          return (timed ? cudnnFindConvolutionBackwardFilterAlgorithm
+                        : cudnnGetConvolutionBackwardFilterAlgorithm_v7)(
+              s.cudnn, plan.x, plan.y, plan.conv, plan.w, cap, returned, perf);
+        },
+        [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* bytes) {
+          return cudnnGetConvolutionBackwardFilterWorkspaceSize(s.cudnn, plan.x, plan.y,
+                                                                plan.conv, plan.w, a, bytes);
+        });
+    plan.have_bwd_filter = true;
+  }
+}
+
+}  // namespace
+
+void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir,
+                           const ConvBuffers& b, float beta) {
+  const CudaState& s = cuda_state(ctx);
+  if (const ConvGraph* graph = conv_graph(ctx, plan, dir, beta, b)) {
+    graph->run(s.cudnn, b, workspace(ctx, graph->workspace_bytes()));
+    return;
+  }
+  choose_legacy(ctx, plan, dir);
+  const float one = 1.f;
+  void* const x = const_cast<void*>(b.x);
+  void* const w = const_cast<void*>(b.w);
+  void* const y = const_cast<void*>(b.y);
+  if (dir == ConvDirection::Forward) {
+    void* ws = workspace(ctx, plan.fwd.ws);
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
+    REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, x, plan.w, w, plan.conv,
+                                                plan.fwd.algo, ws, plan.fwd.ws, &beta, plan.y,
+                                                y));
+  } else if (dir == ConvDirection::BackwardData) {
+    void* ws = workspace(ctx, plan.bwd_data.ws);
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_data.math));
+    REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, w, plan.y, y,
+                                                     plan.conv, plan.bwd_data.algo, ws,
+                                                     plan.bwd_data.ws, &beta, plan.x, x));
+  } else {
+    void* ws = workspace(ctx, plan.bwd_filter.ws);
+    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_filter.math));
+    REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(s.cudnn, &one, plan.x, x, plan.y, y,
+                                                       plan.conv, plan.bwd_filter.algo, ws,
+                                                       plan.bwd_filter.ws, &beta, plan.w, w));
+  }
 }
 
 void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -224,31 +254,8 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.bytes(), s.stream));
   } else {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
-    if (!plan.have_fwd) {
-      plan.fwd = pick_algo<cudnnConvolutionFwdAlgoPerf_t>(
-          ctx, plan.conv,
-          CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,  // deterministic, no workspace
-          [&](int* n) {
-            REPLICA_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(s.cudnn, n));
-          },
-          [&](bool timed, int cap, int* returned, cudnnConvolutionFwdAlgoPerf_t* perf) {
-            return (timed ? cudnnFindConvolutionForwardAlgorithm
-                          : cudnnGetConvolutionForwardAlgorithm_v7)(
-                s.cudnn, plan.x, plan.w, plan.conv, plan.y, cap, returned, perf);
-          },
-          [&](cudnnConvolutionFwdAlgo_t a, size_t* bytes) {
-            return cudnnGetConvolutionForwardWorkspaceSize(s.cudnn, plan.x, plan.w, plan.conv,
-                                                           plan.y, a, bytes);
-          });
-      plan.have_fwd = true;
-    }
-    void* ws = workspace(ctx, plan.fwd.ws);
-    const float one = 1.f, zero = 0.f;
     const ProductIo io = forward_io(ctx, x, w, y, plan.nhwc);
-    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
-    REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, io.x, plan.w, io.w,
-                                                plan.conv, plan.fwd.algo, ws, plan.fwd.ws, &zero,
-                                                plan.y, io.y));
+    run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f);
     io.finish(io.y, y, false, s.stream);
   }
   if (b.defined()) {
@@ -285,7 +292,6 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     return;
   }
   CudaState& s = cuda_state(ctx);
-  const float one = 1.f, zero = 0.f;
   const bool have_channels = x.dim(1) > 0;
   const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
   const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
@@ -294,62 +300,16 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
                                    want_dw ? &dw : nullptr, wanted && wanted->nhwc);
 
   if (want_dx) {
-    ConvPlan& plan = *wanted;
-    if (!plan.have_bwd_data) {
-      plan.bwd_data = pick_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
-          ctx, plan.conv, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,  // deterministic
-          [&](int* n) {
-            REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(s.cudnn, n));
-          },
-          [&](bool timed, int cap, int* returned, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
-            return (timed ? cudnnFindConvolutionBackwardDataAlgorithm
-                          : cudnnGetConvolutionBackwardDataAlgorithm_v7)(
-                s.cudnn, plan.w, plan.y, plan.conv, plan.x, cap, returned, perf);
-          },
-          [&](cudnnConvolutionBwdDataAlgo_t a, size_t* bytes) {
-            return cudnnGetConvolutionBackwardDataWorkspaceSize(s.cudnn, plan.w, plan.y,
-                                                                plan.conv, plan.x, a, bytes);
-          });
-      plan.have_bwd_data = true;
-    }
-    void* ws = workspace(ctx, plan.bwd_data.ws);
-    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_data.math));
-    REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, io.w, plan.y, io.dy,
-                                                     plan.conv, plan.bwd_data.algo, ws,
-                                                     plan.bwd_data.ws, &zero, plan.x, io.dx));
+    run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy}, 0.f);
     io.finish(io.dx, dx, false, s.stream);
   } else if (dx.defined() && dx.numel() > 0) {
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
   }
-
   if (want_dw) {
-    ConvPlan& plan = *wanted;
-    if (!plan.have_bwd_filter) {
-      plan.bwd_filter = pick_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
-          ctx, plan.conv, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,  // deterministic
-          [&](int* n) {
-            REPLICA_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(s.cudnn, n));
-          },
-          [&](bool timed, int cap, int* returned, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
-            return (timed ? cudnnFindConvolutionBackwardFilterAlgorithm
-                          : cudnnGetConvolutionBackwardFilterAlgorithm_v7)(
-                s.cudnn, plan.x, plan.y, plan.conv, plan.w, cap, returned, perf);
-          },
-          [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* bytes) {
-            return cudnnGetConvolutionBackwardFilterWorkspaceSize(s.cudnn, plan.x, plan.y,
-                                                                  plan.conv, plan.w, a, bytes);
-          });
-      plan.have_bwd_filter = true;
-    }
-    void* ws = workspace(ctx, plan.bwd_filter.ws);
-    REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_filter.math));
-    const float beta = io.dw_beta();  // dw accumulates; staged: this call's part, added after
-    REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
-        s.cudnn, &one, plan.x, io.x, plan.y, io.dy, plan.conv, plan.bwd_filter.algo, ws,
-        plan.bwd_filter.ws, &beta, plan.w, io.dw));
+    // dw accumulates; staged, the call writes its own part, added by finish()
+    run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.dw_beta());
     io.finish(io.dw, dw, true, s.stream);
   }
-
   if (db.defined()) {
     channel_sum_accumulate_kernel<<<static_cast<unsigned>(K), cuda::kThreads, 0, s.stream>>>(
         dy.f32(), db.f32(), N, K, P * Q);

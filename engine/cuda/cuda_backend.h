@@ -9,6 +9,7 @@
 #include <map>
 #include <tuple>
 
+#include "engine/cuda/conv_graph.h"
 #include "engine/cuda/cuda_check.h"
 #include "engine/ops.h"
 
@@ -66,16 +67,25 @@ struct ConvChoice {
   cudnnMathType_t math = CUDNN_FMA_MATH;
 };
 
+// One direction's graph-API plan (conv_graph.h), built on first use; null when the direction
+// runs through the legacy calls.
+struct ConvGraphSlot {
+  bool tried = false;
+  std::unique_ptr<ConvGraph> graph;
+};
+
 // Descriptors and chosen algorithms for one convolution configuration.
 struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
+  ConvGraphSpec spec;  // the shape, data type and layout (direction and beta set per use)
   bool nhwc = false;  // the descriptors, and so the staged operands, are NHWC (conv.cu)
   bool have_fwd = false, have_bwd_data = false, have_bwd_filter = false;
   ConvChoice<cudnnConvolutionFwdAlgo_t> fwd;
   ConvChoice<cudnnConvolutionBwdDataAlgo_t> bwd_data;
   ConvChoice<cudnnConvolutionBwdFilterAlgo_t> bwd_filter;
+  ConvGraphSlot graphs[3];  // by ConvDirection
 };
 
 // What a product (a convolution, a linear layer) reads and writes in one direction: the fp32
@@ -115,6 +125,15 @@ class CudaBackend final : public Backend {
  private:
   // Per-shape convolution plans (conv.cu). Descriptors are destroyed with the backend.
   ConvPlan& conv_plan(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Conv2dParams& p);
+  // Runs one direction of a convolution on its (staged) buffers, the result scaled by `beta`
+  // before the sum is added (0: overwritten): through its graph-API plan when conv_graph()
+  // gives one, else through cuDNN's legacy call (conv.cu).
+  void run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir, const ConvBuffers& b,
+                float beta);
+  // The graph-API plan for `dir` when this context runs it that way (ConvApi) and `buffers`
+  // suit it, built on first use; else null (conv_api.cu).
+  const ConvGraph* conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir, float beta,
+                              const ConvBuffers& buffers);
   void destroy_conv_plans() noexcept;
   std::map<ConvKey, ConvPlan> conv_plans_;
 

@@ -1,0 +1,70 @@
+// Which cuDNN interface runs each convolution (ConvApi, engine/context.h): CudaBackend's
+// conv_graph() gives a direction's graph-API plan (conv_graph.h), built on its first use, or
+// null where the legacy calls run it (conv.cu).
+#include <atomic>
+#include <cstdio>
+#include <string>
+
+#include "engine/cuda/conv_algo.h"
+
+namespace replica {
+
+namespace {
+
+// Elements of the buffer a direction writes, as staged (bf16: two to a float).
+int64_t written_floats(const ConvGraphSpec& s) {
+  const int64_t n = s.direction == ConvDirection::Forward        ? s.N * s.K * s.P * s.Q
+                    : s.direction == ConvDirection::BackwardData ? s.N * s.C * s.H * s.W
+                                                                 : s.K * s.C * s.R * s.R;
+  return s.bf16 ? (n + 1) / 2 : n;
+}
+
+}  // namespace
+
+const ConvGraph* CudaBackend::conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir,
+                                         float beta, const ConvBuffers& buffers) {
+  const ConvApi api = ctx.conv_api();
+  if (api == ConvApi::Legacy || (api == ConvApi::Auto && !plan.spec.bf16)) return nullptr;
+  ConvGraphSlot& slot = plan.graphs[static_cast<int>(dir)];
+  if (!slot.tried) {
+    ConvGraphSpec spec = plan.spec;
+    spec.direction = dir;
+    spec.beta = beta;
+    const CudaState& s = cuda_state(ctx);
+    const ConvEngineRules rules{conv_tensor_ops(ctx), s.deterministic, kMaxConvWorkspace};
+    std::string why;
+    try {
+      if (s.benchmark && ConvGraph::aligned(buffers)) {
+        // Timed on the real operands; the written buffer is a scratch copy's.
+        Tensor written = ctx.alloc({written_floats(spec)});
+        ConvPlanTiming timing{s.stream, buffers, [&](size_t bytes) { return workspace(ctx, bytes); }};
+        void* out = written.raw();
+        (dir == ConvDirection::Forward        ? timing.buffers.y
+         : dir == ConvDirection::BackwardData ? timing.buffers.x
+                                              : timing.buffers.w) = out;
+        slot.graph = ConvGraph::build(s.cudnn, spec, rules, &timing, &why);
+        REPLICA_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // before `written` is freed
+      } else {
+        slot.graph = ConvGraph::build(s.cudnn, spec, rules, nullptr, &why);
+      }
+    } catch (const Error& e) {
+      if (api == ConvApi::Graph) throw;
+      why = e.what();
+    }
+    REPLICA_CHECK(slot.graph || api != ConvApi::Graph, "conv2d {} [N={} C={} H={} W={} K={} R={}] "
+                  "with REPLICA_CUDNN_API=graph: {}", conv_direction_name(dir), spec.N, spec.C,
+                  spec.H, spec.W, spec.K, spec.R, why);
+    slot.tried = true;
+    static std::atomic<bool> told{false};
+    if (!slot.graph && !told.exchange(true))
+      std::fprintf(stderr, "replica: conv2d %s [N=%lld C=%lld H=%lld W=%lld K=%lld R=%lld]: %s; "
+                   "cuDNN's legacy calls run it (and any other such convolution)\n",
+                   conv_direction_name(dir), (long long)spec.N, (long long)spec.C,
+                   (long long)spec.H, (long long)spec.W, (long long)spec.K, (long long)spec.R,
+                   why.c_str());
+  }
+  if (!slot.graph || !ConvGraph::aligned(buffers)) return nullptr;
+  return slot.graph.get();
+}
+
+}  // namespace replica
