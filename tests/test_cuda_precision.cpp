@@ -309,45 +309,70 @@ TEST_CASE("bf16 training on the GPU follows the CPU's bf16: CNN 3 SGD steps") {
   CHECK(drift < 1e-3);
 }
 
-// channels_last copies a convolution's operands into NHWC (weights KRSC) and its results back:
-// the shapes cover tiled transposes with partial tiles (channels and positions not multiples
+namespace {
+
+// One convolution run on several contexts: forward (x, w, b -> y) and backward (x, w, dy and a
+// nonzero gradient dw accumulates onto -> dx, dw, db); each output's values per context.
+struct ConvRun {
+  Shape x, w;
+  Conv2dParams p;
+
+  Shape y() const {
+    return {x[0], w[0], window_out(x[2], int(w[2]), p.stride, p.padding),
+            window_out(x[3], int(w[2]), p.stride, p.padding)};
+  }
+  std::vector<std::vector<float>> forward(Trio& t, const std::vector<DeviceContext*>& ctxs) const {
+    return on_all(
+        t, {x, w, {w[0]}}, {y()},
+        [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+          c.ops().conv2d_forward(c, i[0], i[1], i[2], o[0], p);
+        },
+        ctxs)[0];
+  }
+  std::vector<std::vector<std::vector<float>>> backward(
+      Trio& t, const std::vector<DeviceContext*>& ctxs) const {
+    return on_all(
+        t, {x, w, y(), w}, {x, w, {w[0]}},
+        [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+          c.ops().copy(c, o[1], i[3]);
+          c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p);
+        },
+        ctxs);
+  }
+};
+
+// Shapes that cover tiled transposes with partial tiles (channels and positions not multiples
 // of 32) and with several tiles each way, a 1x1 kernel and a 1x1 output (where NHWC and NCHW
 // lay out alike and the copy is flat), and 3 input channels (a first layer's, left NCHW).
+const ConvRun kLayoutCases[] = {{{5, 16, 17, 19}, {40, 16, 3, 3}, {1, 1}},
+                                {{3, 48, 9, 9}, {72, 48, 1, 1}, {2, 0}},
+                                {{6, 72, 3, 3}, {40, 72, 3, 3}, {1, 0}},
+                                {{2, 64, 40, 40}, {64, 64, 3, 3}, {1, 1}},
+                                {{4, 3, 12, 12}, {24, 3, 5, 5}, {1, 0}}};
+
+}  // namespace
+
+// channels_last copies a convolution's operands into NHWC (weights KRSC) and its results back
+// (kLayoutCases).
 TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and bf16") {
   if (!test::have_gpu()) return;
   Trio t;
   const bool bf16 = have_tf32();
-  for (const auto& [x, w, p] : {std::tuple<Shape, Shape, Conv2dParams>{
-                                    {5, 16, 17, 19}, {40, 16, 3, 3}, {1, 1}},
-                                {{3, 48, 9, 9}, {72, 48, 1, 1}, {2, 0}},
-                                {{6, 72, 3, 3}, {40, 72, 3, 3}, {1, 0}},
-                                {{2, 64, 40, 40}, {64, 64, 3, 3}, {1, 1}},
-                                {{4, 3, 12, 12}, {24, 3, 5, 5}, {1, 0}}}) {
-    CAPTURE(shape_str(x));
-    CAPTURE(shape_str(w));
-    const Shape y{x[0], w[0], window_out(x[2], int(w[2]), p.stride, p.padding),
-                  window_out(x[3], int(w[2]), p.stride, p.padding)};
-    auto forward = [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-      c.ops().conv2d_forward(c, i[0], i[1], i[2], o[0], p);
-    };
-    auto backward = [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-      c.ops().copy(c, o[1], i[3]);  // dw accumulates onto a nonzero gradient
-      c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p);
-    };
-    const std::vector<Shape> fin = {x, w, {w[0]}}, bin = {x, w, y, w};
-    const std::vector<Shape> bout = {x, w, {w[0]}};
-    auto f32 = on_all(t, fin, {y}, forward, {&t.cpu, &t.fp32_nhwc});
-    auto b32 = on_all(t, bin, bout, backward, {&t.cpu, &t.fp32_nhwc});
+  for (const ConvRun& c : kLayoutCases) {
+    CAPTURE(shape_str(c.x));
+    CAPTURE(shape_str(c.w));
+    const auto f32 = c.forward(t, {&t.cpu, &t.fp32_nhwc});
+    const auto b32 = c.backward(t, {&t.cpu, &t.fp32_nhwc});
     const char* names[] = {"dx", "dw", "db"};
-    CHECK(test::relative_l2(f32[0][0], f32[0][1]) < 1e-5);
+    CHECK(test::relative_l2(f32[0], f32[1]) < 1e-5);
     for (int k = 0; k < 3; ++k) {
       CAPTURE(names[k]);
       CHECK(test::relative_l2(b32[k][0], b32[k][1]) < 1e-5);
     }
     if (!bf16) continue;
     const std::vector<DeviceContext*> ctxs = {&t.cpu, &t.cpu_bf16, &t.bf16_nhwc};
-    expect_bf16(on_all(t, fin, {y}, forward, ctxs)[0], "channels_last conv y");
-    auto bb = on_all(t, bin, bout, backward, ctxs);
+    expect_bf16(c.forward(t, ctxs), "channels_last conv y");
+    const auto bb = c.backward(t, ctxs);
     expect_bf16(bb[0], "channels_last conv dx");
     expect_bf16(bb[1], "channels_last conv dw");
   }
@@ -358,7 +383,7 @@ TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and
 // fails here instead of falling back to the legacy calls. Each plan must give the CPU's numbers
 // as the legacy calls do: fp32 (also with timed plans, whose trial runs must leave an
 // accumulating dw alone, and NHWC), tf32 within TF32's rounding, bf16 the CPU's bf16 in both
-// layouts, beside the legacy calls' bf16. The shapes are the channels_last case's.
+// layouts, beside the legacy calls' bf16, on kLayoutCases.
 TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf16, both layouts") {
   if (!test::have_gpu()) return;
   auto options = [](Precision p, ConvApi api, bool nhwc, bool timed) {
@@ -383,49 +408,33 @@ TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf1
       more.push_back(std::make_unique<DeviceContext>(
           kGpu, options(Precision::Bf16, api, nhwc, false)));
   }
-  for (const auto& [x, w, p] : {std::tuple<Shape, Shape, Conv2dParams>{
-                                    {5, 16, 17, 19}, {40, 16, 3, 3}, {1, 1}},
-                                {{3, 48, 9, 9}, {72, 48, 1, 1}, {2, 0}},
-                                {{6, 72, 3, 3}, {40, 72, 3, 3}, {1, 0}},
-                                {{2, 64, 40, 40}, {64, 64, 3, 3}, {1, 1}},
-                                {{4, 3, 12, 12}, {24, 3, 5, 5}, {1, 0}}}) {
-    CAPTURE(shape_str(x));
-    CAPTURE(shape_str(w));
-    const Shape y{x[0], w[0], window_out(x[2], int(w[2]), p.stride, p.padding),
-                  window_out(x[3], int(w[2]), p.stride, p.padding)};
-    auto forward = [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-      c.ops().conv2d_forward(c, i[0], i[1], i[2], o[0], p);
-    };
-    auto backward = [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-      c.ops().copy(c, o[1], i[3]);  // dw accumulates onto a nonzero gradient
-      c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p);
-    };
-    const std::vector<Shape> fin = {x, w, {w[0]}}, bin = {x, w, y, w};
-    const std::vector<Shape> bout = {x, w, {w[0]}};
+  for (const ConvRun& c : kLayoutCases) {
+    CAPTURE(shape_str(c.x));
+    CAPTURE(shape_str(c.w));
     const std::vector<DeviceContext*> strict = {&t.cpu, &fp32, &fp32_timed, &fp32_nhwc};
-    auto f = on_all(t, fin, {y}, forward, strict);
-    auto b = on_all(t, bin, bout, backward, strict);
+    const auto f = c.forward(t, strict);
+    const auto b = c.backward(t, strict);
     const char* names[] = {"fp32", "fp32 timed", "fp32 NHWC"};
     for (size_t i = 1; i < strict.size(); ++i) {
       CAPTURE(names[i - 1]);
-      CHECK(test::relative_l2(f[0][0], f[0][i]) < 2e-5);
+      CHECK(test::relative_l2(f[0], f[i]) < 2e-5);
       CHECK(test::relative_l2(b[0][0], b[0][i]) < 2e-5);  // dx
       CHECK(test::relative_l2(b[1][0], b[1][i]) < 2e-5);  // dw, accumulated
     }
     if (!tensor_cores) continue;
-    auto tf = on_all(t, fin, {y}, forward, {&t.cpu, &t.fp32, more[0].get()});
-    auto tb = on_all(t, bin, bout, backward, {&t.cpu, &t.fp32, more[0].get()});
-    expect_precisions(tf[0], "graph tf32 conv y", false);
+    const std::vector<DeviceContext*> tf32 = {&t.cpu, &t.fp32, more[0].get()};
+    const auto tb = c.backward(t, tf32);
+    expect_precisions(c.forward(t, tf32), "graph tf32 conv y", false);
     expect_precisions(tb[0], "graph tf32 conv dx", false);
     expect_precisions(tb[1], "graph tf32 conv dw", false);
     const char* bf16_names[] = {"graph bf16 NCHW", "graph bf16 NHWC", "legacy bf16 NCHW"};
     for (size_t k = 1; k < more.size(); ++k) {
-      CAPTURE(bf16_names[k - 1]);
+      const std::string name = bf16_names[k - 1];
       const std::vector<DeviceContext*> ctxs = {&t.cpu, &t.cpu_bf16, more[k].get()};
-      expect_bf16(on_all(t, fin, {y}, forward, ctxs)[0], std::string(bf16_names[k - 1]) + " y");
-      auto bb = on_all(t, bin, bout, backward, ctxs);
-      expect_bf16(bb[0], std::string(bf16_names[k - 1]) + " dx");
-      expect_bf16(bb[1], std::string(bf16_names[k - 1]) + " dw");
+      expect_bf16(c.forward(t, ctxs), name + " y");
+      const auto bb = c.backward(t, ctxs);
+      expect_bf16(bb[0], name + " dx");
+      expect_bf16(bb[1], name + " dw");
     }
   }
 }
