@@ -67,9 +67,7 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     REPLICA_USAGE_CHECK(device.index < cuda_device_count(), "GPU {} does not exist{}",
                         device.index, cuda_backend_note());
     threads_ = 1;
-    if (options_.conv_api == ConvApi::Auto)
-      if (const char* word = std::getenv("REPLICA_CUDNN_API"))
-        options_.conv_api = parse_conv_api(word);
+    if (options_.conv_api == ConvApi::Auto) options_.conv_api = conv_api_from_environment();
     cudart::set_device(device.index);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::CudaDevice, device);
     cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
@@ -97,6 +95,11 @@ ConvApi parse_conv_api(const std::string& word) {
                       "unknown cuDNN interface '{}' in REPLICA_CUDNN_API (auto, legacy, graph)",
                       word);
   return ConvApi::Graph;
+}
+
+ConvApi conv_api_from_environment() {
+  const char* word = std::getenv("REPLICA_CUDNN_API");
+  return word ? parse_conv_api(word) : ConvApi::Auto;
 }
 
 const char* conv_api_name(ConvApi api) {

@@ -125,6 +125,10 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
       {"devices_share_gpu", engine_.shares_gpu()},
       {"precision", precision_name(c_.engine.precision)},
       {"cudnn_benchmark", c_.engine.cudnn_benchmark},
+      // GPUs: cuDNN's interface for convolutions (REPLICA_CUDNN_API; engine/context.h)
+      {"cudnn_api", engine_.primary().is_cuda()
+                        ? nlohmann::json(conv_api_name(engine_.primary().conv_api()))
+                        : nlohmann::json()},
       {"memory_format", memory_format_name(c_.engine.channels_last)},
       {"collectives", world_ > 1 ? nlohmann::json(engine_.comm_description()) : nlohmann::json()},
       {"reduce", c_.mode == "dp" ? nlohmann::json(c_.reduce) : nlohmann::json(nullptr)},

@@ -176,6 +176,10 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"threads_per_device", c.run.threads_per_device},
       {"precision", precision_name(c.run.precision)},
       {"cudnn_benchmark", c.run.cudnn_benchmark},
+      // GPUs: cuDNN's interface for convolutions (REPLICA_CUDNN_API; engine/context.h)
+      {"cudnn_api", c.devices[0].is_cuda()
+                        ? nlohmann::json(conv_api_name(conv_api_from_environment()))
+                        : nlohmann::json()},
       {"memory_format", memory_format_name(c.run.channels_last)},
       {"warmup_steps", c.run.warmup},
       {"timed_steps", c.run.steps},
