@@ -19,7 +19,27 @@ int64_t written_floats(const ConvGraphSpec& s) {
   return s.bf16 ? (n + 1) / 2 : n;
 }
 
+// Auto's one line when a convolution leaves the graph API for the legacy calls (the first
+// such convolution only: a model may have dozens).
+void tell_legacy(const ConvGraphSpec& spec, const std::string& why) {
+  static std::atomic<bool> told{false};
+  if (told.exchange(true)) return;
+  std::fprintf(stderr, "replica: conv2d %s [N=%lld C=%lld H=%lld W=%lld K=%lld R=%lld]: %s; "
+               "cuDNN's legacy calls run it (and any other such convolution)\n",
+               conv_direction_name(spec.direction), (long long)spec.N, (long long)spec.C,
+               (long long)spec.H, (long long)spec.W, (long long)spec.K, (long long)spec.R,
+               why.c_str());
+}
+
 }  // namespace
+
+void CudaBackend::leave_conv_graph(ConvPlan& plan, ConvDirection dir, const std::string& why) {
+  ConvGraphSlot& slot = plan.graphs[static_cast<int>(dir)];
+  slot.graph.reset();
+  ConvGraphSpec spec = plan.spec;
+  spec.direction = dir;
+  tell_legacy(spec, why);
+}
 
 const ConvGraph* CudaBackend::conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir,
                                          float beta, const ConvBuffers& buffers) {
@@ -55,13 +75,7 @@ const ConvGraph* CudaBackend::conv_graph(DeviceContext& ctx, ConvPlan& plan, Con
                   "with REPLICA_CUDNN_API=graph: {}", conv_direction_name(dir), spec.N, spec.C,
                   spec.H, spec.W, spec.K, spec.R, why);
     slot.tried = true;
-    static std::atomic<bool> told{false};
-    if (!slot.graph && !told.exchange(true))
-      std::fprintf(stderr, "replica: conv2d %s [N=%lld C=%lld H=%lld W=%lld K=%lld R=%lld]: %s; "
-                   "cuDNN's legacy calls run it (and any other such convolution)\n",
-                   conv_direction_name(dir), (long long)spec.N, (long long)spec.C,
-                   (long long)spec.H, (long long)spec.W, (long long)spec.K, (long long)spec.R,
-                   why.c_str());
+    if (!slot.graph) tell_legacy(spec, why);
   }
   if (!slot.graph || !ConvGraph::aligned(buffers)) return nullptr;
   return slot.graph.get();

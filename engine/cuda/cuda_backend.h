@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "engine/cuda/conv_graph.h"
@@ -134,6 +135,8 @@ class CudaBackend final : public Backend {
   // suit it, built on first use; else null (conv_api.cu).
   const ConvGraph* conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir, float beta,
                               const ConvBuffers& buffers);
+  // Drops a direction's graph-API plan that failed to run: the legacy calls run it from now on.
+  void leave_conv_graph(ConvPlan& plan, ConvDirection dir, const std::string& why);
   void destroy_conv_plans() noexcept;
   std::map<ConvKey, ConvPlan> conv_plans_;
 
