@@ -379,8 +379,9 @@ TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and
 }
 
 // ConvApi::Graph (REPLICA_CUDNN_API=graph) runs every convolution direction through an execution
-// plan of cuDNN's graph API, built once per shape; Graph is strict, so a shape with no engine
-// fails here instead of falling back to the legacy calls. Each plan must give the CPU's numbers
+// plan of cuDNN's graph API, built once per shape; Graph is strict (a shape with no engine, or
+// buffers the plan cannot take, is an error, never the legacy calls), so each case here ran a
+// plan. Each plan must give the CPU's numbers
 // as the legacy calls do: fp32 (also with timed plans, whose trial runs must leave an
 // accumulating dw alone, and NHWC), tf32 within TF32's rounding, bf16 the CPU's bf16 in both
 // layouts, beside the legacy calls' bf16, on kLayoutCases.
@@ -398,13 +399,15 @@ TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf1
   DeviceContext fp32_timed{kGpu, options(Precision::Fp32, ConvApi::Graph, false, true)};
   DeviceContext fp32_nhwc{kGpu, options(Precision::Fp32, ConvApi::Graph, true, false)};
   const bool tensor_cores = have_tf32();
-  std::vector<std::unique_ptr<DeviceContext>> more;  // tf32, then bf16 NCHW, NHWC, legacy
+  // tf32, then bf16: graph NCHW and NHWC, legacy NCHW and NHWC
+  std::vector<std::unique_ptr<DeviceContext>> more;
   if (tensor_cores) {
     more.push_back(std::make_unique<DeviceContext>(
         kGpu, options(Precision::Tf32, ConvApi::Graph, false, false)));
     for (const auto& [api, nhwc] : {std::pair{ConvApi::Graph, false},
                                     std::pair{ConvApi::Graph, true},
-                                    std::pair{ConvApi::Legacy, false}})
+                                    std::pair{ConvApi::Legacy, false},
+                                    std::pair{ConvApi::Legacy, true}})
       more.push_back(std::make_unique<DeviceContext>(
           kGpu, options(Precision::Bf16, api, nhwc, false)));
   }
@@ -427,7 +430,8 @@ TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf1
     expect_precisions(c.forward(t, tf32), "graph tf32 conv y", false);
     expect_precisions(tb[0], "graph tf32 conv dx", false);
     expect_precisions(tb[1], "graph tf32 conv dw", false);
-    const char* bf16_names[] = {"graph bf16 NCHW", "graph bf16 NHWC", "legacy bf16 NCHW"};
+    const char* bf16_names[] = {"graph bf16 NCHW", "graph bf16 NHWC", "legacy bf16 NCHW",
+                                "legacy bf16 NHWC"};
     for (size_t k = 1; k < more.size(); ++k) {
       const std::string name = bf16_names[k - 1];
       const std::vector<DeviceContext*> ctxs = {&t.cpu, &t.cpu_bf16, more[k].get()};
@@ -443,6 +447,8 @@ TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf1
 // context's creation with a one-line usage error, which every program prints and exits on.
 TEST_CASE("REPLICA_CUDNN_API: an unknown word is a usage error when a GPU context is made") {
   if (!test::have_gpu()) return;
+  const char* given = std::getenv("REPLICA_CUDNN_API");
+  const std::string outer = given ? given : "";  // the caller's, put back at the end
   ::setenv("REPLICA_CUDNN_API", "fast", 1);
   CHECK_THROWS_WITH_AS(DeviceContext{kGpu}, doctest::Contains("unknown cuDNN interface 'fast'"),
                        UsageError);
@@ -453,4 +459,5 @@ TEST_CASE("REPLICA_CUDNN_API: an unknown word is a usage error when a GPU contex
   CHECK(DeviceContext{kGpu, graph}.conv_api() == ConvApi::Graph);
   ::unsetenv("REPLICA_CUDNN_API");
   CHECK(DeviceContext{kGpu}.conv_api() == ConvApi::Auto);
+  if (given) ::setenv("REPLICA_CUDNN_API", outer.c_str(), 1);
 }

@@ -50,23 +50,9 @@ const ConvGraph* CudaBackend::conv_graph(DeviceContext& ctx, ConvPlan& plan, Con
     ConvGraphSpec spec = plan.spec;
     spec.direction = dir;
     spec.beta = beta;
-    const CudaState& s = cuda_state(ctx);
-    const ConvEngineRules rules{conv_tensor_ops(ctx), s.deterministic, kMaxConvWorkspace};
     std::string why;
     try {
-      if (s.benchmark && ConvGraph::aligned(buffers)) {
-        // Timed on the real operands; the written buffer is a scratch copy's.
-        Tensor written = ctx.alloc({written_floats(spec)});
-        ConvPlanTiming timing{s.stream, buffers, [&](size_t bytes) { return workspace(ctx, bytes); }};
-        void* out = written.raw();
-        (dir == ConvDirection::Forward        ? timing.buffers.y
-         : dir == ConvDirection::BackwardData ? timing.buffers.x
-                                              : timing.buffers.w) = out;
-        slot.graph = ConvGraph::build(s.cudnn, spec, rules, &timing, &why);
-        REPLICA_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // before `written` is freed
-      } else {
-        slot.graph = ConvGraph::build(s.cudnn, spec, rules, nullptr, &why);
-      }
+      slot.graph = build_conv_graph(ctx, spec, buffers, &why);
     } catch (const Error& e) {
       if (api == ConvApi::Graph) throw;
       why = e.what();
@@ -75,10 +61,56 @@ const ConvGraph* CudaBackend::conv_graph(DeviceContext& ctx, ConvPlan& plan, Con
                   "with REPLICA_CUDNN_API=graph: {}", conv_direction_name(dir), spec.N, spec.C,
                   spec.H, spec.W, spec.K, spec.R, why);
     slot.tried = true;
+    slot.beta = beta;
     if (!slot.graph) tell_legacy(spec, why);
   }
-  if (!slot.graph || !ConvGraph::aligned(buffers)) return nullptr;
-  return slot.graph.get();
+  // A plan is built for one beta: ConvKey holds what decides it (staged or not).
+  REPLICA_CHECK(slot.beta == beta, "conv2d {}: a plan built for beta {} asked for beta {}",
+                conv_direction_name(dir), slot.beta, beta);
+  if (!slot.graph) return nullptr;
+  if (ConvGraph::aligned(buffers)) return slot.graph.get();
+  // Graph is strict: every convolution on a plan, or an error.
+  REPLICA_CHECK(api != ConvApi::Graph, "conv2d {} with REPLICA_CUDNN_API=graph: its buffers are "
+                "not 16-byte aligned (a view into a larger tensor); auto runs it through cuDNN's "
+                "legacy calls", conv_direction_name(dir));
+  return nullptr;
+}
+
+std::unique_ptr<ConvGraph> CudaBackend::build_conv_graph(DeviceContext& ctx,
+                                                         const ConvGraphSpec& spec,
+                                                         const ConvBuffers& buffers,
+                                                         std::string* why) {
+  const CudaState& s = cuda_state(ctx);
+  const ConvEngineRules rules{conv_tensor_ops(ctx), s.deterministic, kMaxConvWorkspace};
+  // No device_free_mutex here, unlike cuDNN's Find (conv_algo.h), which frees memory of its
+  // own: every buffer below comes from the device's allocator, whose frees take that lock.
+  if (!s.benchmark || !ConvGraph::aligned(buffers))
+    return ConvGraph::build(s.cudnn, spec, rules, nullptr, why);
+  // Timed on the real operands, the written buffer a scratch one, with a trial workspace of its
+  // own (the backend's keeps the chosen plan's size, not the largest candidate's). Both are
+  // freed only once the stream has run every trial, whichever way this returns.
+  Tensor written = ctx.alloc({written_floats(spec)}), trial_ws;
+  struct Drain {
+    cudaStream_t stream;
+    ~Drain() {
+      if (cudaStreamSynchronize(stream) != cudaSuccess) (void)cudaGetLastError();
+    }
+  } drain{s.stream};
+  ConvPlanTiming timing{s.stream, buffers, [&](size_t bytes) -> void* {
+                          if (bytes == 0) return nullptr;
+                          const int64_t floats = int64_t((bytes + 3) / 4);
+                          if (!trial_ws.defined() || trial_ws.numel() < floats) {
+                            REPLICA_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+                            trial_ws = Tensor();
+                            trial_ws = ctx.alloc({floats});
+                          }
+                          return trial_ws.raw();
+                        }};
+  const void* out = written.raw();
+  (spec.direction == ConvDirection::Forward        ? timing.buffers.y
+   : spec.direction == ConvDirection::BackwardData ? timing.buffers.x
+                                                   : timing.buffers.w) = out;
+  return ConvGraph::build(s.cudnn, spec, rules, &timing, why);
 }
 
 }  // namespace replica

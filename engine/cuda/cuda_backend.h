@@ -72,6 +72,7 @@ struct ConvChoice {
 // runs through the legacy calls.
 struct ConvGraphSlot {
   bool tried = false;
+  float beta = 0.f;  // what the plan was built for
   std::unique_ptr<ConvGraph> graph;
 };
 
@@ -135,6 +136,9 @@ class CudaBackend final : public Backend {
   // suit it, built on first use; else null (conv_api.cu).
   const ConvGraph* conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir, float beta,
                               const ConvBuffers& buffers);
+  // The plan for `spec` (timed on `buffers` with --cudnn-benchmark), or null with `why`.
+  std::unique_ptr<ConvGraph> build_conv_graph(DeviceContext& ctx, const ConvGraphSpec& spec,
+                                              const ConvBuffers& buffers, std::string* why);
   // Drops a direction's graph-API plan that failed to run: the legacy calls run it from now on.
   void leave_conv_graph(ConvPlan& plan, ConvDirection dir, const std::string& why);
   void destroy_conv_plans() noexcept;
