@@ -99,7 +99,7 @@ ConvApi parse_conv_api(const std::string& word) {
 
 ConvApi conv_api_from_environment() {
   const char* word = std::getenv("REPLICA_CUDNN_API");
-  return word ? parse_conv_api(word) : ConvApi::Auto;
+  return word && *word ? parse_conv_api(word) : ConvApi::Auto;  // set but empty: as unset
 }
 
 const char* conv_api_name(ConvApi api) {

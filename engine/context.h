@@ -72,7 +72,7 @@ inline const char* memory_format_name(bool channels_last) {
 enum class ConvApi { Auto, Legacy, Graph };
 ConvApi parse_conv_api(const std::string& word);  // "auto" | "legacy" | "graph", else UsageError
 const char* conv_api_name(ConvApi api);
-ConvApi conv_api_from_environment();  // REPLICA_CUDNN_API's word; Auto when it is not set
+ConvApi conv_api_from_environment();  // REPLICA_CUDNN_API's word; Auto when unset or empty
 
 struct ContextOptions {
   int threads = 0;             // CPU: threads in this device's arena (0 = all cores)

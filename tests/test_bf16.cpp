@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -135,6 +136,18 @@ TEST_CASE("REPLICA_CUDNN_API names cuDNN's interface for convolutions: auto, leg
                          UsageError);
   }
   CHECK(ContextOptions{}.conv_api == ConvApi::Auto);
+  // Read from the environment: unset or empty is auto.
+  const char* given = std::getenv("REPLICA_CUDNN_API");
+  const std::string outer = given ? given : "";
+  ::setenv("REPLICA_CUDNN_API", "", 1);
+  CHECK(conv_api_from_environment() == ConvApi::Auto);
+  ::setenv("REPLICA_CUDNN_API", "graph", 1);
+  CHECK(conv_api_from_environment() == ConvApi::Graph);
+  ::setenv("REPLICA_CUDNN_API", "v8", 1);
+  CHECK_THROWS_AS(conv_api_from_environment(), UsageError);
+  ::unsetenv("REPLICA_CUDNN_API");
+  CHECK(conv_api_from_environment() == ConvApi::Auto);
+  if (given) ::setenv("REPLICA_CUDNN_API", outer.c_str(), 1);
 }
 
 TEST_CASE("--memory-format: auto is channels_last for bf16 on GPUs only; CPUs refuse it") {

@@ -207,12 +207,13 @@ void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir
                            const ConvBuffers& b, float beta) {
   const CudaState& s = cuda_state(ctx);
   if (const ConvGraph* graph = conv_graph(ctx, plan, dir, beta, b)) {
+    void* ws = workspace(ctx, graph->workspace_bytes());
     try {
-      graph->run(s.cudnn, b, workspace(ctx, graph->workspace_bytes()));
+      graph->run(s.cudnn, b, ws);
       return;
     } catch (const Error& e) {  // a plan cuDNN refuses to execute: Auto goes on without it
       if (ctx.conv_api() == ConvApi::Graph) throw;
-      leave_conv_graph(plan, dir, e.what());
+      leave_conv_graph(ctx, plan, dir, e.what());
     }
   }
   choose_legacy(ctx, plan, dir);

@@ -33,8 +33,11 @@ void tell_legacy(const ConvGraphSpec& spec, const std::string& why) {
 
 }  // namespace
 
-void CudaBackend::leave_conv_graph(ConvPlan& plan, ConvDirection dir, const std::string& why) {
+void CudaBackend::leave_conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir,
+                                   const std::string& why) {
   ConvGraphSlot& slot = plan.graphs[static_cast<int>(dir)];
+  // The plan's earlier runs may still be queued: they finish before it is destroyed.
+  REPLICA_CUDA_CHECK(cudaStreamSynchronize(cuda_state(ctx).stream));
   slot.graph.reset();
   ConvGraphSpec spec = plan.spec;
   spec.direction = dir;

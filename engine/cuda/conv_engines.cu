@@ -9,7 +9,9 @@
 #include <cstdlib>
 #include <map>
 #include <set>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -19,8 +21,9 @@ namespace replica {
 
 namespace {
 
-// --cudnn-benchmark times this many acceptable candidates (each twice after one warm-up run).
-constexpr int kTimedCandidates = 6;
+// --cudnn-benchmark times this many acceptable candidates (each twice after one warm-up run),
+// at most kTimedCompiled of them compiled at run time (about a second each to build).
+constexpr int kTimedCandidates = 6, kTimedCompiled = 2;
 
 // The engine configurations the heuristics list in `mode`, best first.
 std::vector<BackendDesc> engine_configs(const BackendDesc& graph, cudnnBackendHeurMode_t mode) {
@@ -121,10 +124,11 @@ std::pair<BackendDesc, size_t> plan_for(cudnnHandle_t handle, const BackendDesc&
 }
 
 // Milliseconds of one run of `plan` (the better of two, after a warm-up), or a negative value
-// when it fails to run.
-float time_plan(cudnnHandle_t handle, const BackendDesc& plan, size_t ws, const ConvPlanTiming& t) {
+// when cuDNN refuses to run it (after the stream has drained what it queued, so the plan can be
+// destroyed). A CUDA error (a fault of an earlier kernel, say) throws: it is no candidate's.
+float time_plan(cudnnHandle_t handle, const BackendDesc& plan, size_t ws,
+                const ConvPlanTiming& t) {
   void* workspace = t.workspace(ws);
-  if (execute_conv_plan(handle, plan.get(), t.buffers, workspace) != CUDNN_STATUS_SUCCESS) return -1.f;
   struct Events {  // destroyed on every way out
     cudaEvent_t start = nullptr, stop = nullptr;
     ~Events() {
@@ -135,26 +139,29 @@ float time_plan(cudnnHandle_t handle, const BackendDesc& plan, size_t ws, const 
   REPLICA_CUDA_CHECK(cudaEventCreate(&e.start));
   REPLICA_CUDA_CHECK(cudaEventCreate(&e.stop));
   float best = -1.f;
-  for (int round = 0; round < 2; ++round) {
-    float ms = 0.f;
-    if (cudaEventRecord(e.start, t.stream) != cudaSuccess ||
-        execute_conv_plan(handle, plan.get(), t.buffers, workspace) != CUDNN_STATUS_SUCCESS ||
-        cudaEventRecord(e.stop, t.stream) != cudaSuccess ||
-        cudaEventSynchronize(e.stop) != cudaSuccess ||
-        cudaEventElapsedTime(&ms, e.start, e.stop) != cudaSuccess)
+  for (int round = 0; round < 3; ++round) {  // round 0 warms up
+    REPLICA_CUDA_CHECK(cudaEventRecord(e.start, t.stream));
+    if (execute_conv_plan(handle, plan.get(), t.buffers, workspace) != CUDNN_STATUS_SUCCESS) {
+      REPLICA_CUDA_CHECK(cudaStreamSynchronize(t.stream));
       return -1.f;
-    best = best < 0.f ? ms : std::min(best, ms);
+    }
+    REPLICA_CUDA_CHECK(cudaEventRecord(e.stop, t.stream));
+    REPLICA_CUDA_CHECK(cudaEventSynchronize(e.stop));
+    float ms = 0.f;
+    REPLICA_CUDA_CHECK(cudaEventElapsedTime(&ms, e.start, e.stop));
+    if (round > 0) best = best < 0.f ? ms : std::min(best, ms);
   }
   return best;
 }
 
 // The engine configurations worth trying, in order, and what the rules refused: mode A's
 // precompiled engines, then its run-time compiled ones (about a second each to build, per shape
-// and direction), then the fallback list's (engines mode A already offered left out).
+// and direction), then the fallback list's, in the same two groups.
 struct Candidates {
-  std::vector<BackendDesc> configs;         // every configuration listed
+  std::vector<BackendDesc> configs;  // every configuration listed
   std::vector<const BackendDesc*> ordered;  // the acceptable ones, in the order they are tried
-  std::vector<bool> compiled;        // ordered[i] is compiled at run time
+  std::vector<Notes> notes;          // ordered[i]'s
+  std::vector<bool> fallback;        // ordered[i] came from the fallback list
   size_t listed_a = 0;
   std::map<std::string, int> refused;  // why -> how many
 };
@@ -164,24 +171,22 @@ Candidates candidates_of(const BackendDesc& graph, const ConvGraphSpec& spec,
   Candidates c;
   c.configs = engine_configs(graph, CUDNN_HEUR_MODE_A);
   c.listed_a = c.configs.size();
-  for (BackendDesc& d : engine_configs(graph, CUDNN_HEUR_MODE_FALLBACK)) c.configs.push_back(std::move(d));
+  for (BackendDesc& d : engine_configs(graph, CUDNN_HEUR_MODE_FALLBACK))
+    c.configs.push_back(std::move(d));
   std::vector<Notes> notes;
   for (const BackendDesc& d : c.configs) notes.push_back(notes_of(d));
-  std::set<int64_t> in_a;
-  for (size_t i = 0; i < c.listed_a; ++i) in_a.insert(notes[i].engine);
   for (const size_t first : {size_t(0), c.listed_a}) {
     const size_t last = first == 0 ? c.listed_a : c.configs.size();
     for (const bool compiled : {false, true})
       for (size_t i = first; i < last; ++i) {
-        const Notes& n = notes[i];
-        if (n.runtime_compiled != compiled) continue;
-        if (first > 0 && n.engine >= 0 && in_a.count(n.engine)) continue;
-        if (const char* why = refusal(n, spec, rules)) {
+        if (notes[i].runtime_compiled != compiled) continue;
+        if (const char* why = refusal(notes[i], spec, rules)) {
           ++c.refused[why];
           continue;
         }
         c.ordered.push_back(&c.configs[i]);
-        c.compiled.push_back(compiled);
+        c.notes.push_back(notes[i]);
+        c.fallback.push_back(first > 0);
       }
   }
   return c;
@@ -217,11 +222,23 @@ std::unique_ptr<ConvGraph> ConvGraph::build(cudnnHandle_t handle, const ConvGrap
   BackendDesc best;
   size_t best_ws = 0, best_at = 0;
   float best_ms = -1.f;
-  int tried = 0, timed = 0;
+  int tried = 0, timed = 0, timed_compiled = 0;
+  std::set<int64_t> built;  // engines with a plan: the fallback list's copies are not timed again
   for (size_t i = 0; i < candidates.ordered.size() && timed < kTimedCandidates; ++i) {
-    auto [plan, ws] = plan_for(handle, *candidates.ordered[i], rules.max_workspace);
+    const Notes& n = candidates.notes[i];
+    if (candidates.fallback[i] && n.engine >= 0 && built.count(n.engine)) continue;
+    // Timing compiles each candidate: at most kTimedCompiled of those per convolution.
+    if (timing && n.runtime_compiled && timed_compiled == kTimedCompiled) continue;
+    BackendDesc plan;
+    size_t ws = 0;
+    {
+      // Finalizing may load a module: kept apart from NCCL group launches as cudaFree is.
+      std::lock_guard<std::mutex> lock(device_free_mutex());
+      std::tie(plan, ws) = plan_for(handle, *candidates.ordered[i], rules.max_workspace);
+    }
     if (!plan.get()) continue;
     ++tried;
+    if (n.engine >= 0) built.insert(n.engine);
     const float ms = timing ? time_plan(handle, plan, ws, *timing) : 0.f;
     if (ms < 0.f) continue;
     if (!best.get() || ms < best_ms) {
@@ -230,6 +247,7 @@ std::unique_ptr<ConvGraph> ConvGraph::build(cudnnHandle_t handle, const ConvGrap
     }
     if (!timing) break;
     ++timed;
+    timed_compiled += n.runtime_compiled;
   }
   if (!best.get()) {
     *why = fmt::format("cuDNN's graph API offers no acceptable engine for this convolution's {} "
@@ -241,7 +259,7 @@ std::unique_ptr<ConvGraph> ConvGraph::build(cudnnHandle_t handle, const ConvGrap
   }
   log_choice(spec, candidates,
              fmt::format("took number {} of them ({}), workspace {:.1f} MB{}", best_at + 1,
-                         candidates.compiled[best_at] ? "compiled at run time" : "precompiled",
+                         candidates.notes[best_at].runtime_compiled ? "compiled at run time" : "precompiled",
                          best_ws / 1e6,
                          timing ? fmt::format(", {:.3f} ms, fastest of {} timed", best_ms, timed)
                                 : std::string()));

@@ -113,7 +113,10 @@ cudnnStatus_t execute_conv_plan(cudnnHandle_t handle, cudnnBackendDescriptor_t p
   pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, pointers);
   pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
   pack.finalize("variant pack");
-  return cudnnBackendExecute(handle, plan, pack.get());
+  const cudnnStatus_t status = cudnnBackendExecute(handle, plan, pack.get());
+  // A refused launch may leave a CUDA error set: no later kernel check may take it for its own.
+  if (status != CUDNN_STATUS_SUCCESS) (void)cudaGetLastError();
+  return status;
 }
 
 const char* conv_direction_name(ConvDirection d) {

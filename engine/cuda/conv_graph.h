@@ -60,7 +60,7 @@ struct ConvPlanTiming {
 class ConvGraph {
  public:
   // The plan of the first acceptable engine in the heuristics' order (cuDNN's mode A, then its
-  // fallback list; engines compiled at run time only after every precompiled one), or with
+  // fallback list; in each, precompiled engines before those compiled at run time), or with
   // `timing` the fastest of the first few acceptable ones. Null, with `why` set, when cuDNN
   // offers no acceptable engine; throws replica::Error when cuDNN rejects the graph itself.
   static std::unique_ptr<ConvGraph> build(cudnnHandle_t handle, const ConvGraphSpec& spec,

@@ -140,7 +140,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<ConvGraph> build_conv_graph(DeviceContext& ctx, const ConvGraphSpec& spec,
                                               const ConvBuffers& buffers, std::string* why);
   // Drops a direction's graph-API plan that failed to run: the legacy calls run it from now on.
-  void leave_conv_graph(ConvPlan& plan, ConvDirection dir, const std::string& why);
+  void leave_conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir,
+                        const std::string& why);
   void destroy_conv_plans() noexcept;
   std::map<ConvKey, ConvPlan> conv_plans_;
 
