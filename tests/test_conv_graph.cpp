@@ -63,8 +63,8 @@ TEST_CASE("a convolution graph whose output shape is wrong is refused, naming th
     CAPTURE(conv_direction_name(dir));
     ConvGraphSpec g = spec_of({64, 14, 64, 3, 1, 1}, dir, true, true);
     g.Q -= 1;  // a 3x3 convolution padded by 1 keeps the width
-    CHECK_THROWS_WITH_AS(ConvGraph::check(g), doctest::Contains("convolution operation not accepted"),
-                         Error);
+    CHECK_THROWS_WITH_AS(ConvGraph::check(g),
+                         doctest::Contains("convolution operation not accepted"), Error);
   }
 }
 

@@ -110,7 +110,8 @@ const char* refusal(const Notes& n, const ConvGraphSpec& s, const ConvEngineRule
 
 // The finalized plan of one configuration and its workspace, or no BackendDesc when cuDNN
 // cannot build it here or it wants more workspace than allowed.
-std::pair<BackendDesc, size_t> plan_for(cudnnHandle_t handle, const BackendDesc& config, size_t max_ws) {
+std::pair<BackendDesc, size_t> plan_for(cudnnHandle_t handle, const BackendDesc& config,
+                                        size_t max_ws) {
   BackendDesc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
   plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
   plan.set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, config);
@@ -257,10 +258,10 @@ std::unique_ptr<ConvGraph> ConvGraph::build(cudnnHandle_t handle, const ConvGrap
     log_choice(spec, candidates, "none could be built");
     return nullptr;
   }
+  const bool compiled = candidates.notes[best_at].runtime_compiled;
   log_choice(spec, candidates,
              fmt::format("took number {} of them ({}), workspace {:.1f} MB{}", best_at + 1,
-                         candidates.notes[best_at].runtime_compiled ? "compiled at run time" : "precompiled",
-                         best_ws / 1e6,
+                         compiled ? "compiled at run time" : "precompiled", best_ws / 1e6,
                          timing ? fmt::format(", {:.3f} ms, fastest of {} timed", best_ms, timed)
                                 : std::string()));
   return std::unique_ptr<ConvGraph>(new ConvGraph(best.release(), best_ws));

@@ -49,8 +49,8 @@ BackendDesc convolution(const ConvGraphSpec& s) {
 
 // The direction's operation on x, w, y: (descriptor type, then attributes x, w, y, conv, alpha,
 // beta, in the order of the enum's names).
-BackendDesc operation(const ConvGraphSpec& s, const BackendDesc& x, const BackendDesc& w, const BackendDesc& y,
-               const BackendDesc& conv) {
+BackendDesc operation(const ConvGraphSpec& s, const BackendDesc& x, const BackendDesc& w,
+                      const BackendDesc& y, const BackendDesc& conv) {
   struct Names {
     cudnnBackendDescriptorType_t type;
     cudnnBackendAttributeName_t x, w, y, conv, alpha, beta;
@@ -58,14 +58,17 @@ BackendDesc operation(const ConvGraphSpec& s, const BackendDesc& x, const Backen
   static const Names kForward = {
       CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
       CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
-      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
-      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA};
+      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA};
   static const Names kData = {
       CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
-      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA};
+      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA};
   static const Names kFilter = {
       CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
