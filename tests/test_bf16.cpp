@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "dp_reference.h"
+#include "env_guard.h"
 #include "engine/context.h"
 #include "engine/device.h"
 #include "engine/error.h"
@@ -137,8 +138,7 @@ TEST_CASE("REPLICA_CUDNN_API names cuDNN's interface for convolutions: auto, leg
   }
   CHECK(ContextOptions{}.conv_api == ConvApi::Auto);
   // Read from the environment: unset or empty is auto.
-  const char* given = std::getenv("REPLICA_CUDNN_API");
-  const std::string outer = given ? given : "";
+  test::EnvGuard guard({"REPLICA_CUDNN_API"});
   ::setenv("REPLICA_CUDNN_API", "", 1);
   CHECK(conv_api_from_environment() == ConvApi::Auto);
   ::setenv("REPLICA_CUDNN_API", "graph", 1);
@@ -147,7 +147,6 @@ TEST_CASE("REPLICA_CUDNN_API names cuDNN's interface for convolutions: auto, leg
   CHECK_THROWS_AS(conv_api_from_environment(), UsageError);
   ::unsetenv("REPLICA_CUDNN_API");
   CHECK(conv_api_from_environment() == ConvApi::Auto);
-  if (given) ::setenv("REPLICA_CUDNN_API", outer.c_str(), 1);
 }
 
 TEST_CASE("--memory-format: auto is channels_last for bf16 on GPUs only; CPUs refuse it") {

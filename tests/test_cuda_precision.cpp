@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dp_reference.h"
+#include "env_guard.h"
 #include "engine/context.h"
 #include "engine/cudart.h"
 #include "engine/data/dataset.h"
@@ -447,8 +448,7 @@ TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf1
 // context's creation with a one-line usage error, which every program prints and exits on.
 TEST_CASE("REPLICA_CUDNN_API: an unknown word is a usage error when a GPU context is made") {
   if (!test::have_gpu()) return;
-  const char* given = std::getenv("REPLICA_CUDNN_API");
-  const std::string outer = given ? given : "";  // the caller's, put back at the end
+  test::EnvGuard guard({"REPLICA_CUDNN_API"});  // the caller's, put back at the end
   ::setenv("REPLICA_CUDNN_API", "fast", 1);
   CHECK_THROWS_WITH_AS(DeviceContext{kGpu}, doctest::Contains("unknown cuDNN interface 'fast'"),
                        UsageError);
@@ -459,5 +459,4 @@ TEST_CASE("REPLICA_CUDNN_API: an unknown word is a usage error when a GPU contex
   CHECK(DeviceContext{kGpu, graph}.conv_api() == ConvApi::Graph);
   ::unsetenv("REPLICA_CUDNN_API");
   CHECK(DeviceContext{kGpu}.conv_api() == ConvApi::Auto);
-  if (given) ::setenv("REPLICA_CUDNN_API", outer.c_str(), 1);
 }

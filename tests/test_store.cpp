@@ -15,13 +15,13 @@
 #include <fstream>
 #include <functional>
 #include <limits>
-#include <optional>
 #include <set>
 #include <thread>
 
 #include <doctest/doctest.h>
 
 #include "cli_helpers.h"
+#include "env_guard.h"
 #include "engine/error.h"
 #include "parallel/comm/nccl_placement.h"
 #include "parallel/rendezvous/rendezvous.h"
@@ -105,22 +105,6 @@ void set_rank_env(int rank, int world, int port, const char* master_addr = "127.
   setenv("MASTER_ADDR", master_addr, 1);
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
 }
-
-// Saves and restores environment variables around an in-process test.
-struct EnvGuard {
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
-  explicit EnvGuard(std::vector<std::string> names) {
-    for (auto& n : names) {
-      const char* v = std::getenv(n.c_str());
-      saved.emplace_back(n, v ? std::optional<std::string>(v) : std::nullopt);
-      unsetenv(n.c_str());
-    }
-  }
-  ~EnvGuard() {
-    for (auto& [n, v] : saved)
-      v ? (void)setenv(n.c_str(), v->c_str(), 1) : (void)unsetenv(n.c_str());
-  }
-};
 
 const std::vector<std::string> kRankVars = {"RANK",
                                             "WORLD_SIZE",
@@ -402,7 +386,7 @@ TEST_CASE("file store: the same semantics, across processes") {
 }
 
 TEST_CASE("rank environment: torchrun, OpenMPI and Slurm variables") {
-  EnvGuard guard(kRankVars);
+  test::EnvGuard guard(kRankVars);
   Rendezvous r = rendezvous_env_ranks();
   CHECK((r.rank == 0 && r.world_size == 1 && r.local_rank == 0 && r.local_world_size == 1));
   setenv("OMPI_COMM_WORLD_RANK", "3", 1);
@@ -458,7 +442,7 @@ TEST_CASE("rank environment: torchrun, OpenMPI and Slurm variables") {
 }
 
 TEST_CASE("rendezvous env:// with 1, 2 and 4 ranks as processes") {
-  EnvGuard guard(kRankVars);
+  test::EnvGuard guard(kRankVars);
   {
     Rendezvous single = rendezvous();  // no launcher: one process, a store on any free port
     CHECK((single.rank == 0 && single.world_size == 1 && single.store));
@@ -496,7 +480,7 @@ TEST_CASE("rendezvous env:// at a bracketed IPv6 MASTER_ADDR, as URLs write it")
     MESSAGE("skipped: this machine has no IPv6 loopback");
     return;
   }
-  EnvGuard guard(kRankVars);
+  test::EnvGuard guard(kRankVars);
   const int port = free_port();
   std::vector<pid_t> kids;
   for (int rank : {1, 0})
@@ -585,13 +569,7 @@ TEST_CASE("NCCL placement: ranks on one GPU get a host id each; loopback sockets
 }
 
 TEST_CASE("NCCL placement: what NCCL is told, the user's interface kept") {
-  const char* names[] = {"NCCL_HOSTID", "NCCL_NET", "NCCL_SOCKET_IFNAME"};
-  std::vector<std::optional<std::string>> saved;
-  for (const char* n : names) {
-    const char* v = std::getenv(n);
-    saved.push_back(v ? std::optional<std::string>(v) : std::nullopt);
-    unsetenv(n);
-  }
+  test::EnvGuard guard({"NCCL_HOSTID", "NCCL_NET", "NCCL_SOCKET_IFNAME"});
   auto value = [](const char* n) {
     const char* v = std::getenv(n);
     return std::string(v ? v : "-");
@@ -608,10 +586,6 @@ TEST_CASE("NCCL placement: what NCCL is told, the user's interface kept") {
   setenv("NCCL_SOCKET_IFNAME", "eth1", 1);
   tell_nccl(shared);
   CHECK(value("NCCL_SOCKET_IFNAME") == "eth1");
-  for (size_t i = 0; i < saved.size(); ++i) {
-    if (saved[i]) setenv(names[i], saved[i]->c_str(), 1);
-    else unsetenv(names[i]);
-  }
 }
 
 TEST_CASE("rendezvous with a missing rank times out naming it") {
@@ -642,7 +616,7 @@ TEST_CASE("rendezvous with a missing rank times out naming it") {
 }
 
 TEST_CASE("rendezvous file:// and tcp:// with explicit ranks; a rank joining twice is an error") {
-  EnvGuard guard(kRankVars);
+  test::EnvGuard guard(kRankVars);
   test::TempDir tmp;
   int port = free_port();
   for (std::string method :

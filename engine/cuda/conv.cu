@@ -108,7 +108,6 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
   if (it != conv_plans_.end()) return it->second;
 
   ConvPlan plan;
-  plan.nhwc = nhwc;
   plan.spec.N = N, plan.spec.C = C, plan.spec.H = H, plan.spec.W = W, plan.spec.K = K;
   plan.spec.R = R, plan.spec.stride = p.stride, plan.spec.padding = p.padding;
   plan.spec.bf16 = bf16, plan.spec.nhwc = nhwc;
@@ -260,7 +259,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.bytes(), s.stream));
   } else {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
-    const ProductIo io = forward_io(ctx, x, w, y, plan.nhwc);
+    const ProductIo io = forward_io(ctx, x, w, y, plan.spec.nhwc);
     run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f);
     io.finish(io.y, y, false, s.stream);
   }
@@ -303,7 +302,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
   ConvPlan* const wanted = want_dx || want_dw ? &conv_plan(ctx, x, w, p) : nullptr;
   const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr,
-                                   want_dw ? &dw : nullptr, wanted && wanted->nhwc);
+                                   want_dw ? &dw : nullptr, wanted && wanted->spec.nhwc);
 
   if (want_dx) {
     run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy}, 0.f);

@@ -81,8 +81,9 @@ struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
-  ConvGraphSpec spec;  // the shape, data type and layout (direction and beta set per use)
-  bool nhwc = false;  // the descriptors, and so the staged operands, are NHWC (conv.cu)
+  // The shape, data type and layout (direction and beta set per use); spec.nhwc: the
+  // descriptors, and so the staged operands, are NHWC (conv.cu).
+  ConvGraphSpec spec;
   bool have_fwd = false, have_bwd_data = false, have_bwd_filter = false;
   ConvChoice<cudnnConvolutionFwdAlgo_t> fwd;
   ConvChoice<cudnnConvolutionBwdDataAlgo_t> bwd_data;
