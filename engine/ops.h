@@ -3,6 +3,8 @@
 // engine/backend_ops.inc (tensors contiguous, row-major, NCHW for images, F32 unless said
 // otherwise, on the context's device; undefined = "not wanted"; enqueued, never a host sync).
 #pragma once
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -33,6 +35,20 @@ struct SgdConfig {
 struct AdamConfig {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.f;
 };
+
+// The per-step numbers sgd_step and adam_step read from their `scalars` tensor (two F32 on the
+// device, backend_ops.inc), computed on the host: Adam's bias corrections in double, rounded to
+// float, and the step size lr / (1 - beta1^t) in float, as every backend once computed them.
+using StepScalars = std::array<float, 2>;
+inline StepScalars sgd_step_scalars(const SgdConfig& c, bool first_step) {
+  return {c.lr, first_step ? 1.f : 0.f};
+}
+inline StepScalars adam_step_scalars(const AdamConfig& c, int64_t step) {
+  REPLICA_CHECK(step >= 1, "adam_step: step {} must count from 1", step);
+  const float bc1 = float(1.0 - std::pow(double(c.beta1), double(step)));
+  const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(double(c.beta2), double(step))));
+  return {c.lr / bc1, bc2_sqrt};
+}
 
 // Output size of a convolution or pooling window along one axis.
 inline int64_t window_out(int64_t in, int kernel, int stride, int padding) {

@@ -25,16 +25,29 @@ void Optimizer::load_state(DeviceContext& ctx, int64_t numel, int64_t steps,
   ctx.synchronize();
 }
 
+void Optimizer::prepare_step(DeviceContext& ctx, int64_t numel) {
+  allocate_state(ctx, numel);
+  if (!scalars_.defined()) scalars_ = ctx.alloc({2});
+  write_step_scalars(ctx, scalars_, next_scalars());
+  ++steps_;
+}
+
+void write_step_scalars(DeviceContext& ctx, Tensor& scalars, const StepScalars& values) {
+  for (int i = 0; i < 2; ++i) {
+    Tensor one = scalars.view(i, {1});
+    ctx.ops().fill(ctx, one, values[i]);
+  }
+}
+
 Sgd::Sgd(SgdConfig c) : c_(c) {}
 
 void Sgd::allocate_state(DeviceContext& ctx, int64_t numel) {
   if (c_.momentum != 0.f && !momentum_.defined()) momentum_ = ctx.alloc({numel});
 }
 
-void Sgd::step(DeviceContext& ctx, Tensor& params, const Tensor& grads) {
-  allocate_state(ctx, params.numel());
-  ctx.ops().sgd_step(ctx, params, grads, momentum_, c_, steps_ == 0);
-  ++steps_;
+void Sgd::apply_step(DeviceContext& ctx, Tensor& params, const Tensor& grads) {
+  REPLICA_CHECK(scalars_.defined(), "sgd: apply_step before prepare_step");
+  ctx.ops().sgd_step(ctx, params, grads, momentum_, c_, scalars_);
 }
 
 std::vector<std::pair<std::string, Tensor>> Sgd::state() {
@@ -52,10 +65,9 @@ void Adam::allocate_state(DeviceContext& ctx, int64_t numel) {
   ctx.ops().fill(ctx, v_, 0.f);
 }
 
-void Adam::step(DeviceContext& ctx, Tensor& params, const Tensor& grads) {
-  allocate_state(ctx, params.numel());
-  ++steps_;
-  ctx.ops().adam_step(ctx, params, grads, m_, v_, c_, steps_);
+void Adam::apply_step(DeviceContext& ctx, Tensor& params, const Tensor& grads) {
+  REPLICA_CHECK(scalars_.defined(), "adam: apply_step before prepare_step");
+  ctx.ops().adam_step(ctx, params, grads, m_, v_, c_, scalars_);
 }
 
 std::vector<std::pair<std::string, Tensor>> Adam::state() {

@@ -15,8 +15,18 @@ class Optimizer {
  public:
   virtual ~Optimizer() = default;
   virtual std::string name() const = 0;
-  // params -= update(grads); state lives on ctx's device, allocated on the first step.
-  virtual void step(DeviceContext& ctx, Tensor& params, const Tensor& grads) = 0;
+  // params -= update(grads): prepare_step, then apply_step.
+  void step(DeviceContext& ctx, Tensor& params, const Tensor& grads) {
+    prepare_step(ctx, params.numel());
+    apply_step(ctx, params, grads);
+  }
+  // The host's part of a step: the state (on ctx's device) allocated on the first step, the
+  // step counted, and its numbers (learning rate, bias corrections) written to the device with
+  // fill ops. Never inside a captured step (engine/step_graph.h): the numbers would be those of
+  // the step it was captured at.
+  void prepare_step(DeviceContext& ctx, int64_t numel);
+  // The device's part: one fused kernel that reads those numbers. What a captured step replays.
+  virtual void apply_step(DeviceContext& ctx, Tensor& params, const Tensor& grads) = 0;
   int64_t steps() const { return steps_; }
   // State for checkpoints: ("exp_avg", tensor), ... (device tensors, flat like the params).
   virtual std::vector<std::pair<std::string, Tensor>> state() = 0;
@@ -29,20 +39,24 @@ class Optimizer {
 
  protected:
   virtual void allocate_state(DeviceContext& ctx, int64_t numel) = 0;
+  // The numbers of the step about to be taken (steps_ = the steps taken before it).
+  virtual StepScalars next_scalars() const = 0;
   int64_t steps_ = 0;
+  Tensor scalars_;  // F32 [2] on the device: the step's numbers (backend_ops.inc)
 };
 
 class Sgd : public Optimizer {
  public:
   explicit Sgd(SgdConfig c);
   std::string name() const override { return "sgd"; }
-  void step(DeviceContext& ctx, Tensor& params, const Tensor& grads) override;
+  void apply_step(DeviceContext& ctx, Tensor& params, const Tensor& grads) override;
   std::vector<std::pair<std::string, Tensor>> state() override;
   float lr() const override { return c_.lr; }
   void set_lr(float lr) override { c_.lr = lr; }
 
  protected:
   void allocate_state(DeviceContext& ctx, int64_t numel) override;
+  StepScalars next_scalars() const override { return sgd_step_scalars(c_, steps_ == 0); }
 
  private:
   SgdConfig c_;
@@ -53,18 +67,23 @@ class Adam : public Optimizer {
  public:
   explicit Adam(AdamConfig c);
   std::string name() const override { return "adam"; }
-  void step(DeviceContext& ctx, Tensor& params, const Tensor& grads) override;
+  void apply_step(DeviceContext& ctx, Tensor& params, const Tensor& grads) override;
   std::vector<std::pair<std::string, Tensor>> state() override;
   float lr() const override { return c_.lr; }
   void set_lr(float lr) override { c_.lr = lr; }
 
  protected:
   void allocate_state(DeviceContext& ctx, int64_t numel) override;
+  StepScalars next_scalars() const override { return adam_step_scalars(c_, steps_ + 1); }
 
  private:
   AdamConfig c_;
   Tensor m_, v_;
 };
+
+// Writes a step's numbers into `scalars` (F32 [2] on ctx's device) with two fill ops: the
+// values travel as kernel arguments, so no host buffer must outlive the call.
+void write_step_scalars(DeviceContext& ctx, Tensor& scalars, const StepScalars& values);
 
 struct OptimizerOptions {
   std::string name = "adam";  // sgd | adam

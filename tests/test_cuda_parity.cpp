@@ -60,6 +60,11 @@ Pair make_random(Rig& r, const Shape& shape, uint32_t seed, float lo = -1.f, flo
   return make_twin(r, shape, random_values(shape_numel(shape), seed, lo, hi));
 }
 
+// An optimizer step's numbers (backend_ops.inc) on both devices.
+Pair step_scalars(Rig& r, const StepScalars& values) {
+  return make_twin(r, {2}, {values[0], values[1]});
+}
+
 Pair make_labels(Rig& r, const std::vector<int32_t>& labels) {
   Pair p;
   const Shape shape{static_cast<int64_t>(labels.size())};
@@ -540,8 +545,9 @@ TEST_CASE("cuda parity: sgd (momentum, nesterov, weight decay)") {
     Tensor bc = var.c.momentum != 0.f ? buf.c : Tensor(), bg = var.c.momentum != 0.f ? buf.g : Tensor();
     for (int step = 0; step < 3; ++step) {
       Pair g = make_random(r, {n}, 92 + step);
-      r.c().sgd_step(r.cpu, p.c, g.c, bc, var.c, step == 0);
-      r.g().sgd_step(r.gpu, p.g, g.g, bg, var.c, step == 0);
+      Pair scalars = step_scalars(r, sgd_step_scalars(var.c, step == 0));
+      r.c().sgd_step(r.cpu, p.c, g.c, bc, var.c, scalars.c);
+      r.g().sgd_step(r.gpu, p.g, g.g, bg, var.c, scalars.g);
     }
     expect_close(r, p, 1e-5, 1e-6, std::string("sgd params, ") + var.name);
     if (var.c.momentum != 0.f) expect_close(r, buf, 1e-5, 1e-6, std::string("sgd buffer, ") + var.name);
@@ -560,8 +566,9 @@ TEST_CASE("cuda parity: adam, 3 steps") {
   Pair v = make_twin(r, {n}, std::vector<float>(n, 0.f));
   for (int64_t step = 1; step <= 3; ++step) {
     Pair g = make_random(r, {n}, 101 + static_cast<uint32_t>(step));
-    r.c().adam_step(r.cpu, p.c, g.c, m.c, v.c, c, step);
-    r.g().adam_step(r.gpu, p.g, g.g, m.g, v.g, c, step);
+    Pair scalars = step_scalars(r, adam_step_scalars(c, step));
+    r.c().adam_step(r.cpu, p.c, g.c, m.c, v.c, c, scalars.c);
+    r.g().adam_step(r.gpu, p.g, g.g, m.g, v.g, c, scalars.g);
   }
   expect_close(r, p, 1e-5, 1e-6, "adam params");
   expect_close(r, m, 1e-5, 1e-7, "adam m");

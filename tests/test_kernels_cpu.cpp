@@ -21,6 +21,7 @@
 #include "engine/error.h"
 #include "engine/op_profile.h"
 #include "engine/ops.h"
+#include "layers/optimizer.h"
 
 using namespace replica;
 
@@ -315,10 +316,15 @@ TEST_CASE("adam_step and sgd_step are bit-identical for 1, 2 and 3 threads") {
     ctx.ops().fill(ctx, m, 0.f);
     ctx.ops().fill(ctx, v, 0.f);
     Tensor q = make(ctx, {n}, 1), buf = ctx.alloc({n});
+    const AdamConfig adam{0.01f, 0.9f, 0.999f, 1e-8f, 0.01f};
+    const SgdConfig sgd{0.1f, 0.9f, 0.f, 1e-4f, true};
+    Tensor scalars = ctx.alloc({2});
     for (int step = 1; step <= 3; ++step) {
       Tensor g = make(ctx, {n}, uint32_t(10 + step));
-      ctx.ops().adam_step(ctx, p, g, m, v, AdamConfig{0.01f, 0.9f, 0.999f, 1e-8f, 0.01f}, step);
-      ctx.ops().sgd_step(ctx, q, g, buf, SgdConfig{0.1f, 0.9f, 0.f, 1e-4f, true}, step == 1);
+      write_step_scalars(ctx, scalars, adam_step_scalars(adam, step));
+      ctx.ops().adam_step(ctx, p, g, m, v, adam, scalars);
+      write_step_scalars(ctx, scalars, sgd_step_scalars(sgd, step == 1));
+      ctx.ops().sgd_step(ctx, q, g, buf, sgd, scalars);
     }
     std::vector<float> out;
     for (const Tensor* t : {&p, &m, &v, &q, &buf}) append(out, *t);

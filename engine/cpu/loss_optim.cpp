@@ -93,11 +93,22 @@ void adam_range(float* __restrict p, const float* __restrict g, float* __restric
   }
 }
 
+// The step's scalars (backend_ops.inc): [lr, first] for SGD, [step size, sqrt(bc2)] for Adam.
+StepScalars read_scalars(const Tensor& scalars, const char* op) {
+  REPLICA_CHECK(scalars.defined() && scalars.dtype() == DType::F32 && scalars.numel() == 2,
+                "{}: scalars must be F32 [2]", op);
+  return {scalars.f32()[0], scalars.f32()[1]};
+}
+
 }  // namespace
 
 void CpuBackend::sgd_step(DeviceContext&, Tensor& params, const Tensor& grads, Tensor& momentum,
-                          const SgdConfig& c, bool first_step) {
+                          const SgdConfig& config, const Tensor& scalars) {
   cpu::expect_same_numel(params, grads, "sgd_step");
+  const StepScalars s = read_scalars(scalars, "sgd_step");
+  SgdConfig c = config;
+  c.lr = s[0];
+  const bool first_step = s[1] != 0.f;
   float* p = params.f32();
   const float* g = grads.f32();
   float* buf = c.momentum != 0.f ? momentum.f32() : nullptr;
@@ -107,11 +118,9 @@ void CpuBackend::sgd_step(DeviceContext&, Tensor& params, const Tensor& grads, T
 }
 
 void CpuBackend::adam_step(DeviceContext&, Tensor& params, const Tensor& grads, Tensor& m,
-                           Tensor& v, const AdamConfig& c, int64_t step) {
+                           Tensor& v, const AdamConfig& c, const Tensor& scalars) {
   cpu::expect_same_numel(params, grads, "adam_step");
-  const float bc1 = float(1.0 - std::pow(double(c.beta1), double(step)));
-  const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(double(c.beta2), double(step))));
-  const float step_size = c.lr / bc1;
+  const auto [step_size, bc2_sqrt] = read_scalars(scalars, "adam_step");
   float* p = params.f32();
   const float* g = grads.f32();
   float* mm = m.f32();

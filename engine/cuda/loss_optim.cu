@@ -79,9 +79,13 @@ __global__ void count_correct_kernel(const float* logits, const int32_t* labels,
   if (threadIdx.x == 0 && hits > 0) atomicAdd(correct, hits);
 }
 
-__global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n, float lr,
-                           float momentum, float dampening, float wd, bool nesterov,
-                           bool first_step) {
+// The step's numbers come from device memory (scalars, backend_ops.inc): a captured step
+// replays with what the optimizer wrote before it.
+__global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n,
+                           const float* scalars, float momentum, float dampening, float wd,
+                           bool nesterov) {
+  const float lr = scalars[0];
+  const bool first_step = scalars[1] != 0.f;
   REPLICA_GRID_STRIDE(i, n) {
     float d = g[i] + wd * p[i];
     if (buf) {
@@ -94,7 +98,8 @@ __global__ void sgd_kernel(float* p, const float* g, float* buf, int64_t n, floa
 }
 
 __global__ void adam_kernel(float* p, const float* g, float* m, float* v, int64_t n, float b1,
-                            float b2, float eps, float wd, float step_size, float bc2_sqrt) {
+                            float b2, float eps, float wd, const float* scalars) {
+  const float step_size = scalars[0], bc2_sqrt = scalars[1];
   REPLICA_GRID_STRIDE(i, n) {
     const float grad = g[i] + wd * p[i];
     const float mi = b1 * m[i] + (1.f - b1) * grad;
@@ -104,6 +109,12 @@ __global__ void adam_kernel(float* p, const float* g, float* m, float* v, int64_
     const float denom = sqrtf(vi) / bc2_sqrt + eps;
     p[i] -= step_size * mi / denom;
   }
+}
+
+void check_scalars(const DeviceContext& ctx, const Tensor& scalars, const char* op) {
+  cuda::expect_device(ctx, scalars, op, "scalars");
+  cuda::expect_dtype(scalars, DType::F32, op, "scalars");
+  cuda::expect_numel(scalars, 2, op, "scalars");
 }
 
 void check_logits_labels(const DeviceContext& ctx, const Tensor& logits, const Tensor& labels,
@@ -173,11 +184,12 @@ void CudaBackend::count_correct(DeviceContext& ctx, const Tensor& logits, const 
 }
 
 void CudaBackend::sgd_step(DeviceContext& ctx, Tensor& params, const Tensor& grads,
-                           Tensor& momentum, const SgdConfig& c, bool first_step) {
+                           Tensor& momentum, const SgdConfig& c, const Tensor& scalars) {
   const char* op = "sgd_step";
   cuda::expect_device(ctx, params, op, "params");
   cuda::expect_device(ctx, grads, op, "grads");
   cuda::expect_numel(grads, params.numel(), op, "grads");
+  check_scalars(ctx, scalars, op);
   float* buf = nullptr;
   if (c.momentum != 0.f) {
     cuda::expect_device(ctx, momentum, op, "momentum buffer");
@@ -187,13 +199,13 @@ void CudaBackend::sgd_step(DeviceContext& ctx, Tensor& params, const Tensor& gra
   const int64_t n = params.numel();
   if (n == 0) return;
   sgd_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      params.f32(), grads.f32(), buf, n, c.lr, c.momentum, c.dampening, c.weight_decay,
-      c.nesterov, first_step);
+      params.f32(), grads.f32(), buf, n, scalars.f32(), c.momentum, c.dampening, c.weight_decay,
+      c.nesterov);
   REPLICA_LAUNCH_CHECK();
 }
 
 void CudaBackend::adam_step(DeviceContext& ctx, Tensor& params, const Tensor& grads, Tensor& m,
-                            Tensor& v, const AdamConfig& c, int64_t step) {
+                            Tensor& v, const AdamConfig& c, const Tensor& scalars) {
   const char* op = "adam_step";
   cuda::expect_device(ctx, params, op, "params");
   cuda::expect_device(ctx, grads, op, "grads");
@@ -202,16 +214,12 @@ void CudaBackend::adam_step(DeviceContext& ctx, Tensor& params, const Tensor& gr
   cuda::expect_numel(grads, params.numel(), op, "grads");
   cuda::expect_numel(m, params.numel(), op, "m");
   cuda::expect_numel(v, params.numel(), op, "v");
-  REPLICA_CHECK(step >= 1, "{}: step {} must count from 1", op, step);
+  check_scalars(ctx, scalars, op);
   const int64_t n = params.numel();
   if (n == 0) return;
-  // Bias corrections on the host in double, rounded as the CPU backend rounds them.
-  const float bc1 = float(1.0 - std::pow(double(c.beta1), double(step)));
-  const float bc2_sqrt = float(std::sqrt(1.0 - std::pow(double(c.beta2), double(step))));
-  const float step_size = c.lr / bc1;
   adam_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
       params.f32(), grads.f32(), m.f32(), v.f32(), n, c.beta1, c.beta2, c.eps, c.weight_decay,
-      step_size, bc2_sqrt);
+      scalars.f32());
   REPLICA_LAUNCH_CHECK();
 }
 
