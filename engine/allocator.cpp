@@ -136,18 +136,19 @@ Allocator::Block& Allocator::new_segment(size_t block_size) {
   held_ += size;
   peak_held_ = std::max(peak_held_, held_);
   poison(ptr, size, true);
-  return blocks_[ptr] = Block{ptr, size, block_size < kSmallRequest, true, nullptr, nullptr};
+  return blocks_[ptr] =
+             Block{ptr, size, block_size < kSmallRequest, true, nullptr, nullptr, active_pool_};
 }
 
 Allocator::Allocation Allocator::allocate(size_t bytes) {
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  // Best fit: the smallest free block of the request's pool that holds it.
+  // Best fit: the smallest free block of the pool in use, of the request's kind, that holds it.
   FreeBlocks& candidates = size < kSmallRequest ? free_small_ : free_large_;
-  auto it = candidates.lower_bound({size, nullptr});
+  auto it = candidates.lower_bound({active_pool_, size, nullptr});
   Block* b = nullptr;
-  if (it != candidates.end()) {
-    b = &blocks_.at(it->second);
+  if (it != candidates.end() && std::get<0>(*it) == active_pool_) {
+    b = &blocks_.at(std::get<2>(*it));
     candidates.erase(it);
   } else {
     b = &new_segment(size);
@@ -155,11 +156,11 @@ Allocator::Allocation Allocator::allocate(size_t bytes) {
   if (b->size > size) {  // the rest (a multiple of 512 bytes) stays free, after this block
     char* rest_ptr = b->ptr + size;
     Block& rest = blocks_[rest_ptr] =
-        Block{rest_ptr, b->size - size, b->small, true, b, b->next};
+        Block{rest_ptr, b->size - size, b->small, true, b, b->next, b->pool};
     if (b->next) b->next->prev = &rest;
     b->next = &rest;
     b->size = size;
-    pool(rest).insert({rest.size, rest.ptr});
+    free_set(rest).insert(key(rest));
   }
   b->free = false;
   poison(b->ptr, bytes, false);
@@ -174,8 +175,8 @@ void Allocator::make_free(Block& block) {
   poison(b->ptr, b->size, true);
   // Merge with a free neighbour: the lower block absorbs the upper one, which is forgotten.
   auto absorb = [&](Block* lower, Block* upper) {
-    pool(*lower).erase({lower->size, lower->ptr});
-    pool(*upper).erase({upper->size, upper->ptr});
+    free_set(*lower).erase(key(*lower));
+    free_set(*upper).erase(key(*upper));
     lower->size += upper->size;
     lower->next = upper->next;
     if (upper->next) upper->next->prev = lower;
@@ -184,7 +185,7 @@ void Allocator::make_free(Block& block) {
   };
   if (b->prev && b->prev->free) b = absorb(b->prev, b);
   if (b->next && b->next->free) b = absorb(b, b->next);
-  pool(*b).insert({b->size, b->ptr});
+  free_set(*b).insert(key(*b));
 }
 
 void Allocator::release(Allocation allocation) {
@@ -201,8 +202,10 @@ void Allocator::release(Allocation allocation) {
 void Allocator::free_cached_locked() {
   for (FreeBlocks* free : {&free_small_, &free_large_})
     for (auto it = free->begin(); it != free->end();) {
-      Block& b = blocks_.at(it->second);
-      if (b.prev || b.next) {  // part of a segment that has blocks in use
+      Block& b = blocks_.at(std::get<2>(*it));
+      // Part of a segment that has blocks in use, or of a captured step's pool (its graph may
+      // still write there).
+      if (b.prev || b.next || b.pool != 0) {
         ++it;
         continue;
       }
@@ -217,6 +220,28 @@ void Allocator::free_cached_locked() {
 void Allocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   free_cached_locked();
+}
+
+int Allocator::new_pool() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ++pools_made_;
+}
+
+void Allocator::use_pool(int id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  REPLICA_CHECK(id >= 0 && id <= pools_made_, "allocator: no pool {}", id);
+  active_pool_ = id;
+}
+
+void Allocator::close_pool(int id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  REPLICA_CHECK(id > 0 && id != active_pool_, "allocator: pool {} cannot be closed now", id);
+  for (auto& [ptr, b] : blocks_) {
+    if (b.pool != id) continue;
+    if (b.free) free_set(b).erase(key(b));
+    b.pool = 0;
+    if (b.free) free_set(b).insert(key(b));
+  }
 }
 
 size_t Allocator::read(const size_t& counter) const {

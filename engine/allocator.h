@@ -14,11 +14,17 @@
 // Segments go back to the system only whole (empty_cache(), or when the system runs out).
 // Under AddressSanitizer host blocks are poisoned while free and past the bytes asked for, so a
 // kernel that reads past its tensor or a freed one is reported as with malloc.
+// Private pools: a captured step (engine/step_graph.h) replays its kernels into the addresses
+// it was captured with, so the blocks it used, freed or not, must not be handed to anything
+// else while the graph lives. While a private pool is in use, requests are served from its own
+// segments only; its blocks, freed, serve only it, and are never given back to the system; when
+// the graph dies the pool is closed and its blocks join the shared one (PyTorch's graph pools).
 // Thread-safe: a tensor may be released on a thread other than its device's.
 #pragma once
 #include <cstddef>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
@@ -43,6 +49,14 @@ class Allocator {
   void release(Allocation block);  // back to the free blocks
   void empty_cache();              // segments with nothing in use back to the system
 
+  // A new private pool (ids > 0; 0 is the shared pool). Requests between use_pool(id) and
+  // use_pool(0) are served from it, whichever thread makes them: a device's work is enqueued
+  // by one thread at a time. close_pool(id): its blocks join the shared pool, free ones at once,
+  // the others when released.
+  int new_pool();
+  void use_pool(int id);
+  void close_pool(int id);
+
   Kind kind() const { return kind_; }
   const Device& device() const { return device_; }
   size_t bytes_in_use() const;
@@ -62,13 +76,16 @@ class Allocator {
   struct Block {
     char* ptr;
     size_t size;
-    bool small;  // in a shared 2 MiB segment
+    bool small;  // in a 2 MiB segment of small blocks
     bool free;
     Block *prev, *next;
+    int pool;  // 0: shared; else the private pool whose segment this is
   };
-  using FreeBlocks = std::set<std::pair<size_t, char*>>;  // (size, address): best fit first
+  // (pool, size, address): a pool's blocks together, best fit first within it.
+  using FreeBlocks = std::set<std::tuple<int, size_t, char*>>;
 
-  FreeBlocks& pool(const Block& b) { return b.small ? free_small_ : free_large_; }
+  FreeBlocks& free_set(const Block& b) { return b.small ? free_small_ : free_large_; }
+  static std::tuple<int, size_t, char*> key(const Block& b) { return {b.pool, b.size, b.ptr}; }
   Block& new_segment(size_t block_size);  // throws when the system has no room
   void make_free(Block& b);               // mark free, merge with free neighbours, index
   void free_cached_locked();              // whole free segments back; mutex_ held
@@ -83,6 +100,7 @@ class Allocator {
   std::unordered_map<char*, Block> blocks_;  // every block, by address (free and in use)
   FreeBlocks free_small_, free_large_;
   size_t in_use_ = 0, peak_ = 0, held_ = 0, peak_held_ = 0, system_allocs_ = 0;
+  int active_pool_ = 0, pools_made_ = 0;
 };
 
 // Process-wide host allocators (pinned is page-locked when a GPU is present, else plain host).

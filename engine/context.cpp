@@ -169,7 +169,19 @@ DeviceContext::~DeviceContext() {
 }
 
 void DeviceContext::set_op_profile(OpProfile* profile) {
+  REPLICA_CHECK(!capturing_, "{}: ops cannot be timed while a step is captured", device_.str());
   profiled_ = profile ? make_profiling_backend(*backend_, *profile) : nullptr;
+}
+
+void DeviceContext::begin_capture(Backend* recorder) {
+  REPLICA_CHECK(!capturing_, "{}: a step is already being captured", device_.str());
+  capturing_ = true;
+  recorder_ = recorder;
+}
+
+void DeviceContext::end_capture() {
+  capturing_ = false;
+  recorder_ = nullptr;
 }
 
 void DeviceContext::activate() const {
@@ -195,6 +207,9 @@ void StreamEvent::host_wait() {
 }
 
 void DeviceContext::synchronize() {
+  // The captured work has not run: a wait for it would read nothing, and breaks a CUDA capture.
+  REPLICA_CHECK(!capturing_, "{}: a host sync inside a captured step (it must not wait for, "
+                "nor read, what the step computes)", device_.str());
   if (cuda_) cudart::synchronize(cuda_.get());
 }
 

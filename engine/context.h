@@ -97,10 +97,17 @@ class DeviceContext {
   const Device& device() const { return device_; }
   bool is_cuda() const { return device_.is_cuda(); }
   Allocator& allocator() { return *allocator_; }
-  Backend& ops() { return profiled_ ? *profiled_ : *backend_; }
+  Backend& ops() { return recorder_ ? *recorder_ : profiled_ ? *profiled_ : *backend_; }
   // Times every op alone into `profile` from now on (engine/op_profile.h); nullptr stops it.
   // Not while another thread runs ops on this context.
   void set_op_profile(OpProfile* profile);
+  bool profiling() const { return profiled_ != nullptr; }
+  // Whether a StepGraph (engine/step_graph.h) is being captured here: ops are recorded, not
+  // run, and synchronize() throws. begin_capture/end_capture are the StepGraph's: `recorder`
+  // takes the ops on CPU devices (null on CUDA ones, whose stream records them).
+  bool capturing() const { return capturing_; }
+  void begin_capture(Backend* recorder);
+  void end_capture();
   int threads() const { return threads_; }
   bool deterministic() const { return options_.deterministic; }
   Precision precision() const { return options_.precision; }
@@ -136,6 +143,8 @@ class DeviceContext {
   std::unique_ptr<Allocator> allocator_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Backend> profiled_;  // backend_ timed op by op (set_op_profile)
+  Backend* recorder_ = nullptr;        // CPU: records ops while a StepGraph is captured
+  bool capturing_ = false;
   std::unique_ptr<tbb::task_arena> arena_;
   std::unique_ptr<CudaState, void (*)(CudaState*)> cuda_{nullptr, nullptr};
 };

@@ -79,6 +79,9 @@ void event_record(CudaState* state, void* event) { api().event_record(state, eve
 void stream_wait_event(CudaState* state, void* event) { api().stream_wait_event(state, event); }
 void event_synchronize(void* event) { api().event_synchronize(event); }
 std::unique_ptr<Backend> make_backend() { return api().make_backend(); }
+void capture_begin(CudaState* state) { api().capture_begin(state); }
+void* capture_end(CudaState* state, size_t* nodes) { return api().capture_end(state, nodes); }
+void graph_launch(CudaState* state, void* graph) { api().graph_launch(state, graph); }
 
 // Releases run from destructors and only ever receive what the plugin handed out: without a
 // plugin there is nothing to release.
@@ -96,6 +99,9 @@ void synchronize(CudaState* state) {
 }
 void event_destroy(void* event) {
   if (event && loaded().api) loaded().api->event_destroy(event);
+}
+void graph_destroy(void* graph) {
+  if (graph && loaded().api) loaded().api->graph_destroy(graph);
 }
 
 }  // namespace cudart

@@ -45,6 +45,14 @@ void stream_wait_event(CudaState* state, void* event);  // the state's stream wa
 void event_synchronize(void* event);  // the host waits for it
 
 std::unique_ptr<Backend> make_backend();  // the CUDA kernels (engine/ops.h)
+// CUDA Graphs (engine/step_graph.h): what the state's stream is given between capture_begin and
+// capture_end is recorded, not run, and instantiated into an executable graph (`nodes` set to
+// its node count). capture_end always ends the capture, and throws when it failed (what the
+// stream was given that it cannot record, e.g. a host sync, is named).
+void capture_begin(CudaState* state);
+void* capture_end(CudaState* state, size_t* nodes);
+void graph_launch(CudaState* state, void* graph);  // enqueued on the state's stream
+void graph_destroy(void* graph);                   // never throws
 
 // Loads the plugin even where no driver is seen (tests, --list-devices). Empty when the CUDA
 // backend is usable as far as this machine allows; else why not, in one line.
@@ -73,6 +81,10 @@ struct CudaPluginApi {
   void (*stream_wait_event)(CudaState*, void*);
   void (*event_synchronize)(void*);
   std::unique_ptr<Backend> (*make_backend)();
+  void (*capture_begin)(CudaState*);
+  void* (*capture_end)(CudaState*, size_t*);
+  void (*graph_launch)(CudaState*, void*);
+  void (*graph_destroy)(void*);
 };
 
 }  // namespace replica

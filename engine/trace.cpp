@@ -94,7 +94,8 @@ TraceSpan::TraceSpan(std::string track, std::string phase, DeviceContext* ctx)
 
 TraceSpan::~TraceSpan() {
   Tracer& t = Tracer::global();
-  if (ctx_ && t.sync_device() && ctx_->is_cuda()) {
+  // Not while the context captures a step: its work has not run, and a sync breaks the capture.
+  if (ctx_ && t.sync_device() && ctx_->is_cuda() && !ctx_->capturing()) {
     try {
       ctx_->synchronize();
     } catch (...) {

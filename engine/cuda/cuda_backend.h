@@ -26,6 +26,11 @@ namespace cuda {
 constexpr int kThreads = 256;
 
 std::unique_ptr<Backend> make_backend();  // cudart::make_backend() through the plugin table
+// CUDA Graph capture and replay (engine/cudart.h; engine/cuda/step_graph.cu).
+void capture_begin(CudaState* state);
+void* capture_end(CudaState* state, size_t* nodes);
+void graph_launch(CudaState* state, void* graph);
+void graph_destroy(void* graph);
 
 // Blocks for a grid-stride loop over n elements (n > 0).
 inline int grid_for(int64_t n, int threads = kThreads) {

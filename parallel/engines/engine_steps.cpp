@@ -112,6 +112,27 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
   });
 }
 
+Tensor local_step(DeviceContext& ctx, Model& model, PrimaryStep& step, const Tensor& x,
+                  const Tensor& y, const std::string& track) {
+  Tensor loss;
+  {
+    TraceSpan span(track, "forward", &ctx);
+    model.zero_grad(ctx);
+    Tensor logits = model.forward(ctx, x);
+    loss = step.criterion.forward(ctx, logits, y);
+  }
+  {
+    TraceSpan span(track, "backward", &ctx);
+    Tensor dlogits = step.criterion.backward(ctx);
+    model.backward(ctx, dlogits);
+  }
+  {
+    TraceSpan span(track, "step", &ctx);
+    step.optimizer->apply_step(ctx, model.flat_params(), model.flat_grads());
+  }
+  return loss;
+}
+
 PrimaryStep::PrimaryStep(DeviceContext& ctx, const OptimizerOptions& optimizer_options)
     : optimizer(make_optimizer(optimizer_options)) {
   ctx.run([&] {

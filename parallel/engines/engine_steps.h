@@ -62,6 +62,14 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
                     const Batch& batch, int64_t begin, int64_t end, double& loss_sum,
                     int64_t& correct);
 
+// One optimizer step of `model` on one device over images x and labels y, after the
+// optimizer's prepare_step: gradients zeroed, forward, loss, backward, the update (apply_step),
+// traced as "forward", "backward" and "step" on `track`. Returns the mean loss (a device
+// tensor). All device work: what CapturedStep records (parallel/engines/captured_step.h).
+struct PrimaryStep;
+Tensor local_step(DeviceContext& ctx, Model& model, PrimaryStep& step, const Tensor& x,
+                  const Tensor& y, const std::string& track);
+
 // The step on an engine's primary device (DP: device 0; DDP: this rank's): its optimizer and
 // criterion, the last step's mean loss (a device tensor: reading it is a host sync), and the
 // forward's multiply-adds per sample, taken from the first step.

@@ -3,6 +3,7 @@
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "layers/loss.h"
+#include "parallel/engines/captured_step.h"
 #include "parallel/engines/engine_steps.h"
 #include "parallel/engines/train_engine.h"
 
@@ -16,7 +17,8 @@ class SingleDeviceEngine final : public TrainEngine {
       : ctx_(device, context_options(o, o.threads_per_device)),
         track_(device.str()),
         step_(ctx_, o.optimizer),
-        prefetcher_({&ctx_}, o.prefetch_on_cpu) {
+        prefetcher_({&ctx_}, o.prefetch_on_cpu),
+        captured_(o.cuda_graphs) {
     model_ = make_model(o.model, o.input_shape, o.num_classes);
     ctx_.run([&] { model_->materialize(ctx_, o.seed); });
   }
@@ -29,22 +31,10 @@ class SingleDeviceEngine final : public TrainEngine {
     REPLICA_CHECK(batch.size() > 0, "empty batch");
     ctx_.run([&] {
       auto [x, y] = whole_batch_to_device(ctx_, batch, track_);
-      {
-        TraceSpan span(track_, "forward", &ctx_);
-        model_->zero_grad(ctx_);
-        logits_ = model_->forward(ctx_, x);
-        step_.loss = step_.criterion.forward(ctx_, logits_, y);
-      }
-      {
-        TraceSpan span(track_, "backward", &ctx_);
-        Tensor dlogits = step_.criterion.backward(ctx_);
-        logits_ = Tensor();
-        model_->backward(ctx_, dlogits);
-      }
-      {
-        TraceSpan span(track_, "step", &ctx_);
-        step_.optimizer->step(ctx_, model_->flat_params(), model_->flat_grads());
-      }
+      step_.optimizer->prepare_step(ctx_, model_->flat_params().numel());
+      step_.loss = captured_.run(ctx_, x, y, [&](const Tensor& xs, const Tensor& ys) {
+        return local_step(ctx_, *model_, step_, xs, ys, track_);
+      });
     });
     step_.note_forward(model_->last_forward_macs(), batch.size());
   }
@@ -66,14 +56,15 @@ class SingleDeviceEngine final : public TrainEngine {
   DeviceContext& primary() override { return ctx_; }
   Optimizer& optimizer() override { return *step_.optimizer; }
   double forward_macs_per_sample() const override { return step_.macs_per_sample; }
+  const CapturedStep* captured_step() const override { return &captured_; }
 
  private:
   DeviceContext ctx_;
   std::string track_;
   PrimaryStep step_;
   BatchPrefetcher prefetcher_;
+  CapturedStep captured_;
   std::unique_ptr<Model> model_;
-  Tensor logits_;
 };
 
 }  // namespace

@@ -28,6 +28,9 @@ struct EngineOptions {
   // place, so the staging runs where there is no GPU (BatchPrefetcher's stage_on_cpu;
   // replica-train sets it when REPLICA_PREFETCH_ON_CPU is in the environment).
   bool prefetch_on_cpu = false;
+  // Each step captured once and replayed as a CUDA Graph (--cuda-graphs; CapturedStep). Single
+  // device runs, and DP on one device; on CPU devices the capture is recorded op by op (tests).
+  bool cuda_graphs = false;
 };
 
 // What each device's context is made with: `threads` CPU threads, the run's determinism,
@@ -35,6 +38,8 @@ struct EngineOptions {
 inline ContextOptions context_options(const EngineOptions& o, int threads) {
   return {threads, o.deterministic, o.precision, o.cudnn_benchmark, o.channels_last};
 }
+
+class CapturedStep;  // parallel/engines/captured_step.h
 
 class TrainEngine {
  public:
@@ -101,6 +106,9 @@ class TrainEngine {
   virtual int64_t comm_bytes_per_step() const { return 0; }
   // Multiply-adds of one forward over one sample (for FLOP/s reports).
   virtual double forward_macs_per_sample() const = 0;
+  // The step as captured with cuda_graphs (how many nodes, how many replays); null when the
+  // engine runs its steps eagerly.
+  virtual const CapturedStep* captured_step() const { return nullptr; }
 
  private:
   std::vector<size_t> per_device(size_t (Allocator::*read)() const) {

@@ -1,0 +1,43 @@
+#include "parallel/engines/captured_step.h"
+
+#include <cstdio>
+
+#include "engine/context.h"
+#include "engine/error.h"
+#include "engine/ops.h"
+#include "engine/trace.h"
+
+namespace replica {
+
+bool CapturedStep::capture(DeviceContext& ctx, const Tensor& x, const Tensor& y,
+                           const Body& body) {
+  // Shared-pool tensors, made before the capture: the graph reads them, the host refills them.
+  x_ = ctx.alloc(x.shape(), x.dtype());
+  y_ = ctx.alloc(y.shape(), y.dtype());
+  try {
+    graph_ = std::make_unique<StepGraph>(ctx, [&] { loss_ = body(x_, y_); });
+    return true;
+  } catch (const Error& e) {
+    refused_ = true;
+    x_ = y_ = loss_ = Tensor();
+    std::fprintf(stderr, "replica: --cuda-graphs: the step on %s could not be captured, so it "
+                 "runs uncaptured: %s\n", ctx.device().str().c_str(), e.what());
+    return false;
+  }
+}
+
+Tensor CapturedStep::run(DeviceContext& ctx, const Tensor& x, const Tensor& y,
+                         const Body& body) {
+  if (!enabled_ || refused_ || steps_++ < kEagerSteps) return body(x, y);
+  if (graph_ && (x.shape() != x_.shape() || y.shape() != y_.shape())) return body(x, y);
+  // Nothing of the capture has run: the replay below is this step.
+  if (!graph_ && !capture(ctx, x, y, body)) return body(x, y);
+  TraceSpan span(ctx.device().str(), "step_graph", &ctx);
+  ctx.ops().copy(ctx, x_, x);
+  ctx.ops().copy(ctx, y_, y);
+  graph_->replay();
+  ++replays_;
+  return loss_;
+}
+
+}  // namespace replica

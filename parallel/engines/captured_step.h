@@ -1,0 +1,47 @@
+// A device's training step run eagerly, or, with --cuda-graphs, captured once as a StepGraph
+// (engine/step_graph.h) and replayed. The first steps run eagerly: they build what a step
+// builds once (cuDNN plans, timed algorithms, the optimizer's state), which a capture must not
+// contain. The third step is captured; from then on each step copies its batch into the
+// tensors the graph reads and replays it. A batch of another shape (an epoch's short last one)
+// runs eagerly. Where the device cannot capture the step, the run says why, once, on stderr,
+// and goes on eagerly.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "engine/step_graph.h"
+#include "engine/tensor.h"
+
+namespace replica {
+
+class DeviceContext;
+
+class CapturedStep {
+ public:
+  // The step over images x and labels y on their device; returns its mean loss (a device
+  // tensor). Everything in it must be device work: it is what the graph records.
+  using Body = std::function<Tensor(const Tensor& x, const Tensor& y)>;
+
+  explicit CapturedStep(bool enabled) : enabled_(enabled) {}
+
+  // Runs `body` over (x, y) on ctx, eagerly or by replay; returns the step's loss tensor.
+  Tensor run(DeviceContext& ctx, const Tensor& x, const Tensor& y, const Body& body);
+
+  bool captured() const { return graph_ != nullptr; }
+  size_t nodes() const { return graph_ ? graph_->nodes() : 0; }
+  int64_t replays() const { return replays_; }
+
+  static constexpr int kEagerSteps = 2;  // run before the capture
+
+ private:
+  bool capture(DeviceContext& ctx, const Tensor& x, const Tensor& y, const Body& body);
+
+  bool enabled_;
+  bool refused_ = false;
+  int64_t steps_ = 0, replays_ = 0;
+  Tensor x_, y_, loss_;  // what the graph reads and where it leaves the loss
+  std::unique_ptr<StepGraph> graph_;
+};
+
+}  // namespace replica

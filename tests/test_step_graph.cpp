@@ -1,0 +1,146 @@
+// Steps captured once and replayed (engine/step_graph.h, CapturedStep): the allocator's private
+// pools, the capture's rules (ops recorded, not run; no host sync; the context left as it was
+// whichever way a capture ends), and training with captured steps ending in the bits of
+// training without them: SGD with momentum, a learning rate changed every step, Adam, BatchNorm
+// statistics, an epoch's short last batch in between. On CPU devices the capture records ops on
+// the CPU backend, so the rules a CUDA Graph imposes are checked without a GPU;
+// test_cuda_training runs the same on a GPU.
+#include <doctest/doctest.h>
+
+#include <cstring>
+
+#include "dp_reference.h"
+#include "engine/step_graph.h"
+#include "parallel/engines/captured_step.h"
+
+using namespace replica;
+
+namespace {
+
+const Device kCpu{DeviceType::CPU, 0, 0};
+
+float value_of(const Tensor& t) { return t.f32()[0]; }
+
+}  // namespace
+
+TEST_CASE("a private pool's blocks serve only that pool, and stay out of empty_cache") {
+  Allocator a(Allocator::Kind::Host, kCpu);
+  auto shared = a.allocate(4096);
+  a.release(shared);  // a free shared block
+  const int pool = a.new_pool();
+  CHECK(pool > 0);
+  a.use_pool(pool);
+  auto mine = a.allocate(4096);
+  CHECK(mine.ptr != shared.ptr);  // not the shared pool's free block
+  a.release(mine);
+  auto again = a.allocate(4096);
+  CHECK(again.ptr == mine.ptr);  // the pool's own free block
+  a.release(again);
+  a.use_pool(0);
+  auto other = a.allocate(4096);
+  CHECK(other.ptr == shared.ptr);  // the shared pool never takes the private block
+  const size_t held = a.bytes_held();
+  a.empty_cache();  // the private segment is all free, but a graph may still write there
+  CHECK(a.bytes_held() == held);
+  a.release(other);
+  a.close_pool(pool);
+  a.empty_cache();
+  CHECK(a.bytes_held() == 0);  // closed: its segment went back like any other
+  CHECK_THROWS(a.use_pool(pool + 1));
+}
+
+TEST_CASE("a captured step records its ops, runs them only when replayed, in order") {
+  DeviceContext ctx(kCpu, ContextOptions{1});
+  Tensor t = ctx.alloc({1});
+  ctx.ops().fill(ctx, t, 1.f);
+  Tensor made;
+  StepGraph graph(ctx, [&] {
+    CHECK(ctx.capturing());
+    ctx.ops().scale(ctx, t, 3.f);
+    made = ctx.alloc({1});
+    ctx.ops().fill(ctx, made, 2.f);
+    ctx.ops().add(ctx, t, made, 1.f);
+  });
+  CHECK(!ctx.capturing());
+  CHECK(graph.nodes() == 3);
+  CHECK(value_of(t) == 1.f);  // nothing ran
+  graph.replay();
+  CHECK(value_of(t) == 5.f);  // 1 * 3 + 2
+  graph.replay();
+  CHECK(value_of(t) == 17.f);
+  CHECK(value_of(made) == 2.f);
+}
+
+TEST_CASE("a capture that syncs with the host or throws leaves the context as it was") {
+  DeviceContext ctx(kCpu, ContextOptions{1});
+  Tensor t = ctx.alloc({1});
+  ctx.ops().fill(ctx, t, 1.f);
+  CHECK_THROWS_WITH(StepGraph(ctx, [&] {
+                      ctx.ops().scale(ctx, t, 3.f);
+                      ctx.synchronize();
+                    }),
+                    doctest::Contains("a host sync inside a captured step"));
+  CHECK(!ctx.capturing());
+  CHECK(value_of(t) == 1.f);  // the recorded op never ran
+  ctx.ops().scale(ctx, t, 3.f);  // ops run again at once
+  CHECK(value_of(t) == 3.f);
+  ctx.synchronize();
+  // The allocator is back on its shared pool: a block freed now is handed out again.
+  auto block = ctx.allocator().allocate(1 << 12);
+  ctx.allocator().release(block);
+  CHECK(ctx.allocator().allocate(1 << 12).ptr == block.ptr);
+}
+
+namespace {
+
+// Trains two single-device engines, one capturing its steps, on the same batches; `between`
+// runs on both before each step (e.g. a learning-rate schedule). Returns the captured one's
+// CapturedStep counters after checking the parameters and the last loss agree bit for bit.
+void check_same_training(EngineOptions o, const std::vector<Batch>& batches,
+                         const std::function<void(TrainEngine&, size_t)>& between = {}) {
+  o.threads_per_device = 1;
+  auto eager = make_single_device_engine(kCpu, o);
+  o.cuda_graphs = true;
+  auto captured = make_single_device_engine(kCpu, o);
+  for (size_t k = 0; k < batches.size(); ++k) {
+    CAPTURE(k);
+    for (TrainEngine* e : {eager.get(), captured.get()}) {
+      if (between) between(*e, k);
+      e->train_step(batches[k]);
+    }
+    CHECK(eager->last_loss() == captured->last_loss());
+  }
+  const CapturedStep* step = captured->captured_step();
+  REQUIRE(step != nullptr);
+  CHECK(step->captured());
+  CHECK(step->nodes() > 10);
+  CHECK(step->replays() > 0);
+  CHECK(eager->captured_step()->replays() == 0);
+  const auto a = test::params_of(*eager), b = test::params_of(*captured);
+  REQUIRE(a.size() == b.size());
+  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  // The model's buffers too (BatchNorm's running statistics), one flat tensor.
+  const auto c = test::host_values(*eager, eager->model().flat_buffers());
+  const auto d = test::host_values(*captured, captured->model().flat_buffers());
+  REQUIRE(c.size() == d.size());
+  CHECK(std::memcmp(c.data(), d.data(), c.size() * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("captured steps train as eager ones: CNN, SGD with momentum, lr set every step") {
+  EngineOptions o = test::sgd_options("cnn", {1, 28, 28});
+  auto batches = test::make_batches({1, 28, 28}, 16, 7, 3);
+  // An epoch's short last batch between replays: it runs eagerly, the graph goes on after it.
+  batches.insert(batches.begin() + 4, test::make_batches({1, 28, 28}, 5, 1, 4)[0]);
+  check_same_training(o, batches, [](TrainEngine& e, size_t k) {
+    e.optimizer().set_lr(scheduled_lr("cosine", 0.05f, int64_t(k), 8));
+  });
+}
+
+TEST_CASE("captured steps train as eager ones: ResNet-18 with BatchNorm, Adam") {
+  EngineOptions o = test::sgd_options("resnet18", {3, 16, 16});
+  o.optimizer.name = "adam";
+  o.optimizer.lr = 1e-3f;
+  check_same_training(o, test::make_batches({3, 16, 16}, 4, 5, 8));
+}
