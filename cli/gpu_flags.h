@@ -1,6 +1,7 @@
 // The flags that say how a device does its math, declared once for the programs that train
 // (replica-train, replica-bench), so each means the same in both: --precision, --cudnn-benchmark
-// and --memory-format (engine/context.h resolves them). Header-only: programs link CLI11.
+// and --memory-format (engine/context.h resolves them), and --cuda-graphs, which says how the
+// step is issued. Header-only: programs link CLI11.
 #pragma once
 #include <string>
 
@@ -24,6 +25,13 @@ inline void add_math_flags(CLI::App& app, const std::string& scope, std::string&
                          "cuDNN's tensor-core layout), nchw (in place), auto (channels_last in "
                          "bf16, else nchw; pytorch_bench.py --memory-format)")
       ->capture_default_str();
+}
+
+// --cuda-graphs (parallel/engines/captured_step.h).
+inline void add_cuda_graphs_flag(CLI::App& app, const std::string& scope, bool& cuda_graphs) {
+  app.add_flag("--cuda-graphs", cuda_graphs,
+               scope + "one GPU: capture the training step once as a CUDA Graph and replay it "
+                       "(one launch a step instead of one per kernel; after 2 eager steps)");
 }
 
 }  // namespace replica

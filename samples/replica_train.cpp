@@ -127,6 +127,7 @@ void declare_training(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_option("--seed", t.seed, "seed for initialisation and data order (>= 0)")
       ->capture_default_str();
   add_math_flags(app, "", c.precision, c.engine.cudnn_benchmark, c.memory_format);
+  add_cuda_graphs_flag(app, "", c.engine.cuda_graphs);
   app.add_flag("--deterministic", c.engine.deterministic,
                "bit-reproducible runs (CPU always is; CUDA picks deterministic algorithms; not "
                "with --cudnn-benchmark)");

@@ -11,6 +11,7 @@
 
 #include "dp_reference.h"
 #include "engine/step_graph.h"
+#include "parallel/engines/dp_engine.h"
 #include "parallel/engines/captured_step.h"
 
 using namespace replica;
@@ -97,11 +98,12 @@ namespace {
 // runs on both before each step (e.g. a learning-rate schedule). Returns the captured one's
 // CapturedStep counters after checking the parameters and the last loss agree bit for bit.
 void check_same_training(EngineOptions o, const std::vector<Batch>& batches,
-                         const std::function<void(TrainEngine&, size_t)>& between = {}) {
+                         const std::function<void(TrainEngine&, size_t)>& between = {},
+                         bool dp = false) {
   o.threads_per_device = 1;
   auto eager = make_single_device_engine(kCpu, o);
   o.cuda_graphs = true;
-  auto captured = make_single_device_engine(kCpu, o);
+  auto captured = dp ? make_dp_engine({kCpu}, o, DpOptions{}) : make_single_device_engine(kCpu, o);
   for (size_t k = 0; k < batches.size(); ++k) {
     CAPTURE(k);
     for (TrainEngine* e : {eager.get(), captured.get()}) {
@@ -114,8 +116,10 @@ void check_same_training(EngineOptions o, const std::vector<Batch>& batches,
   REQUIRE(step != nullptr);
   CHECK(step->captured());
   CHECK(step->nodes() > 10);
+  MESSAGE(o.model << ": " << step->nodes() << " ops recorded in a step");
   CHECK(step->replays() > 0);
   CHECK(eager->captured_step()->replays() == 0);
+  CHECK(captured->mode() == (dp ? "dp" : "single"));
   const auto a = test::params_of(*eager), b = test::params_of(*captured);
   REQUIRE(a.size() == b.size());
   CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
@@ -143,4 +147,17 @@ TEST_CASE("captured steps train as eager ones: ResNet-18 with BatchNorm, Adam") 
   o.optimizer.name = "adam";
   o.optimizer.lr = 1e-3f;
   check_same_training(o, test::make_batches({3, 16, 16}, 4, 5, 8));
+}
+
+TEST_CASE("DP on one device captures the single-device step, with prefetched batches") {
+  EngineOptions o = test::sgd_options("resnet18", {3, 16, 16});
+  o.prefetch_on_cpu = true;
+  const auto batches = test::make_batches({3, 16, 16}, 4, 5, 9);
+  check_same_training(o, batches, {}, /*dp=*/true);
+  // Every staged part was taken by its step.
+  o.cuda_graphs = true;
+  o.threads_per_device = 1;
+  auto dp = make_dp_engine({kCpu}, o, DpOptions{});
+  test::train_prefetching(*dp, test::make_batches({3, 16, 16}, 4, 4, 9), 1);
+  CHECK(dp->captured_step()->replays() == 2);
 }

@@ -27,6 +27,10 @@ short summary (OUT/PART/summary.md):
                                                      # interface pay, and where each step's time
                                                      # goes; the CNN at batch 32 and 256 in fp32
                                                      # and tf32
+    python3 tools/gpu_checks.py graphs --out OUT     # one GPU's step issued kernel by kernel
+                                                     # and replayed as a CUDA Graph
+                                                     # (--cuda-graphs): the CNN at batch 32 and
+                                                     # 256, ResNet-50 at 64, fp32 and tf32
     python3 tools/gpu_checks.py tests --out OUT      # the test suites: the gpu-labelled ones one
                                                      # at a time (a GPU suite that skips on a GPU
                                                      # fails the check; a case inside one that
@@ -364,8 +368,45 @@ def speed(p):
             p.note(f.read())
 
 
+# (model, input, batch): the launch-bound CNN at the main job's batch and at 256, and ResNet-50,
+# whose step is long enough that CUDA Graphs should change little.
+GRAPH_CASES = [("cnn", "1x28x28", 32), ("cnn", "1x28x28", 256), ("resnet50", "3x224x224", 64)]
+
+
+def graphs(p):
+    if not p.gpu:
+        p.note("- not run: CUDA Graphs need a GPU (test_step_graph checks captured steps on CPU)")
+        return
+    p.note("replica-bench --suite dp --device-counts 1, each step issued kernel by kernel and "
+           "replayed as a CUDA Graph (--cuda-graphs), alternated in one call:\n")
+    p.note("| model | input | batch | precision | eager samples/s | graph samples/s | graph / "
+           "eager |\n|---|---|---:|---|---:|---:|---:|")
+    for model, shape, batch in GRAPH_CASES:
+        for precision in ("fp32", "tf32"):
+            sps = {}
+            for mode in ("eager", "graph", "eager-again", "graph-again"):
+                name = f"{model}-b{batch}-{precision}-{mode}"
+                out_json = os.path.join(p.dir, name + ".jsonl")
+                if os.path.exists(out_json):
+                    os.remove(out_json)  # --json appends
+                p.run(name, [p.bin("replica-bench"), "--suite", "dp", "--devices",
+                             p.args.device, "--device-counts", "1", "--model", model,
+                             "--input-shape", shape, "--batch", str(batch), "--precision",
+                             precision, "--json", out_json]
+                      + (["--cuda-graphs"] if mode.startswith("graph") else []))
+                if os.path.exists(out_json):
+                    with open(out_json) as f:
+                        rows = [json.loads(l) for l in f if l.strip()]
+                    if rows:
+                        sps.setdefault(mode.split("-")[0], []).append(rows[-1]["samples_per_sec"])
+            if len(sps.get("eager", [])) and len(sps.get("graph", [])):
+                e, g = max(sps["eager"]), max(sps["graph"])
+                p.note(f"| {model} | {shape} | {batch} | {precision} | {e:,.0f} | {g:,.0f} | "
+                       f"{g / e:.2f}x |")
+
+
 PARTS = {"tests": tests, "accuracy": accuracy, "overlap": overlap, "report": report, "ops": ops,
-         "speed": speed}
+         "speed": speed, "graphs": graphs}
 
 
 def main():

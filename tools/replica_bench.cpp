@@ -70,6 +70,7 @@ void declare_devices(CLI::App& app, BenchOptions& o) {
   app.add_option("--backend", o.backend, "DDP collectives: auto | gloo | nccl")
       ->capture_default_str();
   add_math_flags(app, "dp/ddp/ops: ", o.precision, o.cudnn_benchmark, o.memory_format);
+  add_cuda_graphs_flag(app, "dp on one device: ", o.cuda_graphs);
   app.add_flag("--by-shape", o.by_shape,
                "ops: split each op's time by the shapes of its tensors (which layer is slow)");
   app.add_option("--timeout", o.timeout_s,

@@ -16,6 +16,9 @@ bool CapturedStep::capture(DeviceContext& ctx, const Tensor& x, const Tensor& y,
   y_ = ctx.alloc(y.shape(), y.dtype());
   try {
     graph_ = std::make_unique<StepGraph>(ctx, [&] { loss_ = body(x_, y_); });
+    std::fprintf(stderr, "replica: %s: step %lld captured as %s of %zu nodes, replayed from "
+                 "here on\n", ctx.device().str().c_str(), (long long)steps_,
+                 ctx.is_cuda() ? "a CUDA Graph" : "a recorded graph", graph_->nodes());
     return true;
   } catch (const Error& e) {
     refused_ = true;
@@ -38,6 +41,14 @@ Tensor CapturedStep::run(DeviceContext& ctx, const Tensor& x, const Tensor& y,
   graph_->replay();
   ++replays_;
   return loss_;
+}
+
+void check_cuda_graphs(const std::vector<Device>& devices, const std::string& mode) {
+  REPLICA_USAGE_CHECK(mode != "ddp" && devices.size() == 1,
+                      "--cuda-graphs captures one device's step: --mode single, or dp on one "
+                      "device (DP over several devices and DDP run uncaptured)");
+  REPLICA_USAGE_CHECK(devices[0].is_cuda(), "--cuda-graphs captures a GPU's step: {} is not a "
+                      "CUDA device", devices[0].str());
 }
 
 }  // namespace replica

@@ -10,6 +10,9 @@
 #include <memory>
 #include <string>
 
+#include <vector>
+
+#include "engine/device.h"
 #include "engine/step_graph.h"
 #include "engine/tensor.h"
 
@@ -43,5 +46,10 @@ class CapturedStep {
   Tensor x_, y_, loss_;  // what the graph reads and where it leaves the loss
   std::unique_ptr<StepGraph> graph_;
 };
+
+// --cuda-graphs for a run of `mode` ("single", "dp" or "ddp") over `devices`: a UsageError
+// unless they are one CUDA device (DP over several devices and DDP run their steps uncaptured:
+// their workers and collectives are not captured yet).
+void check_cuda_graphs(const std::vector<Device>& devices, const std::string& mode);
 
 }  // namespace replica

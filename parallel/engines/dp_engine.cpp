@@ -13,6 +13,7 @@
 #include "layers/loss.h"
 #include "parallel/comm/bucket_reducer.h"
 #include "parallel/comm/worker_pool.h"
+#include "parallel/engines/captured_step.h"
 #include "parallel/engines/dp_engine.h"
 #include "parallel/engines/engine_steps.h"
 #include "parallel/engines/scatter.h"
@@ -25,7 +26,9 @@ class DataParallelEngine final : public TrainEngine {
  public:
   DataParallelEngine(const std::vector<Device>& devices, const EngineOptions& o,
                      const DpOptions& dp)
-      : pool_(static_cast<int>(devices.size())) {
+      : pool_(static_cast<int>(devices.size())),
+        one_step_(devices.size() == 1 && o.cuda_graphs),
+        captured_(one_step_) {
     const int n = static_cast<int>(devices.size());
     const int threads =
         o.threads_per_device > 0 ? o.threads_per_device : std::max(1, cpu_cores() / n);
@@ -37,9 +40,10 @@ class DataParallelEngine final : public TrainEngine {
       r.track = devices[i].str();
       r.model = make_model(o.model, o.input_shape, o.num_classes);
       r.ctx->run([&] { r.model->materialize(*r.ctx, o.seed); });
-      r.model->set_grad_hook([this, i](const std::vector<Param*>& ready) {
-        reducer_->on_ready(i, ready);
-      });
+      if (!one_step_)
+        r.model->set_grad_hook([this, i](const std::vector<Param*>& ready) {
+          reducer_->on_ready(i, ready);
+        });
     });
     std::vector<Model*> models;
     for (auto& r : replicas_) models.push_back(r.model.get());
@@ -77,6 +81,7 @@ class DataParallelEngine final : public TrainEngine {
   void train_step(const Batch& batch) override {
     const int64_t total = batch.size();
     REPLICA_CHECK(total > 0, "empty batch");
+    if (one_step_) return captured_train_step(batch);
     const int n = static_cast<int>(replicas_.size());
     const auto chunks = scatter_chunks(total, n);
     int active = 0;
@@ -145,6 +150,7 @@ class DataParallelEngine final : public TrainEngine {
   Optimizer& optimizer() override { return *step_->optimizer; }
   void state_loaded() override { broadcast(); }
   double forward_macs_per_sample() const override { return step_->macs_per_sample; }
+  const CapturedStep* captured_step() const override { return one_step_ ? &captured_ : nullptr; }
   // Gradient bytes moved to device 0 in one step.
   int64_t comm_bytes_per_step() const override {
     return int64_t(last_active_ - 1) * replicas_[0].model->num_params() * int64_t(sizeof(float));
@@ -158,6 +164,28 @@ class DataParallelEngine final : public TrainEngine {
     Tensor x, logits;
     std::unique_ptr<StreamEvent> forward_done = std::make_unique<StreamEvent>();
   };
+
+  // One device with CUDA Graphs: nothing to scatter, gather or reduce, so the step is the
+  // single-device one (as DataParallel runs the module itself for one device), on this thread,
+  // captured once. The images and labels are taken as prefetch() staged them.
+  void captured_train_step(const Batch& batch) {
+    Replica& r = replicas_[0];
+    DeviceContext& c0 = *r.ctx;
+    c0.run([&] {
+      Tensor x, y;
+      {
+        TraceSpan span(r.track, batch.resident ? "batch_gather" : "h2d", &c0);
+        x = batch_rows(c0, batch, 0, batch.size(), BatchParts::Images).images;
+        y = batch_rows(c0, batch, 0, batch.size(), BatchParts::Labels).labels;
+      }
+      step_->optimizer->prepare_step(c0, r.model->flat_params().numel());
+      step_->loss = captured_.run(c0, x, y, [&](const Tensor& xs, const Tensor& ys) {
+        return local_step(c0, *r.model, *step_, xs, ys, r.track);
+      });
+    });
+    last_active_ = 1;
+    step_->note_forward(r.model->last_forward_macs(), batch.size());
+  }
 
   // Scatter + forward: each worker copies its own chunk of the host batch and runs forward.
   void scatter_forward(const Batch& batch, const std::vector<Chunk>& chunks, int active) {
@@ -254,6 +282,8 @@ class DataParallelEngine final : public TrainEngine {
   std::unique_ptr<BucketReducer> reducer_;
   std::optional<PrimaryStep> step_;  // on device 0, made once the replicas are
   std::unique_ptr<BatchPrefetcher> prefetcher_;  // likewise
+  const bool one_step_;     // one device, steps captured: captured_train_step
+  CapturedStep captured_;
   StreamEvent loss_done_;
   int last_active_ = 1;
 };

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "engine/trace.h"
+#include "parallel/engines/captured_step.h"
 #include "parallel/loop/checkpointing.h"
 #include "parallel/loop/run_summary.h"
 
@@ -116,6 +117,9 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
       double(t.samples - first.samples) / std::max(t.train_seconds - first.seconds, 1e-9);
   nlohmann::json devices = nlohmann::json::array();
   for (const auto& d : engine_.devices()) devices.push_back(d.str());
+  const CapturedStep* captured =
+      engine_.captured_step() && engine_.captured_step()->captured() ? engine_.captured_step()
+                                                                     : nullptr;
   nlohmann::json m = {
       {"model", c_.engine.model},
       {"mode", engine_.mode()},
@@ -130,6 +134,9 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
                         ? nlohmann::json(conv_api_name(engine_.primary().conv_api()))
                         : nlohmann::json()},
       {"memory_format", memory_format_name(c_.engine.channels_last)},
+      // --cuda-graphs: the captured step's nodes and how many steps replayed it
+      {"cuda_graph_nodes", captured ? nlohmann::json(captured->nodes()) : nlohmann::json()},
+      {"cuda_graph_replays", captured ? nlohmann::json(captured->replays()) : nlohmann::json()},
       {"collectives", world_ > 1 ? nlohmann::json(engine_.comm_description()) : nlohmann::json()},
       {"reduce", c_.mode == "dp" ? nlohmann::json(c_.reduce) : nlohmann::json(nullptr)},
       {"comm_bytes_per_step", engine_.comm_bytes_per_step()},

@@ -7,6 +7,7 @@
 #include "engine/error.h"
 #include "engine/output_files.h"
 #include "layers/optimizer.h"
+#include "parallel/engines/captured_step.h"
 #include "parallel/comm/process_group.h"
 #include "parallel/rendezvous/rendezvous.h"
 #include "parallel/loop/trainer.h"
@@ -42,6 +43,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"deterministic", c.engine.deterministic},
           {"precision", c.precision},
           {"cudnn_benchmark", c.engine.cudnn_benchmark},
+          {"cuda_graphs", c.engine.cuda_graphs},
           {"memory_format", c.memory_format},
           {"reduce", c.reduce},
           {"bucket_cap_mb", c.bucket_cap_mb},
@@ -95,6 +97,7 @@ void validate(const TrainConfig& c) {
                       "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
   const std::vector<Device> devices = resolve_devices(c);
   resolve_channels_last(c.memory_format, resolve_precision(c.precision, devices), devices);
+  if (c.engine.cuda_graphs) check_cuda_graphs(devices, c.mode);
   // Before any rank starts: found by the ranks once they meet, the same error could reach the
   // launcher as a peer's lost connection instead.
   if (c.mode == "ddp" && c.backend == "nccl") check_nccl_usable(devices.at(0));

@@ -180,6 +180,7 @@ EngineOptions engine_options(const RunOptions& run) {
   eo.precision = run.precision;
   eo.cudnn_benchmark = run.cudnn_benchmark;
   eo.channels_last = run.channels_last;
+  eo.cuda_graphs = run.cuda_graphs;
   return eo;
 }
 

@@ -28,6 +28,7 @@ struct RunOptions {
   Precision precision = Precision::Fp32;
   bool cudnn_benchmark = false;  // GPUs: convolution algorithms timed per shape
   bool channels_last = false;    // GPUs: convolutions on NHWC operands (--memory-format)
+  bool cuda_graphs = false;      // one GPU: the step captured once and replayed
 };
 
 // The engine options of a run: its model, shape, seed, threads, precision, how convolution

@@ -28,6 +28,7 @@ struct BenchOptions {
   std::string backend = "auto";
   std::string precision = "auto";  // dp/ddp/ops: auto | fp32 | tf32 | bf16 (engine/context.h)
   bool cudnn_benchmark = false;    // dp/ddp/ops on GPUs: convolution algorithms timed per shape
+  bool cuda_graphs = false;        // dp on one GPU: the step captured and replayed
   std::string memory_format = "auto";  // dp/ddp/ops on GPUs: auto | nchw | channels_last
   bool by_shape = false;           // ops: each op split by its tensors' shapes
   double timeout_s = 300;

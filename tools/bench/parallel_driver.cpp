@@ -16,6 +16,7 @@
 
 #include "engine/error.h"
 #include "engine/output_files.h"
+#include "parallel/engines/captured_step.h"
 #include "parallel/loop/run_summary.h"
 #include "parallel/rendezvous/launcher.h"
 #include "tools/bench/alpha_beta.h"
@@ -72,6 +73,10 @@ SuiteOptions resolve(const BenchOptions& o) {
   s.run.precision = resolve_precision(o.precision, s.devices);
   s.run.cudnn_benchmark = o.cudnn_benchmark;
   s.run.channels_last = resolve_channels_last(o.memory_format, s.run.precision, s.devices);
+  s.run.cuda_graphs = o.cuda_graphs;
+  if (o.cuda_graphs)
+    check_cuda_graphs({s.devices.begin(), s.devices.begin() + largest},
+                      o.suite == "dp" ? "dp" : "ddp");
   s.run.threads_per_device = o.threads_per_device > 0
                                  ? o.threads_per_device
                                  : (s.devices[0].is_cuda() ? 1 : std::max(1, cpu_cores() / largest));

@@ -181,6 +181,7 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
                         ? nlohmann::json(conv_api_name(conv_api_from_environment()))
                         : nlohmann::json()},
       {"memory_format", memory_format_name(c.run.channels_last)},
+      {"cuda_graphs", c.run.cuda_graphs},
       {"warmup_steps", c.run.warmup},
       {"timed_steps", c.run.steps},
       {"repeats", c.run.repeat},
