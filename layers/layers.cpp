@@ -221,6 +221,10 @@ Tensor Dropout::forward(DeviceContext& ctx, const Tensor& x) {
     mask_ = Tensor();
     return x;
   }
+  // Its seed is a kernel argument that changes every call: a replayed step would draw the
+  // captured step's mask again. So a step with dropout is not captured (it runs eagerly).
+  REPLICA_CHECK(!ctx.capturing(), "dropout draws a new mask every step: a step with dropout "
+                "cannot be captured");
   Tensor y = ctx.alloc(x.shape());
   mask_ = ctx.alloc(x.shape());
   ctx.ops().dropout_forward(ctx, x, y, mask_, p_, seed_ * 0x100000001B3ull + calls_++);

@@ -11,6 +11,7 @@
 
 #include "dp_reference.h"
 #include "engine/step_graph.h"
+#include "layers/layers.h"
 #include "parallel/engines/dp_engine.h"
 #include "parallel/engines/captured_step.h"
 
@@ -160,4 +161,15 @@ TEST_CASE("DP on one device captures the single-device step, with prefetched bat
   auto dp = make_dp_engine({kCpu}, o, DpOptions{});
   test::train_prefetching(*dp, test::make_batches({3, 16, 16}, 4, 4, 9), 1);
   CHECK(dp->captured_step()->replays() == 2);
+}
+
+TEST_CASE("a step with dropout is not captured: its mask changes every step") {
+  DeviceContext ctx(kCpu, ContextOptions{1});
+  Dropout drop(0.5f, 7);
+  Tensor x = ctx.alloc({64});
+  ctx.ops().fill(ctx, x, 1.f);
+  CHECK_THROWS_WITH(StepGraph(ctx, [&] { drop.forward(ctx, x); }),
+                    doctest::Contains("cannot be captured"));
+  CHECK(!ctx.capturing());
+  drop.forward(ctx, x);  // eagerly, as before
 }

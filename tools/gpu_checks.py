@@ -360,6 +360,7 @@ def speed(p):
     code, out = p.run("vs-pytorch", [sys.executable, os.path.join(HERE, "replica_vs_pytorch.py"),
                                      "--out", out_dir, "--with-train",
                                      "--train-placements", "auto,host", "--bin", p.args.bin]
+                      + (["--cuda-graphs"] if p.args.cuda_graphs else [])
                       + [a for c in p.args.case for a in ("--case", c)],
                       timeout=3000)
     table = os.path.join(out_dir, "table.md")
@@ -419,6 +420,8 @@ def main():
     ap.add_argument("--case", action="append", default=[],
                     help="speed: MODEL:CxHxW:BATCH instead of replica_vs_pytorch.py's defaults "
                          "(repeatable)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="speed: replica replays its step as a CUDA Graph (PyTorch eager)")
     ap.add_argument("--bin", default=os.environ.get("B") or os.path.join(REPO, "build", "bin"))
     ap.add_argument("--budget", type=int, metavar="SECONDS",
                     help="the whole call's time: each program's limit is cut to what is left, "

@@ -17,6 +17,10 @@ Without PyTorch (or without a GPU for tf32) the cells it cannot fill say why.
 (replica-bench --cudnn-benchmark, torch.backends.cudnn.benchmark); without it both use cuDNN's
 heuristics. The tables say which.
 
+--cuda-graphs has replica capture its step as a CUDA Graph and replay it (replica-bench and
+replica-train --cuda-graphs); PyTorch stays eager, the comparison issue 12 sets. The tables say
+so.
+
 --with-train also runs `replica-train --synthetic` on each case, with its
 input pipeline, and puts its samples/s beside the benchmark's (preloaded batches) with the share
 of a step spent waiting for data: a second table in DIR/table.md. --train-placements host,device
@@ -88,6 +92,7 @@ def measure(args, model, shape, batch, precision, tmp):
     common = ["--model", model, "--input-shape", shape, "--seed", "0"]
     if args.cudnn_benchmark:
         common.append("--cudnn-benchmark")
+    graphs = ["--cuda-graphs"] if args.cuda_graphs else []  # replica's side only
     timing = []
     for flag in ("steps", "warmup", "repeat"):
         if getattr(args, flag) is not None:
@@ -97,7 +102,7 @@ def measure(args, model, shape, batch, precision, tmp):
     cells["replica"] = run_one(
         [os.path.join(args.bin, "replica-bench"), "--suite", "dp", "--devices", args.device,
          "--device-counts", "1", "--batch", str(batch), "--precision", precision,
-         "--json", out] + common + timing, out)
+         "--json", out] + common + graphs + timing, out)
     out = os.path.join(tmp, "pytorch.jsonl")
     cells["pytorch"] = run_one(
         [sys.executable, os.path.join(HERE, "pytorch_bench.py"), "--mode", "dp", "--devices",
@@ -115,6 +120,7 @@ def run_train(args, model, shape, batch, precision, placement, tmp):
            "--max-steps", str(args.train_steps),
            "--synthetic-size", str(batch * args.train_steps), "--no-eval", "--quiet",
            "--metrics-json", out] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
+    cmd += ["--cuda-graphs"] if args.cuda_graphs else []
     return run_one(cmd, out, read=whole_json)
 
 
@@ -206,6 +212,8 @@ def main():
     p.add_argument("--repeat", type=int, help="timed windows, median reported (both engines)")
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="both engines time cuDNN's algorithms per shape (GPU only)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replica replays its step as a CUDA Graph; PyTorch stays eager (GPU only)")
     p.add_argument("--with-train", action="store_true",
                    help="also run replica-train --synthetic on each case")
     p.add_argument("--train-steps", type=int, default=100, help="replica-train's --max-steps")
@@ -220,6 +228,8 @@ def main():
         fail("--device '%s': expected cuda:K or cpu" % args.device)
     if args.cudnn_benchmark and not gpu:
         fail("--cudnn-benchmark needs a GPU (--device cuda:K)")
+    if args.cuda_graphs and not gpu:
+        fail("--cuda-graphs needs a GPU (--device cuda:K)")
     cases = [parse_case(c) for c in (args.case or (GPU_CASES if gpu else CPU_CASES))]
     precisions = (args.precisions or ("fp32,tf32,bf16" if gpu else "fp32")).split(",")
     for x in precisions:
@@ -242,6 +252,9 @@ def main():
             "timed per shape in both engines (replica --cudnn-benchmark, "
             "torch.backends.cudnn.benchmark = True)" if args.cudnn_benchmark
             else "cuDNN's heuristics in both engines (no cudnn.benchmark)")) if gpu else ""
+        if args.cuda_graphs:
+            text += ("replica's step captured once and replayed as a CUDA Graph "
+                     "(--cuda-graphs); PyTorch eager.\n\n")
         text += table(results)
         if args.with_train:
             text += "\n" + train_table(results)
