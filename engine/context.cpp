@@ -179,9 +179,10 @@ void DeviceContext::begin_capture(Backend* recorder) {
   recorder_ = recorder;
 }
 
-void DeviceContext::end_capture() {
+void DeviceContext::end_capture(bool captured) {
   capturing_ = false;
   recorder_ = nullptr;
+  steps_captured_ += captured ? 1 : 0;
 }
 
 void DeviceContext::activate() const {

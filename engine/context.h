@@ -107,7 +107,10 @@ class DeviceContext {
   // takes the ops on CPU devices (null on CUDA ones, whose stream records them).
   bool capturing() const { return capturing_; }
   void begin_capture(Backend* recorder);
-  void end_capture();
+  void end_capture(bool captured);
+  // Steps captured here so far: memory a graph may replay into must then be kept (the CUDA
+  // backend's scratch and workspace, once outgrown, are kept rather than freed).
+  int steps_captured() const { return steps_captured_; }
   int threads() const { return threads_; }
   bool deterministic() const { return options_.deterministic; }
   Precision precision() const { return options_.precision; }
@@ -145,6 +148,7 @@ class DeviceContext {
   std::unique_ptr<Backend> profiled_;  // backend_ timed op by op (set_op_profile)
   Backend* recorder_ = nullptr;        // CPU: records ops while a StepGraph is captured
   bool capturing_ = false;
+  int steps_captured_ = 0;
   std::unique_ptr<tbb::task_arena> arena_;
   std::unique_ptr<CudaState, void (*)(CudaState*)> cuda_{nullptr, nullptr};
 };

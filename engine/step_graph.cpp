@@ -70,10 +70,11 @@ StepGraph::StepGraph(DeviceContext& ctx, const std::function<void()>& body) : ct
       ctx.allocator().use_pool(pool);
       ctx.begin_capture(recorder);
     }
-    void close() {
+    // `captured`: the body ran to its end (what it enqueued may be replayed from now on).
+    void close(bool captured = false) {
       if (!open) return;
       open = false;
-      ctx.end_capture();
+      ctx.end_capture(captured);
       ctx.allocator().use_pool(0);
     }
     ~Capture() { close(); }
@@ -91,10 +92,11 @@ StepGraph::StepGraph(DeviceContext& ctx, const std::function<void()>& body) : ct
         }
         throw;
       }
-      capture.close();
+      capture.close(true);
       graph_ = cudart::capture_end(ctx.cuda(), &nodes_);
     } else {
       body();
+      capture.close(true);
       nodes_ = calls_.size();
     }
   } catch (...) {

@@ -64,6 +64,7 @@ TEST_CASE("a captured step records its ops, runs them only when replayed, in ord
     ctx.ops().add(ctx, t, made, 1.f);
   });
   CHECK(!ctx.capturing());
+  CHECK(ctx.steps_captured() == 1);
   CHECK(graph.nodes() == 3);
   CHECK(value_of(t) == 1.f);  // nothing ran
   graph.replay();
@@ -83,6 +84,7 @@ TEST_CASE("a capture that syncs with the host or throws leaves the context as it
                     }),
                     doctest::Contains("a host sync inside a captured step"));
   CHECK(!ctx.capturing());
+  CHECK(ctx.steps_captured() == 0);
   CHECK(value_of(t) == 1.f);  // the recorded op never ran
   ctx.ops().scale(ctx, t, 3.f);  // ops run again at once
   CHECK(value_of(t) == 3.f);
@@ -105,11 +107,21 @@ void check_same_training(EngineOptions o, const std::vector<Batch>& batches,
   auto eager = make_single_device_engine(kCpu, o);
   o.cuda_graphs = true;
   auto captured = dp ? make_dp_engine({kCpu}, o, DpOptions{}) : make_single_device_engine(kCpu, o);
+  // An evaluation between replays, on a larger batch than training's (on a GPU it outgrows
+  // the backend's scratch, which the graph replays into).
+  const Batch eval = test::make_batches(o.input_shape, 3 * batches[0].size(), 1, 21)[0];
   for (size_t k = 0; k < batches.size(); ++k) {
     CAPTURE(k);
     for (TrainEngine* e : {eager.get(), captured.get()}) {
       if (between) between(*e, k);
       e->train_step(batches[k]);
+      if (k == 3) {
+        double loss = 0;
+        int64_t correct = 0;
+        e->set_training(false);
+        e->eval_batch(eval, loss, correct);
+        e->set_training(true);
+      }
     }
     CHECK(eager->last_loss() == captured->last_loss());
   }

@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "engine/cuda/conv_graph.h"
 #include "engine/cuda/cuda_check.h"
@@ -163,9 +164,13 @@ class CudaBackend final : public Backend {
   // back to the allocator while a kernel using it may still be running; taken from the device's
   // allocator, so its peak counts them, as PyTorch's max_memory_allocated counts cuDNN's
   // workspace. Growing waits for the stream, which only the first iteration's new shapes do.
+  // Once a step has been captured on the context (engine/step_graph.h) an outgrown buffer is
+  // kept instead (retired_): the graph replays into its address, and no sync is possible while
+  // capturing.
   float* scratch(DeviceContext& ctx, int64_t floats);
   void* workspace(DeviceContext& ctx, size_t bytes);
   Tensor scratch_, workspace_;
+  std::vector<Tensor> retired_;
 };
 
 }  // namespace replica
