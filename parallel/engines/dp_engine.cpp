@@ -13,7 +13,6 @@
 #include "layers/loss.h"
 #include "parallel/comm/bucket_reducer.h"
 #include "parallel/comm/worker_pool.h"
-#include "parallel/engines/captured_step.h"
 #include "parallel/engines/dp_engine.h"
 #include "parallel/engines/engine_steps.h"
 #include "parallel/engines/scatter.h"
@@ -178,10 +177,7 @@ class DataParallelEngine final : public TrainEngine {
         x = batch_rows(c0, batch, 0, batch.size(), BatchParts::Images).images;
         y = batch_rows(c0, batch, 0, batch.size(), BatchParts::Labels).labels;
       }
-      step_->optimizer->prepare_step(c0, r.model->flat_params().numel());
-      step_->loss = captured_.run(c0, x, y, [&](const Tensor& xs, const Tensor& ys) {
-        return local_step(c0, *r.model, *step_, xs, ys, r.track);
-      });
+      one_device_step(c0, *r.model, *step_, captured_, x, y, r.track);
     });
     last_active_ = 1;
     step_->note_forward(r.model->last_forward_macs(), batch.size());

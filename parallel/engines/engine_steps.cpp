@@ -112,6 +112,9 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
   });
 }
 
+namespace {
+
+// The device work of one_device_step: what a captured step records.
 Tensor local_step(DeviceContext& ctx, Model& model, PrimaryStep& step, const Tensor& x,
                   const Tensor& y, const std::string& track) {
   Tensor loss;
@@ -131,6 +134,16 @@ Tensor local_step(DeviceContext& ctx, Model& model, PrimaryStep& step, const Ten
     step.optimizer->apply_step(ctx, model.flat_params(), model.flat_grads());
   }
   return loss;
+}
+
+}  // namespace
+
+void one_device_step(DeviceContext& ctx, Model& model, PrimaryStep& step, CapturedStep& captured,
+                     const Tensor& x, const Tensor& y, const std::string& track) {
+  step.optimizer->prepare_step(ctx, model.flat_params().numel());
+  step.loss = captured.run(ctx, x, y, [&](const Tensor& xs, const Tensor& ys) {
+    return local_step(ctx, model, step, xs, ys, track);
+  });
 }
 
 PrimaryStep::PrimaryStep(DeviceContext& ctx, const OptimizerOptions& optimizer_options)

@@ -5,6 +5,7 @@
 #include "layers/loss.h"
 #include "layers/model.h"
 #include "layers/optimizer.h"
+#include "parallel/engines/captured_step.h"
 
 namespace replica {
 
@@ -62,13 +63,14 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
                     const Batch& batch, int64_t begin, int64_t end, double& loss_sum,
                     int64_t& correct);
 
-// One optimizer step of `model` on one device over images x and labels y, after the
-// optimizer's prepare_step: gradients zeroed, forward, loss, backward, the update (apply_step),
-// traced as "forward", "backward" and "step" on `track`. Returns the mean loss (a device
-// tensor). All device work: what CapturedStep records (parallel/engines/captured_step.h).
+// One optimizer step of `model` on one device over images x and labels y: the optimizer's
+// prepare_step on the host, then gradients zeroed, forward, loss, backward and the update
+// (apply_step), traced as "forward", "backward" and "step" on `track`, run eagerly or replayed
+// by `captured` (parallel/engines/captured_step.h). step.loss is then the step's mean loss.
+// The single-device engine's step, and DP's on one device with CUDA Graphs.
 struct PrimaryStep;
-Tensor local_step(DeviceContext& ctx, Model& model, PrimaryStep& step, const Tensor& x,
-                  const Tensor& y, const std::string& track);
+void one_device_step(DeviceContext& ctx, Model& model, PrimaryStep& step, CapturedStep& captured,
+                     const Tensor& x, const Tensor& y, const std::string& track);
 
 // The step on an engine's primary device (DP: device 0; DDP: this rank's): its optimizer and
 // criterion, the last step's mean loss (a device tensor: reading it is a host sync), and the

@@ -3,7 +3,6 @@
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "layers/loss.h"
-#include "parallel/engines/captured_step.h"
 #include "parallel/engines/engine_steps.h"
 #include "parallel/engines/train_engine.h"
 
@@ -31,10 +30,7 @@ class SingleDeviceEngine final : public TrainEngine {
     REPLICA_CHECK(batch.size() > 0, "empty batch");
     ctx_.run([&] {
       auto [x, y] = whole_batch_to_device(ctx_, batch, track_);
-      step_.optimizer->prepare_step(ctx_, model_->flat_params().numel());
-      step_.loss = captured_.run(ctx_, x, y, [&](const Tensor& xs, const Tensor& ys) {
-        return local_step(ctx_, *model_, step_, xs, ys, track_);
-      });
+      one_device_step(ctx_, *model_, step_, captured_, x, y, track_);
     });
     step_.note_forward(model_->last_forward_macs(), batch.size());
   }
