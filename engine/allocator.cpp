@@ -129,7 +129,10 @@ Allocator::Block& Allocator::new_segment(size_t block_size) {
   try {
     ptr = fresh();
   } catch (const Error&) {
-    // Out of memory: give the free segments back and try once more before failing.
+    // Out of memory: give the free segments back and try once more before failing; not while
+    // a step is captured into a private pool (cudaFree waits for the device, which breaks the
+    // capture: it fails, and the step runs eagerly, with the whole cache to draw on).
+    if (active_pool_ != 0) throw;
     free_cached_locked();
     ptr = fresh();
   }

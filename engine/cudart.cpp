@@ -100,6 +100,9 @@ void synchronize(CudaState* state) {
 void event_destroy(void* event) {
   if (event && loaded().api) loaded().api->event_destroy(event);
 }
+void capture_abort(CudaState* state) {
+  if (state && loaded().api) loaded().api->capture_abort(state);
+}
 void graph_destroy(void* graph) {
   if (graph && loaded().api) loaded().api->graph_destroy(graph);
 }

@@ -51,6 +51,7 @@ std::unique_ptr<Backend> make_backend();  // the CUDA kernels (engine/ops.h)
 // stream was given that it cannot record, e.g. a host sync, is named).
 void capture_begin(CudaState* state);
 void* capture_end(CudaState* state, size_t* nodes);
+void capture_abort(CudaState* state);  // ends a capture, keeping nothing; never throws
 void graph_launch(CudaState* state, void* graph);  // enqueued on the state's stream
 void graph_destroy(void* graph);                   // never throws
 
@@ -83,6 +84,7 @@ struct CudaPluginApi {
   std::unique_ptr<Backend> (*make_backend)();
   void (*capture_begin)(CudaState*);
   void* (*capture_end)(CudaState*, size_t*);
+  void (*capture_abort)(CudaState*);
   void (*graph_launch)(CudaState*, void*);
   void (*graph_destroy)(void*);
 };

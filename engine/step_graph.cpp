@@ -86,14 +86,11 @@ StepGraph::StepGraph(DeviceContext& ctx, const std::function<void()>& body) : ct
       try {
         body();
       } catch (...) {
-        try {
-          cudart::capture_end(ctx.cuda(), nullptr);  // leaves capture; the graph is dropped
-        } catch (...) {
-        }
+        cudart::capture_abort(ctx.cuda());  // leaves capture; what was recorded is dropped
         throw;
       }
-      capture.close(true);
       graph_ = cudart::capture_end(ctx.cuda(), &nodes_);
+      capture.close(true);
     } else {
       body();
       capture.close(true);

@@ -100,9 +100,9 @@ namespace {
 // Trains two single-device engines, one capturing its steps, on the same batches; `between`
 // runs on both before each step (e.g. a learning-rate schedule). Returns the captured one's
 // CapturedStep counters after checking the parameters and the last loss agree bit for bit.
-void check_same_training(EngineOptions o, const std::vector<Batch>& batches,
-                         const std::function<void(TrainEngine&, size_t)>& between = {},
-                         bool dp = false) {
+int64_t check_same_training(EngineOptions o, const std::vector<Batch>& batches,
+                            const std::function<void(TrainEngine&, size_t)>& between = {},
+                            bool dp = false) {
   o.threads_per_device = 1;
   auto eager = make_single_device_engine(kCpu, o);
   o.cuda_graphs = true;
@@ -141,6 +141,7 @@ void check_same_training(EngineOptions o, const std::vector<Batch>& batches,
   const auto d = test::host_values(*captured, captured->model().flat_buffers());
   REQUIRE(c.size() == d.size());
   CHECK(std::memcmp(c.data(), d.data(), c.size() * sizeof(float)) == 0);
+  return step->replays();
 }
 
 }  // namespace
@@ -150,9 +151,19 @@ TEST_CASE("captured steps train as eager ones: CNN, SGD with momentum, lr set ev
   auto batches = test::make_batches({1, 28, 28}, 16, 7, 3);
   // An epoch's short last batch between replays: it runs eagerly, the graph goes on after it.
   batches.insert(batches.begin() + 4, test::make_batches({1, 28, 28}, 5, 1, 4)[0]);
-  check_same_training(o, batches, [](TrainEngine& e, size_t k) {
+  const int64_t replays = check_same_training(o, batches, [](TrainEngine& e, size_t k) {
     e.optimizer().set_lr(scheduled_lr("cosine", 0.05f, int64_t(k), 8));
   });
+  CHECK(replays == 5);  // steps 3, 4, 6, 7, 8: two eager first, the short batch eager
+}
+
+TEST_CASE("the step captured is a full batch's, even when the third batch is short") {
+  EngineOptions o = test::sgd_options("cnn", {1, 28, 28});
+  auto batches = test::make_batches({1, 28, 28}, 16, 7, 3);
+  batches.insert(batches.begin() + 2, test::make_batches({1, 28, 28}, 5, 1, 4)[0]);
+  // Steps 1-2 eager, 3 the short batch eager, 4 eager (its shape had not just run), 5 captured
+  // and replayed, 6-8 replayed.
+  CHECK(check_same_training(o, batches) == 4);
 }
 
 TEST_CASE("captured steps train as eager ones: ResNet-18 with BatchNorm, Adam") {

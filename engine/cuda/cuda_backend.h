@@ -30,6 +30,7 @@ std::unique_ptr<Backend> make_backend();  // cudart::make_backend() through the 
 // CUDA Graph capture and replay (engine/cudart.h; engine/cuda/step_graph.cu).
 void capture_begin(CudaState* state);
 void* capture_end(CudaState* state, size_t* nodes);
+void capture_abort(CudaState* state);
 void graph_launch(CudaState* state, void* graph);
 void graph_destroy(void* graph);
 

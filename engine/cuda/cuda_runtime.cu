@@ -262,6 +262,7 @@ extern "C" const void* replica_cuda_plugin(int abi) {
       cuda::create_state,  cuda::destroy_state,  cuda::synchronize,
       cuda::event_create,  cuda::event_destroy,  cuda::event_record,
       cuda::stream_wait_event, cuda::event_synchronize, cuda::make_backend,
-      cuda::capture_begin, cuda::capture_end, cuda::graph_launch, cuda::graph_destroy};
+      cuda::capture_begin, cuda::capture_end, cuda::capture_abort, cuda::graph_launch,
+      cuda::graph_destroy};
   return abi == REPLICA_PLUGIN_ABI ? &api : nullptr;
 }

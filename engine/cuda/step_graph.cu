@@ -43,6 +43,13 @@ void* capture_end(CudaState* state, size_t* nodes) {
   return exec;
 }
 
+void capture_abort(CudaState* state) {
+  cudaGraph_t graph = nullptr;
+  (void)cudaStreamEndCapture(state->stream, &graph);
+  if (graph) cudaGraphDestroy(graph);  // recorded work that never runs: not instantiated
+  (void)cudaGetLastError();
+}
+
 void graph_launch(CudaState* state, void* graph) {
   REPLICA_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), state->stream));
 }

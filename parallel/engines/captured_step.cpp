@@ -31,8 +31,15 @@ bool CapturedStep::capture(DeviceContext& ctx, const Tensor& x, const Tensor& y,
 
 Tensor CapturedStep::run(DeviceContext& ctx, const Tensor& x, const Tensor& y,
                          const Body& body) {
-  if (!enabled_ || refused_ || steps_++ < kEagerSteps) return body(x, y);
-  if (graph_ && (x.shape() != x_.shape() || y.shape() != y_.shape())) return body(x, y);
+  auto eager = [&] {
+    eager_x_ = x.shape();
+    eager_y_ = y.shape();
+    return body(x, y);
+  };
+  if (!enabled_ || refused_ || steps_++ < kEagerSteps) return eager();
+  if (graph_ && (x.shape() != x_.shape() || y.shape() != y_.shape())) return eager();
+  // A shape is captured only once it has just run eagerly (what it builds once is built).
+  if (!graph_ && (x.shape() != eager_x_ || y.shape() != eager_y_)) return eager();
   // Nothing of the capture has run: the replay below is this step.
   if (!graph_ && !capture(ctx, x, y, body)) return body(x, y);
   TraceSpan span(ctx.device().str(), "step_graph", &ctx);

@@ -1,10 +1,11 @@
 // A device's training step run eagerly, or, with --cuda-graphs, captured once as a StepGraph
 // (engine/step_graph.h) and replayed. The first steps run eagerly: they build what a step
 // builds once (cuDNN plans, timed algorithms, the optimizer's state), which a capture must not
-// contain. The third step is captured; from then on each step copies its batch into the
-// tensors the graph reads and replays it. A batch of another shape (an epoch's short last one)
-// runs eagerly. Where the device cannot capture the step, the run says why, once, on stderr,
-// and goes on eagerly.
+// contain. The third step is captured if the step before had the same batch shape (else the
+// next such step is: an epoch's short last batch is never the one captured); from then on each
+// step copies its batch into the tensors the graph reads and replays it. A batch of another
+// shape runs eagerly. Where the device cannot capture the step, the run says why, once, on
+// stderr, and goes on eagerly.
 #pragma once
 #include <functional>
 #include <memory>
@@ -44,6 +45,7 @@ class CapturedStep {
   bool refused_ = false;
   int64_t steps_ = 0, replays_ = 0;
   Tensor x_, y_, loss_;  // what the graph reads and where it leaves the loss
+  Shape eager_x_, eager_y_;  // the batch shapes of the last eager step
   std::unique_ptr<StepGraph> graph_;
 };
 

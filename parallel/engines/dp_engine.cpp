@@ -174,8 +174,14 @@ class DataParallelEngine final : public TrainEngine {
       Tensor x, y;
       {
         TraceSpan span(r.track, batch.resident ? "batch_gather" : "h2d", &c0);
-        x = batch_rows(c0, batch, 0, batch.size(), BatchParts::Images).images;
-        y = batch_rows(c0, batch, 0, batch.size(), BatchParts::Labels).labels;
+        if (batch.resident) {  // gathered on the device: the indices cross once for both
+          DeviceBatch both = batch_rows(c0, batch, 0, batch.size(), BatchParts::Both);
+          x = both.images;
+          y = both.labels;
+        } else {  // as prefetch() staged them: the images and the labels apart
+          x = batch_rows(c0, batch, 0, batch.size(), BatchParts::Images).images;
+          y = batch_rows(c0, batch, 0, batch.size(), BatchParts::Labels).labels;
+        }
       }
       one_device_step(c0, *r.model, *step_, captured_, x, y, r.track);
     });
