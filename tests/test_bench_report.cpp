@@ -587,6 +587,10 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite single --cudnn-benchmark", "--cudnn-benchmark is for dp, ddp and ops");
   expect_clean_error("--suite dp --devices cpu*2 --cudnn-benchmark",
                      "--cudnn-benchmark needs a CUDA device");
+  expect_clean_error("--suite dp --devices cpu --device-counts 1 --cuda-graphs",
+                     "--cuda-graphs captures a GPU's step");
+  expect_clean_error("--suite dp --devices cpu*2 --cuda-graphs",
+                     "--cuda-graphs captures one device's step");
   expect_clean_error("--suite dp --precision fp16", "unknown --precision 'fp16'");
   expect_clean_error("--suite dp --devices cpu*2 --memory-format channels_last",
                      "--memory-format channels_last lays out cuDNN's operands: it needs CUDA");

@@ -86,6 +86,12 @@ TEST_CASE("bad flags and values are one-line errors") {
                      "cannot be combined with --deterministic");
   expect_clean_error(data + " --devices cpu --memory-format channels_last",
                      "--memory-format channels_last lays out cuDNN's operands: it needs CUDA");
+  expect_clean_error(data + " --devices cpu --cuda-graphs",
+                     "--cuda-graphs captures a GPU's step: cpu:0 is not a CUDA device");
+  expect_clean_error(data + " --devices cpu*2 --cuda-graphs",
+                     "--cuda-graphs captures one device's step");
+  expect_clean_error(data + " --mode ddp --devices cpu --cuda-graphs",
+                     "--cuda-graphs captures one device's step");
   expect_clean_error(data + " --memory-format nhwc",
                      "unknown --memory-format 'nhwc' (auto, nchw, channels_last)");
   expect_clean_error(data + " --mode ps", "--mode");
