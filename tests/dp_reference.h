@@ -3,6 +3,8 @@
 #pragma once
 #include <doctest/doctest.h>
 
+#include <functional>
+
 #include <cmath>
 #include <string>
 #include <utility>
@@ -131,6 +133,31 @@ inline EngineOptions sgd_options(const std::string& model, const Shape& shape) {
   o.seed = 11;
   o.deterministic = true;
   return o;
+}
+
+// Trains `a` and `b` on the same batches, step by step: `before(engine, k)` on each ahead of
+// step k (e.g. a learning-rate schedule; may be empty), an evaluation of both on `eval` after
+// step 3 (between captured steps: it may outgrow buffers a graph replays into), and
+// `after(k)` once both took step k (the caller's checks).
+inline void train_side_by_side(TrainEngine& a, TrainEngine& b, const std::vector<Batch>& batches,
+                               const Batch& eval,
+                               const std::function<void(TrainEngine&, size_t)>& before,
+                               const std::function<void(size_t)>& after) {
+  for (size_t k = 0; k < batches.size(); ++k) {
+    CAPTURE(k);
+    for (TrainEngine* e : {&a, &b}) {
+      if (before) before(*e, k);
+      e->train_step(batches[k]);
+      if (k == 3) {
+        double loss = 0;
+        int64_t correct = 0;
+        e->set_training(false);
+        e->eval_batch(eval, loss, correct);
+        e->set_training(true);
+      }
+    }
+    after(k);
+  }
 }
 
 // Trains `a` and `b` side by side for `steps` steps on the same synthetic batches of `batch`

@@ -138,22 +138,16 @@ TEST_CASE("cuda graphs: captured steps train as eager ones (CNN SGD, ResNet-18 A
     // An evaluation on a larger batch between replays outgrows the backend's scratch, which
     // the graph replays into: the old buffer must be kept.
     const Batch eval = test::make_batches(c.shape, 64, 1, 21)[0];
-    for (size_t k = 0; k < batches.size(); ++k) {
-      CAPTURE(k);
-      for (TrainEngine* e : {eager.get(), captured.get()}) {
-        e->optimizer().set_lr(scheduled_lr("cosine", o.optimizer.lr, int64_t(k), 8));
-        e->train_step(batches[k]);
-        if (k == 3) {
-          double loss = 0;
-          int64_t correct = 0;
-          e->set_training(false);
-          e->eval_batch(eval, loss, correct);
-          e->set_training(true);
-        }
-      }
-      const float le = eager->last_loss(), lc = captured->last_loss();
-      CHECK(std::fabs(le - lc) <= 1e-5f * std::max(1.f, std::fabs(le)));
-    }
+    const float lr = o.optimizer.lr;
+    test::train_side_by_side(
+        *eager, *captured, batches, eval,
+        [lr](TrainEngine& e, size_t k) {
+          e.optimizer().set_lr(scheduled_lr("cosine", lr, int64_t(k), 8));
+        },
+        [&](size_t) {
+          const float le = eager->last_loss(), lc = captured->last_loss();
+          CHECK(std::fabs(le - lc) <= 1e-5f * std::max(1.f, std::fabs(le)));
+        });
     REQUIRE(captured->captured_step() != nullptr);
     CHECK(captured->captured_step()->captured());
     CHECK(captured->captured_step()->replays() == 5);

@@ -110,21 +110,9 @@ int64_t check_same_training(EngineOptions o, const std::vector<Batch>& batches,
   // An evaluation between replays, on a larger batch than training's (on a GPU it outgrows
   // the backend's scratch, which the graph replays into).
   const Batch eval = test::make_batches(o.input_shape, 3 * batches[0].size(), 1, 21)[0];
-  for (size_t k = 0; k < batches.size(); ++k) {
-    CAPTURE(k);
-    for (TrainEngine* e : {eager.get(), captured.get()}) {
-      if (between) between(*e, k);
-      e->train_step(batches[k]);
-      if (k == 3) {
-        double loss = 0;
-        int64_t correct = 0;
-        e->set_training(false);
-        e->eval_batch(eval, loss, correct);
-        e->set_training(true);
-      }
-    }
+  test::train_side_by_side(*eager, *captured, batches, eval, between, [&](size_t) {
     CHECK(eager->last_loss() == captured->last_loss());
-  }
+  });
   const CapturedStep* step = captured->captured_step();
   REQUIRE(step != nullptr);
   CHECK(step->captured());
