@@ -613,3 +613,23 @@ TEST_CASE("a host block larger than the memory available is an error at once, no
   CHECK_MESSAGE(what.find("out of host memory: a block of") != std::string::npos, what);
   CHECK(what.find("GiB is available") != std::string::npos);
 }
+
+TEST_CASE("batchnorm takes [N, C, L] as the op list says, as [N, C, L, 1]") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
+  const Tensor x3 = make(ctx, {4, 3, 5}, 7);
+  Tensor x4 = x3.reshape({4, 3, 5, 1});
+  std::vector<float> out[2];
+  for (int k = 0; k < 2; ++k) {
+    const Tensor& x = k == 0 ? x3 : x4;
+    Tensor gamma = make(ctx, {3}, 8), beta = make(ctx, {3}, 9);
+    Tensor rm = ctx.alloc({3}), rv = ctx.alloc({3});
+    ctx.ops().fill(ctx, rm, 0.f);
+    ctx.ops().fill(ctx, rv, 1.f);
+    Tensor y = ctx.alloc(x.shape()), mean = ctx.alloc({3}), invstd = ctx.alloc({3});
+    ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd,
+                                      /*relu=*/true);
+    for (const Tensor* t : {&y, &rm, &rv, &mean, &invstd}) append(out[k], *t);
+  }
+  REQUIRE(out[0].size() == out[1].size());
+  CHECK(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)) == 0);
+}

@@ -23,10 +23,11 @@ struct NchwDims {
   int64_t n, c, hw;
 };
 
+// [N, C], [N, C, L] or [N, C, H, W] (the op list's contract): the positions after C as one.
 NchwDims nchw(const Tensor& x) {
-  REPLICA_CHECK(x.ndim() == 4 || x.ndim() == 2, "expected NCHW or NC input, got {}",
+  REPLICA_CHECK(x.ndim() >= 2 && x.ndim() <= 4, "expected NC, NCL or NCHW input, got {}",
                 shape_str(x.shape()));
-  return {x.dim(0), x.dim(1), x.ndim() == 4 ? x.dim(2) * x.dim(3) : 1};
+  return {x.dim(0), x.dim(1), x.dim(0) * x.dim(1) ? x.numel() / (x.dim(0) * x.dim(1)) : 0};
 }
 
 // f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements.

@@ -72,7 +72,11 @@ __global__ void bn_partials_kernel(const float* x, const float* dy, const float*
       a += g;
       b += g * (x[i] - pivot) * is;
     }
-    for (p += blockDim.x; p >= d.hw; p -= d.hw) ++n;
+    p += blockDim.x;  // the next element of this thread: blockDim.x further in (n, p) order
+    if (p >= d.hw) {  // by division: for [N, C] input (hw = 1) a loop would step 256 times
+      n += p / d.hw;
+      p %= d.hw;
+    }
   }
   a = cuda::block_sum(a, sh);
   b = cuda::block_sum(b, sh);
