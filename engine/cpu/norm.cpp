@@ -27,7 +27,8 @@ struct NchwDims {
 NchwDims nchw(const Tensor& x) {
   REPLICA_CHECK(x.ndim() >= 2 && x.ndim() <= 4, "expected NC, NCL or NCHW input, got {}",
                 shape_str(x.shape()));
-  return {x.dim(0), x.dim(1), x.dim(0) * x.dim(1) ? x.numel() / (x.dim(0) * x.dim(1)) : 0};
+  const int64_t rows = x.dim(0) * x.dim(1);
+  return {x.dim(0), x.dim(1), rows > 0 ? x.numel() / rows : 0};
 }
 
 // f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements.
