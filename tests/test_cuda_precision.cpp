@@ -132,13 +132,16 @@ void expect_precisions(const std::vector<std::vector<float>>& v, const std::stri
 }
 
 // bf16 on the GPU against bf16 on the CPU and fp32 on the CPU ([0] cpu, [1] cpu_bf16, [2] bf16).
-void expect_bf16(const std::vector<std::vector<float>>& v, const std::string& what) {
+// `loose`: held only to 2e-3 of the CPU's bf16, not to a third of bf16's own error (cuDNN's
+// legacy calls, below).
+void expect_bf16(const std::vector<std::vector<float>>& v, const std::string& what,
+                 bool loose = false) {
   const double vs_cpu = test::relative_l2(v[1], v[2]), vs_fp32 = test::relative_l2(v[0], v[2]);
   const double cpu_vs_fp32 = test::relative_l2(v[0], v[1]);
   MESSAGE(what << ": relative L2 of the GPU's bf16 vs the CPU's bf16 " << vs_cpu << ", vs fp32 "
                << vs_fp32 << " (CPU bf16 vs fp32 " << cpu_vs_fp32 << ")");
-  CHECK(vs_cpu < 1e-3);
-  CHECK(vs_cpu < vs_fp32 / 3);
+  CHECK(vs_cpu < (loose ? 2e-3 : 1e-3));
+  if (!loose) CHECK(vs_cpu < vs_fp32 / 3);
   CHECK(vs_fp32 > 5e-4);  // the operands really went through bf16
   CHECK(vs_fp32 < 1e-2);
 }
@@ -385,7 +388,11 @@ TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and
 // plan. Each plan must give the CPU's numbers
 // as the legacy calls do: fp32 (also with timed plans, whose trial runs must leave an
 // accumulating dw alone, and NHWC), tf32 within TF32's rounding, bf16 the CPU's bf16 in both
-// layouts, beside the legacy calls' bf16, on kLayoutCases.
+// layouts, beside the legacy calls' bf16, on kLayoutCases. On an H200 (2026-11-26) the plans gave
+// the CPU's bf16 bits exactly in every direction; the legacy calls' dx of the 3-channel case
+// was 9.9e-4 off them in both layouts (a second rounding inside cuDNN's legacy engine, about
+// 40% of bf16's own error), so the legacy dx is held to 2e-3 only: one more reason the graph
+// API runs bf16 by default.
 TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf16, both layouts") {
   if (!test::have_gpu()) return;
   auto options = [](Precision p, ConvApi api, bool nhwc, bool timed) {
@@ -438,7 +445,7 @@ TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf1
       const std::vector<DeviceContext*> ctxs = {&t.cpu, &t.cpu_bf16, more[k].get()};
       expect_bf16(c.forward(t, ctxs), name + " y");
       const auto bb = c.backward(t, ctxs);
-      expect_bf16(bb[0], name + " dx");
+      expect_bf16(bb[0], name + " dx", /*loose=*/name.rfind("legacy", 0) == 0);
       expect_bf16(bb[1], name + " dw");
     }
   }

@@ -153,9 +153,12 @@ TEST_CASE("cuda graphs: captured steps train as eager ones (CNN SGD, ResNet-18 A
     CHECK(captured->captured_step()->replays() == 5);
     const auto a = test::params_of(*eager), b = test::params_of(*captured);
     const bool same_bits = std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-    MESSAGE(c.model << ": graph of " << captured->captured_step()->nodes() << " nodes; "
-                    << (same_bits ? "the same bits" : "parameters' relative difference ")
-                    << (same_bits ? 0.0 : test::relative_l2(a, b)));
+    const std::string said =
+        std::string(c.model) + ": graph of " +
+        std::to_string(captured->captured_step()->nodes()) + " nodes; " +
+        (same_bits ? std::string("the same bits")
+                   : "parameters' relative difference " + std::to_string(test::relative_l2(a, b)));
+    MESSAGE(said);
     CHECK(test::relative_l2(a, b) < 1e-5);
   }
 }
