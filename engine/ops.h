@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "engine/error.h"
+#include "engine/host_device.h"
 #include "engine/tensor.h"
 
 namespace replica {
@@ -83,14 +84,8 @@ inline int64_t gather_row_numel(const Tensor& dst, const Tensor& table, const Te
 
 std::unique_ptr<Backend> make_cpu_backend();  // the CUDA one: cudart::make_backend()
 
-#if defined(__CUDACC__)
-#define REPLICA_HOST_DEVICE __host__ __device__
-#else
-#define REPLICA_HOST_DEVICE
-#endif
-
 // The dropout hash shared by every backend: uniform in [0, 1) from (seed, index).
-REPLICA_HOST_DEVICE inline float dropout_uniform(uint64_t seed, uint64_t index) {
+REPLICA_HOST_DEVICE float dropout_uniform(uint64_t seed, uint64_t index) {
   uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -102,19 +97,19 @@ REPLICA_HOST_DEVICE inline float dropout_uniform(uint64_t seed, uint64_t index) 
 // nearest, ties to even, as tensor cores and PyTorch round; a NaN stays a (quiet) NaN and what is
 // beyond bf16's largest finite value becomes infinity. Every backend rounds through these, so
 // the CPU's bf16 products and the GPU's conversions round alike, bit for bit.
-REPLICA_HOST_DEVICE inline uint16_t bf16_bits(float f) {
+REPLICA_HOST_DEVICE uint16_t bf16_bits(float f) {
   uint32_t u;
   memcpy(&u, &f, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-REPLICA_HOST_DEVICE inline float bf16_value(uint16_t bits) {
+REPLICA_HOST_DEVICE float bf16_value(uint16_t bits) {
   const uint32_t u = uint32_t(bits) << 16;
   float f;
   memcpy(&f, &u, sizeof f);
   return f;
 }
-REPLICA_HOST_DEVICE inline float bf16_round(float f) { return bf16_value(bf16_bits(f)); }
+REPLICA_HOST_DEVICE float bf16_round(float f) { return bf16_value(bf16_bits(f)); }
 
 }  // namespace replica

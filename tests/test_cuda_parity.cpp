@@ -60,6 +60,17 @@ Pair make_random(Rig& r, const Shape& shape, uint32_t seed, float lo = -1.f, flo
   return make_twin(r, shape, random_values(shape_numel(shape), seed, lo, hi));
 }
 
+// As make_random, but the GPU tensor starts one float into its allocation: not 16-byte aligned,
+// so kernels that move float4s must take their one-float path.
+Pair make_random_unaligned(Rig& r, const Shape& shape, uint32_t seed, float lo = -1.f,
+                           float hi = 1.f) {
+  Pair p = make_random(r, shape, seed, lo, hi);
+  Tensor g = r.gpu.alloc({shape_numel(shape) + 1}).view(1, shape);
+  r.g().copy(r.gpu, g, p.g);
+  p.g = g;
+  return p;
+}
+
 // An optimizer step's numbers (backend_ops.inc) on both devices.
 Pair step_scalars(Rig& r, const StepScalars& values) {
   return make_twin(r, {2}, {values[0], values[1]});
@@ -156,6 +167,12 @@ TEST_CASE("cuda parity: memory ops (fill, copy, add, scale, zero-size)") {
   r.c().scale(r.cpu, a.c, 3.5f);
   r.g().scale(r.gpu, a.g, 3.5f);
   expect_close(r, a, 1e-6, 1e-7, "scale");
+  Pair u = make_random_unaligned(r, {3, 5, 7}, 4, -1.f, 1.f);  // one float at a time
+  r.c().add(r.cpu, u.c, b.c, 2.f);
+  r.g().add(r.gpu, u.g, b.g, 2.f);
+  r.c().scale(r.cpu, u.c, -1.5f);
+  r.g().scale(r.gpu, u.g, -1.5f);
+  expect_close(r, u, 1e-6, 1e-7, "add and scale, unaligned");
 
   Tensor d2d = r.gpu.alloc({3, 5, 7});
   r.g().copy(r.gpu, d2d, a.g);
@@ -333,11 +350,14 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
 namespace {
 
 // relu: with the ReLU fused (forward's output and backward's mask).
-void batchnorm_case(const Shape& shape, bool relu) {
+// unaligned: x, y, dy and dx start one float into their GPU allocations.
+void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false) {
   Rig r;
   const int64_t C = shape[1];
-  const std::string tag = "batchnorm " + shape_str(shape) + (relu ? " + relu" : "");
-  Pair x = make_random(r, shape, 30, -2.f, 3.f), y = make_random(r, shape, 31);
+  const std::string tag = "batchnorm " + shape_str(shape) + (relu ? " + relu" : "") +
+                          (unaligned ? " unaligned" : "");
+  const auto activation = unaligned ? make_random_unaligned : make_random;
+  Pair x = activation(r, shape, 30, -2.f, 3.f), y = activation(r, shape, 31, -1.f, 1.f);
   Pair gamma = make_random(r, {C}, 32, 0.5f, 1.5f), beta = make_random(r, {C}, 33);
   Pair rm = make_random(r, {C}, 34), rv = make_random(r, {C}, 35, 0.5f, 2.f);
   Pair sm = make_random(r, {C}, 36), si = make_random(r, {C}, 37);
@@ -354,7 +374,7 @@ void batchnorm_case(const Shape& shape, bool relu) {
   expect_close(r, rm, 1e-4, 1e-5, tag + " running_mean");
   expect_close(r, rv, 1e-4, 1e-5, tag + " running_var (unbiased)");
 
-  Pair dy = make_random(r, shape, 38), dx = make_random(r, shape, 39);
+  Pair dy = activation(r, shape, 38, -1.f, 1.f), dx = activation(r, shape, 39, -1.f, 1.f);
   Pair dgamma = make_random(r, {C}, 40), dbeta = make_random(r, {C}, 41);
   // The mask is read from the CPU's output on both sides, so an element whose output sits at
   // zero on one backend and a rounding above it on the other cannot split the two.
@@ -396,30 +416,43 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
     // and slices that begin inside an image's plane.
     batchnorm_case({16, 3, 40, 40}, relu);
     batchnorm_case({9, 2, 31, 31}, relu);
+    // Planes of whole float4s, small ones included: the flat passes move float4s there. The
+    // same shapes one float off alignment take the one-float path.
+    batchnorm_case({4, 8, 2, 2}, relu);
+    batchnorm_case({3, 5, 12}, relu);
+    batchnorm_case({4, 8, 2, 2}, relu, true);
+    batchnorm_case({16, 3, 40, 40}, relu, true);
   }
 }
 
 TEST_CASE("cuda parity: relu, add_relu, mul and dropout") {
   if (!test::have_gpu()) return;
   Rig r;
-  const Shape s{3, 4, 5, 7};
-  Pair x = make_random(r, s, 50), y = make_random(r, s, 51), dy = make_random(r, s, 52);
-  Pair dx = make_random(r, s, 53);
-  r.c().relu_forward(r.cpu, x.c, y.c);
-  r.g().relu_forward(r.gpu, x.g, y.g);
-  expect_close(r, y, 0, 0, "relu y");
-  r.c().relu_backward(r.cpu, y.c, dy.c, dx.c);
-  r.g().relu_backward(r.gpu, y.g, dy.g, dx.g);
-  expect_close(r, dx, 0, 0, "relu dx");
-  Pair sum = make_twin(r, s, host_values(dy.c));
-  r.c().add_relu(r.cpu, sum.c, x.c);
-  r.g().add_relu(r.gpu, sum.g, x.g);
-  expect_close(r, sum, 0, 0, "add_relu");
+  // Float4s (420 values), float4s and a tail of 1 (105), and one float at a time (unaligned).
+  for (const Shape& shape : {Shape{3, 4, 5, 7}, Shape{3, 5, 7}})
+    for (const bool unaligned : {false, true}) {
+      const auto make = unaligned ? make_random_unaligned : make_random;
+      const std::string tag = shape_str(shape) + (unaligned ? " unaligned" : "");
+      Pair x = make(r, shape, 50, -1.f, 1.f), y = make(r, shape, 51, -1.f, 1.f);
+      Pair dy = make(r, shape, 52, -1.f, 1.f), dx = make(r, shape, 53, -1.f, 1.f);
+      r.c().relu_forward(r.cpu, x.c, y.c);
+      r.g().relu_forward(r.gpu, x.g, y.g);
+      expect_close(r, y, 0, 0, "relu y " + tag);
+      r.c().relu_backward(r.cpu, y.c, dy.c, dx.c);
+      r.g().relu_backward(r.gpu, y.g, dy.g, dx.g);
+      expect_close(r, dx, 0, 0, "relu dx " + tag);
+      Pair sum = make_twin(r, shape, host_values(dy.c));
+      r.c().add_relu(r.cpu, sum.c, x.c);
+      r.g().add_relu(r.gpu, sum.g, x.g);
+      expect_close(r, sum, 0, 0, "add_relu " + tag);
+      Pair prod = make(r, shape, 54, -1.f, 1.f);
+      r.c().mul(r.cpu, x.c, dy.c, prod.c);
+      r.g().mul(r.gpu, x.g, dy.g, prod.g);
+      expect_close(r, prod, 0, 0, "mul " + tag);
+    }
 
-  Pair prod = make_random(r, s, 54);
-  r.c().mul(r.cpu, x.c, dy.c, prod.c);
-  r.g().mul(r.gpu, x.g, dy.g, prod.g);
-  expect_close(r, prod, 0, 0, "mul");
+  const Shape s{3, 4, 5, 7};
+  Pair x = make_random(r, s, 50);
 
   for (float p : {0.f, 0.3f, 0.5f, 1.f}) {
     Pair yd = make_random(r, s, 55), mask = make_random(r, s, 56);

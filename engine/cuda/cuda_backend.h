@@ -6,6 +6,7 @@
 // checks and scratch memory in cuda_backend.cu.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <tuple>
@@ -53,6 +54,38 @@ __device__ __forceinline__ double block_sum(double v, double* sh) {
   const double r = sh[0];
   __syncthreads();
   return r;
+}
+
+// kVec consecutive floats, group g of an array: a float4 load or store where kVec is 4 (the
+// caller has checked that the array is 16-byte aligned), else one float.
+template <int kVec>
+struct Pack {
+  float v[kVec];
+  template <class Index>
+  __device__ __forceinline__ void load(const float* p, Index g) {
+    if constexpr (kVec == 4) {
+      const float4 f = reinterpret_cast<const float4*>(p)[g];
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+      v[0] = p[g];
+    }
+  }
+  template <class Index>
+  __device__ __forceinline__ void store(float* p, Index g) const {
+    if constexpr (kVec == 4) {
+      reinterpret_cast<float4*>(p)[g] = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+      p[g] = v[0];
+    }
+  }
+};
+
+// Whether every pointer is 16-byte aligned (null ones do not count): where float4s may move.
+// Whole allocations always are (cudaMalloc aligns to 256); views at an offset may not be.
+inline bool aligned16(std::initializer_list<const void*> pointers) {
+  uintptr_t bits = 0;
+  for (const void* p : pointers) bits |= reinterpret_cast<uintptr_t>(p);
+  return bits % 16 == 0;
 }
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0).

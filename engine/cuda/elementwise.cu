@@ -1,6 +1,8 @@
 // CUDA backend: the elementwise ops (fill, copy, gather_rows, add, scale, ReLU, dropout,
-// elementwise product). Own kernels, one thread per element (grid-stride), nothing reduced.
+// elementwise product). Own kernels, grid-stride, nothing reduced; the arithmetic ones move a
+// float4 per thread where their arrays allow (map_kernel).
 #include <cmath>
+#include <type_traits>
 
 #include "engine/cuda/cuda_backend.h"
 
@@ -23,36 +25,66 @@ __global__ void gather_rows_kernel(Word* dst, const Word* table, const int32_t* 
   }
 }
 
-__global__ void axpy_kernel(float* dst, const float* src, int64_t n, float alpha) {
-  REPLICA_GRID_STRIDE(i, n)
-    dst[i] += alpha * src[i];
-}
-
-__global__ void scale_kernel(float* p, int64_t n, float alpha) {
-  REPLICA_GRID_STRIDE(i, n)
-    p[i] *= alpha;
-}
-
-__global__ void relu_forward_kernel(const float* x, float* y, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n) {
-    const float v = x[i];
-    y[i] = v > 0.f ? v : 0.f;
+// out = f(a, b) elementwise (b unread where kBinary is false): a group of kVec floats per
+// thread, float4s where every pointer is 16-byte aligned, and the last n % kVec one by one.
+// Four bytes per thread left these passes at about half the memory's bandwidth on an H200
+// (ResNet-50's residual add, add_relu and relu_backward: 5.3 ms of a 37 ms step).
+template <class F, int kVec, bool kBinary>
+__global__ void map_kernel(const float* a, const float* b, float* out, int64_t n, F f) {
+  const int64_t groups = n / kVec;
+  REPLICA_GRID_STRIDE(g, groups) {
+    cuda::Pack<kVec> va, vb;
+    va.load(a, g);
+    if constexpr (kBinary) vb.load(b, g);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) va.v[k] = f(va.v[k], kBinary ? vb.v[k] : 0.f);
+    va.store(out, g);
   }
+  const int64_t tail = groups * kVec + blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (kVec > 1 && tail < n) out[tail] = f(a[tail], kBinary ? b[tail] : 0.f);
 }
 
-__global__ void relu_backward_kernel(const float* y, const float* dy, float* dx, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n) { dx[i] = y[i] > 0.f ? dy[i] : 0.f; }
-}
-
-__global__ void add_relu_kernel(float* dst, const float* src, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n) {
-    const float v = dst[i] + src[i];
-    dst[i] = v > 0.f ? v : 0.f;
+struct AddScaled {  // dst + alpha * src (one rounding: contracted to an FMA, as before)
+  float alpha;
+  __device__ float operator()(float dst, float src) const { return dst + alpha * src; }
+};
+struct Scaled {
+  float alpha;
+  __device__ float operator()(float v, float) const { return v * alpha; }
+};
+struct Relu {
+  __device__ float operator()(float v, float) const { return v > 0.f ? v : 0.f; }
+};
+struct ReluGrad {  // a: the ReLU's output, b: the gradient reaching it
+  __device__ float operator()(float y, float dy) const { return y > 0.f ? dy : 0.f; }
+};
+struct AddRelu {
+  __device__ float operator()(float dst, float src) const {
+    const float v = dst + src;
+    return v > 0.f ? v : 0.f;
   }
-}
+};
+struct Times {
+  __device__ float operator()(float x, float y) const { return x * y; }
+};
 
-__global__ void mul_kernel(const float* a, const float* b, float* out, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n) { out[i] = a[i] * b[i]; }
+// out = f(a, b) over n > 0 elements on `stream` (b null: a unary f).
+template <class F>
+void launch_map(const float* a, const float* b, float* out, int64_t n, F f, cudaStream_t stream) {
+  const auto run = [&](auto width, auto binary) {
+    constexpr int kVec = decltype(width)::value;
+    map_kernel<F, kVec, decltype(binary)::value>
+        <<<cuda::grid_for(n / kVec > 0 ? n / kVec : 1), cuda::kThreads, 0, stream>>>(a, b, out,
+                                                                                    n, f);
+  };
+  using Four = std::integral_constant<int, 4>;
+  using One = std::integral_constant<int, 1>;
+  if (cuda::aligned16({a, b, out})) {
+    b ? run(Four(), std::true_type()) : run(Four(), std::false_type());
+  } else {
+    b ? run(One(), std::true_type()) : run(One(), std::false_type());
+  }
+  REPLICA_LAUNCH_CHECK();
 }
 
 __global__ void dropout_kernel(const float* x, float* y, float* mask, int64_t n, float p,
@@ -113,9 +145,7 @@ void CudaBackend::gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& tab
   cudaStream_t stream = cuda_state(ctx).stream;
   // Rows of whole float4s (every image size used here) move 16 bytes per thread when both
   // sides start 16-byte aligned (whole allocations always do: cudaMalloc aligns to 256).
-  const bool aligned = (reinterpret_cast<uintptr_t>(dst.raw()) |
-                        reinterpret_cast<uintptr_t>(table.raw())) % 16 == 0;
-  if (row % 4 == 0 && aligned) {
+  if (row % 4 == 0 && cuda::aligned16({dst.raw(), table.raw()})) {
     gather_rows_kernel<<<cuda::grid_for(n / 4), cuda::kThreads, 0, stream>>>(
         static_cast<float4*>(dst.raw()), static_cast<const float4*>(table.raw()), rows.i32(),
         row / 4, n / 4);
@@ -143,34 +173,26 @@ int64_t elementwise_numel(const DeviceContext& ctx, const Tensor& a, const Tenso
 void CudaBackend::add(DeviceContext& ctx, Tensor& dst, const Tensor& src, float alpha) {
   const int64_t n = elementwise_numel(ctx, dst, src, "add", "destination", "source");
   if (n == 0) return;
-  axpy_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      dst.f32(), src.f32(), n, alpha);
-  REPLICA_LAUNCH_CHECK();
+  launch_map(dst.f32(), src.f32(), dst.f32(), n, AddScaled{alpha}, cuda_state(ctx).stream);
 }
 
 void CudaBackend::add_relu(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
   const int64_t n = elementwise_numel(ctx, dst, src, "add_relu", "destination", "source");
   if (n == 0) return;
-  add_relu_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      dst.f32(), src.f32(), n);
-  REPLICA_LAUNCH_CHECK();
+  launch_map(dst.f32(), src.f32(), dst.f32(), n, AddRelu(), cuda_state(ctx).stream);
 }
 
 void CudaBackend::scale(DeviceContext& ctx, Tensor& t, float alpha) {
   cuda::expect_device(ctx, t, "scale", "tensor");
   const int64_t n = t.numel();
   if (n == 0) return;
-  scale_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(t.f32(), n,
-                                                                                  alpha);
-  REPLICA_LAUNCH_CHECK();
+  launch_map(t.f32(), nullptr, t.f32(), n, Scaled{alpha}, cuda_state(ctx).stream);
 }
 
 void CudaBackend::relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
   const int64_t n = elementwise_numel(ctx, x, y, "relu_forward", "x", "y");
   if (n == 0) return;
-  relu_forward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      x.f32(), y.f32(), n);
-  REPLICA_LAUNCH_CHECK();
+  launch_map(x.f32(), nullptr, y.f32(), n, Relu(), cuda_state(ctx).stream);
 }
 
 void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy,
@@ -182,9 +204,7 @@ void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tenso
   cuda::expect_numel(dx, y.numel(), "relu_backward", "dx");
   const int64_t n = y.numel();
   if (n == 0) return;
-  relu_backward_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-      y.f32(), dy.f32(), dx.f32(), n);
-  REPLICA_LAUNCH_CHECK();
+  launch_map(y.f32(), dy.f32(), dx.f32(), n, ReluGrad(), cuda_state(ctx).stream);
 }
 
 void CudaBackend::dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask,
@@ -212,9 +232,7 @@ void CudaBackend::mul(DeviceContext& ctx, const Tensor& a, const Tensor& b, Tens
   cuda::expect_numel(out, a.numel(), "mul", "out");
   const int64_t n = a.numel();
   if (n == 0) return;
-  mul_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, cuda_state(ctx).stream>>>(a.f32(), b.f32(),
-                                                                               out.f32(), n);
-  REPLICA_LAUNCH_CHECK();
+  launch_map(a.f32(), b.f32(), out.f32(), n, Times(), cuda_state(ctx).stream);
 }
 
 }  // namespace replica
