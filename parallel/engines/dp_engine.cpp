@@ -44,9 +44,15 @@ class DataParallelEngine final : public TrainEngine {
           reducer_->on_ready(i, ready);
         });
     });
+    if (!one_step_) build_reduction(dp);
+    step_.emplace(primary(), o.optimizer);
+    prefetcher_ = std::make_unique<BatchPrefetcher>(contexts(), o.prefetch_on_cpu);
+  }
+
+  // Buckets of gradients summed into replica 0 as backward finishes them on every replica.
+  void build_reduction(const DpOptions& dp) {
     std::vector<Model*> models;
     for (auto& r : replicas_) models.push_back(r.model.get());
-    // Buckets of gradients summed into replica 0 as backward finishes them on every replica.
     reducer_ = std::make_unique<BucketReducer>(
         models, dp.first_bucket_bytes, dp.bucket_bytes,
         [this](int b) {  // on the communication thread, one bucket at a time
@@ -61,8 +67,6 @@ class DataParallelEngine final : public TrainEngine {
     for (const Bucket& b : reducer_->buckets()) largest = std::max(largest, b.numel);
     group_ = make_local_group(contexts(), pool_, dp.strategy, int(reducer_->buckets().size()),
                               largest);
-    step_.emplace(primary(), o.optimizer);
-    prefetcher_ = std::make_unique<BatchPrefetcher>(contexts(), o.prefetch_on_cpu);
   }
 
   std::string mode() const override { return "dp"; }
@@ -272,6 +276,7 @@ class DataParallelEngine final : public TrainEngine {
 
   // Parameters and buffers of replica 0 to every other replica.
   void broadcast() {
+    if (replicas_.size() < 2) return;  // one device: no copies (nor a group, when captured)
     std::vector<std::vector<Tensor>> sets;
     for (auto& r : replicas_) sets.push_back({r.model->flat_params(), r.model->flat_buffers()});
     group_->broadcast(sets);
