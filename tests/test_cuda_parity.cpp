@@ -14,6 +14,7 @@
 #include "engine/device.h"
 #include "engine/ops.h"
 #include "engine/tensor.h"
+#include "env_guard.h"
 #include "gpu_skip.h"
 
 using namespace replica;
@@ -423,6 +424,12 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
     batchnorm_case({4, 8, 2, 2}, relu, true);
     batchnorm_case({16, 3, 40, 40}, relu, true);
   }
+  // The 64-bit index path, which real shapes take only past 2^31 values.
+  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
+  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  batchnorm_case({9, 2, 31, 31}, true);
+  batchnorm_case({16, 3, 40, 40}, false);
+  batchnorm_case({5, 6}, false);
 }
 
 TEST_CASE("cuda parity: relu, add_relu, mul and dropout") {
@@ -509,6 +516,10 @@ TEST_CASE("cuda parity: max pooling") {
   maxpool_case({3, 4, 5, 7}, Pool2dParams{3, 2, 1}, true);
   maxpool_case({3, 4, 5, 7}, Pool2dParams{2, 2, 0}, true);
   maxpool_case({3, 2, 9, 8}, Pool2dParams{3, 1, 1}, true);  // overlapping windows, stride 1
+  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});  // the 64-bit index path
+  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  maxpool_case({3, 4, 5, 7}, Pool2dParams{3, 2, 1}, true);
+  maxpool_case({3, 2, 9, 8}, Pool2dParams{3, 1, 1}, true);
 }
 
 TEST_CASE("cuda parity: adaptive average pooling") {
@@ -517,6 +528,10 @@ TEST_CASE("cuda parity: adaptive average pooling") {
   adaptive_case({3, 4, 5, 5}, 2, 2);
   adaptive_case({3, 4, 5, 7}, 3, 2);
   adaptive_case({3, 2, 3, 2}, 5, 4);  // output larger than input
+  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});  // the 64-bit index path
+  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  adaptive_case({3, 4, 5, 7}, 3, 2);
+  adaptive_case({3, 2, 3, 2}, 5, 4);
 }
 
 TEST_CASE("cuda parity: cross-entropy and count_correct") {

@@ -12,8 +12,12 @@
 // below 2^31, WideDivmod (an ordinary 64-bit division) otherwise, so no shape is refused.
 //
 // Plain C++ outside nvcc, so the CPU test suite checks the arithmetic (tests/test_index_math).
+// REPLICA_CUDA_WIDE_INDEX=1 in the environment makes every kernel take the WideDivmod path,
+// which real shapes reach only past 2^31 values: the GPU parity tests run it on small ones.
 #pragma once
+#include <cassert>
 #include <cstdint>
+#include <cstdlib>
 
 #include "engine/host_device.h"
 
@@ -23,6 +27,12 @@ namespace cuda {
 // Indices below this bound may use FastDivmod.
 constexpr int64_t kFastIndexLimit = int64_t(1) << 31;
 
+// Whether a kernel whose divided numbers all stay below `largest` may use FastDivmod (host).
+inline bool fast_index(int64_t largest) {
+  const char* wide = std::getenv("REPLICA_CUDA_WIDE_INDEX");
+  return largest < kFastIndexLimit && !(wide && wide[0] == '1');
+}
+
 struct FastDivmod {
   using Index = uint32_t;
   uint32_t d = 1, mul = 1, shift = 0;
@@ -30,6 +40,7 @@ struct FastDivmod {
   FastDivmod() = default;
   // 1 <= divisor < 2^31 (the caller checks; every extent divided by here is an index bound).
   explicit FastDivmod(int64_t divisor) : d(uint32_t(divisor)) {
+    assert(divisor >= 1 && divisor < kFastIndexLimit);
     while ((uint64_t(1) << shift) < d) ++shift;
     mul = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1);
   }

@@ -190,9 +190,8 @@ __global__ void bn_eval_coeffs_kernel(const float* running_mean, const float* ru
 
 // y = x * scale[c] + shift[c], then max(., 0) with a fused ReLU (relu_forward's rule).
 template <class Div, int kVec>
-__global__ void bn_output_kernel(const float* __restrict__ x, float* __restrict__ y,
-                                 const float* scale, const float* shift, BnIndex<Div> at,
-                                 bool relu) {
+__global__ void bn_output_kernel(const float* x, float* y, const float* scale, const float* shift,
+                                 BnIndex<Div> at, bool relu) {
   using Index = typename Div::Index;
   REPLICA_BN_GROUPS(g, at) {
     const Index c = at.channel(g * kVec);
@@ -226,10 +225,10 @@ __global__ void bn_grad_sums_kernel(const double* part_a, const double* part_b, 
 
 // dx = k * (m * g - sum(g) - xhat * sum(g * xhat)), in double as the CPU's.
 template <class Div, int kVec>
-__global__ void bn_dx_kernel(const float* __restrict__ x, const float* __restrict__ dy,
-                             const float* __restrict__ relu_y, const float* mean,
+__global__ void bn_dx_kernel(const float* x, const float* dy, const float* relu_y,
+                             const float* mean,
                              const float* invstd, const double* sums, BnIndex<Div> at, double m,
-                             float* __restrict__ dx) {
+                             float* dx) {
   using Index = typename Div::Index;
   REPLICA_BN_GROUPS(g, at) {
     const Index c = at.channel(g * kVec);
@@ -290,7 +289,7 @@ void launch_partials(const BnDims& d, int S, const float* x, const float* dy, co
                      const float* mean, const float* invstd, const BnScratch& w,
                      cudaStream_t stream) {
   const unsigned blocks = unsigned(d.c * S);
-  if (d.numel() < cuda::kFastIndexLimit) {
+  if (cuda::fast_index(d.numel())) {
     bn_partials_kernel<FastDivmod, kBackward><<<blocks, cuda::kThreads, 0, stream>>>(
         x, dy, relu_y, mean, invstd, d, FastDivmod(d.hw), S, w.part_a, w.part_b);
   } else {
@@ -312,7 +311,7 @@ void with_flat_index(const BnDims& d, std::initializer_list<const void*> pointer
     else
       launch(at, std::integral_constant<int, 1>());
   };
-  if (d.numel() < cuda::kFastIndexLimit)
+  if (cuda::fast_index(d.numel()))
     run(BnIndex<FastDivmod>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel())});
   else
     run(BnIndex<WideDivmod>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel())});

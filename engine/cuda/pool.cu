@@ -205,7 +205,7 @@ void with_pool_index(const PoolDims& d, int stride, int padding, F&& launch) {
     return PoolIndex<Div>{Div(at_least_1(d.H)), Div(at_least_1(d.W)), Div(at_least_1(d.P)),
                           Div(at_least_1(d.Q)), Div(stride)};
   };
-  if (largest < cuda::kFastIndexLimit)
+  if (cuda::fast_index(largest))
     launch(make(FastDivmod()));
   else
     launch(make(WideDivmod()));
