@@ -380,6 +380,16 @@ TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and
     expect_bf16(bb[0], "channels_last conv dx");
     expect_bf16(bb[1], "channels_last conv dw");
   }
+  // The copies' 64-bit index path, which real shapes take only past 2^31 tiles.
+  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
+  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  for (const ConvRun& c : kLayoutCases) {
+    CAPTURE(shape_str(c.x));
+    const auto f32 = c.forward(t, {&t.cpu, &t.fp32_nhwc});
+    const auto b32 = c.backward(t, {&t.cpu, &t.fp32_nhwc});
+    CHECK(test::relative_l2(f32[0], f32[1]) < 1e-5);
+    for (int k = 0; k < 3; ++k) CHECK(test::relative_l2(b32[k][0], b32[k][1]) < 1e-5);
+  }
 }
 
 // ConvApi::Graph (REPLICA_CUDNN_API=graph) runs every convolution direction through an execution

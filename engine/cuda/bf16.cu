@@ -7,6 +7,7 @@
 // and written a row of 32 elements at a time. The copies live in the backend's scratch, taken
 // once per call (a second scratch() call may move it).
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/index_math.h"
 
 namespace replica {
 
@@ -47,14 +48,23 @@ struct Planes {
 constexpr int kTile = 32, kTileRows = 8;  // a 32x32 tile per block of 32x8 threads
 
 // The tile loop shared by both directions: tile t covers image b, channels [c0, c0+32) and
-// positions [p0, p0+32).
+// positions [p0, p0+32); t is split by the dividers of the tile counts (engine/cuda/
+// index_math.h), since every thread of a tile works its place out for itself.
+template <class Div>
+struct TileDividers {
+  Div by_pt, by_ct;  // position tiles per plane, channel tiles per image
+};
+
 struct TileIndex {
   int64_t b, c0, p0;
-  __device__ TileIndex(const Planes& d, int64_t t) {
-    const int64_t ct = (d.c + kTile - 1) / kTile, pt = (d.hw + kTile - 1) / kTile;
-    b = t / (ct * pt);
-    c0 = (t / pt) % ct * kTile;
-    p0 = t % pt * kTile;
+  template <class Div>
+  __device__ TileIndex(const TileDividers<Div>& tiles, int64_t t) {
+    using Index = typename Div::Index;
+    Index pt, ct;
+    const Index rest = cuda::split(tiles.by_pt, Index(t), &pt);
+    b = int64_t(cuda::split(tiles.by_ct, rest, &ct));
+    c0 = int64_t(ct) * kTile;
+    p0 = int64_t(pt) * kTile;
   }
 };
 
@@ -63,12 +73,12 @@ __host__ __device__ inline int64_t tile_count(const Planes& d) {
 }
 
 // dst[b][p][c] = stage(src[b][c][p]): rows of src read along p, rows of dst written along c.
-template <class Out>
-__global__ void stage_nhwc_kernel(const float* src, Out* dst, Planes d) {
+template <class Out, class Div>
+__global__ void stage_nhwc_kernel(const float* src, Out* dst, Planes d, TileDividers<Div> tiles) {
   __shared__ float tile[kTile][kTile + 1];  // [c - c0][p - p0]; +1: no bank conflicts
   const int tx = threadIdx.x;
   for (int64_t t = blockIdx.x; t < tile_count(d); t += gridDim.x) {
-    const TileIndex at(d, t);
+    const TileIndex at(tiles, t);
     for (int j = threadIdx.y; j < kTile; j += kTileRows) {
       const int64_t c = at.c0 + j, p = at.p0 + tx;
       if (c < d.c && p < d.hw) tile[j][tx] = src[(at.b * d.c + c) * d.hw + p];
@@ -83,12 +93,13 @@ __global__ void stage_nhwc_kernel(const float* src, Out* dst, Planes d) {
 }
 
 // dst[b][c][p] (+)= unstage(src[b][p][c]): the reverse of stage_nhwc_kernel.
-template <class In>
-__global__ void unstage_nhwc_kernel(const In* src, float* dst, Planes d, bool accumulate) {
+template <class In, class Div>
+__global__ void unstage_nhwc_kernel(const In* src, float* dst, Planes d, TileDividers<Div> tiles,
+                                    bool accumulate) {
   __shared__ float tile[kTile][kTile + 1];  // [p - p0][c - c0]
   const int tx = threadIdx.x;
   for (int64_t t = blockIdx.x; t < tile_count(d); t += gridDim.x) {
-    const TileIndex at(d, t);
+    const TileIndex at(tiles, t);
     for (int j = threadIdx.y; j < kTile; j += kTileRows) {
       const int64_t p = at.p0 + j, c = at.c0 + tx;
       if (p < d.hw && c < d.c) tile[j][tx] = from_staged(src[(at.b * d.hw + p) * d.c + c]);
@@ -118,12 +129,24 @@ unsigned tile_blocks(const Planes& d) {
   return static_cast<unsigned>(tiles < cap ? tiles : cap);
 }
 
+// Calls launch(tile dividers) for d's tiles: FastDivmod below 2^31 tiles, else WideDivmod.
+template <class F>
+void with_tiles(const Planes& d, F&& launch) {
+  const int64_t pt = (d.hw + kTile - 1) / kTile, ct = (d.c + kTile - 1) / kTile;
+  if (cuda::fast_index(tile_count(d)))
+    launch(TileDividers<cuda::FastDivmod>{cuda::FastDivmod(pt), cuda::FastDivmod(ct)});
+  else
+    launch(TileDividers<cuda::WideDivmod>{cuda::WideDivmod(pt), cuda::WideDivmod(ct)});
+}
+
 template <class Out>
 void stage(const Tensor& t, Out* dst, bool nhwc, cudaStream_t stream) {
   const Planes d = planes_of(t);
   if (nhwc && transposes(d)) {
-    stage_nhwc_kernel<Out><<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(t.f32(), dst,
-                                                                                 d);
+    with_tiles(d, [&](auto tiles) {
+      stage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(t.f32(), dst, d,
+                                                                              tiles);
+    });
   } else {
     stage_flat_kernel<Out><<<cuda::grid_for(t.numel()), cuda::kThreads, 0, stream>>>(
         t.f32(), dst, t.numel());
@@ -135,8 +158,10 @@ template <class In>
 void unstage(const In* src, Tensor& out, bool nhwc, bool accumulate, cudaStream_t stream) {
   const Planes d = planes_of(out);
   if (nhwc && transposes(d)) {
-    unstage_nhwc_kernel<In><<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(
-        src, out.f32(), d, accumulate);
+    with_tiles(d, [&](auto tiles) {
+      unstage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(
+          src, out.f32(), d, tiles, accumulate);
+    });
   } else {
     unstage_flat_kernel<In><<<cuda::grid_for(out.numel()), cuda::kThreads, 0, stream>>>(
         src, out.f32(), out.numel(), accumulate);
