@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "engine/cuda/channel_pass.h"
 #include "engine/cuda/conv_algo.h"
 
 namespace replica {
@@ -40,34 +41,6 @@ void destroy_plan(ConvPlan& plan) noexcept {
   if (plan.y) cudnnDestroyTensorDescriptor(plan.y);
   if (plan.w) cudnnDestroyFilterDescriptor(plan.w);
   if (plan.conv) cudnnDestroyConvolutionDescriptor(plan.conv);
-}
-
-// y[((n*K + k)*PQ + pq)] += b[k]
-__global__ void add_channel_bias_kernel(float* y, const float* b, int64_t total, int64_t K,
-                                        int64_t PQ) {
-  REPLICA_GRID_STRIDE(i, total)
-    y[i] += b[(i / PQ) % K];
-}
-
-// db[k] += sum over n, pq of dy[n, k, pq]. One block per channel; each thread sums a fixed
-// strided subset in order, then a fixed tree: deterministic.
-__global__ void channel_sum_accumulate_kernel(const float* dy, float* db, int64_t N, int64_t K,
-                                              int64_t PQ) {
-  __shared__ float partial[cuda::kThreads];
-  const int64_t k = blockIdx.x;
-  const int64_t count = N * PQ;
-  float s = 0.f;
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
-    const int64_t n = j / PQ, pq = j - n * PQ;
-    s += dy[(n * K + k) * PQ + pq];
-  }
-  partial[threadIdx.x] = s;
-  __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) db[k] += partial[0];
 }
 
 // Checks a convolution's shapes and returns its sizes (the same checks for every pass).
@@ -263,11 +236,8 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f);
     io.finish(io.y, y, false, s.stream);
   }
-  if (b.defined()) {
-    add_channel_bias_kernel<<<cuda::grid_for(y.numel()), cuda::kThreads, 0, s.stream>>>(
-        y.f32(), b.f32(), y.numel(), K, P * Q);
-    REPLICA_LAUNCH_CHECK();
-  }
+  if (b.defined() && y.numel() > 0)
+    cuda::channel_affine({N, K, P * Q}, y.f32(), y.f32(), nullptr, b.f32(), false, s.stream);
 }
 
 void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -315,10 +285,11 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.dw_beta());
     io.finish(io.dw, dw, true, s.stream);
   }
-  if (db.defined()) {
-    channel_sum_accumulate_kernel<<<static_cast<unsigned>(K), cuda::kThreads, 0, s.stream>>>(
-        dy.f32(), db.f32(), N, K, P * Q);
-    REPLICA_LAUNCH_CHECK();
+  if (db.defined() && dy.numel() > 0) {  // after every staged operand's last use: scratch is free
+    const cuda::ChannelDims d{N, K, P * Q};
+    const int S = cuda::channel_slices(d, op);
+    double* part = reinterpret_cast<double*>(scratch(ctx, 2 * K * S));
+    cuda::channel_sum_accumulate(d, S, dy.f32(), part, db.f32(), s.stream);
   }
 }
 

@@ -7,29 +7,11 @@
 //   y  = x w^T     ->  y^T  (out x N)  = w^T(col-major [in,out], op T) . x^T(col-major [in,N])
 //   dx = dy w      ->  dx^T (in x N)   = w^T(col-major [in,out])       . dy^T(col-major [out,N])
 //   dw += dy^T x   ->  dw^T (in x out) = x^T(col-major [in,N])         . dy(col-major [out,N], op T)
-#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/channel_pass.h"
 
 namespace replica {
 
 namespace {
-
-// y[n, j] += b[j] over y [rows, cols]
-__global__ void add_row_bias_kernel(float* y, const float* b, int64_t rows, int64_t cols) {
-  const int64_t total = rows * cols;
-  REPLICA_GRID_STRIDE(i, total)
-    y[i] += b[i % cols];
-}
-
-// db[j] += sum_n dy[n, j]: one thread per column, rows summed in order (deterministic and
-// coalesced: neighbouring threads read neighbouring columns).
-__global__ void column_sum_accumulate_kernel(const float* dy, float* db, int64_t rows,
-                                             int64_t cols) {
-  REPLICA_GRID_STRIDE(j, cols) {
-    float s = 0.f;
-    for (int64_t n = 0; n < rows; ++n) s += dy[n * cols + j];
-    db[j] += s;
-  }
-}
 
 int to_int(int64_t v, const char* what) {
   REPLICA_CHECK(v <= INT32_MAX, "linear: {} = {} exceeds cuBLAS's 32-bit sizes", what, v);
@@ -91,11 +73,8 @@ void CudaBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tens
     gemm(s, io.bf16, CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, io.w, in, io.x, in, 0.f, io.y, out);
     io.finish(io.y, y, false, s.stream);
   }
-  if (b.defined()) {
-    add_row_bias_kernel<<<cuda::grid_for(N * out), cuda::kThreads, 0, s.stream>>>(
-        y.f32(), b.f32(), N, out);
-    REPLICA_LAUNCH_CHECK();
-  }
+  if (b.defined())
+    cuda::channel_affine({N, out, 1}, y.f32(), y.f32(), nullptr, b.f32(), false, s.stream);
 }
 
 void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -134,9 +113,10 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
     io.finish(io.dw, dw, true, s.stream);
   }
   if (db.defined() && N > 0 && out > 0) {
-    column_sum_accumulate_kernel<<<cuda::grid_for(out), cuda::kThreads, 0, s.stream>>>(
-        dy.f32(), db.f32(), N, out);
-    REPLICA_LAUNCH_CHECK();
+    const cuda::ChannelDims d{N, out, 1};  // after the staged operands' last use
+    const int S = cuda::channel_slices(d, "linear_backward");
+    double* part = reinterpret_cast<double*>(scratch(ctx, 2 * out * S));
+    cuda::channel_sum_accumulate(d, S, dy.f32(), part, db.f32(), s.stream);
   }
 }
 

@@ -1,0 +1,112 @@
+// Per-channel passes over a [N, C, HW] tensor (HW = 1 for [N, C]), shared by BatchNorm
+// (norm.cu), the convolutions' and linear layers' biases (conv.cu, dense.cu):
+// - sums per channel, in two steps so that every channel's values spread over many blocks:
+//   channel_partials writes a double per (channel, slice of ~4096 values), and channel_sums
+//   adds a channel's slices in order (in a per-channel kernel). The order is fixed by the shape,
+//   so a run reproduces to the bit.
+// - channel_affine, the flat pass y = x * scale[c] + shift[c] (then a ReLU), float4s per thread
+//   where HW is a multiple of 4 and the buffers are 16-byte aligned.
+// A block of one channel alone, as the bias gradients had, reads with a few KB in flight: on an
+// H200 that is a few GB/s per channel, and a 64-channel layer used half the SMs.
+// Included by the CUDA backend's .cu files only.
+#pragma once
+#include <initializer_list>
+#include <type_traits>
+
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/index_math.h"
+
+namespace replica {
+namespace cuda {
+
+struct ChannelDims {
+  int64_t n, c, hw;
+  __host__ __device__ int64_t m() const { return n * hw; }  // values per channel
+  int64_t numel() const { return n * c * hw; }
+};
+
+// Slices per channel for channel_partials: about 4096 values each (four rounds of four loads
+// per thread), at most 128. Fixed by the shape alone: the sums' order, and so their bits, do not
+// depend on the GPU. Throws if C * slices is too many blocks for one launch (checked before
+// any launch, so a refused shape changes nothing).
+int channel_slices(const ChannelDims& d, const char* op);
+
+// What channel_partials adds up per channel (a, b):
+// - Values: sum(x), 0.
+// - Moments: sum(x - K), sum((x - K)^2), with K the channel's first value (a shift that keeps
+//   the one-pass variance exact in spirit).
+// - GradMoments: sum(g), sum(g * (x - mean) * invstd), with g = dy, or dy where relu_y > 0 when
+//   relu_y is given (a ReLU fused after a BatchNorm).
+enum class ChannelSum { Values, Moments, GradMoments };
+
+// part_a, part_b: C * S doubles each, channel c's slices at [c * S, c * S + S). Unused
+// pointers may be null (dy, relu_y, mean, invstd for Values and Moments).
+void channel_partials(ChannelSum what, const ChannelDims& d, int S, const float* x,
+                      const float* dy, const float* relu_y, const float* mean,
+                      const float* invstd, double* part_a, double* part_b, cudaStream_t stream);
+
+// Channel c's slices added in order (from a per-channel kernel).
+__device__ __forceinline__ void channel_sums(const double* part_a, const double* part_b, int S,
+                                             int64_t c, double* a, double* b) {
+  *a = 0;
+  *b = 0;
+  for (int s = 0; s < S; ++s) {
+    *a += part_a[c * S + s];
+    if (part_b) *b += part_b[c * S + s];
+  }
+}
+
+// out[c] += the sum of channel c of x (a bias gradient), S = channel_slices(d); part: C * S
+// doubles of scratch.
+void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, double* part,
+                            float* out, cudaStream_t stream);
+
+// y = x * scale[c] + shift[c] (scale null: x + shift[c]), then max(., 0) where relu
+// (relu_forward's rule). x may be y.
+void channel_affine(const ChannelDims& d, const float* x, float* y, const float* scale,
+                    const float* shift, bool relu, cudaStream_t stream);
+
+// Where the flat passes find an element's channel: i = (n * C + c) * HW + p.
+template <class Div>
+struct ChannelIndex {
+  using Index = typename Div::Index;
+  Div by_hw, by_c;
+  Index numel;
+  __device__ __forceinline__ Index channel(Index i) const {
+    const Index plane = by_hw.div(i);
+    return plane - by_c.div(plane) * by_c.divisor();
+  }
+};
+
+// The grid-stride loop of a flat pass over groups of kVec elements, which share a channel.
+#define REPLICA_CHANNEL_GROUPS(g, at)                                                     \
+  for (Index g = Index(blockIdx.x) * blockDim.x + threadIdx.x; g < (at).numel / kVec;    \
+       g += Index(gridDim.x) * blockDim.x)
+
+// Calls launch(index, width) for a flat pass over d's elements: the FastDivmod index where
+// every index is below 2^31 (else WideDivmod), and width 4 (float4 loads and stores) where
+// HW is a multiple of 4 and every pointer the pass touches is 16-byte aligned (else 1).
+template <class F>
+void with_channel_index(const ChannelDims& d, std::initializer_list<const void*> pointers,
+                        F&& launch) {
+  const bool vec4 = d.hw % 4 == 0 && aligned16(pointers);
+  const auto run = [&](auto at) {
+    if (vec4)
+      launch(at, std::integral_constant<int, 4>());
+    else
+      launch(at, std::integral_constant<int, 1>());
+  };
+  if (fast_index(d.numel()))
+    run(ChannelIndex<FastDivmod>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel())});
+  else
+    run(ChannelIndex<WideDivmod>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel())});
+}
+
+// The gradient reaching a BatchNorm: dy, or with a fused ReLU dy where its output is > 0.
+// Callers load both values unconditionally, so neither load waits on the other.
+__device__ __forceinline__ float masked_grad(float dy, float relu_y, bool masked) {
+  return masked && !(relu_y > 0.f) ? 0.f : dy;
+}
+
+}  // namespace cuda
+}  // namespace replica
