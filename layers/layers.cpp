@@ -101,6 +101,17 @@ BatchNorm2d::BatchNorm2d(int64_t channels, float eps, float momentum)
 }
 
 Tensor BatchNorm2d::forward(DeviceContext& ctx, const Tensor& x) {
+  return normalize(ctx, x, Tensor(), relu_);
+}
+
+Tensor BatchNorm2d::forward_add_relu(DeviceContext& ctx, const Tensor& x,
+                                     const Tensor& residual) {
+  REPLICA_CHECK(!relu_, "BatchNorm2d+ReLU: forward_add_relu would apply a second ReLU");
+  return normalize(ctx, x, residual, true);
+}
+
+Tensor BatchNorm2d::normalize(DeviceContext& ctx, const Tensor& x, const Tensor& residual,
+                              bool relu) {
   REPLICA_CHECK(x.ndim() >= 2 && x.dim(1) == channels_, "BatchNorm2d({}) got input {}",
                 channels_, shape_str(x.shape()));
   Tensor y = ctx.alloc(x.shape());
@@ -112,10 +123,11 @@ Tensor BatchNorm2d::forward(DeviceContext& ctx, const Tensor& x) {
     save_mean_ = ctx.alloc({channels_});
     save_invstd_ = ctx.alloc({channels_});
     ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, buffers_[0]->value, buffers_[1]->value,
-                                      momentum_, eps_, y, save_mean_, save_invstd_, relu_);
+                                      momentum_, eps_, y, save_mean_, save_invstd_, residual,
+                                      relu);
   } else {
     ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, buffers_[0]->value, buffers_[1]->value,
-                                     eps_, y, relu_);
+                                     eps_, y, residual, relu);
   }
   return y;
 }

@@ -51,10 +51,16 @@ class BatchNorm2d : public Module {
   BatchNorm2d(int64_t channels, ThenReLU);
   std::string type() const override { return relu_ ? "BatchNorm2d+ReLU" : "BatchNorm2d"; }
   Tensor forward(DeviceContext& ctx, const Tensor& x) override;
+  // relu(BN(x) + residual) in one pass: a residual block's last BatchNorm, its sum and the
+  // ReLU after it. backward() is then BatchNorm's alone: the block masks the gradient by its
+  // output and passes the sum's gradient on to the residual's branch itself.
+  Tensor forward_add_relu(DeviceContext& ctx, const Tensor& x, const Tensor& residual);
   Tensor backward(DeviceContext& ctx, const Tensor& dy) override;
   Shape output_shape(const Shape& in) const override { return in; }
 
  private:
+  Tensor normalize(DeviceContext& ctx, const Tensor& x, const Tensor& residual, bool relu);
+
   int64_t channels_;
   bool relu_;
   float eps_, momentum_;

@@ -18,7 +18,9 @@ std::unique_ptr<Conv2d> resnet_conv(int64_t in, int64_t out, int k, int stride, 
 
 ResidualBlock::ResidualBlock() { body_ = &add_child("", std::make_unique<Sequential>()); }
 
-void ResidualBlock::add_shortcut(int64_t in, int64_t out, int stride) {
+void ResidualBlock::add_last_bn_and_shortcut(const std::string& bn_name, int64_t in, int64_t out,
+                                             int stride) {
+  last_bn_ = &add_child(bn_name, std::make_unique<BatchNorm2d>(out));
   if (stride != 1 || in != out) {
     downsample_ = &add_child("downsample", std::make_unique<Sequential>());
     downsample_->add("0", resnet_conv(in, out, 1, stride, 0));
@@ -29,9 +31,9 @@ void ResidualBlock::add_shortcut(int64_t in, int64_t out, int stride) {
 Shape ResidualBlock::output_shape(const Shape& in) const { return body_->output_shape(in); }
 
 Tensor ResidualBlock::forward(DeviceContext& ctx, const Tensor& x) {
-  Tensor out = body_->forward(ctx, x);
+  Tensor h = body_->forward(ctx, x);
   Tensor shortcut = downsample_ ? downsample_->forward(ctx, x) : x;
-  ctx.ops().add_relu(ctx, out, shortcut);  // the sum and its ReLU in one pass
+  Tensor out = last_bn_->forward_add_relu(ctx, h, shortcut);  // one pass: BN, sum, ReLU
   if (training_) y_ = out;
   return out;
 }
@@ -40,9 +42,11 @@ Tensor ResidualBlock::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(y_.defined(), "{} backward without a training-mode forward", type());
   Tensor dsum = ReLU::gradient(ctx, y_, dy);
   y_ = Tensor();
-  // The downsample branch runs last in forward, so its backward goes first (reverse order).
+  // The reverse of the parameters' order (body, last BatchNorm, downsample), so gradients
+  // become ready in the order DDP's buckets are laid out.
   Tensor dshort = downsample_ ? downsample_->backward(ctx, dsum) : dsum;
-  Tensor dx = body_->backward(ctx, dsum);
+  Tensor dh = last_bn_->backward(ctx, dsum);
+  Tensor dx = body_->backward(ctx, dh);
   ctx.ops().add(ctx, dx, dshort, 1.f);
   return dx;
 }
@@ -52,8 +56,7 @@ BasicBlock::BasicBlock(int64_t in, int64_t planes, int stride) {
   body().add("conv1", resnet_conv(in, planes, 3, stride, 1));
   body().add("bn1", std::make_unique<BatchNorm2d>(planes, BatchNorm2d::ThenReLU{}));
   body().add("conv2", resnet_conv(planes, planes, 3, 1, 1));
-  body().add("bn2", std::make_unique<BatchNorm2d>(planes));
-  add_shortcut(in, planes * kExpansion, stride);
+  add_last_bn_and_shortcut("bn2", in, planes * kExpansion, stride);
 }
 
 Bottleneck::Bottleneck(int64_t in, int64_t planes, int stride) {
@@ -62,8 +65,7 @@ Bottleneck::Bottleneck(int64_t in, int64_t planes, int stride) {
   body().add("conv2", resnet_conv(planes, planes, 3, stride, 1));
   body().add("bn2", std::make_unique<BatchNorm2d>(planes, BatchNorm2d::ThenReLU{}));
   body().add("conv3", resnet_conv(planes, planes * kExpansion, 1, 1, 0));
-  body().add("bn3", std::make_unique<BatchNorm2d>(planes * kExpansion));
-  add_shortcut(in, planes * kExpansion, stride);
+  add_last_bn_and_shortcut("bn3", in, planes * kExpansion, stride);
 }
 
 namespace {

@@ -1,7 +1,8 @@
 // Residual blocks and the ResNet family, laid out and named as torchvision's resnet18/50/101
 // (conv1, bn1, layer1.0.conv1, layer1.0.downsample.0, fc, ...), so weights map one to one. A
-// BatchNorm followed by a ReLU is one BatchNorm2d made with ThenReLU, and a block's sum and its
-// ReLU are one op (add_relu): one pass over the activation each, not two.
+// BatchNorm followed by a ReLU is one BatchNorm2d made with ThenReLU, and a block's last
+// BatchNorm, its sum and its ReLU are one pass (BatchNorm2d::forward_add_relu): one pass over
+// the activation each, not two or three.
 #pragma once
 #include <memory>
 
@@ -9,9 +10,10 @@
 
 namespace replica {
 
-// out = relu(body(x) + shortcut(x)), the shape both blocks share. The shortcut is x itself, or a
-// strided 1x1 conv + BatchNorm ("downsample") where the block changes resolution or channels;
-// the sum and the ReLU are one op (add_relu).
+// out = relu(bn(body(x)) + shortcut(x)), the shape both blocks share. The shortcut is x itself,
+// or a strided 1x1 conv + BatchNorm ("downsample") where the block changes resolution or
+// channels. The body's last BatchNorm, the sum and the ReLU are one pass over the activation
+// (BatchNorm2d::forward_add_relu).
 class ResidualBlock : public Module {
  public:
   Tensor forward(DeviceContext& ctx, const Tensor& x) override;
@@ -20,18 +22,20 @@ class ResidualBlock : public Module {
 
  protected:
   ResidualBlock();
-  // Called by a block's constructor after it filled body(): registers downsample after the
-  // body, torchvision's order, so parameters map one to one.
-  void add_shortcut(int64_t in, int64_t out, int stride);
+  // Called by a block's constructor after it filled body() up to its last convolution:
+  // registers the last BatchNorm (named `bn_name`) and then downsample, torchvision's order, so
+  // parameters map one to one.
+  void add_last_bn_and_shortcut(const std::string& bn_name, int64_t in, int64_t out, int stride);
   Sequential& body() { return *body_; }
 
  private:
   Sequential* body_;
+  BatchNorm2d* last_bn_ = nullptr;
   Sequential* downsample_ = nullptr;
   Tensor y_;  // the block's output, for the ReLU's backward (training mode)
 };
 
-// body = bn2(conv2(relu(bn1(conv1(x))))); 3x3 convs, expansion 1.
+// body = conv2(relu(bn1(conv1(x)))), then bn2; 3x3 convs, expansion 1.
 class BasicBlock : public ResidualBlock {
  public:
   static constexpr int kExpansion = 1;
@@ -39,7 +43,7 @@ class BasicBlock : public ResidualBlock {
   std::string type() const override { return "BasicBlock"; }
 };
 
-// body = bn3(conv3(relu(bn2(conv2(relu(bn1(conv1(x)))))));
+// body = conv3(relu(bn2(conv2(relu(bn1(conv1(x))))))), then bn3;
 // 1x1 -> 3x3 (stride here, as torchvision v1.5) -> 1x1 with 4x expansion.
 class Bottleneck : public ResidualBlock {
  public:

@@ -351,23 +351,26 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
 namespace {
 
 // relu: with the ReLU fused (forward's output and backward's mask).
-// unaligned: x, y, dy and dx start one float into their GPU allocations.
-void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false) {
+// unaligned: x, y, dy and dx (and the residual) start one float into their GPU allocations.
+// residual: forward adds a residual before the ReLU (a residual block's last BatchNorm, whose
+// backward then takes no mask: the block masks the gradient itself).
+void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool residual = false) {
   Rig r;
   const int64_t C = shape[1];
   const std::string tag = "batchnorm " + shape_str(shape) + (relu ? " + relu" : "") +
-                          (unaligned ? " unaligned" : "");
+                          (unaligned ? " unaligned" : "") + (residual ? " + residual" : "");
   const auto activation = unaligned ? make_random_unaligned : make_random;
   Pair x = activation(r, shape, 30, -2.f, 3.f), y = activation(r, shape, 31, -1.f, 1.f);
+  const Pair res = residual ? activation(r, shape, 47, -1.f, 1.f) : Pair{};
   Pair gamma = make_random(r, {C}, 32, 0.5f, 1.5f), beta = make_random(r, {C}, 33);
   Pair rm = make_random(r, {C}, 34), rv = make_random(r, {C}, 35, 0.5f, 2.f);
   Pair sm = make_random(r, {C}, 36), si = make_random(r, {C}, 37);
   const float momentum = 0.1f, eps = 1e-5f;
   for (int rep = 0; rep < 2; ++rep) {  // twice: running stats updated twice
     r.c().batchnorm_forward_train(r.cpu, x.c, gamma.c, beta.c, rm.c, rv.c, momentum, eps, y.c,
-                                  sm.c, si.c, relu);
+                                  sm.c, si.c, res.c, relu);
     r.g().batchnorm_forward_train(r.gpu, x.g, gamma.g, beta.g, rm.g, rv.g, momentum, eps, y.g,
-                                  sm.g, si.g, relu);
+                                  sm.g, si.g, res.g, relu);
   }
   expect_close(r, y, 1e-4, 1e-4, tag + " train y");
   expect_close(r, sm, 1e-4, 1e-5, tag + " save_mean");
@@ -379,8 +382,9 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false) {
   Pair dgamma = make_random(r, {C}, 40), dbeta = make_random(r, {C}, 41);
   // The mask is read from the CPU's output on both sides, so an element whose output sits at
   // zero on one backend and a rounding above it on the other cannot split the two.
-  Tensor mask_c = relu ? y.c : Tensor();
-  Tensor mask_g = relu ? make_twin(r, shape, host_values(y.c)).g : Tensor();
+  const bool masked = relu && !residual;
+  Tensor mask_c = masked ? y.c : Tensor();
+  Tensor mask_g = masked ? make_twin(r, shape, host_values(y.c)).g : Tensor();
   for (int rep = 0; rep < 2; ++rep) {
     r.c().batchnorm_backward(r.cpu, x.c, gamma.c, sm.c, si.c, dy.c, mask_c, dx.c, dgamma.c,
                              dbeta.c);
@@ -393,7 +397,7 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false) {
   Pair sm2 = make_random(r, {C}, 45), si2 = make_random(r, {C}, 46);
   Tensor none;
   r.g().batchnorm_forward_train(r.gpu, x.g, gamma.g, beta.g, none, none, momentum, eps, y2.g,
-                                sm2.g, si2.g, relu);
+                                sm2.g, si2.g, res.g, relu);
   r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, mask_g, dx2.g, none, none);
   CHECK(gpu_values(r, y2.g) == gpu_values(r, y.g));
   CHECK(gpu_values(r, dx2.g) == gpu_values(r, dx.g));
@@ -401,8 +405,8 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false) {
   expect_close(r, dbeta, 1e-4, 1e-4, tag + " dbeta (+= twice)");
 
   Pair ye = make_random(r, shape, 42);
-  r.c().batchnorm_forward_eval(r.cpu, x.c, gamma.c, beta.c, rm.c, rv.c, eps, ye.c, relu);
-  r.g().batchnorm_forward_eval(r.gpu, x.g, gamma.g, beta.g, rm.g, rv.g, eps, ye.g, relu);
+  r.c().batchnorm_forward_eval(r.cpu, x.c, gamma.c, beta.c, rm.c, rv.c, eps, ye.c, res.c, relu);
+  r.g().batchnorm_forward_eval(r.gpu, x.g, gamma.g, beta.g, rm.g, rv.g, eps, ye.g, res.g, relu);
   expect_close(r, ye, 1e-4, 1e-4, tag + " eval y");
 }
 
@@ -423,6 +427,10 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
     batchnorm_case({3, 5, 12}, relu);
     batchnorm_case({4, 8, 2, 2}, relu, true);
     batchnorm_case({16, 3, 40, 40}, relu, true);
+    // A residual block's last BatchNorm with its sum (and ReLU): float4s, one float, unaligned.
+    batchnorm_case({4, 8, 2, 2}, relu, false, true);
+    batchnorm_case({3, 4, 5, 7}, relu, false, true);
+    batchnorm_case({16, 3, 40, 40}, relu, true, true);
   }
   // The 64-bit index path, which real shapes take only past 2^31 values.
   test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
@@ -432,7 +440,7 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
   batchnorm_case({5, 6}, false);
 }
 
-TEST_CASE("cuda parity: relu, add_relu, mul and dropout") {
+TEST_CASE("cuda parity: relu, mul and dropout") {
   if (!test::have_gpu()) return;
   Rig r;
   // Float4s (420 values), float4s and a tail of 1 (105), and one float at a time (unaligned).
@@ -448,10 +456,6 @@ TEST_CASE("cuda parity: relu, add_relu, mul and dropout") {
       r.c().relu_backward(r.cpu, y.c, dy.c, dx.c);
       r.g().relu_backward(r.gpu, y.g, dy.g, dx.g);
       expect_close(r, dx, 0, 0, "relu dx " + tag);
-      Pair sum = make_twin(r, shape, host_values(dy.c));
-      r.c().add_relu(r.cpu, sum.c, x.c);
-      r.g().add_relu(r.gpu, sum.g, x.g);
-      expect_close(r, sum, 0, 0, "add_relu " + tag);
       Pair prod = make(r, shape, 54, -1.f, 1.f);
       r.c().mul(r.cpu, x.c, dy.c, prod.c);
       r.g().mul(r.gpu, x.g, dy.g, prod.g);

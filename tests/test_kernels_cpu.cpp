@@ -217,16 +217,16 @@ TEST_CASE("batchnorm train forward and backward are bit-identical for 1, 2 and 3
     Tensor dy = make(ctx, xs, 5), dx = ctx.alloc(xs);
     Tensor dg = make(ctx, {5}, 6), dbeta = make(ctx, {5}, 7);
     ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd,
-                                      false);
+                                      Tensor(), false);
     ctx.ops().batchnorm_backward(ctx, x, gamma, mean, invstd, dy, Tensor(), dx, dg, dbeta);
     Tensor ye = ctx.alloc(xs);
-    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye, false);
+    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye, Tensor(), false);
     // And with a fused ReLU.
     Tensor yr = ctx.alloc(xs), dxr = ctx.alloc(xs), yer = ctx.alloc(xs);
     ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, yr, mean, invstd,
-                                      true);
+                                      Tensor(), true);
     ctx.ops().batchnorm_backward(ctx, x, gamma, mean, invstd, dy, yr, dxr, dg, dbeta);
-    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, yer, true);
+    ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, yer, Tensor(), true);
     std::vector<float> v;
     for (const Tensor* t : {&y, &mean, &invstd, &rm, &rv, &dx, &dg, &dbeta, &ye, &yr, &dxr, &yer})
       append(v, *t);
@@ -247,20 +247,51 @@ TEST_CASE("batchnorm train forward and backward are bit-identical for 1, 2 and 3
   }
 }
 
-// A residual block's sum and ReLU as one op: add then relu_forward, to the bit.
-TEST_CASE("add_relu is add then relu") {
+// A residual block's last BatchNorm, its sum and its ReLU in one pass (`residual`): the numbers
+// of batchnorm, add and relu_forward in turn, to the bit, in training and evaluation, with and
+// without the ReLU; a residual of another size is an error.
+TEST_CASE("batchnorm with a residual is batchnorm, add, then relu, bit for bit") {
   DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
-  const Shape s{3, 70000};
-  Tensor a = make(ctx, s, 21), b = make(ctx, s, 22), fused = make(ctx, s, 21);
-  Tensor two = ctx.alloc(s);
-  ctx.ops().add(ctx, a, b, 1.f);
-  ctx.ops().relu_forward(ctx, a, two);
-  ctx.ops().add_relu(ctx, fused, b);
-  const std::vector<float> expected = values(two);
-  CHECK(values(fused) == expected);
-  CHECK(std::count(expected.begin(), expected.end(), 0.f) > 0);  // the ReLU cut something off
-  Tensor wrong = ctx.alloc({5});
-  CHECK_THROWS_AS(ctx.ops().add_relu(ctx, fused, wrong), Error);
+  auto& ops = ctx.ops();
+  const Shape xs{6, 4, 9, 7};
+  const int64_t C = xs[1];
+  Tensor x = make(ctx, xs, 21), r = make(ctx, xs, 22);
+  Tensor gamma = make(ctx, {C}, 23), beta = make(ctx, {C}, 24);
+  for (const bool relu : {false, true}) {
+    CAPTURE(relu);
+    std::vector<float> runs[2][2];  // [fused][train y, eval y]
+    for (const bool fused : {false, true}) {
+      Tensor rm = make(ctx, {C}, 25), rv = make(ctx, {C}, std::vector<float>(size_t(C), 1.f));
+      Tensor mean = ctx.alloc({C}), invstd = ctx.alloc({C});
+      Tensor y = ctx.alloc(xs), ye = ctx.alloc(xs);
+      if (fused) {
+        ops.batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd, r,
+                                    relu);
+        ops.batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye, r, relu);
+      } else {  // the three ops in turn
+        ops.batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd,
+                                    Tensor(), false);
+        ops.batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye, Tensor(), false);
+        for (Tensor* t : {&y, &ye}) {
+          ops.add(ctx, *t, r, 1.f);
+          if (relu) ops.relu_forward(ctx, *t, *t);
+        }
+      }
+      runs[fused][0] = values(y);
+      runs[fused][1] = values(ye);
+    }
+    CHECK(runs[1][0] == runs[0][0]);
+    CHECK(runs[1][1] == runs[0][1]);
+    if (relu)  // the ReLU cut something off
+      CHECK(std::count(runs[1][0].begin(), runs[1][0].end(), 0.f) > 0);
+  }
+  Tensor rm = ctx.alloc({C}), rv = ctx.alloc({C}), mean = ctx.alloc({C}), invstd = ctx.alloc({C});
+  Tensor y = ctx.alloc(xs), wrong = ctx.alloc({5});
+  CHECK_THROWS_AS(ops.batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean,
+                                              invstd, wrong, true),
+                  Error);
+  CHECK_THROWS_AS(ops.batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, y, wrong, true),
+                  Error);
 }
 
 // ResNet's BatchNorm + ReLU pairs run as one op with `relu`: the numbers must be those of the
@@ -281,7 +312,7 @@ TEST_CASE("batchnorm with a fused ReLU is batchnorm then relu, bit for bit") {
       Tensor dx = ctx.alloc(xs), dg = make(ctx, {C}, 16), db = make(ctx, {C}, 17);
       Tensor ye = ctx.alloc(xs);
       ops.batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd,
-                                  fused);
+                                  Tensor(), fused);
       Tensor out = y, g = dy;
       if (!fused) {  // the two layers: ReLU after BatchNorm, its backward before
         out = ctx.alloc(xs);
@@ -290,7 +321,7 @@ TEST_CASE("batchnorm with a fused ReLU is batchnorm then relu, bit for bit") {
         ops.relu_backward(ctx, out, dy, g);
       }
       ops.batchnorm_backward(ctx, x, gamma, mean, invstd, g, fused ? out : Tensor(), dx, dg, db);
-      ops.batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye, fused);
+      ops.batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, ye, Tensor(), fused);
       if (!fused) ops.relu_forward(ctx, ye, ye);
       runs[fused][0] = values(out);
       runs[fused][1] = values(dx);
@@ -541,7 +572,8 @@ TEST_CASE("an empty batch (N = 0) works for linear, conv2d, relu, pooling and th
   Tensor g = make(ctx, {2}, 9), be = make(ctx, {2}, 10), rm = ctx.alloc({2}), rv = ctx.alloc({2});
   Tensor m = ctx.alloc({2}), is = ctx.alloc({2});
   CHECK_THROWS_AS(
-      ops.batchnorm_forward_train(ctx, cx, g, be, rm, rv, 0.1f, 1e-5f, cdx, m, is, false), Error);
+      ops.batchnorm_forward_train(ctx, cx, g, be, rm, rv, 0.1f, 1e-5f, cdx, m, is, Tensor(), false),
+      Error);
 }
 
 TEST_CASE("an op profile counts and times every call while set, and none after") {
@@ -627,7 +659,7 @@ TEST_CASE("batchnorm takes [N, C, L] as the op list says, as [N, C, L, 1]") {
     ctx.ops().fill(ctx, rv, 1.f);
     Tensor y = ctx.alloc(x.shape()), mean = ctx.alloc({3}), invstd = ctx.alloc({3});
     ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, y, mean, invstd,
-                                      /*relu=*/true);
+                                      Tensor(), /*relu=*/true);
     for (const Tensor* t : {&y, &rm, &rv, &mean, &invstd}) append(out[k], *t);
   }
   REQUIRE(out[0].size() == out[1].size());

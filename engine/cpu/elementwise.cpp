@@ -60,18 +60,6 @@ void CpuBackend::add(DeviceContext&, Tensor& dst, const Tensor& src, float alpha
   });
 }
 
-void CpuBackend::add_relu(DeviceContext&, Tensor& dst, const Tensor& src) {
-  cpu::expect_same_numel(dst, src, "add_relu");
-  float* d = dst.f32();
-  const float* s = src.f32();
-  cpu::parallel_range(dst.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const float v = d[i] + s[i];
-      d[i] = v > 0.f ? v : 0.f;
-    }
-  });
-}
-
 void CpuBackend::scale(DeviceContext&, Tensor& t, float alpha) {
   float* d = t.f32();
   cpu::parallel_range(t.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {

@@ -68,20 +68,39 @@ struct ChannelScratch {
 };
 
 // y = x * scale[c] + shift[c] over channels [c0, c1), in float (scale and shift hold floats);
-// with relu, y = max(that, 0) as relu_forward has it, in the same pass.
-void scale_shift(const NchwDims& d, int64_t c0, int64_t c1, const float* xp, float* yp,
-                 const double* scale, const double* shift, bool relu) {
+// with a residual rp (else null) y + rp as add has it; with relu, y = max(that, 0) as
+// relu_forward has it; all in the same pass. Each case its own loop, without tests inside.
+void scale_shift(const NchwDims& d, int64_t c0, int64_t c1, const float* xp, const float* rp,
+                 float* yp, const double* scale, const double* shift, bool relu) {
   visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
     const float sc = float(scale[c]), sh = float(shift[c]);
-    if (!relu) {
+    if (!rp && !relu) {
       for (int64_t at = b; at < e; ++at) yp[at] = xp[at] * sc + sh;
-      return;
-    }
-    for (int64_t at = b; at < e; ++at) {
-      const float v = xp[at] * sc + sh;
-      yp[at] = v > 0.f ? v : 0.f;
+    } else if (!rp) {
+      for (int64_t at = b; at < e; ++at) {
+        const float v = xp[at] * sc + sh;
+        yp[at] = v > 0.f ? v : 0.f;
+      }
+    } else if (!relu) {
+      for (int64_t at = b; at < e; ++at) {
+        const float v = xp[at] * sc + sh;
+        yp[at] = v + rp[at];
+      }
+    } else {
+      for (int64_t at = b; at < e; ++at) {
+        const float v = xp[at] * sc + sh;
+        const float sum = v + rp[at];
+        yp[at] = sum > 0.f ? sum : 0.f;
+      }
     }
   });
+}
+
+// The residual's data, checked against x (undefined: null).
+const float* residual_data(const Tensor& residual, const Tensor& x, const char* op) {
+  if (!residual.defined()) return nullptr;
+  cpu::expect_same_numel(residual, x, op);
+  return residual.f32();
 }
 
 }  // namespace
@@ -90,12 +109,13 @@ void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, co
                                          const Tensor& beta, Tensor& running_mean,
                                          Tensor& running_var, float momentum, float eps,
                                          Tensor& y, Tensor& save_mean, Tensor& save_invstd,
-                                         bool relu) {
+                                         const Tensor& residual, bool relu) {
   const NchwDims d = nchw(x);
   const int64_t m = d.n * d.hw;
   REPLICA_CHECK(m > 1, "BatchNorm in training mode needs more than one value per channel "
                        "(got input {}); use a larger batch", shape_str(x.shape()));
   const float* xp = x.f32();
+  const float* rp = residual_data(residual, x, "batchnorm_forward_train");
   float* yp = y.f32();
   ChannelScratch sums(ctx, d.c);
   double* mean = sums.a;
@@ -128,16 +148,17 @@ void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, co
       sq[c] = float(gamma.f32()[c] * invstd);
       mean[c] = float(beta.f32()[c] - mu * gamma.f32()[c] * invstd);
     }
-    scale_shift(d, c0, c1, xp, yp, sq, mean, relu);
+    scale_shift(d, c0, c1, xp, rp, yp, sq, mean, relu);
   });
 }
 
 void CpuBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
                                         const Tensor& beta, const Tensor& running_mean,
                                         const Tensor& running_var, float eps, Tensor& y,
-                                        bool relu) {
+                                        const Tensor& residual, bool relu) {
   const NchwDims d = nchw(x);
   const float* xp = x.f32();
+  const float* rp = residual_data(residual, x, "batchnorm_forward_eval");
   float* yp = y.f32();
   ChannelScratch affine(ctx, d.c);
   double* scale = affine.a;
@@ -148,7 +169,7 @@ void CpuBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, con
       scale[c] = float(gamma.f32()[c] * invstd);
       shift[c] = float(beta.f32()[c] - running_mean.f32()[c] * gamma.f32()[c] * invstd);
     }
-    scale_shift(d, c0, c1, xp, yp, scale, shift, relu);
+    scale_shift(d, c0, c1, xp, rp, yp, scale, shift, relu);
   });
 }
 

@@ -99,16 +99,19 @@ __global__ void channel_accumulate_kernel(const double* part, int S, int64_t C, 
 
 template <class Div, int kVec>
 __global__ void channel_affine_kernel(const float* x, float* y, const float* scale,
-                                      const float* shift, ChannelIndex<Div> at, bool relu) {
+                                      const float* shift, const float* residual,
+                                      ChannelIndex<Div> at, bool relu) {
   using Index = typename Div::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
     const Index c = at.channel(g * kVec);
     const float sc = scale ? scale[c] : 1.f, sh = shift[c];
-    Pack<kVec> v;
+    Pack<kVec> v, r;
     v.load(x, g);
+    if (residual) r.load(residual, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const float o = v.v[k] * sc + sh;
+      float o = v.v[k] * sc + sh;
+      if (residual) o = o + r.v[k];
       v.v[k] = relu ? (o > 0.f ? o : 0.f) : o;
     }
     v.store(y, g);
@@ -150,12 +153,12 @@ void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, double*
 }
 
 void channel_affine(const ChannelDims& d, const float* x, float* y, const float* scale,
-                    const float* shift, bool relu, cudaStream_t stream) {
-  with_channel_index(d, {x, y}, [&](auto at, auto width) {
+                    const float* shift, const float* residual, bool relu, cudaStream_t stream) {
+  with_channel_index(d, {x, y, residual}, [&](auto at, auto width) {
     using Div = std::decay_t<decltype(at.by_hw)>;
     constexpr int kVec = decltype(width)::value;
     channel_affine_kernel<Div, kVec><<<grid_for(d.numel() / kVec), kThreads, 0, stream>>>(
-        x, y, scale, shift, at, relu);
+        x, y, scale, shift, residual, at, relu);
   });
   REPLICA_LAUNCH_CHECK();
 }

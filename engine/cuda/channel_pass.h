@@ -32,7 +32,7 @@ struct ChannelDims {
 int channel_slices(const ChannelDims& d, const char* op);
 
 // What channel_partials adds up per channel (a, b):
-// - Values: sum(x), 0.
+// - Values: sum(x) alone (part_b is not written and may be null).
 // - Moments: sum(x - K), sum((x - K)^2), with K the channel's first value (a shift that keeps
 //   the one-pass variance exact in spirit).
 // - GradMoments: sum(g), sum(g * (x - mean) * invstd), with g = dy, or dy where relu_y > 0 when
@@ -61,10 +61,10 @@ __device__ __forceinline__ void channel_sums(const double* part_a, const double*
 void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, double* part,
                             float* out, cudaStream_t stream);
 
-// y = x * scale[c] + shift[c] (scale null: x + shift[c]), then max(., 0) where relu
-// (relu_forward's rule). x may be y.
+// y = x * scale[c] + shift[c] (scale null: x + shift[c]), plus residual where it is not null
+// (add's rule), then max(., 0) where relu (relu_forward's rule). x may be y.
 void channel_affine(const ChannelDims& d, const float* x, float* y, const float* scale,
-                    const float* shift, bool relu, cudaStream_t stream);
+                    const float* shift, const float* residual, bool relu, cudaStream_t stream);
 
 // Where the flat passes find an element's channel: i = (n * C + c) * HW + p.
 template <class Div>

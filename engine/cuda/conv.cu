@@ -237,7 +237,8 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     io.finish(io.y, y, false, s.stream);
   }
   if (b.defined() && y.numel() > 0)
-    cuda::channel_affine({N, K, P * Q}, y.f32(), y.f32(), nullptr, b.f32(), false, s.stream);
+    cuda::channel_affine({N, K, P * Q}, y.f32(), y.f32(), nullptr, b.f32(), nullptr, false,
+                         s.stream);
 }
 
 void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -266,6 +267,8 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
       REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
     return;
   }
+  const cuda::ChannelDims bias{N, K, P * Q};
+  const int bias_slices = db.defined() ? cuda::channel_slices(bias, op) : 0;  // before launches
   CudaState& s = cuda_state(ctx);
   const bool have_channels = x.dim(1) > 0;
   const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
@@ -286,10 +289,8 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     io.finish(io.dw, dw, true, s.stream);
   }
   if (db.defined() && dy.numel() > 0) {  // after every staged operand's last use: scratch is free
-    const cuda::ChannelDims d{N, K, P * Q};
-    const int S = cuda::channel_slices(d, op);
-    double* part = reinterpret_cast<double*>(scratch(ctx, 2 * K * S));
-    cuda::channel_sum_accumulate(d, S, dy.f32(), part, db.f32(), s.stream);
+    double* part = reinterpret_cast<double*>(scratch(ctx, 2 * K * bias_slices));
+    cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(), part, db.f32(), s.stream);
   }
 }
 

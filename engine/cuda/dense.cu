@@ -74,7 +74,8 @@ void CudaBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tens
     io.finish(io.y, y, false, s.stream);
   }
   if (b.defined())
-    cuda::channel_affine({N, out, 1}, y.f32(), y.f32(), nullptr, b.f32(), false, s.stream);
+    cuda::channel_affine({N, out, 1}, y.f32(), y.f32(), nullptr, b.f32(), nullptr, false,
+                         s.stream);
 }
 
 void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -97,6 +98,8 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
     cuda::expect_device(ctx, db, op, "db");
     cuda::expect_numel(db, out, op, "db");
   }
+  const cuda::ChannelDims bias{N, out, 1};
+  const int bias_slices = db.defined() ? cuda::channel_slices(bias, op) : 0;  // before launches
   CudaState& s = cuda_state(ctx);
   const bool product = N > 0 && in > 0 && out > 0;  // else no GEMM has anything to sum
   const bool want_dx = dx.defined() && product, want_dw = dw.defined() && product;
@@ -112,11 +115,9 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
          io.dw, in);
     io.finish(io.dw, dw, true, s.stream);
   }
-  if (db.defined() && N > 0 && out > 0) {
-    const cuda::ChannelDims d{N, out, 1};  // after the staged operands' last use
-    const int S = cuda::channel_slices(d, "linear_backward");
-    double* part = reinterpret_cast<double*>(scratch(ctx, 2 * out * S));
-    cuda::channel_sum_accumulate(d, S, dy.f32(), part, db.f32(), s.stream);
+  if (db.defined() && N > 0 && out > 0) {  // after the staged operands' last use
+    double* part = reinterpret_cast<double*>(scratch(ctx, 2 * out * bias_slices));
+    cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(), part, db.f32(), s.stream);
   }
 }
 

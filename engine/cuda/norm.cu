@@ -149,11 +149,16 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
                                           const Tensor& gamma, const Tensor& beta,
                                           Tensor& running_mean, Tensor& running_var,
                                           float momentum, float eps, Tensor& y,
-                                          Tensor& save_mean, Tensor& save_invstd, bool relu) {
+                                          Tensor& save_mean, Tensor& save_invstd,
+                                          const Tensor& residual, bool relu) {
   const char* op = "batchnorm_forward_train";
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, y, op, "y");
   cuda::expect_shape(y, x.shape(), op, "y");
+  if (residual.defined()) {
+    cuda::expect_device(ctx, residual, op, "residual");
+    cuda::expect_shape(residual, x.shape(), op, "residual");
+  }
   const ChannelDims d = bn_dims(x, op);
   const bool have_running = running_mean.defined() || running_var.defined();
   if (have_running) {
@@ -182,17 +187,22 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
       x.f32(), w.part_a, w.part_b, S, d, ptr_or_null(gamma), ptr_or_null(beta), momentum, eps, out,
       w.scale, w.shift);
   REPLICA_LAUNCH_CHECK();
-  cuda::channel_affine(d, x.f32(), y.f32(), w.scale, w.shift, relu, stream);
+  cuda::channel_affine(d, x.f32(), y.f32(), w.scale, w.shift, ptr_or_null(residual), relu,
+                       stream);
 }
 
 void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
                                          const Tensor& beta, const Tensor& running_mean,
                                          const Tensor& running_var, float eps, Tensor& y,
-                                         bool relu) {
+                                         const Tensor& residual, bool relu) {
   const char* op = "batchnorm_forward_eval";
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, y, op, "y");
   cuda::expect_shape(y, x.shape(), op, "y");
+  if (residual.defined()) {
+    cuda::expect_device(ctx, residual, op, "residual");
+    cuda::expect_shape(residual, x.shape(), op, "residual");
+  }
   const ChannelDims d = bn_dims(x, op);
   expect_param(ctx, running_mean, d.c, op, "running_mean");
   expect_param(ctx, running_var, d.c, op, "running_var");
@@ -205,7 +215,8 @@ void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, co
       running_mean.f32(), running_var.f32(), ptr_or_null(gamma), ptr_or_null(beta), eps, d.c,
       w.scale, w.shift);
   REPLICA_LAUNCH_CHECK();
-  cuda::channel_affine(d, x.f32(), y.f32(), w.scale, w.shift, relu, stream);
+  cuda::channel_affine(d, x.f32(), y.f32(), w.scale, w.shift, ptr_or_null(residual), relu,
+                       stream);
 }
 
 void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
