@@ -1,5 +1,6 @@
 #include "layers/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -124,6 +125,12 @@ std::unique_ptr<Module> make_cnn(const Shape& input_shape, int64_t num_classes) 
   return net;
 }
 
+void check_model_name(const std::string& name) {
+  const std::vector<std::string> names = model_names();
+  REPLICA_USAGE_CHECK(std::find(names.begin(), names.end(), name) != names.end(),
+                      "unknown model '{}' (choose from: {})", name, fmt::join(names, ", "));
+}
+
 std::vector<std::string> model_names() {
   return {"cnn", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"};
 }
@@ -134,19 +141,11 @@ std::unique_ptr<Model> make_model(const std::string& name, const Shape& input_sh
   REPLICA_USAGE_CHECK(input_shape.size() == 3 && input_shape[0] > 0 && input_shape[1] > 0 &&
                           input_shape[2] > 0,
                       "model input must be CxHxW, got {}", shape_str(input_shape));
-  std::unique_ptr<Module> root;
-  if (name == "cnn") {
-    root = make_cnn(input_shape, num_classes);
-  } else if (name.rfind("resnet", 0) == 0 && name.size() > 6 &&
-             name.find_first_not_of("0123456789", 6) == std::string::npos && name.size() < 10) {
-    const int depth = std::stoi(name.substr(6));
-    REPLICA_USAGE_CHECK(depth == 18 || depth == 34 || depth == 50 || depth == 101 || depth == 152,
-                        "unknown model '{}' (choose from: {})", name, fmt::join(model_names(), ", "));
-    root = make_resnet(depth, input_shape.at(0), num_classes);
-  } else {
-    throw UsageError(fmt::format("unknown model '{}' (choose from: {})", name,
-                                 fmt::join(model_names(), ", ")));
-  }
+  check_model_name(name);
+  std::unique_ptr<Module> root = name == "cnn"
+                                     ? make_cnn(input_shape, num_classes)
+                                     : make_resnet(std::stoi(name.substr(6)), input_shape.at(0),
+                                                   num_classes);
   return std::make_unique<Model>(ModelSpec{name, input_shape, num_classes}, std::move(root));
 }
 

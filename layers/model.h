@@ -59,6 +59,9 @@ class Model {
 std::unique_ptr<Model> make_model(const std::string& name, const Shape& input_shape,
                                   int64_t num_classes);
 std::vector<std::string> model_names();
+// A UsageError naming the known models unless `name` is one (make_model's own check, also run
+// by the programs before they start anything, such as the ranks of a DDP job).
+void check_model_name(const std::string& name);
 
 // Tutorial CNN: conv 1->20 5x5, ReLU, conv 20->20 5x5, ReLU, maxpool 2, flatten,
 // fc -> 50, ReLU, fc -> classes. fc1's input is sized from the actual shape (2000 for 28x28).

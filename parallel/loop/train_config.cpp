@@ -6,6 +6,7 @@
 
 #include "engine/error.h"
 #include "engine/output_files.h"
+#include "layers/model.h"
 #include "layers/optimizer.h"
 #include "parallel/engines/captured_step.h"
 #include "parallel/comm/process_group.h"
@@ -62,6 +63,7 @@ const std::vector<ModeFlag>& mode_flags() {
 }
 
 void validate(const TrainConfig& c) {
+  check_model_name(c.engine.model);  // here, before any rank or device is started
   REPLICA_USAGE_CHECK(c.batch_size >= 1, "--batch-size must be at least 1, got {}", c.batch_size);
   REPLICA_USAGE_CHECK(c.batch_per_device >= 0, "--batch-per-device must be at least 1, got {}",
                       c.batch_per_device);

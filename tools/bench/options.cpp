@@ -16,10 +16,7 @@ std::vector<int64_t> resolve_input_shape(const BenchOptions& o) {
 }
 
 void validate_common(const BenchOptions& o) {
-  const auto names = model_names();
-  REPLICA_USAGE_CHECK(std::find(names.begin(), names.end(), o.model) != names.end(),
-                      "--model '{}': unknown model (known: {})", o.model,
-                      fmt::format("{}", fmt::join(names, ", ")));
+  check_model_name(o.model);
   REPLICA_USAGE_CHECK(o.batch >= 1, "--batch must be at least 1, got {}", o.batch);
   // -1: not given, chosen later from a measured step time (dp/ddp).
   REPLICA_USAGE_CHECK(o.steps >= 1 || o.steps == -1, "--steps must be at least 1, got {}", o.steps);
