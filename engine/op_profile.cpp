@@ -7,11 +7,12 @@
 
 namespace replica {
 
-void OpProfile::add(const std::string& key, double seconds) {
+void OpProfile::add(const std::string& key, double seconds, double tensor_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   OpStats& s = ops_[key];
   ++s.calls;
   s.seconds += seconds;
+  s.tensor_bytes += tensor_bytes;
 }
 
 std::map<std::string, OpStats> OpProfile::ops() const {
@@ -39,6 +40,18 @@ std::string tensor_shapes(const Args&... args) {
   return s;
 }
 
+// The bytes of a call's tensor arguments (undefined ones: none), each counted once.
+template <class... Args>
+double tensor_bytes(const Args&... args) {
+  double bytes = 0;
+  auto one = [&bytes](const auto& a) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, Tensor>)
+      if (a.defined()) bytes += double(a.bytes());
+  };
+  (one(args), ...);
+  return bytes;
+}
+
 class ProfilingBackend final : public Backend {
  public:
   ProfilingBackend(Backend& inner, OpProfile& profile) : inner_(inner), profile_(profile) {}
@@ -48,19 +61,20 @@ class ProfilingBackend final : public Backend {
 #define REPLICA_OP(name, params, args)                                              \
   void name params override {                                                       \
     timed(ctx, profile_.by_shape() ? #name " " + tensor_shapes args : #name,        \
-          [&] { inner_.name args; });                                               \
+          tensor_bytes args, [&] { inner_.name args; });                            \
   }
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
 
  private:
   template <class F>
-  void timed(DeviceContext& ctx, const std::string& key, F&& call) {
+  void timed(DeviceContext& ctx, const std::string& key, double bytes, F&& call) {
     ctx.synchronize();
     const auto t0 = std::chrono::steady_clock::now();
     call();
     ctx.synchronize();
-    profile_.add(key, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    profile_.add(key, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                 bytes);
   }
 
   Backend& inner_;

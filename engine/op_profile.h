@@ -6,7 +6,10 @@
 // its time in, to hold against PyTorch's profiler on the same model. On CPU devices the time is
 // the call's wall time (CPU kernels are synchronous). A profile made `by_shape` keys each call
 // by its op and the shapes of its tensor arguments ("conv2d_backward [64, 256, 56, 56] ..."),
-// so an op's time splits by layer: which convolution of a ResNet is the slow one.
+// so an op's time splits by layer: which convolution of a ResNet is the slow one. Each call also
+// counts the bytes of its tensor arguments, each once: a floor on the memory it moves, so that
+// bytes over time says how far a memory-bound op (BatchNorm, pooling, the elementwise ops) is
+// from the device's bandwidth (ops that compute, such as convolutions, are bound elsewhere).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -21,13 +24,15 @@ namespace replica {
 struct OpStats {
   int64_t calls = 0;
   double seconds = 0;
+  double tensor_bytes = 0;  // the calls' tensor arguments, each counted once per call
 };
 
 class OpProfile {
  public:
   explicit OpProfile(bool by_shape = false) : by_shape_(by_shape) {}
   bool by_shape() const { return by_shape_; }
-  void add(const std::string& key, double seconds);  // thread-safe (DP's workers share one)
+  // Thread-safe (DP's workers share one).
+  void add(const std::string& key, double seconds, double tensor_bytes = 0);
   std::map<std::string, OpStats> ops() const;
   void clear();
 

@@ -523,6 +523,7 @@ TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counte
     shares += row["share"].get<double>();
     CHECK(row["ms_per_step"].get<double>() >= 0);
     CHECK(row["profiled_step_ms"].get<double>() > 0);
+    CHECK(row["tensor_gb_per_s"].get<double>() >= 0);
   }
   CHECK(shares == doctest::Approx(1.0));
   // The CNN: conv1, relu1, conv2, relu2, pool, flatten, fc1, relu3, fc2; Adam; the batch is
@@ -538,6 +539,9 @@ TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counte
     CHECK(ops[op]["calls_per_step"].get<double>() == n);
   }
   CHECK(ops.count("copy") == 0);
+  // An elementwise op moves its tensors' bytes in measurable time.
+  CHECK(ops["relu_forward"]["tensor_gb_per_s"].get<double>() > 0);
+  CHECK(output.find("GB/s: the bytes of an op's tensors") != std::string::npos);
 }
 
 TEST_CASE("replica-bench --suite ops --by-shape: each op split by its tensors' shapes") {

@@ -592,6 +592,9 @@ TEST_CASE("an op profile counts and times every call while set, and none after")
   CHECK(ops.at("fill").calls == 2);
   CHECK(ops.at("add").calls == 1);
   CHECK(ops.at("fill").seconds > 0);
+  // Each call's tensor arguments, each once: fill one tensor twice, add two tensors once.
+  CHECK(ops.at("fill").tensor_bytes == 2.0 * (1 << 16) * 4);
+  CHECK(ops.at("add").tensor_bytes == 2.0 * (1 << 16) * 4);
 }
 
 TEST_CASE("a context gets every thread it asks for, more than the cores included") {

@@ -313,6 +313,10 @@ OPS_GPU_CASES = [("resnet50", "3x224x224", 64, OPS_RUNS),
 OPS_CPU_CASES = [("resnet18", "3x32x32", 64, [("fp32", "nchw")])]
 
 
+MEMORY_BOUND_OPS = ("batchnorm", "relu", "add", "maxpool", "adaptive_avgpool", "scale", "fill",
+                    "copy", "gather_rows", "mul", "dropout", "sgd", "adam")
+
+
 def ops_case(p, model, shape, batch, runs):
     steps = "3" if p.args.quick else "10"
     by_run = {}
@@ -345,6 +349,16 @@ def ops_case(p, model, shape, batch, runs):
     for op in top:
         p.note(f"| {op} | " + " | ".join(
             f"{op_ms[n][op]:.2f}" if op in op_ms[n] else "-" for n in names) + " |")
+    # The ops bound by memory: their tensors' bytes over their time, against the bandwidth.
+    gbs = {n: {r["op"]: r.get("tensor_gb_per_s") for r in rows} for n, rows in by_run.items()}
+    bound = [op for op in top if op.startswith(MEMORY_BOUND_OPS)]
+    if bound:
+        p.note("\nGB/s of the memory-bound ops (tensor bytes, each once, over the op's time: a "
+               "floor on what it moved; hold against the device's bandwidth):\n")
+        p.note("| op | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+        for op in bound:
+            p.note(f"| {op} | " + " | ".join(
+                f"{gbs[n][op]:.0f}" if gbs[n].get(op) is not None else "-" for n in names) + " |")
 
 
 def ops(p):

@@ -70,14 +70,15 @@ int run_ops_suite(const BenchOptions& o) {
               (long long)o.steps);
   int width = 28;  // by shape, the key is "op [shape] [shape] ...": as wide as the widest
   for (const auto& [key, s] : ops) width = std::max(width, int(key.size()));
-  std::printf("%-*s %10s %10s %8s %10s\n", width, o.by_shape ? "op and tensor shapes" : "op",
-              "calls/step", "ms/step", "share", "us/call");
+  std::printf("%-*s %10s %10s %8s %10s %9s\n", width, o.by_shape ? "op and tensor shapes" : "op",
+              "calls/step", "ms/step", "share", "us/call", "GB/s");
   std::vector<nlohmann::json> rows;
   for (const auto& [key, s] : ops) {
     const double ms = s.seconds * 1e3 / steps, share = total_s > 0 ? s.seconds / total_s : 0;
-    std::printf("%-*s %10.1f %10.3f %7.1f%% %10.1f\n", width, key.c_str(),
+    const double gb_per_s = s.seconds > 0 ? s.tensor_bytes / s.seconds / 1e9 : 0.0;
+    std::printf("%-*s %10.1f %10.3f %7.1f%% %10.1f %9.1f\n", width, key.c_str(),
                 double(s.calls) / steps, ms, 100 * share,
-                s.calls ? s.seconds * 1e6 / double(s.calls) : 0.0);
+                s.calls ? s.seconds * 1e6 / double(s.calls) : 0.0, gb_per_s);
     const size_t space = key.find(' ');
     nlohmann::json row = {{"suite", "ops"}, {"engine", "replica"}, {"model", o.model},
                           {"input_shape", shape}, {"batch", o.batch}, {"device", device.str()},
@@ -85,7 +86,8 @@ int run_ops_suite(const BenchOptions& o) {
                           {"memory_format", memory_format_name(run.channels_last)},
                           {"op", key.substr(0, space)},
                           {"calls_per_step", double(s.calls) / steps}, {"ms_per_step", ms},
-                          {"share", share}, {"step_ms", real_ms},
+                          {"share", share}, {"tensor_gb_per_s", gb_per_s},
+                          {"step_ms", real_ms},
                           {"profiled_step_ms", profiled_ms}};
     if (space != std::string::npos) row["shapes"] = key.substr(space + 1);
     rows.push_back(row);
@@ -94,6 +96,8 @@ int run_ops_suite(const BenchOptions& o) {
               "difference: overlap and a synchronisation per op%s)\n",
               total_s * 1e3 / steps, profiled_ms, real_ms,
               o.by_shape ? ", and formatting the shapes" : "");
+  std::printf("GB/s: the bytes of an op's tensors, each once, over its time: a floor on the "
+              "memory it moved (held against the device's bandwidth for the memory-bound ops)\n");
   if (!o.json.empty()) append_rows(o.json, rows);
   return 0;
 }
