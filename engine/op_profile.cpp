@@ -1,7 +1,9 @@
 #include "engine/op_profile.h"
 
 #include <chrono>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "engine/context.h"
 
@@ -40,15 +42,20 @@ std::string tensor_shapes(const Args&... args) {
   return s;
 }
 
-// The bytes of a call's tensor arguments (undefined ones: none), each counted once.
+// The bytes of a call's tensor arguments (undefined ones: none), each argument counted once;
+// for gather_rows, whose table is read only where the rows point, twice its destination (the
+// rows read and written) and the row indices.
 template <class... Args>
-double tensor_bytes(const Args&... args) {
-  double bytes = 0;
-  auto one = [&bytes](const auto& a) {
+double tensor_bytes(const char* op, const Args&... args) {
+  std::vector<double> each;
+  auto one = [&each](const auto& a) {
     if constexpr (std::is_same_v<std::decay_t<decltype(a)>, Tensor>)
-      if (a.defined()) bytes += double(a.bytes());
+      each.push_back(a.defined() ? double(a.bytes()) : 0.0);
   };
   (one(args), ...);
+  if (std::strcmp(op, "gather_rows") == 0 && each.size() == 3) return 2 * each[0] + each[2];
+  double bytes = 0;
+  for (double b : each) bytes += b;
   return bytes;
 }
 
@@ -61,7 +68,8 @@ class ProfilingBackend final : public Backend {
 #define REPLICA_OP(name, params, args)                                              \
   void name params override {                                                       \
     timed(ctx, profile_.by_shape() ? #name " " + tensor_shapes args : #name,        \
-          tensor_bytes args, [&] { inner_.name args; });                            \
+          [](const auto&... a) { return tensor_bytes(#name, a...); } args,          \
+          [&] { inner_.name args; });                                               \
   }
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP

@@ -49,6 +49,7 @@ int run(int argc, char** argv) {
   if (auto code = parse_cli(app, argc, argv)) return *code;
   REPLICA_USAGE_CHECK(per_rank >= 1 && image >= 32 && classes >= 2 && size >= 1,
                       "batch, image size (>= 32), classes (>= 2) and dataset size must be positive");
+  check_model_name(model);  // before the rendezvous: every rank says it alike, none half-connected
   Rendezvous rv = rendezvous();
   EngineOptions o;
   o.model = model;

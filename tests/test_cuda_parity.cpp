@@ -266,6 +266,17 @@ TEST_CASE("cuda parity: linear forward and backward") {
   Tensor x0 = r.gpu.alloc({0, in}), y0 = r.gpu.alloc({0, out});
   CHECK_NOTHROW(r.g().linear_forward(r.gpu, x0, w.g, b.g, y0));
   CHECK_NOTHROW(r.gpu.synchronize());
+
+  // The bias passes' 64-bit index path (real shapes take it only past 2^31 values).
+  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
+  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  Pair yw = make_random(r, {N, out}, 19), dbw = make_random(r, {out}, 20);
+  r.c().linear_forward(r.cpu, x.c, w.c, b.c, yw.c);
+  r.g().linear_forward(r.gpu, x.g, w.g, b.g, yw.g);
+  expect_close(r, yw, kGemmRtol, kGemmAtol, "linear y (with bias, wide index)");
+  r.c().linear_backward(r.cpu, x.c, w.c, dy.c, none, none, dbw.c);
+  r.g().linear_backward(r.gpu, x.g, w.g, dy.g, none, none, dbw.g);
+  expect_close(r, dbw, kGemmRtol, kGemmAtol, "linear db (wide index)");
 }
 
 namespace {
@@ -337,6 +348,11 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
   conv_case(heuristic, 3, 3, 9, 11, 8, 7, Conv2dParams{2, 3}, false);  // ResNet stem shape
   conv_case(heuristic, 3, 5, 5, 7, 4, 1, Conv2dParams{2, 0}, true);    // 1x1 downsample
   conv_case(deterministic, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
+  {  // the bias passes' 64-bit index path
+    test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
+    setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+    conv_case(heuristic, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
+  }
   // Timed picks (cuDNN's Find) stay fp32 (no TF32): the same tolerance, but filter gradients
   // are held to the output's scale (conv_case).
   conv_case(timed, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
@@ -353,15 +369,19 @@ namespace {
 // relu: with the ReLU fused (forward's output and backward's mask).
 // unaligned: x, y, dy and dx (and the residual) start one float into their GPU allocations.
 // residual: forward adds a residual before the ReLU (a residual block's last BatchNorm, whose
-// backward then takes no mask: the block masks the gradient itself).
-void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool residual = false) {
+// backward then takes no mask: the block masks the gradient itself); unaligned_residual: the
+// residual alone starts one float in.
+void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool residual = false,
+                    bool unaligned_residual = false) {
   Rig r;
   const int64_t C = shape[1];
   const std::string tag = "batchnorm " + shape_str(shape) + (relu ? " + relu" : "") +
                           (unaligned ? " unaligned" : "") + (residual ? " + residual" : "");
   const auto activation = unaligned ? make_random_unaligned : make_random;
   Pair x = activation(r, shape, 30, -2.f, 3.f), y = activation(r, shape, 31, -1.f, 1.f);
-  const Pair res = residual ? activation(r, shape, 47, -1.f, 1.f) : Pair{};
+  const Pair res = !residual            ? Pair{}
+                   : unaligned_residual ? make_random_unaligned(r, shape, 47, -1.f, 1.f)
+                                        : activation(r, shape, 47, -1.f, 1.f);
   Pair gamma = make_random(r, {C}, 32, 0.5f, 1.5f), beta = make_random(r, {C}, 33);
   Pair rm = make_random(r, {C}, 34), rv = make_random(r, {C}, 35, 0.5f, 2.f);
   Pair sm = make_random(r, {C}, 36), si = make_random(r, {C}, 37);
@@ -431,6 +451,7 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
     batchnorm_case({4, 8, 2, 2}, relu, false, true);
     batchnorm_case({3, 4, 5, 7}, relu, false, true);
     batchnorm_case({16, 3, 40, 40}, relu, true, true);
+    batchnorm_case({4, 8, 2, 2}, relu, false, true, true);  // only the residual off alignment
   }
   // The 64-bit index path, which real shapes take only past 2^31 values.
   test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
@@ -438,6 +459,7 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
   batchnorm_case({9, 2, 31, 31}, true);
   batchnorm_case({16, 3, 40, 40}, false);
   batchnorm_case({5, 6}, false);
+  batchnorm_case({4, 8, 2, 2}, true, false, true);
 }
 
 TEST_CASE("cuda parity: relu, mul and dropout") {

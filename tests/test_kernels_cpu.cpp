@@ -227,8 +227,13 @@ TEST_CASE("batchnorm train forward and backward are bit-identical for 1, 2 and 3
                                       Tensor(), true);
     ctx.ops().batchnorm_backward(ctx, x, gamma, mean, invstd, dy, yr, dxr, dg, dbeta);
     ctx.ops().batchnorm_forward_eval(ctx, x, gamma, beta, rm, rv, 1e-5f, yer, Tensor(), true);
+    // And with a residual summed before the ReLU.
+    Tensor res = make(ctx, xs, 8), ys = ctx.alloc(xs);
+    ctx.ops().batchnorm_forward_train(ctx, x, gamma, beta, rm, rv, 0.1f, 1e-5f, ys, mean, invstd,
+                                      res, true);
     std::vector<float> v;
-    for (const Tensor* t : {&y, &mean, &invstd, &rm, &rv, &dx, &dg, &dbeta, &ye, &yr, &dxr, &yer})
+    for (const Tensor* t :
+         {&y, &mean, &invstd, &rm, &rv, &dx, &dg, &dbeta, &ye, &yr, &dxr, &yer, &ys})
       append(v, *t);
     return v;
   });
@@ -584,17 +589,23 @@ TEST_CASE("an op profile counts and times every call while set, and none after")
   ctx.ops().fill(ctx, a, 1.f);
   ctx.ops().fill(ctx, b, 2.f);
   ctx.ops().add(ctx, a, b, 0.5f);
+  // A gather reads only the rows it names: its destination twice (read, written), the indices.
+  Tensor table = ctx.alloc({64, 1024}), dst = ctx.alloc({3, 1024});
+  Tensor rows = ctx.alloc({3}, DType::I32);
+  for (int i = 0; i < 3; ++i) rows.i32()[i] = 5 * i;
+  ctx.ops().gather_rows(ctx, dst, table, rows);
   ctx.set_op_profile(nullptr);
   ctx.ops().add(ctx, a, b, 0.5f);
   CHECK(a.f32()[7] == 3.f);  // the profiled calls did their work
   const auto ops = profile.ops();
-  REQUIRE(ops.size() == 2);
+  REQUIRE(ops.size() == 3);
   CHECK(ops.at("fill").calls == 2);
   CHECK(ops.at("add").calls == 1);
   CHECK(ops.at("fill").seconds > 0);
   // Each call's tensor arguments, each once: fill one tensor twice, add two tensors once.
   CHECK(ops.at("fill").tensor_bytes == 2.0 * (1 << 16) * 4);
   CHECK(ops.at("add").tensor_bytes == 2.0 * (1 << 16) * 4);
+  CHECK(ops.at("gather_rows").tensor_bytes == 2.0 * 3 * 1024 * 4 + 3 * 4);
 }
 
 TEST_CASE("a context gets every thread it asks for, more than the cores included") {

@@ -99,7 +99,8 @@ void scale_shift(const NchwDims& d, int64_t c0, int64_t c1, const float* xp, con
 // The residual's data, checked against x (undefined: null).
 const float* residual_data(const Tensor& residual, const Tensor& x, const char* op) {
   if (!residual.defined()) return nullptr;
-  cpu::expect_same_numel(residual, x, op);
+  REPLICA_CHECK(residual.shape() == x.shape(), "{}: residual {} should be x's shape {}", op,
+                shape_str(residual.shape()), shape_str(x.shape()));
   return residual.f32();
 }
 

@@ -23,12 +23,12 @@ template <class Div, ChannelSum kWhat>
 __global__ void channel_partials_kernel(const float* __restrict__ x, const float* __restrict__ dy,
                                         const float* __restrict__ relu_y, const float* mean,
                                         const float* invstd, ChannelDims d, Div by_hw, int S,
-                                        double* part_a, double* part_b) {
+                                        int64_t per, double* part_a, double* part_b) {
   using Index = typename Div::Index;
   constexpr bool kGrad = kWhat == ChannelSum::GradMoments;
   __shared__ double sh[kThreads];
   const int64_t c = blockIdx.x / S, s = blockIdx.x % S;
-  const int64_t per = (d.m() + S - 1) / S, first = s * per;
+  const int64_t first = s * per;  // per: values per slice, ceil(m / S) (the host divides)
   const Index j0 = Index(first), j1 = Index(first + per < d.m() ? first + per : d.m());
   double pivot = 0, is = 1;
   if constexpr (kWhat == ChannelSum::Moments) pivot = x[c * d.hw];
@@ -79,12 +79,13 @@ void launch_partials(const ChannelDims& d, int S, const float* x, const float* d
                      const float* relu_y, const float* mean, const float* invstd,
                      double* part_a, double* part_b, cudaStream_t stream) {
   const unsigned blocks = unsigned(d.c * S);
+  const int64_t per = (d.m() + S - 1) / S;
   if (fast_index(d.numel())) {
     channel_partials_kernel<FastDivmod, kWhat><<<blocks, kThreads, 0, stream>>>(
-        x, dy, relu_y, mean, invstd, d, FastDivmod(d.hw), S, part_a, part_b);
+        x, dy, relu_y, mean, invstd, d, FastDivmod(d.hw), S, per, part_a, part_b);
   } else {
     channel_partials_kernel<WideDivmod, kWhat><<<blocks, kThreads, 0, stream>>>(
-        x, dy, relu_y, mean, invstd, d, WideDivmod(d.hw), S, part_a, part_b);
+        x, dy, relu_y, mean, invstd, d, WideDivmod(d.hw), S, per, part_a, part_b);
   }
   REPLICA_LAUNCH_CHECK();
 }

@@ -15,10 +15,10 @@
 // REPLICA_CUDA_WIDE_INDEX=1 in the environment makes every kernel take the WideDivmod path,
 // which real shapes reach only past 2^31 values: the GPU parity tests run it on small ones.
 #pragma once
-#include <cassert>
 #include <cstdint>
 #include <cstdlib>
 
+#include "engine/error.h"
 #include "engine/host_device.h"
 
 namespace replica {
@@ -40,7 +40,8 @@ struct FastDivmod {
   FastDivmod() = default;
   // 1 <= divisor < 2^31 (the caller checks; every extent divided by here is an index bound).
   explicit FastDivmod(int64_t divisor) : d(uint32_t(divisor)) {
-    assert(divisor >= 1 && divisor < kFastIndexLimit);
+    REPLICA_CHECK(divisor >= 1 && divisor < kFastIndexLimit,
+                  "FastDivmod: divisor {} is outside [1, 2^31)", divisor);
     while ((uint64_t(1) << shift) < d) ++shift;
     mul = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1);
   }
