@@ -38,7 +38,7 @@ struct FastDivmod {
   uint32_t d = 1, mul = 1, shift = 0;
 
   FastDivmod() = default;
-  // 1 <= divisor < 2^31 (the caller checks; every extent divided by here is an index bound).
+  // 1 <= divisor < 2^31 (every extent divided by here is an index bound); else an Error.
   explicit FastDivmod(int64_t divisor) : d(uint32_t(divisor)) {
     REPLICA_CHECK(divisor >= 1 && divisor < kFastIndexLimit,
                   "FastDivmod: divisor {} is outside [1, 2^31)", divisor);
