@@ -1,9 +1,8 @@
 #include "engine/op_profile.h"
 
 #include <chrono>
-#include <cstring>
+#include <string_view>
 #include <type_traits>
-#include <vector>
 
 #include "engine/context.h"
 
@@ -42,18 +41,22 @@ std::string tensor_shapes(const Args&... args) {
   return s;
 }
 
-// The bytes of a call's tensor arguments (undefined ones: none), each argument counted once;
-// for gather_rows, whose table is read only where the rows point, twice its destination (the
-// rows read and written) and the row indices.
-template <class... Args>
-double tensor_bytes(const char* op, const Args&... args) {
-  std::vector<double> each;
-  auto one = [&each](const auto& a) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, Tensor>)
-      each.push_back(a.defined() ? double(a.bytes()) : 0.0);
-  };
-  (one(args), ...);
-  if (std::strcmp(op, "gather_rows") == 0 && each.size() == 3) return 2 * each[0] + each[2];
+// The bytes of one argument of a call: a tensor's (undefined: none), anything else's none.
+template <class A>
+double argument_bytes(const A& a) {
+  if constexpr (std::is_same_v<A, Tensor>)
+    return a.defined() ? double(a.bytes()) : 0.0;
+  else
+    return 0.0;
+}
+
+// The bytes of a call's tensor arguments, each argument counted once. A gather (gather_rows:
+// ctx, destination, table, row indices) reads only the rows it names: its destination twice
+// (the rows read, then written) and the indices, not the whole table.
+template <bool kGather, class... Args>
+double tensor_bytes(const Args&... args) {
+  const double each[] = {argument_bytes(args)...};
+  if constexpr (kGather) return 2 * each[1] + each[3];
   double bytes = 0;
   for (double b : each) bytes += b;
   return bytes;
@@ -67,8 +70,9 @@ class ProfilingBackend final : public Backend {
   // when the profile is by shape; they are formatted before the clock starts).
 #define REPLICA_OP(name, params, args)                                              \
   void name params override {                                                       \
+    constexpr bool kGather = std::string_view(#name) == "gather_rows";             \
     timed(ctx, profile_.by_shape() ? #name " " + tensor_shapes args : #name,        \
-          [](const auto&... a) { return tensor_bytes(#name, a...); } args,          \
+          [](const auto&... a) { return tensor_bytes<kGather>(a...); } args,        \
           [&] { inner_.name args; });                                               \
   }
 #include "engine/backend_ops.inc"

@@ -3,9 +3,8 @@
 #pragma once
 #include <doctest/doctest.h>
 
-#include <functional>
-
 #include <cmath>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>

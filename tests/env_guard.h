@@ -27,4 +27,18 @@ struct EnvGuard {
   EnvGuard& operator=(const EnvGuard&) = delete;
 };
 
+// `name` set to `value` until the end of the scope, then put back as it was.
+struct ScopedEnv {
+  EnvGuard guard;
+  ScopedEnv(const std::string& name, const std::string& value) : guard({name}) {
+    setenv(name.c_str(), value.c_str(), 1);
+  }
+};
+
+// The CUDA kernels' 64-bit index path (engine/cuda/index_math.h), which real shapes take only
+// past 2^31 values, for the rest of the scope.
+struct WideIndexPath : ScopedEnv {
+  WideIndexPath() : ScopedEnv("REPLICA_CUDA_WIDE_INDEX", "1") {}
+};
+
 }  // namespace test

@@ -268,8 +268,7 @@ TEST_CASE("cuda parity: linear forward and backward") {
   CHECK_NOTHROW(r.gpu.synchronize());
 
   // The bias passes' 64-bit index path (real shapes take it only past 2^31 values).
-  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
-  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  const test::WideIndexPath wide;
   Pair yw = make_random(r, {N, out}, 19), dbw = make_random(r, {out}, 20);
   r.c().linear_forward(r.cpu, x.c, w.c, b.c, yw.c);
   r.g().linear_forward(r.gpu, x.g, w.g, b.g, yw.g);
@@ -349,8 +348,7 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
   conv_case(heuristic, 3, 5, 5, 7, 4, 1, Conv2dParams{2, 0}, true);    // 1x1 downsample
   conv_case(deterministic, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
   {  // the bias passes' 64-bit index path
-    test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
-    setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+    const test::WideIndexPath wide;
     conv_case(heuristic, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
   }
   // Timed picks (cuDNN's Find) stay fp32 (no TF32): the same tolerance, but filter gradients
@@ -454,8 +452,7 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
     batchnorm_case({4, 8, 2, 2}, relu, false, true, true);  // only the residual off alignment
   }
   // The 64-bit index path, which real shapes take only past 2^31 values.
-  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
-  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  const test::WideIndexPath wide;
   batchnorm_case({9, 2, 31, 31}, true);
   batchnorm_case({16, 3, 40, 40}, false);
   batchnorm_case({5, 6}, false);
@@ -542,8 +539,7 @@ TEST_CASE("cuda parity: max pooling") {
   maxpool_case({3, 4, 5, 7}, Pool2dParams{3, 2, 1}, true);
   maxpool_case({3, 4, 5, 7}, Pool2dParams{2, 2, 0}, true);
   maxpool_case({3, 2, 9, 8}, Pool2dParams{3, 1, 1}, true);  // overlapping windows, stride 1
-  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});  // the 64-bit index path
-  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  const test::WideIndexPath wide;  // the 64-bit index path
   maxpool_case({3, 4, 5, 7}, Pool2dParams{3, 2, 1}, true);
   maxpool_case({3, 2, 9, 8}, Pool2dParams{3, 1, 1}, true);
 }
@@ -554,8 +550,7 @@ TEST_CASE("cuda parity: adaptive average pooling") {
   adaptive_case({3, 4, 5, 5}, 2, 2);
   adaptive_case({3, 4, 5, 7}, 3, 2);
   adaptive_case({3, 2, 3, 2}, 5, 4);  // output larger than input
-  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});  // the 64-bit index path
-  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  const test::WideIndexPath wide;  // the 64-bit index path
   adaptive_case({3, 4, 5, 7}, 3, 2);
   adaptive_case({3, 2, 3, 2}, 5, 4);
 }

@@ -381,8 +381,7 @@ TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and
     expect_bf16(bb[1], "channels_last conv dw");
   }
   // The copies' 64-bit index path, which real shapes take only past 2^31 tiles.
-  test::EnvGuard env({"REPLICA_CUDA_WIDE_INDEX"});
-  setenv("REPLICA_CUDA_WIDE_INDEX", "1", 1);
+  const test::WideIndexPath wide;
   for (const ConvRun& c : kLayoutCases) {
     CAPTURE(shape_str(c.x));
     const auto f32 = c.forward(t, {&t.cpu, &t.fp32_nhwc});

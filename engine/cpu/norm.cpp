@@ -68,32 +68,27 @@ struct ChannelScratch {
 };
 
 // y = x * scale[c] + shift[c] over channels [c0, c1), in float (scale and shift hold floats);
-// with a residual rp (else null) y + rp as add has it; with relu, y = max(that, 0) as
-// relu_forward has it; all in the same pass. Each case its own loop, without tests inside.
-void scale_shift(const NchwDims& d, int64_t c0, int64_t c1, const float* xp, const float* rp,
-                 float* yp, const double* scale, const double* shift, bool relu) {
+// with a residual rp, y + rp as add has it; with relu, y = max(that, 0) as relu_forward has it;
+// all in the same pass. The cases are template arguments, so no loop tests them per element.
+template <bool kResidual, bool kRelu>
+void scale_shift_rows(const NchwDims& d, int64_t c0, int64_t c1, const float* xp,
+                      const float* rp, float* yp, const double* scale, const double* shift) {
   visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
     const float sc = float(scale[c]), sh = float(shift[c]);
-    if (!rp && !relu) {
-      for (int64_t at = b; at < e; ++at) yp[at] = xp[at] * sc + sh;
-    } else if (!rp) {
-      for (int64_t at = b; at < e; ++at) {
-        const float v = xp[at] * sc + sh;
-        yp[at] = v > 0.f ? v : 0.f;
-      }
-    } else if (!relu) {
-      for (int64_t at = b; at < e; ++at) {
-        const float v = xp[at] * sc + sh;
-        yp[at] = v + rp[at];
-      }
-    } else {
-      for (int64_t at = b; at < e; ++at) {
-        const float v = xp[at] * sc + sh;
-        const float sum = v + rp[at];
-        yp[at] = sum > 0.f ? sum : 0.f;
-      }
+    for (int64_t at = b; at < e; ++at) {
+      float v = xp[at] * sc + sh;
+      if constexpr (kResidual) v = v + rp[at];
+      if constexpr (kRelu) v = v > 0.f ? v : 0.f;
+      yp[at] = v;
     }
   });
+}
+
+void scale_shift(const NchwDims& d, int64_t c0, int64_t c1, const float* xp, const float* rp,
+                 float* yp, const double* scale, const double* shift, bool relu) {
+  const auto rows = rp ? (relu ? scale_shift_rows<true, true> : scale_shift_rows<true, false>)
+                       : (relu ? scale_shift_rows<false, true> : scale_shift_rows<false, false>);
+  rows(d, c0, c1, xp, rp, yp, scale, shift);
 }
 
 // The residual's data, checked against x (undefined: null).

@@ -91,11 +91,11 @@ void launch_partials(const ChannelDims& d, int S, const float* x, const float* d
 }
 
 __global__ void channel_accumulate_kernel(const double* part, int S, int64_t C, float* out) {
-  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  double sum, unused;
-  channel_sums(part, nullptr, S, c, &sum, &unused);
-  out[c] += float(sum);
+  REPLICA_GRID_STRIDE(c, C) {
+    double sum, unused;
+    channel_sums(part, nullptr, S, c, &sum, &unused);
+    out[c] += float(sum);
+  }
 }
 
 template <class Div, int kVec>
@@ -131,25 +131,18 @@ int channel_slices(const ChannelDims& d, const char* op) {
 void channel_partials(ChannelSum what, const ChannelDims& d, int S, const float* x,
                       const float* dy, const float* relu_y, const float* mean,
                       const float* invstd, double* part_a, double* part_b, cudaStream_t stream) {
-  switch (what) {
-    case ChannelSum::Values:
-      return launch_partials<ChannelSum::Values>(d, S, x, dy, relu_y, mean, invstd, part_a,
-                                                 part_b, stream);
-    case ChannelSum::Moments:
-      return launch_partials<ChannelSum::Moments>(d, S, x, dy, relu_y, mean, invstd, part_a,
-                                                  part_b, stream);
-    case ChannelSum::GradMoments:
-      return launch_partials<ChannelSum::GradMoments>(d, S, x, dy, relu_y, mean, invstd, part_a,
-                                                      part_b, stream);
-  }
+  const auto launch = what == ChannelSum::Values    ? launch_partials<ChannelSum::Values>
+                      : what == ChannelSum::Moments ? launch_partials<ChannelSum::Moments>
+                                                    : launch_partials<ChannelSum::GradMoments>;
+  launch(d, S, x, dy, relu_y, mean, invstd, part_a, part_b, stream);
 }
 
-void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, double* part,
+void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, float* scratch,
                             float* out, cudaStream_t stream) {
+  double* part = reinterpret_cast<double*>(scratch);
   launch_partials<ChannelSum::Values>(d, S, x, nullptr, nullptr, nullptr, nullptr, part, nullptr,
                                       stream);
-  const unsigned blocks = unsigned((d.c + kThreads - 1) / kThreads);
-  channel_accumulate_kernel<<<blocks, kThreads, 0, stream>>>(part, S, d.c, out);
+  channel_accumulate_kernel<<<grid_for(d.c), kThreads, 0, stream>>>(part, S, d.c, out);
   REPLICA_LAUNCH_CHECK();
 }
 

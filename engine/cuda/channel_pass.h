@@ -56,9 +56,12 @@ __device__ __forceinline__ void channel_sums(const double* part_a, const double*
   }
 }
 
-// out[c] += the sum of channel c of x (a bias gradient), S = channel_slices(d); part: C * S
-// doubles of scratch.
-void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, double* part,
+// Floats of scratch channel_sum_accumulate takes for d and its S slices (a double each).
+inline int64_t channel_sum_scratch(const ChannelDims& d, int S) { return 2 * d.c * S; }
+
+// out[c] += the sum of channel c of x (a bias gradient), S = channel_slices(d), on `scratch` of
+// channel_sum_scratch(d, S) floats.
+void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, float* scratch,
                             float* out, cudaStream_t stream);
 
 // y = x * scale[c] + shift[c] (scale null: x + shift[c]), plus residual where it is not null
@@ -90,12 +93,7 @@ template <class F>
 void with_channel_index(const ChannelDims& d, std::initializer_list<const void*> pointers,
                         F&& launch) {
   const bool vec4 = d.hw % 4 == 0 && aligned16(pointers);
-  const auto run = [&](auto at) {
-    if (vec4)
-      launch(at, std::integral_constant<int, 4>());
-    else
-      launch(at, std::integral_constant<int, 1>());
-  };
+  const auto run = [&](auto at) { with_width(vec4, [&](auto width) { launch(at, width); }); };
   if (fast_index(d.numel()))
     run(ChannelIndex<FastDivmod>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel())});
   else

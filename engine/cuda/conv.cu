@@ -288,10 +288,10 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.dw_beta());
     io.finish(io.dw, dw, true, s.stream);
   }
-  if (db.defined() && dy.numel() > 0) {  // after every staged operand's last use: scratch is free
-    double* part = reinterpret_cast<double*>(scratch(ctx, 2 * K * bias_slices));
-    cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(), part, db.f32(), s.stream);
-  }
+  if (db.defined() && dy.numel() > 0)  // after every staged operand's last use: scratch is free
+    cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(),
+                                 scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)),
+                                 db.f32(), s.stream);
 }
 
 }  // namespace replica

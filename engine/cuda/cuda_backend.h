@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "engine/cuda/conv_graph.h"
@@ -86,6 +87,16 @@ inline bool aligned16(std::initializer_list<const void*> pointers) {
   uintptr_t bits = 0;
   for (const void* p : pointers) bits |= reinterpret_cast<uintptr_t>(p);
   return bits % 16 == 0;
+}
+
+// Calls launch(width), width a std::integral_constant: 4 where vec4 (groups of Pack<4>: the
+// caller has checked the alignment), else 1.
+template <class F>
+void with_width(bool vec4, F&& launch) {
+  if (vec4)
+    launch(std::integral_constant<int, 4>());
+  else
+    launch(std::integral_constant<int, 1>());
 }
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0).

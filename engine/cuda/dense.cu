@@ -115,10 +115,10 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
          io.dw, in);
     io.finish(io.dw, dw, true, s.stream);
   }
-  if (db.defined() && N > 0 && out > 0) {  // after the staged operands' last use
-    double* part = reinterpret_cast<double*>(scratch(ctx, 2 * out * bias_slices));
-    cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(), part, db.f32(), s.stream);
-  }
+  if (db.defined() && N > 0 && out > 0)  // after the staged operands' last use
+    cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(),
+                                 scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)),
+                                 db.f32(), s.stream);
 }
 
 }  // namespace replica

@@ -2,7 +2,6 @@
 // elementwise product). Own kernels, grid-stride, nothing reduced; the arithmetic ones move a
 // float4 per thread where their arrays allow (map_kernel).
 #include <cmath>
-#include <type_traits>
 
 #include "engine/cuda/cuda_backend.h"
 
@@ -25,13 +24,14 @@ __global__ void gather_rows_kernel(Word* dst, const Word* table, const int32_t* 
   }
 }
 
-// out = f(a, b) elementwise (b unread where kBinary is false): a group of kVec floats per
+// out = f(a, b) elementwise (b unread where F::kBinary is false): a group of kVec floats per
 // thread, float4s where every pointer is 16-byte aligned, and the last n % kVec one by one.
 // Four bytes per thread left these passes at about half the memory's bandwidth on an H200
 // (ResNet-50's residual add and relu_backward, with the sum's ReLU then a pass of its own:
 // 5.3 ms of a 37 ms step).
-template <class F, int kVec, bool kBinary>
+template <class F, int kVec>
 __global__ void map_kernel(const float* a, const float* b, float* out, int64_t n, F f) {
+  constexpr bool kBinary = F::kBinary;
   const int64_t groups = n / kVec;
   REPLICA_GRID_STRIDE(g, groups) {
     cuda::Pack<kVec> va, vb;
@@ -45,40 +45,38 @@ __global__ void map_kernel(const float* a, const float* b, float* out, int64_t n
   if (kVec > 1 && tail < n) out[tail] = f(a[tail], kBinary ? b[tail] : 0.f);
 }
 
+// The maps: kBinary says whether they read a second array.
 struct AddScaled {  // dst + alpha * src (one rounding: contracted to an FMA, as before)
+  static constexpr bool kBinary = true;
   float alpha;
   __device__ float operator()(float dst, float src) const { return dst + alpha * src; }
 };
 struct Scaled {
+  static constexpr bool kBinary = false;
   float alpha;
   __device__ float operator()(float v, float) const { return v * alpha; }
 };
 struct Relu {
+  static constexpr bool kBinary = false;
   __device__ float operator()(float v, float) const { return v > 0.f ? v : 0.f; }
 };
 struct ReluGrad {  // a: the ReLU's output, b: the gradient reaching it
+  static constexpr bool kBinary = true;
   __device__ float operator()(float y, float dy) const { return y > 0.f ? dy : 0.f; }
 };
 struct Times {
+  static constexpr bool kBinary = true;
   __device__ float operator()(float x, float y) const { return x * y; }
 };
 
-// out = f(a, b) over n > 0 elements on `stream` (b null: a unary f).
+// out = f(a, b) over n > 0 elements on `stream` (b: null for a unary f).
 template <class F>
 void launch_map(const float* a, const float* b, float* out, int64_t n, F f, cudaStream_t stream) {
-  const auto run = [&](auto width, auto binary) {
+  cuda::with_width(cuda::aligned16({a, b, out}), [&](auto width) {
     constexpr int kVec = decltype(width)::value;
-    map_kernel<F, kVec, decltype(binary)::value>
-        <<<cuda::grid_for(n / kVec > 0 ? n / kVec : 1), cuda::kThreads, 0, stream>>>(a, b, out,
-                                                                                    n, f);
-  };
-  using Four = std::integral_constant<int, 4>;
-  using One = std::integral_constant<int, 1>;
-  if (cuda::aligned16({a, b, out})) {
-    b ? run(Four(), std::true_type()) : run(Four(), std::false_type());
-  } else {
-    b ? run(One(), std::true_type()) : run(One(), std::false_type());
-  }
+    map_kernel<F, kVec><<<cuda::grid_for(n / kVec > 0 ? n / kVec : 1), cuda::kThreads, 0,
+                          stream>>>(a, b, out, n, f);
+  });
   REPLICA_LAUNCH_CHECK();
 }
 

@@ -44,37 +44,37 @@ __global__ void bn_train_stats_kernel(const float* x, const double* part_a, cons
                                       int S, ChannelDims d, const float* gamma, const float* beta,
                                       float momentum, float eps, TrainOut out, float* scale,
                                       float* shift) {
-  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (c >= d.c) return;
-  double sum, sq;
-  cuda::channel_sums(part_a, part_b, S, c, &sum, &sq);
-  const double m = double(d.m()), shifted = sum / m, mu = x[c * d.hw] + shifted;
-  const double var = fmax(sq / m - shifted * shifted, 0.0);
-  const double invstd = 1.0 / sqrt(var + eps);
-  if (out.save_mean) {
-    out.save_mean[c] = float(mu);
-    out.save_invstd[c] = float(invstd);
+  REPLICA_GRID_STRIDE(c, d.c) {
+    double sum, sq;
+    cuda::channel_sums(part_a, part_b, S, c, &sum, &sq);
+    const double m = double(d.m()), shifted = sum / m, mu = x[c * d.hw] + shifted;
+    const double var = fmax(sq / m - shifted * shifted, 0.0);
+    const double invstd = 1.0 / sqrt(var + eps);
+    if (out.save_mean) {
+      out.save_mean[c] = float(mu);
+      out.save_invstd[c] = float(invstd);
+    }
+    if (out.running_mean) {
+      out.running_mean[c] = float((1.0 - momentum) * out.running_mean[c] + momentum * mu);
+      const double unbiased = var * m / (m - 1);
+      out.running_var[c] = float((1.0 - momentum) * out.running_var[c] + momentum * unbiased);
+    }
+    const double g = gamma ? gamma[c] : 1.0, b = beta ? beta[c] : 0.0;
+    scale[c] = float(g * invstd);
+    shift[c] = float(b - mu * g * invstd);
   }
-  if (out.running_mean) {
-    out.running_mean[c] = float((1.0 - momentum) * out.running_mean[c] + momentum * mu);
-    const double unbiased = var * m / (m - 1);
-    out.running_var[c] = float((1.0 - momentum) * out.running_var[c] + momentum * unbiased);
-  }
-  const double g = gamma ? gamma[c] : 1.0, b = beta ? beta[c] : 0.0;
-  scale[c] = float(g * invstd);
-  shift[c] = float(b - mu * g * invstd);
 }
 
 // Evaluation: scale and shift from the running statistics.
 __global__ void bn_eval_coeffs_kernel(const float* running_mean, const float* running_var,
                                       const float* gamma, const float* beta, float eps, int64_t C,
                                       float* scale, float* shift) {
-  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  const double invstd = 1.0 / sqrt(double(running_var[c]) + eps);
-  const float g = gamma ? gamma[c] : 1.f, b = beta ? beta[c] : 0.f;
-  scale[c] = float(g * invstd);
-  shift[c] = float(b - running_mean[c] * g * invstd);
+  REPLICA_GRID_STRIDE(c, C) {
+    const double invstd = 1.0 / sqrt(double(running_var[c]) + eps);
+    const float g = gamma ? gamma[c] : 1.f, b = beta ? beta[c] : 0.f;
+    scale[c] = float(g * invstd);
+    shift[c] = float(b - running_mean[c] * g * invstd);
+  }
 }
 
 // Backward per channel: dgamma += sum(g * xhat), dbeta += sum(g) (where wanted); for the dx
@@ -82,15 +82,15 @@ __global__ void bn_eval_coeffs_kernel(const float* running_mean, const float* ru
 __global__ void bn_grad_sums_kernel(const double* part_a, const double* part_b, int S,
                                     ChannelDims d, const float* gamma, const float* invstd,
                                     float* dgamma, float* dbeta, double* sums) {
-  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (c >= d.c) return;
-  double s_g, s_g_xhat;
-  cuda::channel_sums(part_a, part_b, S, c, &s_g, &s_g_xhat);
-  if (dgamma) dgamma[c] += float(s_g_xhat);
-  if (dbeta) dbeta[c] += float(s_g);
-  sums[3 * c] = s_g;
-  sums[3 * c + 1] = s_g_xhat;
-  sums[3 * c + 2] = (gamma ? gamma[c] : 1.0) * double(invstd[c]) / double(d.m());
+  REPLICA_GRID_STRIDE(c, d.c) {
+    double s_g, s_g_xhat;
+    cuda::channel_sums(part_a, part_b, S, c, &s_g, &s_g_xhat);
+    if (dgamma) dgamma[c] += float(s_g_xhat);
+    if (dbeta) dbeta[c] += float(s_g);
+    sums[3 * c] = s_g;
+    sums[3 * c + 1] = s_g_xhat;
+    sums[3 * c + 2] = (gamma ? gamma[c] : 1.0) * double(invstd[c]) / double(d.m());
+  }
 }
 
 // dx = k * (m * g - sum(g) - xhat * sum(g * xhat)), in double as the CPU's.
@@ -123,10 +123,16 @@ void expect_param(const DeviceContext& ctx, const Tensor& t, int64_t C, const ch
   cuda::expect_numel(t, C, op, what);
 }
 
+// An optional tensor of x's shape on ctx's device (undefined: not given).
+void expect_optional_like(const DeviceContext& ctx, const Tensor& t, const Tensor& x,
+                          const char* op, const char* what) {
+  if (!t.defined()) return;
+  cuda::expect_device(ctx, t, op, what);
+  cuda::expect_shape(t, x.shape(), op, what);
+}
+
 // An optional tensor's data (undefined: null, "not wanted").
 float* ptr_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
-
-unsigned channel_blocks(int64_t C) { return unsigned((C + cuda::kThreads - 1) / cuda::kThreads); }
 
 // The scratch of one call: 2*C*S partial sums and 3*C per-channel values (doubles), then a
 // scale and a shift per channel (floats).
@@ -155,10 +161,7 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, y, op, "y");
   cuda::expect_shape(y, x.shape(), op, "y");
-  if (residual.defined()) {
-    cuda::expect_device(ctx, residual, op, "residual");
-    cuda::expect_shape(residual, x.shape(), op, "residual");
-  }
+  expect_optional_like(ctx, residual, x, op, "residual");
   const ChannelDims d = bn_dims(x, op);
   const bool have_running = running_mean.defined() || running_var.defined();
   if (have_running) {
@@ -183,7 +186,7 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
                          w.part_a, w.part_b, stream);
   const TrainOut out{ptr_or_null(running_mean), ptr_or_null(running_var),
                      ptr_or_null(save_mean), ptr_or_null(save_invstd)};
-  bn_train_stats_kernel<<<channel_blocks(d.c), cuda::kThreads, 0, stream>>>(
+  bn_train_stats_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
       x.f32(), w.part_a, w.part_b, S, d, ptr_or_null(gamma), ptr_or_null(beta), momentum, eps, out,
       w.scale, w.shift);
   REPLICA_LAUNCH_CHECK();
@@ -199,10 +202,7 @@ void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, co
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, y, op, "y");
   cuda::expect_shape(y, x.shape(), op, "y");
-  if (residual.defined()) {
-    cuda::expect_device(ctx, residual, op, "residual");
-    cuda::expect_shape(residual, x.shape(), op, "residual");
-  }
+  expect_optional_like(ctx, residual, x, op, "residual");
   const ChannelDims d = bn_dims(x, op);
   expect_param(ctx, running_mean, d.c, op, "running_mean");
   expect_param(ctx, running_var, d.c, op, "running_var");
@@ -211,7 +211,7 @@ void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, co
   if (x.numel() == 0) return;
   const cudaStream_t stream = cuda_state(ctx).stream;
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, 1)), d.c, 1);
-  bn_eval_coeffs_kernel<<<channel_blocks(d.c), cuda::kThreads, 0, stream>>>(
+  bn_eval_coeffs_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
       running_mean.f32(), running_var.f32(), ptr_or_null(gamma), ptr_or_null(beta), eps, d.c,
       w.scale, w.shift);
   REPLICA_LAUNCH_CHECK();
@@ -231,14 +231,8 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
   expect_param(ctx, save_mean, d.c, op, "save_mean");
   expect_param(ctx, save_invstd, d.c, op, "save_invstd");
   if (gamma.defined()) expect_param(ctx, gamma, d.c, op, "gamma");
-  if (relu_y.defined()) {
-    cuda::expect_device(ctx, relu_y, op, "relu_y");
-    cuda::expect_shape(relu_y, x.shape(), op, "relu_y");
-  }
-  if (dx.defined()) {
-    cuda::expect_device(ctx, dx, op, "dx");
-    cuda::expect_shape(dx, x.shape(), op, "dx");
-  }
+  expect_optional_like(ctx, relu_y, x, op, "relu_y");
+  expect_optional_like(ctx, dx, x, op, "dx");
   if (dgamma.defined()) expect_param(ctx, dgamma, d.c, op, "dgamma");
   if (dbeta.defined()) expect_param(ctx, dbeta, d.c, op, "dbeta");
   if (x.numel() == 0) return;
@@ -248,7 +242,7 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
   cuda::channel_partials(ChannelSum::GradMoments, d, S, x.f32(), dy.f32(), mask, save_mean.f32(),
                          save_invstd.f32(), w.part_a, w.part_b, stream);
-  bn_grad_sums_kernel<<<channel_blocks(d.c), cuda::kThreads, 0, stream>>>(
+  bn_grad_sums_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
       w.part_a, w.part_b, S, d, ptr_or_null(gamma), save_invstd.f32(), ptr_or_null(dgamma),
       ptr_or_null(dbeta), w.sums);
   REPLICA_LAUNCH_CHECK();
