@@ -208,6 +208,25 @@ TEST_CASE("linear forward/backward are bit-identical for 1, 2 and 3 threads") {
   }
 }
 
+TEST_CASE("linear backward skips the gradients it is not given (frozen input or weight)") {
+  const int64_t n = 9, in = 6, out = 4;
+  std::vector<float> r = same_for_all_thread_counts([&](DeviceContext& ctx) {
+    Tensor x = make(ctx, {n, in}, 1), w = make(ctx, {out, in}, 2), dy = make(ctx, {n, out}, 4);
+    Tensor dx = ctx.alloc({n, in}), dw = make(ctx, {out, in}, 5);
+    Tensor db_all = make(ctx, {out}, 6), db_only = make(ctx, {out}, 6), none;
+    ctx.ops().linear_backward(ctx, x, w, dy, dx, dw, db_all);
+    ctx.ops().linear_backward(ctx, x, w, dy, none, none, db_only);  // the bias alone
+    Tensor dw_only = make(ctx, {out, in}, 5);
+    ctx.ops().linear_backward(ctx, x, w, dy, none, dw_only, none);  // the weight alone
+    std::vector<float> v;
+    for (const Tensor* t : {&db_all, &db_only, &dw, &dw_only}) append(v, *t);
+    return v;
+  });
+  for (int64_t o = 0; o < out; ++o) CHECK(r[size_t(o)] == r[size_t(out + o)]);
+  for (int64_t i = 0; i < out * in; ++i)
+    CHECK(r[size_t(2 * out + i)] == r[size_t(2 * out + out * in + i)]);
+}
+
 TEST_CASE("batchnorm train forward and backward are bit-identical for 1, 2 and 3 threads") {
   const Shape xs = {13, 5, 6, 6};
   std::vector<float> r = same_for_all_thread_counts([&](DeviceContext& ctx) {

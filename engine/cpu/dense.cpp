@@ -76,6 +76,7 @@ void linear_backward_fp32(const Tensor& x, const Tensor& w, const Tensor& dy, Te
                  d + r0 * in, in);
     });
   }
+  if (!dw.defined()) return;  // a frozen weight: no gradient wanted
   // dw[o, :] += sum_n dy[n, o] x[n, :], split over output rows (each row summed over n in order)
   float* dwp = dw.f32();
   cpu::parallel_range(out, 8, [&](int64_t o0, int64_t o1) {
