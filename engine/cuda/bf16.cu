@@ -4,8 +4,8 @@
 // Rounding goes through bf16_bits (engine/ops.h), the function the CPU's bf16 uses, so both
 // round an operand to the same bf16 number. A convolution with ctx.channels_last() has its
 // copies laid out NHWC (weights KRSC) in the same pass, fp32 or bf16: a tiled transpose, read
-// and written a row of 32 elements at a time. The copies live in the backend's scratch, taken
-// once per call (a second scratch() call may move it).
+// and written a row of 32 elements at a time. The copies live in one scratch block per call,
+// which the ProductIo holds until the op has enqueued its last use.
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/index_math.h"
 
@@ -209,8 +209,9 @@ ProductIo CudaBackend::forward_io(DeviceContext& ctx, const Tensor& x, const Ten
   if (!io.staged()) return io;
   const cudaStream_t stream = cuda_state(ctx).stream;
   Carve carve(io.bf16, io.nhwc);
-  carve.start(scratch(ctx, carve.floats(x.numel()) + carve.floats(w.numel()) +
-                               carve.floats(y.numel())));
+  io.held = scratch(ctx, carve.floats(x.numel()) + carve.floats(w.numel()) +
+                            carve.floats(y.numel()));
+  carve.start(io.held.f32());
   io.x = carve.staged(x, stream);
   io.w = carve.staged(w, stream);
   io.y = carve.take(y.numel());
@@ -227,7 +228,8 @@ ProductIo CudaBackend::backward_io(DeviceContext& ctx, const Tensor& x, const Te
   // dx = f(w, dy), dw = g(x, dy): each wants its operand and its result.
   Carve carve(io.bf16, io.nhwc);
   const int64_t both = carve.floats(x.numel()) + carve.floats(w.numel());
-  carve.start(scratch(ctx, carve.floats(dy.numel()) + (dx ? both : 0) + (dw ? both : 0)));
+  io.held = scratch(ctx, carve.floats(dy.numel()) + (dx ? both : 0) + (dw ? both : 0));
+  carve.start(io.held.f32());
   io.dy = carve.staged(dy, stream);
   if (dx) {
     io.w = carve.staged(w, stream);

@@ -179,9 +179,9 @@ void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir
                            const ConvBuffers& b, float beta) {
   const CudaState& s = cuda_state(ctx);
   if (const ConvGraph* graph = conv_graph(ctx, plan, dir, beta, b)) {
-    void* ws = workspace(ctx, graph->workspace_bytes());
+    const Tensor ws = workspace(ctx, graph->workspace_bytes());
     try {
-      graph->run(s.cudnn, b, ws);
+      graph->run(s.cudnn, b, ws.defined() ? ws.raw() : nullptr);
       return;
     } catch (const Error& e) {  // a plan cuDNN refuses to execute: Auto goes on without it
       if (ctx.conv_api() == ConvApi::Graph) throw;
@@ -194,19 +194,22 @@ void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir
   void* const w = const_cast<void*>(b.w);
   void* const y = const_cast<void*>(b.y);
   if (dir == ConvDirection::Forward) {
-    void* ws = workspace(ctx, plan.fwd.ws);
+    const Tensor held = workspace(ctx, plan.fwd.ws);
+    void* ws = held.defined() ? held.raw() : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, x, plan.w, w, plan.conv,
                                                 plan.fwd.algo, ws, plan.fwd.ws, &beta, plan.y,
                                                 y));
   } else if (dir == ConvDirection::BackwardData) {
-    void* ws = workspace(ctx, plan.bwd_data.ws);
+    const Tensor held = workspace(ctx, plan.bwd_data.ws);
+    void* ws = held.defined() ? held.raw() : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_data.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, w, plan.y, y,
                                                      plan.conv, plan.bwd_data.algo, ws,
                                                      plan.bwd_data.ws, &beta, plan.x, x));
   } else {
-    void* ws = workspace(ctx, plan.bwd_filter.ws);
+    const Tensor held = workspace(ctx, plan.bwd_filter.ws);
+    void* ws = held.defined() ? held.raw() : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_filter.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(s.cudnn, &one, plan.x, x, plan.y, y,
                                                        plan.conv, plan.bwd_filter.algo, ws,
@@ -288,9 +291,9 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.dw_beta());
     io.finish(io.dw, dw, true, s.stream);
   }
-  if (db.defined() && dy.numel() > 0)  // after every staged operand's last use: scratch is free
+  if (db.defined() && dy.numel() > 0)
     cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(),
-                                 scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)),
+                                 scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)).f32(),
                                  db.f32(), s.stream);
 }
 

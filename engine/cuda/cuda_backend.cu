@@ -3,6 +3,8 @@
 // pool, loss_optim.
 #include "engine/cuda/cuda_backend.h"
 
+#include <algorithm>
+
 namespace replica {
 
 std::unique_ptr<Backend> cuda::make_backend() { return std::make_unique<CudaBackend>(); }
@@ -49,37 +51,13 @@ void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what
 
 }  // namespace cuda
 
-namespace {
-
-// `buffer` with room for at least `floats` elements (at least `least`): the old block goes back
-// to the allocator's cache only once no kernel on the stream can still use it, and never once
-// a captured step may replay into it (then it joins `retired`).
-float* grown(DeviceContext& ctx, Tensor& buffer, int64_t floats, int64_t least,
-             std::vector<Tensor>& retired) {
-  floats = std::max(floats, least);
-  if (!buffer.defined() || buffer.numel() < floats) {
-    if (buffer.defined()) {
-      if (ctx.capturing() || ctx.steps_captured() > 0) retired.push_back(buffer);
-      else REPLICA_CUDA_CHECK(cudaStreamSynchronize(cuda_state(ctx).stream));
-    }
-    buffer = Tensor();
-    buffer = ctx.alloc({floats});
-  }
-  return buffer.f32();
+Tensor CudaBackend::scratch(DeviceContext& ctx, int64_t floats) {
+  return ctx.alloc({std::max<int64_t>(floats, 1)});
 }
 
-}  // namespace
-
-float* CudaBackend::scratch(DeviceContext& ctx, int64_t floats) {
-  return grown(ctx, scratch_, floats, 1024, retired_);
-}
-
-void* CudaBackend::workspace(DeviceContext& ctx, size_t bytes) {
-  if (bytes == 0) return nullptr;
-  // Whole MiBs, so a run of slightly growing requests does not reallocate each time.
-  const size_t mib = size_t(1) << 20;
-  return grown(ctx, workspace_, int64_t((bytes + mib - 1) / mib * (mib / sizeof(float))), 0,
-               retired_);
+Tensor CudaBackend::workspace(DeviceContext& ctx, size_t bytes) {
+  if (bytes == 0) return Tensor();
+  return ctx.alloc({int64_t((bytes + sizeof(float) - 1) / sizeof(float))});
 }
 
 }  // namespace replica

@@ -157,6 +157,7 @@ struct ProductIo {
   void* dx = nullptr;  // backward: overwritten
   void* dw = nullptr;  // backward: accumulates into dw (beta 1); staged: this call's part
   float dw_beta() const { return staged() ? 0.f : 1.f; }
+  Tensor held;  // the scratch the staged copies live in (undefined when nothing is staged)
   // Brings a staged result into `out` (accumulate: out += it); a no-op when nothing is staged.
   void finish(const void* result, Tensor& out, bool accumulate, cudaStream_t stream) const;
 };
@@ -204,18 +205,17 @@ class CudaBackend final : public Backend {
   ProductIo backward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
                         Tensor* dx, Tensor* dw, bool nhwc = false);
 
-  // Device scratch (F32 elements) and cuDNN's workspace (bytes), each grown on demand
-  // (cuda_backend.cu). Kept by the backend rather than allocated per call so no block is handed
-  // back to the allocator while a kernel using it may still be running; taken from the device's
-  // allocator, so its peak counts them, as PyTorch's max_memory_allocated counts cuDNN's
-  // workspace. Growing waits for the stream, which only the first iteration's new shapes do.
-  // Once a step has been captured on the context (engine/step_graph.h) an outgrown buffer is
-  // kept instead (retired_): the graph replays into its address, and no sync is possible while
-  // capturing.
-  float* scratch(DeviceContext& ctx, int64_t floats);
-  void* workspace(DeviceContext& ctx, size_t bytes);
-  Tensor scratch_, workspace_;
-  std::vector<Tensor> retired_;
+  // Device memory for one op's kernels: scratch (F32 elements, 512-byte aligned) and cuDNN's
+  // workspace (bytes; undefined for none), taken from the device's allocator for that op alone,
+  // as PyTorch takes cuDNN's workspace, so the peak holds only the running op's (a buffer kept
+  // at the largest op's size sat in the peak of every step: ResNet-50's fp32 peak was above
+  // PyTorch's by about that much). The caller holds the tensor until its kernels are enqueued.
+  // Dropped then, its block can serve the next request at once: that work is queued on the same
+  // stream, after these kernels, and work on another stream waits for an event recorded after
+  // its own allocation (engine_steps.cpp's prefetch, nccl_group.cpp). While a step is being
+  // captured the allocator serves the graph's private pool, so the graph keeps its addresses.
+  static Tensor scratch(DeviceContext& ctx, int64_t floats);
+  static Tensor workspace(DeviceContext& ctx, size_t bytes);
 };
 
 }  // namespace replica

@@ -115,9 +115,9 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
          io.dw, in);
     io.finish(io.dw, dw, true, s.stream);
   }
-  if (db.defined() && N > 0 && out > 0)  // after the staged operands' last use
+  if (db.defined() && N > 0 && out > 0)
     cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(),
-                                 scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)),
+                                 scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)).f32(),
                                  db.f32(), s.stream);
 }
 

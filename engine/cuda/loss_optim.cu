@@ -144,8 +144,9 @@ void CudaBackend::cross_entropy_forward(DeviceContext& ctx, const Tensor& logits
     return;
   }
   REPLICA_CHECK(N <= INT32_MAX, "{}: {} rows is too many", op, N);
-  // Per-row losses in double: 2 floats each of the (256-byte aligned) scratch.
-  double* row_loss = reinterpret_cast<double*>(scratch(ctx, 2 * N));
+  // Per-row losses in double: 2 floats each of the (512-byte aligned) scratch.
+  const Tensor rows = scratch(ctx, 2 * N);
+  double* row_loss = reinterpret_cast<double*>(rows.f32());
   softmax_xent_rows_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, s.stream>>>(
       logits.f32(), labels.i32(), probs.f32(), row_loss, C);
   REPLICA_LAUNCH_CHECK();

@@ -139,8 +139,9 @@ float* ptr_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
 struct BnScratch {
   double *part_a, *part_b, *sums;
   float *scale, *shift;
-  BnScratch(float* base, int64_t C, int S) {
-    part_a = reinterpret_cast<double*>(base);
+  Tensor held;  // the block, held while the op enqueues its kernels
+  BnScratch(Tensor block, int64_t C, int S) : held(std::move(block)) {
+    part_a = reinterpret_cast<double*>(held.f32());
     part_b = part_a + C * S;
     sums = part_b + C * S;
     scale = reinterpret_cast<float*>(sums + 3 * C);

@@ -264,7 +264,8 @@ void CudaBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const 
   // y is not needed: the winners are found again in x with the forward's exact rule.
   const int64_t windows = d.planes * d.P * d.Q;
   const cudaStream_t stream = cuda_state(ctx).stream;
-  int* winner = reinterpret_cast<int*>(scratch(ctx, windows));  // an int per float slot
+  const Tensor winners = scratch(ctx, windows);
+  int* winner = reinterpret_cast<int*>(winners.f32());  // an int per float slot
   with_pool_index(d, p.stride, p.padding, [&](auto at) {
     if (windows > 0) {
       maxpool_windows_kernel<<<cuda::grid_for(windows), cuda::kThreads, 0, stream>>>(
