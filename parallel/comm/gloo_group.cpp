@@ -74,8 +74,9 @@ class GlooGroup final : public ProcessGroup {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      throw Error(fmt::format("gloo: rank {} of {} could not connect to its peers: {}", rank, size,
-                              first_line(e.what())));
+      // As a failed collective: the monitor names a rank that had stopped (one that exited on a
+      // usage error, say), so the launcher reports that rank's error, not this consequence.
+      fail("gloo connecting to its peers", first_line(e.what()));
     }
   }
 
