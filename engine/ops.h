@@ -22,6 +22,11 @@ struct Conv2dParams {
   int padding = 0;
 };
 
+// What a backward op does with the input gradient it is given: writes it, or adds to what is
+// there (a residual block's first convolution adds onto the shortcut's gradient: the sum costs
+// no pass of its own; on CUDA it is cuDNN's beta).
+enum class InputGrad { Overwrite, Accumulate };
+
 struct Pool2dParams {
   int kernel = 2;
   int stride = 2;

@@ -79,13 +79,23 @@ Tensor Conv2d::forward(DeviceContext& ctx, const Tensor& x) {
 }
 
 Tensor Conv2d::backward(DeviceContext& ctx, const Tensor& dy) {
+  Tensor dx = needs_input_grad_ && x_.defined() ? ctx.alloc(x_.shape()) : Tensor();
+  run_backward(ctx, dy, dx, InputGrad::Overwrite);
+  return dx;
+}
+
+Tensor Conv2d::backward_adding(DeviceContext& ctx, const Tensor& dy, Tensor sum) {
+  if (!needs_input_grad_) return Module::backward_adding(ctx, dy, std::move(sum));
+  run_backward(ctx, dy, sum, InputGrad::Accumulate);
+  return sum;
+}
+
+void Conv2d::run_backward(DeviceContext& ctx, const Tensor& dy, Tensor& dx, InputGrad mode) {
   REPLICA_CHECK(x_.defined(), "Conv2d backward without a training-mode forward");
-  Tensor dx = needs_input_grad_ ? ctx.alloc(x_.shape()) : Tensor();
   Tensor db = has_bias_ ? params_[1]->grad : Tensor();
-  ctx.ops().conv2d_backward(ctx, x_, params_[0]->value, dy, dx, params_[0]->grad, db, p_);
+  ctx.ops().conv2d_backward(ctx, x_, params_[0]->value, dy, dx, params_[0]->grad, db, p_, mode);
   x_ = Tensor();
   grads_ready();
-  return dx;
 }
 
 // ---- BatchNorm2d ----------------------------------------------------------------------------

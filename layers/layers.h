@@ -30,9 +30,12 @@ class Conv2d : public Module {
   std::string type() const override { return "Conv2d"; }
   Tensor forward(DeviceContext& ctx, const Tensor& x) override;
   Tensor backward(DeviceContext& ctx, const Tensor& dy) override;
+  Tensor backward_adding(DeviceContext& ctx, const Tensor& dy, Tensor sum) override;
   Shape output_shape(const Shape& in) const override;
 
  private:
+  // dx: the input gradient's buffer (undefined: not wanted), written or added to.
+  void run_backward(DeviceContext& ctx, const Tensor& dy, Tensor& dx, InputGrad mode);
   int64_t in_, out_;
   int kernel_;
   Conv2dParams p_;

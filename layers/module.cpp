@@ -1,5 +1,8 @@
 #include "layers/module.h"
 
+#include <iterator>
+
+#include "engine/context.h"
 #include "engine/error.h"
 
 namespace replica {
@@ -53,6 +56,12 @@ Buffer& Module::add_buffer(const std::string& name, const Shape& shape, float in
   return b;
 }
 
+Tensor Module::backward_adding(DeviceContext& ctx, const Tensor& dy, Tensor sum) {
+  Tensor g = backward(ctx, dy);
+  if (g.defined()) ctx.ops().add(ctx, sum, g, 1.f);
+  return sum;
+}
+
 void Module::grads_ready() {
   if (!hook_ || params_.empty()) return;
   std::vector<Param*> ready;
@@ -70,6 +79,14 @@ Tensor Sequential::backward(DeviceContext& ctx, const Tensor& dy) {
   Tensor g = dy;
   for (auto it = children_.rbegin(); it != children_.rend(); ++it) g = it->second->backward(ctx, g);
   return g;
+}
+
+Tensor Sequential::backward_adding(DeviceContext& ctx, const Tensor& dy, Tensor sum) {
+  if (children_.empty()) return Module::backward_adding(ctx, dy, std::move(sum));
+  Tensor g = dy;
+  for (auto it = children_.rbegin(); it != std::prev(children_.rend()); ++it)
+    g = it->second->backward(ctx, g);
+  return children_.front().second->backward_adding(ctx, g, std::move(sum));
 }
 
 Shape Sequential::output_shape(const Shape& in) const {

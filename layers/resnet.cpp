@@ -46,9 +46,9 @@ Tensor ResidualBlock::backward(DeviceContext& ctx, const Tensor& dy) {
   // become ready in the order DDP's buckets are laid out.
   Tensor dshort = downsample_ ? downsample_->backward(ctx, dsum) : dsum;
   Tensor dh = last_bn_->backward(ctx, dsum);
-  Tensor dx = body_->backward(ctx, dh);
-  ctx.ops().add(ctx, dx, dshort, 1.f);
-  return dx;
+  // The body's input gradient is added onto the shortcut's as its first convolution writes it.
+  // On the identity path that is dsum's own buffer: every read of dsum is queued before.
+  return body_->backward_adding(ctx, dh, std::move(dshort));
 }
 
 BasicBlock::BasicBlock(int64_t in, int64_t planes, int stride) {

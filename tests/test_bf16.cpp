@@ -236,7 +236,7 @@ TEST_CASE("bf16 convolution, every CPU path: each result one rounding from the e
     // the identity <dy, conv(x, w)> = <dx, x> = <dw, w> on the rounded operands.
     Tensor dy = random(ctx, ys, 3), dx = ctx.alloc(c.x), dw = filled(ctx, c.w, 0.f);
     Tensor no_db;
-    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, no_db, c.p);
+    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, no_db, c.p, InputGrad::Overwrite);
     CHECK(all_bf16(dx));
     CHECK(all_bf16(dw));  // one call's weight gradient added to zero
     // Each side's error is at most one bf16 rounding (2^-9) of each term: 1/256 leaves 2x room.

@@ -291,7 +291,9 @@ void conv_case(const ContextOptions& gpu_options, int64_t N, int64_t C, int64_t 
   const std::string tag = "conv " + shape_str({N, C, H, W}) + " k" + std::to_string(R) + " s" +
                           std::to_string(p.stride) + " p" + std::to_string(p.padding) +
                           (deterministic ? " deterministic" : "") +
-                          (gpu_options.cudnn_benchmark ? " timed algorithms" : "");
+                          (gpu_options.cudnn_benchmark ? " timed algorithms" : "") +
+                          (gpu_options.conv_api == ConvApi::Graph ? " graph API" : "") +
+                          (gpu_options.channels_last ? " channels_last" : "");
   Pair x = make_random(r, {N, C, H, W}, 20), w = make_random(r, {K, C, R, R}, 21);
   Pair b = make_random(r, {K}, 22), y = make_random(r, {N, K, P, Q}, 23);
   Pair dy = make_random(r, {N, K, P, Q}, 24);
@@ -304,10 +306,18 @@ void conv_case(const ContextOptions& gpu_options, int64_t N, int64_t C, int64_t 
   Pair db = make_random(r, {K}, 27);
   Tensor dbc = bias ? db.c : Tensor(), dbg = bias ? db.g : Tensor();
   for (int rep = 0; rep < 2; ++rep) {
-    r.c().conv2d_backward(r.cpu, x.c, w.c, dy.c, dx.c, dw.c, dbc, p);
-    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, dx.g, dw.g, dbg, p);
+    r.c().conv2d_backward(r.cpu, x.c, w.c, dy.c, dx.c, dw.c, dbc, p, InputGrad::Overwrite);
+    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, dx.g, dw.g, dbg, p, InputGrad::Overwrite);
   }
   expect_close(r, dx, kGemmRtol, kConvAtol, tag + " dx");
+  {  // dx added onto what it holds (a residual block's first convolution): cuDNN's beta 1, or
+     // the staged result added; the same shape overwriting (above) and adding keeps two plans
+    Pair acc = make_random(r, {N, C, H, W}, 28), dwa = make_random(r, {K, C, R, R}, 29);
+    Tensor no_db;
+    r.c().conv2d_backward(r.cpu, x.c, w.c, dy.c, acc.c, dwa.c, no_db, p, InputGrad::Accumulate);
+    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, acc.g, dwa.g, no_db, p, InputGrad::Accumulate);
+    expect_close(r, acc, kGemmRtol, kConvAtol, tag + " dx (+=)");
+  }
   // Timed picks sum in whatever order (or transform: FFT, Winograd) was fastest: fp32 whose
   // error is a fraction of the whole output's scale, not of each element. On an H100 the filter
   // gradient of [8,16,14,14] k3 (sums of ~1,600 products, largest |dw| 110) was off by up to
@@ -328,8 +338,8 @@ void conv_case(const ContextOptions& gpu_options, int64_t N, int64_t C, int64_t 
     Tensor no_db;
     r.g().fill(r.gpu, dw2, 0.f);
     r.g().fill(r.gpu, dw3, 0.f);
-    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, dx2, dw2, no_db, p);
-    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, dx3, dw3, no_db, p);
+    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, dx2, dw2, no_db, p, InputGrad::Overwrite);
+    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, dx3, dw3, no_db, p, InputGrad::Overwrite);
     expect_close(gpu_values(r, dw2), gpu_values(r, dw3), 0, 0, tag + " dw rerun");
     expect_close(gpu_values(r, dx2), gpu_values(r, dx3), 0, 0, tag + " dx rerun");
   }
@@ -356,6 +366,13 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
   conv_case(timed, 3, 4, 5, 7, 6, 3, Conv2dParams{2, 1}, true);
   conv_case(timed, 8, 16, 14, 14, 32, 3, Conv2dParams{1, 1}, false);
   conv_case(timed, 3, 3, 9, 11, 8, 7, Conv2dParams{2, 3}, false);
+  // The graph API on fp32 buffers (beta 1 in the plan when dx adds) and channels_last copies
+  // (staged: the result added as it is copied back).
+  ContextOptions graph, nhwc;
+  graph.conv_api = ConvApi::Graph;
+  nhwc.channels_last = true;
+  conv_case(graph, 3, 4, 5, 7, 6, 3, Conv2dParams{1, 1}, false);
+  conv_case(nhwc, 3, 4, 5, 7, 6, 3, Conv2dParams{1, 1}, false);
   Rig r;  // an empty batch is a no-op
   Tensor x0 = r.gpu.alloc({0, 4, 5, 7}), w = r.gpu.alloc({6, 4, 3, 3}), y0 = r.gpu.alloc({0, 6, 5, 7});
   CHECK_NOTHROW(r.g().conv2d_forward(r.gpu, x0, w, Tensor(), y0, Conv2dParams{1, 1}));

@@ -191,7 +191,8 @@ TEST_CASE("tf32 convolutions: within TF32's rounding, forward and backward") {
   auto bwd = on_all(t, {x, w, y}, {x, w},
                     [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
                       Tensor no_db;
-                      c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], no_db, p);
+                      c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], no_db, p,
+                                              InputGrad::Overwrite);
                     });
   expect_precisions(bwd[0], "conv dx", false);
   expect_precisions(bwd[1], "conv dw", false);
@@ -290,7 +291,7 @@ TEST_CASE("bf16 GEMMs and convolutions: the CPU's bf16 numbers, forward and back
         t, {x, w, y}, {x, w},
         [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
           Tensor no_db;
-          c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], no_db, p);
+          c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], no_db, p, InputGrad::Overwrite);
         },
         ctxs);
     expect_bf16(cb[0], "conv dx");
@@ -339,7 +340,7 @@ struct ConvRun {
         t, {x, w, y(), w}, {x, w, {w[0]}},
         [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
           c.ops().copy(c, o[1], i[3]);
-          c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p);
+          c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p, InputGrad::Overwrite);
         },
         ctxs);
   }

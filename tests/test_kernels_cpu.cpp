@@ -95,7 +95,7 @@ TEST_CASE("conv2d forward/backward are bit-identical for 1, 2 and 3 threads (bat
       Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 4), dx = ctx.alloc(xs);
       Tensor dw = make(ctx, ws, 5), db = make(ctx, {cs.k}, 6);  // += onto what is there
       ctx.ops().conv2d_forward(ctx, x, w, b, y, prm);
-      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm);
+      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm, InputGrad::Overwrite);
       std::vector<float> r;
       for (const Tensor* t : {&y, &dx, &dw, &db}) append(r, *t);
       return r;
@@ -156,7 +156,7 @@ TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct 
     const Conv2dParams prm{cs.stride, cs.pad};
     ctx.run([&] {
       ctx.ops().conv2d_forward(ctx, x, wt, b, y, prm);
-      ctx.ops().conv2d_backward(ctx, x, wt, dy, dx, dw, db, prm);
+      ctx.ops().conv2d_backward(ctx, x, wt, dy, dx, dw, db, prm, InputGrad::Overwrite);
     });
     std::vector<double> ry(size_t(shape_numel(ys)), 0.0), rdx(size_t(shape_numel(xs)), 0.0);
     auto at_x = [&](int64_t b_, int64_t c_, int64_t iy, int64_t ix) {
@@ -184,6 +184,36 @@ TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct 
       REQUIRE(y.f32()[i] == doctest::Approx(ry[i]).epsilon(1e-4));
     for (size_t i = 0; i < rdx.size(); ++i)
       REQUIRE(dx.f32()[i] == doctest::Approx(rdx[i]).epsilon(1e-4));
+  }
+}
+
+TEST_CASE("conv2d backward adding onto dx: the bits of a backward and an add, dw and db once") {
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    for (int stride : {1, 2}) {  // 7x7 stride 2: the batched path; stride 1: a GEMM per sample
+      CAPTURE(int(precision));
+      CAPTURE(stride);
+      ContextOptions o;
+      o.precision = precision;
+      DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, o);
+      const Shape xs = {5, 3, 7, 7}, ws = {4, 3, 3, 3};
+      const Conv2dParams prm{stride, 1};
+      const int64_t q = window_out(7, 3, stride, 1);
+      const Shape ys = {5, 4, q, q};
+      ctx.run([&] {
+        Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), dy = make(ctx, ys, 3);
+        Tensor dx = ctx.alloc(xs), sum = make(ctx, xs, 4);
+        Tensor dw1 = make(ctx, ws, 5), db1 = make(ctx, {4}, 6);
+        Tensor dw2 = make(ctx, ws, 5), db2 = make(ctx, {4}, 6);
+        ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw1, db1, prm, InputGrad::Overwrite);
+        Tensor expected = make(ctx, xs, 4);
+        ctx.ops().add(ctx, expected, dx, 1.f);
+        ctx.ops().conv2d_backward(ctx, x, w, dy, sum, dw2, db2, prm, InputGrad::Accumulate);
+        CHECK(values(sum) == values(expected));
+        CHECK(values(dw2) == values(dw1));
+        CHECK(values(db2) == values(db1));
+        CHECK(values(sum) != values(dx));  // it added: the random start is not lost
+      });
+    }
   }
 }
 
@@ -572,7 +602,7 @@ TEST_CASE("an empty batch (N = 0) works for linear, conv2d, relu, pooling and th
   Tensor cx = ctx.alloc({0, 2, 7, 5}), cy = ctx.alloc({0, 4, 4, 3});
   Tensor cdy = ctx.alloc({0, 4, 4, 3}), cdx = ctx.alloc({0, 2, 7, 5});
   ops.conv2d_forward(ctx, cx, cw, cb, cy, Conv2dParams{2, 1});
-  ops.conv2d_backward(ctx, cx, cw, cdy, cdx, cdw, cdb, Conv2dParams{2, 1});
+  ops.conv2d_backward(ctx, cx, cw, cdy, cdx, cdw, cdb, Conv2dParams{2, 1}, InputGrad::Overwrite);
   CHECK(values(cdw) == cdw0);
   CHECK(values(cdb) == cdb0);
 

@@ -353,7 +353,14 @@ void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tenso
 
 void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                                  const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
-                                 const Conv2dParams& prm) {
+                                 const Conv2dParams& prm, InputGrad dx_mode) {
+  if (dx_mode == InputGrad::Accumulate && dx.defined()) {
+    // The gradient into a buffer of its own, then added: the bits of a backward and an add.
+    Tensor own = ctx.alloc(dx.shape());
+    conv2d_backward(ctx, x, w, dy, own, dw, db, prm, InputGrad::Overwrite);
+    add(ctx, dx, own, 1.f);
+    return;
+  }
   if (ctx.precision() != Precision::Bf16)
     return conv2d_backward_fp32(ctx, x, w, dy, dx, dw, db, prm);
   cpu::bf16_backward(ctx, x, w, dy, dx, dw,

@@ -185,7 +185,7 @@ void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir
       return;
     } catch (const Error& e) {  // a plan cuDNN refuses to execute: Auto goes on without it
       if (ctx.conv_api() == ConvApi::Graph) throw;
-      leave_conv_graph(ctx, plan, dir, e.what());
+      leave_conv_graph(ctx, plan, dir, beta, e.what());
     }
   }
   choose_legacy(ctx, plan, dir);
@@ -246,7 +246,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
 
 void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                                   const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
-                                  const Conv2dParams& p) {
+                                  const Conv2dParams& p, InputGrad dx_mode) {
   const char* op = "conv2d_backward";
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, w, op, "w");
@@ -265,8 +265,9 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     cuda::expect_device(ctx, db, op, "db");
     cuda::expect_numel(db, K, op, "db");
   }
+  const bool add_to_dx = dx_mode == InputGrad::Accumulate;
   if (N == 0 || K == 0) {  // nothing flows back; dx (overwritten) is all zero
-    if (dx.defined() && dx.numel() > 0)
+    if (dx.defined() && dx.numel() > 0 && !add_to_dx)
       REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
     return;
   }
@@ -281,9 +282,11 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
                                    want_dw ? &dw : nullptr, wanted && wanted->spec.nhwc);
 
   if (want_dx) {
-    run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy}, 0.f);
-    io.finish(io.dx, dx, false, s.stream);
-  } else if (dx.defined() && dx.numel() > 0) {
+    // Accumulating: cuDNN adds onto dx (beta 1); staged, finish() adds the call's part.
+    run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy},
+             add_to_dx && !io.staged() ? 1.f : 0.f);
+    io.finish(io.dx, dx, add_to_dx, s.stream);
+  } else if (dx.defined() && dx.numel() > 0 && !add_to_dx) {
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
   }
   if (want_dw) {

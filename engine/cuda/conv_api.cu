@@ -19,6 +19,11 @@ int64_t written_floats(const ConvGraphSpec& s) {
   return s.bf16 ? (n + 1) / 2 : n;
 }
 
+// The slot of a direction's plan for beta 0 (overwrite) or 1 (add to the buffer).
+ConvGraphSlot& graph_slot(ConvPlan& plan, ConvDirection dir, float beta) {
+  return plan.graphs[static_cast<int>(dir)][beta != 0.f ? 1 : 0];
+}
+
 // Auto's one line when a convolution leaves the graph API for the legacy calls (the first
 // such convolution only: a model may have dozens).
 void tell_legacy(const ConvGraphSpec& spec, const std::string& why) {
@@ -34,8 +39,8 @@ void tell_legacy(const ConvGraphSpec& spec, const std::string& why) {
 }  // namespace
 
 void CudaBackend::leave_conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir,
-                                   const std::string& why) {
-  ConvGraphSlot& slot = plan.graphs[static_cast<int>(dir)];
+                                   float beta, const std::string& why) {
+  ConvGraphSlot& slot = graph_slot(plan, dir, beta);
   // The plan's earlier runs may still be queued: they finish before it is destroyed.
   REPLICA_CUDA_CHECK(cudaStreamSynchronize(cuda_state(ctx).stream));
   slot.graph.reset();
@@ -48,7 +53,7 @@ const ConvGraph* CudaBackend::conv_graph(DeviceContext& ctx, ConvPlan& plan, Con
                                          float beta, const ConvBuffers& buffers) {
   const ConvApi api = ctx.conv_api();
   if (api == ConvApi::Legacy || (api == ConvApi::Auto && !plan.spec.bf16)) return nullptr;
-  ConvGraphSlot& slot = plan.graphs[static_cast<int>(dir)];
+  ConvGraphSlot& slot = graph_slot(plan, dir, beta);
   if (!slot.tried) {
     ConvGraphSpec spec = plan.spec;
     spec.direction = dir;
@@ -64,12 +69,8 @@ const ConvGraph* CudaBackend::conv_graph(DeviceContext& ctx, ConvPlan& plan, Con
                   "with REPLICA_CUDNN_API=graph: {}", conv_direction_name(dir), spec.N, spec.C,
                   spec.H, spec.W, spec.K, spec.R, why);
     slot.tried = true;
-    slot.beta = beta;
     if (!slot.graph) tell_legacy(spec, why);
   }
-  // A plan is built for one beta: ConvKey holds what decides it (staged or not).
-  REPLICA_CHECK(slot.beta == beta, "conv2d {}: a plan built for beta {} asked for beta {}",
-                conv_direction_name(dir), slot.beta, beta);
   if (!slot.graph) return nullptr;
   if (ConvGraph::aligned(buffers)) return slot.graph.get();
   // Graph is strict: every convolution on a plan, or an error.

@@ -119,11 +119,10 @@ struct ConvChoice {
   cudnnMathType_t math = CUDNN_FMA_MATH;
 };
 
-// One direction's graph-API plan (conv_graph.h), built on first use; null when the direction
-// runs through the legacy calls.
+// One direction's graph-API plan (conv_graph.h) for one beta, built on first use; null when
+// it runs through the legacy calls.
 struct ConvGraphSlot {
   bool tried = false;
-  float beta = 0.f;  // what the plan was built for
   std::unique_ptr<ConvGraph> graph;
 };
 
@@ -139,7 +138,9 @@ struct ConvPlan {
   ConvChoice<cudnnConvolutionFwdAlgo_t> fwd;
   ConvChoice<cudnnConvolutionBwdDataAlgo_t> bwd_data;
   ConvChoice<cudnnConvolutionBwdFilterAlgo_t> bwd_filter;
-  ConvGraphSlot graphs[3];  // by ConvDirection
+  // By ConvDirection, then beta (0: the result overwrites; 1: it is added, as a residual
+  // block's input gradient is): a plan is built for one beta, and one shape can see both.
+  ConvGraphSlot graphs[3][2];
 };
 
 // What a product (a convolution, a linear layer) reads and writes in one direction: the fp32
@@ -193,7 +194,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<ConvGraph> build_conv_graph(DeviceContext& ctx, const ConvGraphSpec& spec,
                                               const ConvBuffers& buffers, std::string* why);
   // Drops a direction's graph-API plan that failed to run: the legacy calls run it from now on.
-  void leave_conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir,
+  void leave_conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir, float beta,
                         const std::string& why);
   void destroy_conv_plans() noexcept;
   std::map<ConvKey, ConvPlan> conv_plans_;
