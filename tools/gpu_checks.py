@@ -25,8 +25,9 @@ short summary (OUT/PART/summary.md):
                                                      # and channels_last, cuDNN's legacy calls
                                                      # and its graph API: which layout and which
                                                      # interface pay, and where each step's time
-                                                     # goes; the CNN at batch 32 and 256 in fp32
-                                                     # and tf32
+                                                     # goes; the CNN at batch 32 and 256 and
+                                                     # the seed recipe's ResNet-101 (1x28x28,
+                                                     # 256) in fp32 and tf32
     python3 tools/gpu_checks.py graphs --out OUT     # one GPU's step issued kernel by kernel
                                                      # and replayed as a CUDA Graph
                                                      # (--cuda-graphs): the CNN at batch 32 and
@@ -309,7 +310,9 @@ OPS_RUNS = [("fp32", "nchw"), ("fp32", "nchw", "graph"), ("tf32", "nchw"),
 # CUDA Graphs would remove). On CPU devices a rehearsal on a model small enough to finish.
 OPS_GPU_CASES = [("resnet50", "3x224x224", 64, OPS_RUNS),
                  ("cnn", "1x28x28", 32, [("fp32", "nchw"), ("tf32", "nchw")]),
-                 ("cnn", "1x28x28", 256, [("fp32", "nchw"), ("tf32", "nchw")])]
+                 ("cnn", "1x28x28", 256, [("fp32", "nchw"), ("tf32", "nchw")]),
+                 # the seed recipe's model: 0.94x PyTorch on 2026-11-25, 0.75x on 2026-11-27
+                 ("resnet101", "1x28x28", 256, [("fp32", "nchw"), ("tf32", "nchw")])]
 OPS_CPU_CASES = [("resnet18", "3x32x32", 64, [("fp32", "nchw")])]
 
 
