@@ -1,5 +1,6 @@
 // Layers and models: parameter counts and names against torchvision, output shapes,
-// initialisation statistics, seeding, BatchNorm running statistics, Dropout, the model zoo.
+// initialisation statistics, seeding, BatchNorm running statistics, Dropout, the model zoo,
+// backward_adding (a residual body's input gradient added onto the shortcut's).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -381,4 +382,50 @@ TEST_CASE("the model zoo rejects what it does not know with UsageError") {
   CHECK_THROWS_AS(make_model("cnn", {28, 28}, 10), UsageError);    // not CxHxW
   CHECK_THROWS_AS(make_resnet(19, 3, 10), UsageError);
   for (const std::string& name : model_names()) CHECK_NOTHROW(make_model(name, {1, 28, 28}, 10));
+}
+
+// A residual block's body adds its input gradient onto the shortcut's (Module::backward_adding):
+// a Conv2d first child adds as it writes, any other module runs backward and then an add. Both
+// must give backward-then-add's bits, and the same parameter gradients.
+TEST_CASE("backward_adding gives the bits of backward and an add, conv first or not") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  for (bool conv_first : {true, false}) {
+    CAPTURE(conv_first);
+    const Shape in = conv_first ? Shape{4, 2, 5, 5} : Shape{4, 6};
+    auto make = [&] {
+      auto seq = std::make_unique<Sequential>();
+      if (conv_first) {
+        seq->add("0", std::make_unique<Conv2d>(2, 3, 3, 1, 1));
+        seq->add("1", std::make_unique<ReLU>());
+        seq->add("2", std::make_unique<Conv2d>(3, 2, 3, 1, 1));
+      } else {
+        seq->add("0", std::make_unique<Linear>(6, 5));
+        seq->add("1", std::make_unique<ReLU>());
+        seq->add("2", std::make_unique<Linear>(5, 6));
+      }
+      auto m = std::make_unique<Model>(ModelSpec{"test", {}, 0}, std::move(seq));
+      m->materialize(ctx, 11);
+      m->zero_grad(ctx);
+      m->root().set_needs_input_grad(true);  // a model's first layer skips it: a body's does not
+      return m;
+    };
+    auto fill = [&](uint32_t seed) {
+      Tensor t = ctx.alloc(in);
+      for (int64_t i = 0; i < t.numel(); ++i)
+        t.f32()[i] = float((i * 7 + seed) % 11) / 11.f - 0.45f;
+      return t;
+    };
+    auto plain = make(), adding = make();
+    const Tensor x = fill(1), dy = fill(2);
+    plain->forward(ctx, x);
+    adding->forward(ctx, x);
+    Tensor expected = fill(3);
+    ctx.ops().add(ctx, expected, plain->backward(ctx, dy), 1.f);
+    const Tensor sum = adding->root().backward_adding(ctx, dy, fill(3));
+    const std::vector<float> got(sum.f32(), sum.f32() + sum.numel());
+    const std::vector<float> want(expected.f32(), expected.f32() + expected.numel());
+    CHECK(got == want);
+    CHECK(std::memcmp(plain->flat_grads().f32(), adding->flat_grads().f32(),
+                      size_t(plain->num_params()) * sizeof(float)) == 0);
+  }
 }
