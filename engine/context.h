@@ -108,8 +108,8 @@ class DeviceContext {
   bool capturing() const { return capturing_; }
   void begin_capture(Backend* recorder);
   void end_capture(bool captured);
-  // Steps captured here so far: memory a graph may replay into must then be kept (the CUDA
-  // backend's scratch and workspace, once outgrown, are kept rather than freed).
+  // Steps captured here so far (a capture abandoned on an error does not count). Memory a
+  // graph replays into stays its own: the allocator's private pool (engine/allocator.h).
   int steps_captured() const { return steps_captured_; }
   int threads() const { return threads_; }
   bool deterministic() const { return options_.deterministic; }

@@ -85,6 +85,7 @@ Tensor Conv2d::backward(DeviceContext& ctx, const Tensor& dy) {
 }
 
 Tensor Conv2d::backward_adding(DeviceContext& ctx, const Tensor& dy, Tensor sum) {
+  REPLICA_CHECK(sum.defined(), "Conv2d: backward_adding onto an undefined sum");
   if (!needs_input_grad_) return Module::backward_adding(ctx, dy, std::move(sum));
   run_backward(ctx, dy, sum, InputGrad::Accumulate);
   return sum;

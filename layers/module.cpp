@@ -57,6 +57,7 @@ Buffer& Module::add_buffer(const std::string& name, const Shape& shape, float in
 }
 
 Tensor Module::backward_adding(DeviceContext& ctx, const Tensor& dy, Tensor sum) {
+  REPLICA_CHECK(sum.defined(), "{}: backward_adding onto an undefined sum", type());
   Tensor g = backward(ctx, dy);
   if (g.defined()) ctx.ops().add(ctx, sum, g, 1.f);
   return sum;

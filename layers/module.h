@@ -56,9 +56,9 @@ class Module {
   virtual std::string type() const = 0;
   virtual Tensor forward(DeviceContext& ctx, const Tensor& x) = 0;
   virtual Tensor backward(DeviceContext& ctx, const Tensor& dy) = 0;
-  // backward, with the input gradient added onto `sum` (returned): a residual block's body adds
-  // onto its shortcut's gradient. Here: backward, then an add; a module whose op can add as it
-  // writes (Conv2d, through cuDNN's beta) saves that pass.
+  // backward, with the input gradient added onto `sum` (defined; returned): a residual block's
+  // body adds onto its shortcut's gradient. Here: backward, then an add; a module whose op can
+  // add as it writes (Conv2d, through cuDNN's beta) saves that pass.
   virtual Tensor backward_adding(DeviceContext& ctx, const Tensor& dy, Tensor sum);
   // Shape of the output for an input of `in` (batch dimension included).
   virtual Shape output_shape(const Shape& in) const = 0;

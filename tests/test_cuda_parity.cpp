@@ -310,14 +310,6 @@ void conv_case(const ContextOptions& gpu_options, int64_t N, int64_t C, int64_t 
     r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, dx.g, dw.g, dbg, p, InputGrad::Overwrite);
   }
   expect_close(r, dx, kGemmRtol, kConvAtol, tag + " dx");
-  {  // dx added onto what it holds (a residual block's first convolution): cuDNN's beta 1, or
-     // the staged result added; the same shape overwriting (above) and adding keeps two plans
-    Pair acc = make_random(r, {N, C, H, W}, 28), dwa = make_random(r, {K, C, R, R}, 29);
-    Tensor no_db;
-    r.c().conv2d_backward(r.cpu, x.c, w.c, dy.c, acc.c, dwa.c, no_db, p, InputGrad::Accumulate);
-    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, acc.g, dwa.g, no_db, p, InputGrad::Accumulate);
-    expect_close(r, acc, kGemmRtol, kConvAtol, tag + " dx (+=)");
-  }
   // Timed picks sum in whatever order (or transform: FFT, Winograd) was fastest: fp32 whose
   // error is a fraction of the whole output's scale, not of each element. On an H100 the filter
   // gradient of [8,16,14,14] k3 (sums of ~1,600 products, largest |dw| 110) was off by up to
@@ -331,6 +323,16 @@ void conv_case(const ContextOptions& gpu_options, int64_t N, int64_t C, int64_t 
   MESSAGE(tag << " dw: largest |value| " << dw_scale << ", tolerance " << dw_atol);
   expect_close(dw_cpu, gpu_values(r, dw.g), kGemmRtol, dw_atol, tag + " dw (+= twice)");
   if (bias) expect_close(r, db, kGemmRtol, kConvAtol, tag + " db (+= twice)");
+  {  // dx added onto what it holds (a residual block's first convolution): cuDNN's beta 1, or
+     // the staged result added; the same shape overwriting (above) and adding keeps two plans
+    Pair acc = make_random(r, {N, C, H, W}, 28), dwa = make_random(r, {K, C, R, R}, 29);
+    Tensor no_db;
+    r.c().conv2d_backward(r.cpu, x.c, w.c, dy.c, acc.c, dwa.c, no_db, p, InputGrad::Accumulate);
+    r.g().conv2d_backward(r.gpu, x.g, w.g, dy.g, acc.g, dwa.g, no_db, p, InputGrad::Accumulate);
+    expect_close(r, acc, kGemmRtol, kConvAtol, tag + " dx (+=)");
+    expect_close(host_values(dwa.c), gpu_values(r, dwa.g), kGemmRtol, dw_atol,
+                 tag + " dw (+=, with dx added)");
+  }
 
   if (deterministic) {  // a rerun is bit-identical
     Tensor dw2 = r.gpu.alloc({K, C, R, R}), dx2 = r.gpu.alloc({N, C, H, W});
@@ -367,12 +369,22 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
   conv_case(timed, 8, 16, 14, 14, 32, 3, Conv2dParams{1, 1}, false);
   conv_case(timed, 3, 3, 9, 11, 8, 7, Conv2dParams{2, 3}, false);
   // The graph API on fp32 buffers (beta 1 in the plan when dx adds) and channels_last copies
-  // (staged: the result added as it is copied back).
+  // (staged, as channels divisible by 8 are: the result added as it is copied back).
   ContextOptions graph, nhwc;
   graph.conv_api = ConvApi::Graph;
   nhwc.channels_last = true;
   conv_case(graph, 3, 4, 5, 7, 6, 3, Conv2dParams{1, 1}, false);
-  conv_case(nhwc, 3, 4, 5, 7, 6, 3, Conv2dParams{1, 1}, false);
+  conv_case(nhwc, 3, 8, 5, 7, 16, 3, Conv2dParams{1, 1}, false);
+  {  // no output channels: nothing flows back, and dx, added onto, keeps what it held
+    Rig r0;
+    Tensor x = r0.gpu.alloc({2, 3, 4, 4}), w = r0.gpu.alloc({0, 3, 3, 3});
+    Tensor dy = r0.gpu.alloc({2, 0, 4, 4}), dw = r0.gpu.alloc({0, 3, 3, 3}), no_db;
+    Tensor dx = r0.gpu.alloc({2, 3, 4, 4});
+    r0.g().fill(r0.gpu, dx, 0.5f);
+    r0.g().conv2d_backward(r0.gpu, x, w, dy, dx, dw, no_db, Conv2dParams{1, 1},
+                           InputGrad::Accumulate);
+    for (float v : gpu_values(r0, dx)) CHECK(v == 0.5f);
+  }
   Rig r;  // an empty batch is a no-op
   Tensor x0 = r.gpu.alloc({0, 4, 5, 7}), w = r.gpu.alloc({6, 4, 3, 3}), y0 = r.gpu.alloc({0, 6, 5, 7});
   CHECK_NOTHROW(r.g().conv2d_forward(r.gpu, x0, w, Tensor(), y0, Conv2dParams{1, 1}));

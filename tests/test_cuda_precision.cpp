@@ -296,6 +296,22 @@ TEST_CASE("bf16 GEMMs and convolutions: the CPU's bf16 numbers, forward and back
         ctxs);
     expect_bf16(cb[0], "conv dx");
     expect_bf16(cb[1], "conv dw");
+    // dx added onto what it holds (a residual block's first convolution): staged in bf16, NCHW
+    // and NHWC, the result is added as it is copied back, as the CPU's bf16 adds its own.
+    auto ca = on_all(
+        t, {x, w, y, x}, {x, w},
+        [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+          Tensor no_db;
+          c.ops().copy(c, o[0], i[3]);
+          c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], no_db, p,
+                                  InputGrad::Accumulate);
+        },
+        {&t.cpu_bf16, &t.bf16, &t.bf16_nhwc});
+    for (size_t g : {size_t(1), size_t(2)}) {
+      CAPTURE(g);
+      CHECK(test::relative_l2(ca[0][0], ca[0][g]) < 1e-3);  // dx (+=)
+      CHECK(test::relative_l2(ca[1][0], ca[1][g]) < 1e-3);  // dw
+    }
   }
 }
 

@@ -135,8 +135,8 @@ TEST_CASE("cuda graphs: captured steps train as eager ones (CNN SGD, ResNet-18 A
     auto captured = make_single_device_engine(gpu, o);
     auto batches = test::make_batches(c.shape, 16, 7, 3);
     batches.insert(batches.begin() + 4, test::make_batches(c.shape, 5, 1, 4)[0]);
-    // An evaluation on a larger batch between replays outgrows the backend's scratch, which
-    // the graph replays into: the old buffer must be kept.
+    // An evaluation on a larger batch between replays takes larger scratch blocks than the
+    // graph's, from the shared pool: the blocks the graph replays into must stay its own.
     const Batch eval = test::make_batches(c.shape, 64, 1, 21)[0];
     const float lr = o.optimizer.lr;
     test::train_side_by_side(

@@ -1,14 +1,18 @@
 // DDP faults under replica-launch (Gloo on CPU): each ends in a clear error, within its timeout,
 // naming the rank at fault, with no process left behind. A killed rank; a stopped (SIGSTOP)
 // rank, which the others' heartbeat check names although it is they that time out; the store's
-// host stopped; a missing rank at rendezvous; an error every rank hits, printed once.
+// host stopped; a missing rank at rendezvous; a peer that never joins Gloo's connect; an error
+// every rank hits, printed once.
 #include <doctest/doctest.h>
 
 #include <chrono>
 #include <fstream>
 
+#include "engine/context.h"
 #include "job_helpers.h"
+#include "parallel/comm/peer_monitor.h"
 #include "parallel/comm/process_group.h"
+#include "parallel/rendezvous/store.h"
 
 using test::launch;
 using test::run;
@@ -135,4 +139,28 @@ TEST_CASE("ranks started with different flags: one error naming the setting, on 
     CHECK(contains(r.output, "exit 2 2"));
     CHECK(test::count_lines(r.output) == 2);  // rank 0's line and the exit codes
   }
+}
+
+// A peer gone between the rendezvous and Gloo's connect (it stopped, or exited on a usage error
+// of its own): the connecting rank's error is the peer monitor's, naming that rank, so that a
+// launcher reports the peer's own error rather than this consequence.
+TEST_CASE("a Gloo connect whose peer never comes names that rank") {
+  if (!replica::gloo_available()) return;
+  replica::TcpStoreServer server("127.0.0.1", 0);
+  auto store = std::make_shared<replica::TcpStoreClient>("127.0.0.1", server.port(),
+                                                         std::chrono::seconds(5));
+  replica::DeviceContext ctx(replica::Device{replica::DeviceType::CPU, 0, 0});
+  const replica::GroupOptions o{replica::CommBackend::Gloo, 0, 2, store, "127.0.0.1",
+                                std::chrono::milliseconds(1500)};
+  bool named = false;
+  try {
+    replica::make_process_group(o, ctx);
+  } catch (const replica::PeerFailure& e) {
+    INFO(e.what());
+    CHECK(e.ranks() == std::vector<int>{1});
+    CHECK(contains(e.what(), "gloo connecting to its peers failed on rank 0 of 2"));
+    CHECK(contains(e.what(), "rank 1 stopped answering"));
+    named = true;
+  }
+  CHECK(named);
 }

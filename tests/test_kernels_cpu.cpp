@@ -189,15 +189,15 @@ TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct 
 
 TEST_CASE("conv2d backward adding onto dx: the bits of a backward and an add, dw and db once") {
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
-    for (int stride : {1, 2}) {  // 7x7 stride 2: the batched path; stride 1: a GEMM per sample
+    for (int stride : {1, 2}) {  // 9x9 stride 1: a GEMM per sample (81 pixels); 2: batched
       CAPTURE(int(precision));
       CAPTURE(stride);
       ContextOptions o;
       o.precision = precision;
       DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, o);
-      const Shape xs = {5, 3, 7, 7}, ws = {4, 3, 3, 3};
+      const Shape xs = {5, 3, 9, 9}, ws = {4, 3, 3, 3};
       const Conv2dParams prm{stride, 1};
-      const int64_t q = window_out(7, 3, stride, 1);
+      const int64_t q = window_out(9, 3, stride, 1);
       const Shape ys = {5, 4, q, q};
       ctx.run([&] {
         Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), dy = make(ctx, ys, 3);

@@ -107,8 +107,8 @@ int64_t check_same_training(EngineOptions o, const std::vector<Batch>& batches,
   auto eager = make_single_device_engine(kCpu, o);
   o.cuda_graphs = true;
   auto captured = dp ? make_dp_engine({kCpu}, o, DpOptions{}) : make_single_device_engine(kCpu, o);
-  // An evaluation between replays, on a larger batch than training's (on a GPU it outgrows
-  // the backend's scratch, which the graph replays into).
+  // An evaluation between replays, on a larger batch than training's (on a GPU its scratch
+  // blocks are larger than the graph's, which must stay the graph's own).
   const Batch eval = test::make_batches(o.input_shape, 3 * batches[0].size(), 1, 21)[0];
   test::train_side_by_side(*eager, *captured, batches, eval, between, [&](size_t) {
     CHECK(eager->last_loss() == captured->last_loss());

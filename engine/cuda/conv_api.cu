@@ -91,8 +91,8 @@ std::unique_ptr<ConvGraph> CudaBackend::build_conv_graph(DeviceContext& ctx,
   if (!s.benchmark || !ConvGraph::aligned(buffers))
     return ConvGraph::build(s.cudnn, spec, rules, nullptr, why);
   // Timed on the real operands, the written buffer a scratch one, with a trial workspace of its
-  // own (the backend's keeps the chosen plan's size, not the largest candidate's). Both are
-  // freed only once the stream has run every trial, whichever way this returns.
+  // own, grown to the largest candidate's (the op's own later takes only the chosen plan's).
+  // Both are freed only once the stream has run every trial, whichever way this returns.
   Tensor written = ctx.alloc({written_floats(spec)}), trial_ws;
   struct Drain {
     cudaStream_t stream;

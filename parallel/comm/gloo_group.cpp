@@ -71,10 +71,13 @@ class GlooGroup final : public ProcessGroup {
       GlooStore adapter(*o.store, o.timeout);
       ctx->connectFullMesh(adapter, device_);
       context_ = ctx;
-    } catch (const Error&) {
+    } catch (const UsageError&) {
+      throw;
+    } catch (const PeerFailure&) {
       throw;
     } catch (const std::exception& e) {
-      // As a failed collective: the monitor names a rank that had stopped (one that exited on a
+      // As a failed collective, whether the transport or the store (a peer's address never
+      // published) gave up: the monitor names a rank that had stopped (one that exited on a
       // usage error, say), so the launcher reports that rank's error, not this consequence.
       fail("gloo connecting to its peers", first_line(e.what()));
     }
