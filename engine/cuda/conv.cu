@@ -181,7 +181,7 @@ void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir
   if (const ConvGraph* graph = conv_graph(ctx, plan, dir, beta, b)) {
     const Tensor ws = workspace(ctx, graph->workspace_bytes());
     try {
-      graph->run(s.cudnn, b, ws.defined() ? ws.raw() : nullptr);
+      graph->run(s.cudnn, b, cuda::ptr_or_null(ws));
       return;
     } catch (const Error& e) {  // a plan cuDNN refuses to execute: Auto goes on without it
       if (ctx.conv_api() == ConvApi::Graph) throw;
@@ -193,23 +193,21 @@ void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir
   void* const x = const_cast<void*>(b.x);
   void* const w = const_cast<void*>(b.w);
   void* const y = const_cast<void*>(b.y);
+  const Tensor held = workspace(ctx, dir == ConvDirection::Forward        ? plan.fwd.ws
+                                     : dir == ConvDirection::BackwardData ? plan.bwd_data.ws
+                                                                          : plan.bwd_filter.ws);
+  void* const ws = cuda::ptr_or_null(held);
   if (dir == ConvDirection::Forward) {
-    const Tensor held = workspace(ctx, plan.fwd.ws);
-    void* ws = held.defined() ? held.raw() : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, x, plan.w, w, plan.conv,
                                                 plan.fwd.algo, ws, plan.fwd.ws, &beta, plan.y,
                                                 y));
   } else if (dir == ConvDirection::BackwardData) {
-    const Tensor held = workspace(ctx, plan.bwd_data.ws);
-    void* ws = held.defined() ? held.raw() : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_data.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardData(s.cudnn, &one, plan.w, w, plan.y, y,
                                                      plan.conv, plan.bwd_data.algo, ws,
                                                      plan.bwd_data.ws, &beta, plan.x, x));
   } else {
-    const Tensor held = workspace(ctx, plan.bwd_filter.ws);
-    void* ws = held.defined() ? held.raw() : nullptr;
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.bwd_filter.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionBackwardFilter(s.cudnn, &one, plan.x, x, plan.y, y,
                                                        plan.conv, plan.bwd_filter.algo, ws,
@@ -282,16 +280,14 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
                                    want_dw ? &dw : nullptr, wanted && wanted->spec.nhwc);
 
   if (want_dx) {
-    // Accumulating: cuDNN adds onto dx (beta 1); staged, finish() adds the call's part.
-    run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy},
-             add_to_dx && !io.staged() ? 1.f : 0.f);
+    run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy}, io.beta(add_to_dx));
     io.finish(io.dx, dx, add_to_dx, s.stream);
   } else if (dx.defined() && dx.numel() > 0 && !add_to_dx) {
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
   }
   if (want_dw) {
     // dw accumulates; staged, the call writes its own part, added by finish()
-    run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.dw_beta());
+    run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.beta(true));
     io.finish(io.dw, dw, true, s.stream);
   }
   if (db.defined() && dy.numel() > 0)

@@ -99,6 +99,9 @@ void with_width(bool vec4, F&& launch) {
     launch(std::integral_constant<int, 1>());
 }
 
+// An optional tensor's data (undefined: null, "not wanted" or "none needed").
+inline float* ptr_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
+
 // p[0, n) = v on `stream` (a kernel launch; n > 0).
 void fill_async(float* p, int64_t n, float v, cudaStream_t stream);
 
@@ -155,9 +158,11 @@ struct ProductIo {
   const void* w = nullptr;
   const void* dy = nullptr;
   void* y = nullptr;   // forward
-  void* dx = nullptr;  // backward: overwritten
-  void* dw = nullptr;  // backward: accumulates into dw (beta 1); staged: this call's part
-  float dw_beta() const { return staged() ? 0.f : 1.f; }
+  void* dx = nullptr;  // backward: overwritten, or added onto dx (InputGrad::Accumulate)
+  void* dw = nullptr;  // backward: added onto dw
+  // The beta of the library call writing a result that `adds` onto its tensor: 1 on the tensor
+  // itself; staged, the call writes its own part (0) and finish() adds it.
+  float beta(bool adds) const { return adds && !staged() ? 1.f : 0.f; }
   Tensor held;  // the scratch the staged copies live in (undefined when nothing is staged)
   // Brings a staged result into `out` (accumulate: out += it); a no-op when nothing is staged.
   void finish(const void* result, Tensor& out, bool accumulate, cudaStream_t stream) const;

@@ -24,6 +24,7 @@ namespace {
 
 using cuda::ChannelDims;
 using cuda::ChannelSum;
+using cuda::ptr_or_null;
 
 ChannelDims bn_dims(const Tensor& x, const char* op) {
   REPLICA_CHECK(x.ndim() >= 2 && x.ndim() <= 4,
@@ -130,9 +131,6 @@ void expect_optional_like(const DeviceContext& ctx, const Tensor& t, const Tenso
   cuda::expect_device(ctx, t, op, what);
   cuda::expect_shape(t, x.shape(), op, what);
 }
-
-// An optional tensor's data (undefined: null, "not wanted").
-float* ptr_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
 
 // The scratch of one call: 2*C*S partial sums and 3*C per-channel values (doubles), then a
 // scale and a shift per channel (floats).
