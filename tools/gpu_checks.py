@@ -43,6 +43,11 @@ short summary (OUT/PART/summary.md):
 when it ends is cut, and it and those that would start later are listed as not run; the exit
 code is then 3 unless a check failed (1). Give the parts in the order they matter.
 
+On a GPU, nvidia-smi samples the clocks, power, temperature and clock-event (throttle) reasons
+once a second into OUT/gpu-clocks.csv (tools/gpu_clocks.py), and each part's summary ends with
+what the GPU did while that part ran: a slow window beside a power-capped GPU is the GPU's.
+--rounds N has speed alternate replica and PyTorch N times per case (replica_vs_pytorch.py).
+
 --device cuda:0 (default) runs on GPU 0 and its logical devices (cuda:0*2, cuda:0*4); --device
 cpu runs the same commands on virtual CPU devices, the parts that need a GPU (NCCL, PyTorch
 rows) skipped with the reason: a rehearsal of the script on a machine without one. --quick
@@ -57,6 +62,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from gpu_clocks import ClockLog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -378,6 +385,7 @@ def speed(p):
                                      "--out", out_dir, "--with-train",
                                      "--train-placements", "auto,host", "--bin", p.args.bin]
                       + (["--cuda-graphs"] if p.args.cuda_graphs else [])
+                      + ["--rounds", str(p.args.rounds)]
                       + [a for c in p.args.case for a in ("--case", c)],
                       timeout=3000)
     table = os.path.join(out_dir, "table.md")
@@ -388,7 +396,10 @@ def speed(p):
 
 # (model, input, batch): the launch-bound CNN at the main job's batch and at 256, and ResNet-50,
 # whose step is long enough that CUDA Graphs should change little.
-GRAPH_CASES = [("cnn", "1x28x28", 32), ("cnn", "1x28x28", 256), ("resnet50", "3x224x224", 64)]
+# The seed recipe's ResNet-101 at 1x28x28: some 1,500 small kernels a step, where launches may
+# be what bounds it.
+GRAPH_CASES = [("cnn", "1x28x28", 32), ("cnn", "1x28x28", 256), ("resnet50", "3x224x224", 64),
+               ("resnet101", "1x28x28", 256)]
 
 
 def graphs(p):
@@ -439,6 +450,8 @@ def main():
                          "(repeatable)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="speed: replica replays its step as a CUDA Graph (PyTorch eager)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="speed: runs of each engine per case, alternated (replica_vs_pytorch.py)")
     ap.add_argument("--bin", default=os.environ.get("B") or os.path.join(REPO, "build", "bin"))
     ap.add_argument("--budget", type=int, metavar="SECONDS",
                     help="the whole call's time: each program's limit is cut to what is left, "
@@ -452,13 +465,27 @@ def main():
         sys.exit(f"gpu_checks.py: error: no replica-train in {args.bin} (build first, or --bin)")
     args.out = os.path.abspath(args.out)
     args.bin = os.path.abspath(args.bin)
+    if args.rounds < 1:
+        sys.exit("gpu_checks.py: error: --rounds must be at least 1")
     failed, skipped = 0, []
-    for name in args.parts:
-        part = Part(args, name)
-        print(f"gpu_checks.py {name}: {args.device}, logs in {part.dir}", flush=True)
-        PARTS[name](part)
-        failed |= part.finish()
-        skipped += [f"{name}/{label}" for label in part.skipped]
+    os.makedirs(args.out, exist_ok=True)
+    # On a GPU the clocks are sampled through every part: its summary says whether the GPU
+    # slowed down (power, heat) while it measured.
+    clocks = ClockLog(args.device, os.path.join(args.out, "gpu-clocks.csv")) \
+        if args.device.startswith("cuda") else None
+    try:
+        for name in args.parts:
+            part = Part(args, name)
+            print(f"gpu_checks.py {name}: {args.device}, logs in {part.dir}", flush=True)
+            t0 = time.time()
+            PARTS[name](part)
+            if clocks:
+                part.note("\n" + clocks.summary(t0, time.time()))
+            failed |= part.finish()
+            skipped += [f"{name}/{label}" for label in part.skipped]
+    finally:
+        if clocks:
+            clocks.stop()
     if skipped:
         print(f"not run (--budget {args.budget} s spent): " + ", ".join(skipped))
         if not failed:

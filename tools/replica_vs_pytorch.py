@@ -21,6 +21,12 @@ heuristics. The tables say which.
 replica-train --cuda-graphs); PyTorch stays eager, the comparison issue 12 sets. The tables say
 so.
 
+--rounds N runs each case's two engines N times, alternated (replica first in odd rounds,
+PyTorch first in even ones), so that a machine whose speed drifts during the call (clocks,
+other tenants, a warm GPU) weighs on both alike. The table gives each engine's median round,
+the median of the rounds' paired ratios and, beside it, every round's ratio: a spread that
+says how far one ratio can be trusted. Every round's rows go to DIR/rows.jsonl ("round": k).
+
 --with-train also runs `replica-train --synthetic` on each case, with its
 input pipeline, and puts its samples/s beside the benchmark's (preloaded batches) with the share
 of a step spent waiting for data: a second table in DIR/table.md. --train-placements host,device
@@ -35,6 +41,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,7 +95,8 @@ def run_one(cmd, out_file, read=first_row):
     return (result, None) if result else (None, "%s wrote nothing" % os.path.basename(cmd[0]))
 
 
-def measure(args, model, shape, batch, precision, tmp):
+def measure_round(args, model, shape, batch, precision, tmp, pytorch_first):
+    """One run of each engine on a case: {"replica": (row, why), "pytorch": (row, why)}."""
     common = ["--model", model, "--input-shape", shape, "--seed", "0"]
     if args.cudnn_benchmark:
         common.append("--cudnn-benchmark")
@@ -97,18 +105,59 @@ def measure(args, model, shape, batch, precision, tmp):
     for flag in ("steps", "warmup", "repeat"):
         if getattr(args, flag) is not None:
             timing += ["--" + flag, str(getattr(args, flag))]
-    cells = {}
-    out = os.path.join(tmp, "replica.jsonl")
-    cells["replica"] = run_one(
-        [os.path.join(args.bin, "replica-bench"), "--suite", "dp", "--devices", args.device,
-         "--device-counts", "1", "--batch", str(batch), "--precision", precision,
-         "--json", out] + common + graphs + timing, out)
-    out = os.path.join(tmp, "pytorch.jsonl")
-    cells["pytorch"] = run_one(
-        [sys.executable, os.path.join(HERE, "pytorch_bench.py"), "--mode", "dp", "--devices",
-         args.device, "--device-counts", "1", "--batch-per-device", str(batch), "--precision",
-         precision, "--out", out] + common + timing, out)
+    runs = {
+        "replica": lambda out: run_one(
+            [os.path.join(args.bin, "replica-bench"), "--suite", "dp", "--devices", args.device,
+             "--device-counts", "1", "--batch", str(batch), "--precision", precision,
+             "--json", out] + common + graphs + timing, out),
+        "pytorch": lambda out: run_one(
+            [sys.executable, os.path.join(HERE, "pytorch_bench.py"), "--mode", "dp",
+             "--devices", args.device, "--device-counts", "1", "--batch-per-device", str(batch),
+             "--precision", precision, "--out", out] + common + timing, out),
+    }
+    order = ["pytorch", "replica"] if pytorch_first else ["replica", "pytorch"]
+    return {name: runs[name](os.path.join(tmp, name + ".jsonl")) for name in order}
+
+
+def combine_rounds(rounds):
+    """Each engine's rounds in one cell: (the median round's row, with samples_per_sec the
+    median over the rounds and samples_per_sec_rounds every round's, or None and why), and
+    "ratios": replica / PyTorch of each round where both ran, in round order."""
+    cells = {"ratios": []}
+    for name in ("replica", "pytorch"):
+        rows = [r[name][0] for r in rounds if r[name][0]]
+        whys = [r[name][1] for r in rounds if not r[name][0]]
+        if not rows:
+            cells[name] = (None, whys[0] if whys else "not run")
+            continue
+        speeds = [row["samples_per_sec"] for row in rows]
+        middle = sorted(rows, key=lambda row: row["samples_per_sec"])[(len(rows) - 1) // 2]
+        cells[name] = (dict(middle, samples_per_sec=statistics.median(speeds),
+                            samples_per_sec_rounds=speeds), None)
+    for r in rounds:
+        if r["replica"][0] and r["pytorch"][0]:
+            cells["ratios"].append(r["replica"][0]["samples_per_sec"]
+                                   / r["pytorch"][0]["samples_per_sec"])
     return cells
+
+
+def measure(args, model, shape, batch, precision, tmp):
+    """args.rounds rounds of both engines on a case, combined (combine_rounds); the rows of
+    every round, marked with it, under "rows"."""
+    rounds = []
+    for k in range(args.rounds):
+        cells = measure_round(args, model, shape, batch, precision, tmp, pytorch_first=k % 2 == 1)
+        for row, _ in cells.values():
+            if row and args.rounds > 1:
+                row["round"] = k + 1
+        rounds.append(cells)
+        if args.rounds > 1:
+            print("  round %d/%d: %s" % (k + 1, args.rounds, ", ".join(
+                "%s %s" % (name, "%.1f" % row["samples_per_sec"] if row else "-")
+                for name, (row, _) in sorted(cells.items(), reverse=True))), flush=True)
+    combined = combine_rounds(rounds)
+    combined["rows"] = [row for cells in rounds for (row, _) in cells.values() if row]
+    return combined
 
 
 def run_train(args, model, shape, batch, precision, placement, tmp):
@@ -164,10 +213,12 @@ def mb(row):
             else "%.0f MB" % (peaks[0] / 1e6))
 
 
-def table(results):
+def table(results, rounds=1):
+    by_round = rounds > 1
     lines = ["| model | input | batch | precision | replica samples/s | PyTorch samples/s | "
-             "replica / PyTorch | replica peak / held | PyTorch peak / held |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+             "replica / PyTorch | " + ("ratio by round | " if by_round else "")
+             + "replica peak / held | PyTorch peak / held |",
+             "|---|---|---:|---|---:|---:|---:|" + ("---|" if by_round else "") + "---:|---:|"]
     notes = []
     for (model, shape, batch, precision), cells in results:
         r, rwhy = cells["replica"]
@@ -180,10 +231,17 @@ def table(results):
                 cell.append("-")
                 if why not in notes:
                     notes.append(why)
-        ratio = "%.2fx" % (r["samples_per_sec"] / p["samples_per_sec"]) if r and p else "-"
+        ratios = cells["ratios"]
+        ratio = "%.2fx" % statistics.median(ratios) if ratios else "-"
+        if by_round:
+            ratio += " | " + (", ".join("%.2f" % x for x in ratios) if ratios else "-")
         lines.append("| %s | %s | %d | %s | %s | %s | %s | %s | %s |" % (
             model, shape, batch, precision, cell[0], cell[1], ratio, mb(r) if r else "-",
             mb(p) if p else "-"))
+    if by_round:
+        notes.append("%d rounds per case, the engines alternated (replica first in odd rounds): "
+                     "samples/s is each engine's median round, the ratio the median of the "
+                     "rounds' ratios, each round's beside it" % rounds)
     if any(p and p.get("peak_memory_kind") == "process max RSS" for (_, c) in results
            for p in [c["pytorch"][0]]):
         notes.append("on CPU PyTorch's peak is its process's max RSS, replica's its allocator's "
@@ -210,6 +268,8 @@ def main():
     p.add_argument("--steps", type=int, help="timed steps per window (both engines)")
     p.add_argument("--warmup", type=int, help="untimed steps first (both engines)")
     p.add_argument("--repeat", type=int, help="timed windows, median reported (both engines)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each engine per case, alternated; the median ratio is reported")
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="both engines time cuDNN's algorithms per shape (GPU only)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -235,6 +295,8 @@ def main():
     for x in precisions:
         if x not in ("fp32", "tf32", "bf16"):
             fail("--precisions: '%s' is not fp32, tf32 or bf16" % x)
+    if args.rounds < 1:
+        fail("--rounds must be at least 1")
     if args.train_steps < 1:
         fail("--train-steps must be at least 1")
     placements = args.train_placements.split(",")
@@ -255,7 +317,7 @@ def main():
         if args.cuda_graphs:
             text += ("replica's step captured once and replayed as a CUDA Graph "
                      "(--cuda-graphs); PyTorch eager.\n\n")
-        text += table(results)
+        text += table(results, args.rounds)
         if args.with_train:
             text += "\n" + train_table(results)
         write_atomically(os.path.join(args.out, "rows.jsonl"),
@@ -267,7 +329,7 @@ def main():
         for model, shape, batch in cases:
             for precision in precisions:
                 cells = measure(args, model, shape, batch, precision, tmp)
-                rows += [row for (row, _) in cells.values() if row]
+                rows += cells.pop("rows")
                 if args.with_train:
                     cells["train"] = {}
                     for placement in placements:

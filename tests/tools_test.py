@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""The measuring tools' own logic, without running an engine or a GPU:
+- how tools/replica_vs_pytorch.py alternates the engines over --rounds, pairs their runs into
+  ratios and writes the table (the programs it calls replaced by a recorder, run_one);
+- how tools/gpu_clocks.py samples and sums up the GPU's clocks (nvidia-smi replaced by a script
+  that answers as an older driver does: the new name of the reasons field refused).
+
+    python3 tests/tools_test.py        # ctest: tools_py (label unit)
+"""
+import importlib.util
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from types import SimpleNamespace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+vs = load("replica_vs_pytorch")
+clocks = load("gpu_clocks")
+
+
+def row(engine, sps, peak=1e9):
+    return {"engine": engine, "samples_per_sec": sps, "peak_memory_bytes": [peak],
+            "peak_held_bytes": [peak * 1.1]}
+
+
+def args(rounds):
+    return SimpleNamespace(cudnn_benchmark=False, cuda_graphs=False, steps=None, warmup=None,
+                           repeat=None, bin="/bin", device="cuda:0", rounds=rounds)
+
+
+class Recorder:
+    """Stands in for run_one: answers each engine's runs from a list, in order, and records
+    which engine ran when."""
+
+    def __init__(self, speeds):
+        self.speeds = {name: list(values) for name, values in speeds.items()}
+        self.order = []
+
+    def __call__(self, cmd, out_file, read=None):
+        name = "pytorch" if any("pytorch_bench" in c for c in cmd) else "replica"
+        self.order.append(name)
+        sps = self.speeds[name].pop(0)
+        return (row(name, sps), None) if sps is not None else (None, name + " failed")
+
+
+class Rounds(unittest.TestCase):
+    def run_rounds(self, rounds, speeds):
+        recorder = Recorder(speeds)
+        saved, vs.run_one = vs.run_one, recorder
+        try:
+            cells = vs.measure(args(rounds), "resnet101", "1x28x28", 256, "fp32", "/tmp")
+        finally:
+            vs.run_one = saved
+        return cells, recorder.order
+
+    def test_engines_alternate_and_rounds_pair(self):
+        cells, order = self.run_rounds(3, {"replica": [100, 80, 90], "pytorch": [100, 100, 50]})
+        self.assertEqual(order, ["replica", "pytorch", "pytorch", "replica", "replica",
+                                 "pytorch"])
+        replica, _ = cells["replica"]
+        pytorch, _ = cells["pytorch"]
+        self.assertEqual(replica["samples_per_sec"], 90)
+        self.assertEqual(replica["samples_per_sec_rounds"], [100, 80, 90])
+        self.assertEqual(replica["round"], 3)  # the median round's row
+        self.assertEqual(pytorch["samples_per_sec"], 100)
+        self.assertEqual([round(x, 3) for x in cells["ratios"]], [1.0, 0.8, 1.8])
+        self.assertEqual([r["round"] for r in cells["rows"]], [1, 1, 2, 2, 3, 3])
+
+    def test_one_round_is_one_run_each_unmarked(self):
+        cells, order = self.run_rounds(1, {"replica": [120], "pytorch": [100]})
+        self.assertEqual(order, ["replica", "pytorch"])
+        self.assertNotIn("round", cells["replica"][0])
+        self.assertEqual([round(x, 3) for x in cells["ratios"]], [1.2])
+
+    def test_a_failed_round_pairs_nothing_and_a_failed_engine_says_why(self):
+        cells, _ = self.run_rounds(2, {"replica": [100, 90], "pytorch": [None, 100]})
+        self.assertEqual([round(x, 3) for x in cells["ratios"]], [0.9])
+        self.assertEqual(cells["pytorch"][0]["samples_per_sec"], 100)
+        cells, _ = self.run_rounds(2, {"replica": [100, 90], "pytorch": [None, None]})
+        self.assertEqual(cells["pytorch"], (None, "pytorch failed"))
+        self.assertEqual(cells["ratios"], [])
+
+
+class Table(unittest.TestCase):
+    def cells(self, ratios):
+        return {"replica": (row("replica", 90), None), "pytorch": (row("pytorch", 100), None),
+                "ratios": ratios}
+
+    def check_columns(self, text):
+        lines = [l for l in text.splitlines() if l.startswith("|")]
+        self.assertGreaterEqual(len(lines), 3)
+        self.assertEqual(len({l.count("|") for l in lines}), 1, text)
+
+    def test_rounds_add_a_column_with_each_ratio(self):
+        text = vs.table([(("resnet101", "1x28x28", 256, "fp32"), self.cells([1.0, 0.8, 1.8]))],
+                        rounds=3)
+        self.check_columns(text)
+        self.assertIn("ratio by round", text)
+        self.assertIn("| 1.00x | 1.00, 0.80, 1.80 |", text)
+        self.assertIn("3 rounds per case", text)
+
+    def test_one_round_keeps_the_plain_table(self):
+        text = vs.table([(("cnn", "1x28x28", 32, "fp32"), self.cells([0.9]))])
+        self.check_columns(text)
+        self.assertNotIn("ratio by round", text)
+        self.assertIn("| 90.0 | 100.0 | 0.90x |", text)
+
+    def test_a_missing_engine_says_why(self):
+        cells = {"replica": (row("replica", 90), None), "pytorch": (None, "no module torch"),
+                 "ratios": []}
+        text = vs.table([(("cnn", "1x28x28", 32, "fp32"), cells)], rounds=2)
+        self.check_columns(text)
+        self.assertIn("| - | - |", text)
+        self.assertIn("- no module torch", text)
+
+
+# Answers like nvidia-smi of a driver that knows clocks_throttle_reasons but not
+# clocks_event_reasons: one line per query, or with -lms a line every 50 ms, the clock falling
+# and the power cap (0x4) set from the third line on.
+FAKE_NVIDIA_SMI = r"""#!/bin/sh
+case "$*" in *clocks_event_reasons*) echo "Field is not a valid field to query." >&2; exit 2;; esac
+line() { echo "$1, 1980, 2619, 690.5, 700.00, $2, 98, $3"; }
+case "$*" in
+  *-lms*) i=0; while true; do
+            if [ $i -lt 2 ]; then line 1980 60 0x0000000000000000
+            else line 1500 71 0x0000000000000004; fi
+            i=$((i+1)); sleep 0.05; done;;
+  *) line 1980 60 0x0000000000000000;;
+esac
+"""
+
+
+class Clocks(unittest.TestCase):
+    def test_samples_fall_back_to_the_old_field_and_name_the_slowdown(self):
+        with tempfile.TemporaryDirectory() as d:
+            smi = os.path.join(d, "nvidia-smi")
+            with open(smi, "w") as f:
+                f.write(FAKE_NVIDIA_SMI)
+            os.chmod(smi, os.stat(smi).st_mode | stat.S_IEXEC)
+            saved = os.environ["PATH"]
+            os.environ["PATH"] = d + os.pathsep + saved
+            try:
+                t0 = time.time()
+                log = clocks.ClockLog("cuda:0", os.path.join(d, "clocks.csv"), period_ms=50)
+                deadline = time.time() + 10
+                while len(log.samples) < 6 and time.time() < deadline:
+                    time.sleep(0.05)
+                t1 = time.time()
+                log.stop()
+            finally:
+                os.environ["PATH"] = saved
+            self.assertEqual(log.fields[-1], "clocks_throttle_reasons.active")
+            self.assertGreaterEqual(len(log.samples), 6)
+            text = log.summary(t0, t1)
+            self.assertIn("SM clock median", text)
+            self.assertIn("(min 1500, max 1980)", text)
+            self.assertIn("temperature max 71 C", text)
+            self.assertRegex(text, r"while busy, slowed by: power cap \d+%")
+            with open(os.path.join(d, "clocks.csv")) as f:
+                rows = f.read().splitlines()
+            self.assertTrue(rows[0].startswith("host_time,clocks.sm"))
+            self.assertGreaterEqual(len(rows), 7)
+            self.assertIn("no sample", log.summary(t1 + 100, t1 + 200))
+
+    def test_without_nvidia_smi_it_says_so(self):
+        saved = os.environ["PATH"]
+        os.environ["PATH"] = "/nonexistent"
+        try:
+            log = clocks.ClockLog("cuda:0", "/nonexistent/clocks.csv")
+        finally:
+            os.environ["PATH"] = saved
+        log.stop()
+        self.assertIn("not sampled (nvidia-smi did not run", log.summary(0, time.time()))
+
+
+class Cli(unittest.TestCase):
+    def test_rounds_below_one_is_refused(self):
+        p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "replica_vs_pytorch.py"),
+                            "--rounds", "0", "--out", "/tmp/unused"],
+                           capture_output=True, text=True)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--rounds must be at least 1", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
