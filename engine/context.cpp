@@ -7,6 +7,7 @@
 
 #include <tbb/global_control.h>
 
+#include "engine/bf16_storage.h"
 #include "engine/cudart.h"
 #include "engine/error.h"
 #include "engine/op_profile.h"
@@ -59,7 +60,7 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     threads_ = options.threads > 0 ? options.threads : cpu_cores();
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
-    backend_ = make_cpu_backend();
+    backend_ = make_bf16_storage_backend(make_cpu_backend());
     // Last, once nothing here can throw: a constructor that throws runs no destructor to give
     // the threads back (an arena is not initialised, so it spawns no threads, until first used).
     hold_cpu_threads(threads_);
@@ -73,7 +74,7 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
     cuda_ = std::unique_ptr<CudaState, void (*)(CudaState*)>(
         cudart::create_state(device, options),
         cudart::destroy_state);
-    backend_ = cudart::make_backend();
+    backend_ = make_bf16_storage_backend(cudart::make_backend());
   }
 }
 

@@ -32,8 +32,11 @@ struct CudaState;  // stream, handles, math settings (engine/cuda/cuda_runtime.c
 //         each step's weight gradient) to bf16; biases are added, and their gradients summed,
 //         in fp32. GPUs: bf16 tensor cores (compute capability 8.0+); CPUs: the same rounding
 //         around the fp32 kernels, for the numbers (it is not faster there).
-// In every mode storage, elementwise ops, BatchNorm and its statistics, the loss, the master
-// weights and the optimizer state stay fp32 (bf16 needs no loss scaling: fp32's exponent range).
+// Bf16 also stores activations and their gradients in BF16 tensors, as autocast does (half the
+// bytes to write, keep for backward and read again; engine/bf16_storage.h): every op computes
+// in fp32 and rounds what it stores. In every mode the master weights, their gradients, the
+// optimizer state, BatchNorm's statistics and the loss stay fp32 (bf16 needs no loss scaling:
+// fp32's exponent range).
 enum class Precision { Fp32, Tf32, Bf16 };
 const char* precision_name(Precision p);  // "fp32", "tf32", "bf16"
 // Whether every CUDA device in `devices` has TF32 tensor cores (false when there is none).

@@ -61,12 +61,24 @@ inline int64_t window_out(int64_t in, int kernel, int stride, int padding) {
   return (in + 2 * padding - kernel) / stride + 1;
 }
 
+// Each op of the list by name, for what is said of ops one by one (takes_bf16).
+enum class OpId {
+#define REPLICA_OP(name, params, args) name,
+#include "engine/backend_ops.inc"
+#undef REPLICA_OP
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
 #define REPLICA_OP(name, params, args) virtual void name params = 0;
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
+  // Whether `op` takes BF16 tensors where the list says F32 (activations and their gradients
+  // in bf16: engine/bf16_storage.h). The others are given F32 copies of them, and their
+  // BF16 outputs get their F32 results rounded, by the layer every context puts around its
+  // backend; copy and fill take BF16 in every backend.
+  virtual bool takes_bf16(OpId op) const { return op == OpId::copy || op == OpId::fill; }
 };
 
 // gather_rows' shapes, checked alike by every backend: returns the elements in one row.

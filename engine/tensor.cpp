@@ -4,8 +4,10 @@
 
 namespace replica {
 
-size_t dtype_size(DType t) { return 4; }
-const char* dtype_name(DType t) { return t == DType::F32 ? "F32" : "I32"; }
+size_t dtype_size(DType t) { return t == DType::BF16 ? 2 : 4; }
+const char* dtype_name(DType t) {
+  return t == DType::F32 ? "F32" : t == DType::I32 ? "I32" : "BF16";
+}
 
 int64_t shape_numel(const Shape& s) {
   int64_t n = 1;
@@ -58,6 +60,11 @@ float* Tensor::f32() const {
 int32_t* Tensor::i32() const {
   REPLICA_CHECK(dtype_ == DType::I32, "tensor is {}, expected I32", dtype_name(dtype_));
   return static_cast<int32_t*>(raw());
+}
+
+uint16_t* Tensor::bf16() const {
+  REPLICA_CHECK(dtype_ == DType::BF16, "tensor is {}, expected BF16", dtype_name(dtype_));
+  return static_cast<uint16_t*>(raw());
 }
 
 Tensor Tensor::view(int64_t offset, const Shape& shape) const {

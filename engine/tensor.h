@@ -11,9 +11,11 @@
 
 namespace replica {
 
-enum class DType { F32, I32 };
+// BF16: bfloat16, the upper half of an fp32 number (bf16_bits/bf16_value, engine/ops.h): how
+// activations and their gradients are stored in bf16 (Precision::Bf16, engine/context.h).
+enum class DType { F32, I32, BF16 };
 size_t dtype_size(DType t);
-const char* dtype_name(DType t);  // "F32", "I32" (safetensors spelling)
+const char* dtype_name(DType t);  // "F32", "I32", "BF16" (safetensors spelling)
 
 using Shape = std::vector<int64_t>;
 int64_t shape_numel(const Shape& s);
@@ -49,6 +51,7 @@ class Tensor {
   void* raw() const;
   float* f32() const;
   int32_t* i32() const;
+  uint16_t* bf16() const;  // a BF16 tensor's elements, as bf16 bit patterns
 
   // A view of `shape` starting `offset` elements in. Must fit inside this tensor.
   Tensor view(int64_t offset, const Shape& shape) const;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "engine/bf16_storage.h"
 #include "engine/error.h"
 
 namespace replica {
@@ -25,7 +26,7 @@ Shape Linear::output_shape(const Shape& in) const {
 
 Tensor Linear::forward(DeviceContext& ctx, const Tensor& x) {
   if (training_) x_ = x;
-  Tensor y = ctx.alloc(output_shape(x.shape()));
+  Tensor y = ctx.alloc(output_shape(x.shape()), activation_dtype(ctx));
   ctx.ops().linear_forward(ctx, x, params_[0]->value, has_bias_ ? params_[1]->value : Tensor(), y);
   macs_ = double(x.dim(0)) * in_ * out_;
   return y;
@@ -33,7 +34,7 @@ Tensor Linear::forward(DeviceContext& ctx, const Tensor& x) {
 
 Tensor Linear::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "Linear backward without a training-mode forward");
-  Tensor dx = needs_input_grad_ ? ctx.alloc(x_.shape()) : Tensor();
+  Tensor dx = needs_input_grad_ ? ctx.alloc(x_.shape(), x_.dtype()) : Tensor();
   Tensor db = has_bias_ ? params_[1]->grad : Tensor();
   ctx.ops().linear_backward(ctx, x_, params_[0]->value, dy, dx, params_[0]->grad, db);
   x_ = Tensor();
@@ -71,7 +72,7 @@ Shape Conv2d::output_shape(const Shape& in) const {
 Tensor Conv2d::forward(DeviceContext& ctx, const Tensor& x) {
   if (training_) x_ = x;
   Shape os = output_shape(x.shape());
-  Tensor y = ctx.alloc(os);
+  Tensor y = ctx.alloc(os, activation_dtype(ctx));
   ctx.ops().conv2d_forward(ctx, x, params_[0]->value, has_bias_ ? params_[1]->value : Tensor(), y,
                            p_);
   macs_ = double(os[0]) * os[1] * os[2] * os[3] * in_ * kernel_ * kernel_;
@@ -79,7 +80,7 @@ Tensor Conv2d::forward(DeviceContext& ctx, const Tensor& x) {
 }
 
 Tensor Conv2d::backward(DeviceContext& ctx, const Tensor& dy) {
-  Tensor dx = needs_input_grad_ && x_.defined() ? ctx.alloc(x_.shape()) : Tensor();
+  Tensor dx = needs_input_grad_ && x_.defined() ? ctx.alloc(x_.shape(), x_.dtype()) : Tensor();
   run_backward(ctx, dy, dx, InputGrad::Overwrite);
   return dx;
 }
@@ -125,7 +126,7 @@ Tensor BatchNorm2d::normalize(DeviceContext& ctx, const Tensor& x, const Tensor&
                               bool relu) {
   REPLICA_CHECK(x.ndim() >= 2 && x.dim(1) == channels_, "BatchNorm2d({}) got input {}",
                 channels_, shape_str(x.shape()));
-  Tensor y = ctx.alloc(x.shape());
+  Tensor y = ctx.alloc(x.shape(), x.dtype());
   Tensor& gamma = params_[0]->value;
   Tensor& beta = params_[1]->value;
   if (training_) {
@@ -145,7 +146,7 @@ Tensor BatchNorm2d::normalize(DeviceContext& ctx, const Tensor& x, const Tensor&
 
 Tensor BatchNorm2d::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "BatchNorm2d backward without a training-mode forward");
-  Tensor dx = ctx.alloc(x_.shape());
+  Tensor dx = ctx.alloc(x_.shape(), x_.dtype());
   ctx.ops().batchnorm_backward(ctx, x_, params_[0]->value, save_mean_, save_invstd_, dy, y_, dx,
                                params_[0]->grad, params_[1]->grad);
   x_ = y_ = save_mean_ = save_invstd_ = Tensor();
@@ -156,14 +157,14 @@ Tensor BatchNorm2d::backward(DeviceContext& ctx, const Tensor& dy) {
 // ---- ReLU, pooling, flatten, dropout --------------------------------------------------------
 
 Tensor ReLU::forward(DeviceContext& ctx, const Tensor& x) {
-  Tensor y = ctx.alloc(x.shape());
+  Tensor y = ctx.alloc(x.shape(), x.dtype());
   ctx.ops().relu_forward(ctx, x, y);
   if (training_) y_ = y;
   return y;
 }
 
 Tensor ReLU::gradient(DeviceContext& ctx, const Tensor& y, const Tensor& dy) {
-  Tensor dx = ctx.alloc(dy.shape());
+  Tensor dx = ctx.alloc(dy.shape(), y.dtype());  // x's gradient: x's dtype, which is y's
   ctx.ops().relu_backward(ctx, y, dy, dx);
   return dx;
 }
@@ -189,7 +190,7 @@ Shape MaxPool2d::output_shape(const Shape& in) const {
 }
 
 Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
-  Tensor y = ctx.alloc(output_shape(x.shape()));
+  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype());
   ctx.ops().maxpool2d_forward(ctx, x, y, p_);
   if (training_) x_ = x, y_ = y;
   return y;
@@ -197,7 +198,7 @@ Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
 
 Tensor MaxPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "MaxPool2d backward without a training-mode forward");
-  Tensor dx = ctx.alloc(x_.shape());
+  Tensor dx = ctx.alloc(x_.shape(), x_.dtype());
   ctx.ops().maxpool2d_backward(ctx, x_, y_, dy, dx, p_);
   x_ = y_ = Tensor();
   return dx;
@@ -212,13 +213,14 @@ Shape AdaptiveAvgPool2d::output_shape(const Shape& in) const {
 
 Tensor AdaptiveAvgPool2d::forward(DeviceContext& ctx, const Tensor& x) {
   in_shape_ = x.shape();
-  Tensor y = ctx.alloc(output_shape(x.shape()));
+  in_dtype_ = x.dtype();
+  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype());
   ctx.ops().adaptive_avgpool2d_forward(ctx, x, y);
   return y;
 }
 
 Tensor AdaptiveAvgPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
-  Tensor dx = ctx.alloc(in_shape_);
+  Tensor dx = ctx.alloc(in_shape_, in_dtype_);
   ctx.ops().adaptive_avgpool2d_backward(ctx, dy, dx);
   return dx;
 }
@@ -248,7 +250,7 @@ Tensor Dropout::forward(DeviceContext& ctx, const Tensor& x) {
   // captured step's mask again. So a step with dropout is not captured (it runs eagerly).
   REPLICA_CHECK(!ctx.capturing(), "dropout draws a new mask every step: a step with dropout "
                 "cannot be captured");
-  Tensor y = ctx.alloc(x.shape());
+  Tensor y = ctx.alloc(x.shape(), x.dtype());
   mask_ = ctx.alloc(x.shape());
   ctx.ops().dropout_forward(ctx, x, y, mask_, p_, seed_ * 0x100000001B3ull + calls_++);
   return y;
@@ -256,7 +258,7 @@ Tensor Dropout::forward(DeviceContext& ctx, const Tensor& x) {
 
 Tensor Dropout::backward(DeviceContext& ctx, const Tensor& dy) {
   if (!mask_.defined()) return dy;
-  Tensor dx = ctx.alloc(dy.shape());
+  Tensor dx = ctx.alloc(dy.shape(), dy.dtype());
   ctx.ops().mul(ctx, dy, mask_, dx);
   mask_ = Tensor();
   return dx;

@@ -107,6 +107,7 @@ class AdaptiveAvgPool2d : public Module {
  private:
   int64_t oh_, ow_;
   Shape in_shape_;
+  DType in_dtype_ = DType::F32;
 };
 
 // [N, ...] -> [N, prod(...)]: a view, no copy.

@@ -10,6 +10,7 @@ Tensor CrossEntropyLoss::forward(DeviceContext& ctx, const Tensor& logits, const
                 "cross-entropy: logits {} and {} labels", shape_str(logits.shape()),
                 labels.numel());
   probs_ = ctx.alloc(logits.shape());
+  logits_dtype_ = logits.dtype();
   labels_ = labels;
   Tensor loss = ctx.alloc({1});
   ctx.ops().cross_entropy_forward(ctx, logits, labels, probs_, loss);
@@ -19,7 +20,7 @@ Tensor CrossEntropyLoss::forward(DeviceContext& ctx, const Tensor& logits, const
 Tensor CrossEntropyLoss::backward(DeviceContext& ctx, int64_t denominator) {
   REPLICA_CHECK(probs_.defined(), "cross-entropy backward without forward");
   int64_t n = denominator > 0 ? denominator : probs_.dim(0);
-  Tensor dlogits = ctx.alloc(probs_.shape());
+  Tensor dlogits = ctx.alloc(probs_.shape(), logits_dtype_);  // the logits' gradient: their dtype
   ctx.ops().cross_entropy_backward(ctx, probs_, labels_, 1.f / float(n), dlogits);
   probs_ = labels_ = Tensor();
   return dlogits;

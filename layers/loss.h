@@ -14,6 +14,7 @@ class CrossEntropyLoss {
 
  private:
   Tensor probs_, labels_;
+  DType logits_dtype_ = DType::F32;
 };
 
 }  // namespace replica

@@ -75,7 +75,7 @@ inline std::vector<float> params_of(TrainEngine& e) { return host_values(e, e.mo
 inline std::vector<float> reference_params(const EngineOptions& o, const std::vector<Batch>& batches,
                                            int devices, bool tree = false,
                                            Device device = Device{DeviceType::CPU, 0, 0}) {
-  DeviceContext ctx(device, ContextOptions{1, true});
+  DeviceContext ctx(device, ContextOptions{1, true, o.precision});
   auto model = make_model(o.model, o.input_shape, o.num_classes);
   model->materialize(ctx, o.seed);
   auto opt = make_optimizer(o.optimizer);

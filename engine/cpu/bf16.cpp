@@ -31,6 +31,26 @@ Tensor rounded(DeviceContext& ctx, const Tensor& t) {
 
 namespace cpu {
 
+void convert(Tensor& dst, const Tensor& src) {
+  const bool narrow = dst.dtype() == DType::BF16 && src.dtype() == DType::F32;
+  REPLICA_CHECK(narrow || (dst.dtype() == DType::F32 && src.dtype() == DType::BF16),
+                "copy: {} into {} is no conversion replica makes (F32 <-> BF16)",
+                dtype_name(src.dtype()), dtype_name(dst.dtype()));
+  if (narrow) {
+    uint16_t* d = dst.bf16();
+    const float* s = src.f32();
+    parallel_range(dst.numel(), kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) d[i] = bf16_bits(s[i]);
+    });
+  } else {
+    float* d = dst.f32();
+    const uint16_t* s = src.bf16();
+    parallel_range(dst.numel(), kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) d[i] = bf16_value(s[i]);
+    });
+  }
+}
+
 void bf16_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
                   Tensor& y, int64_t inner, const ProductForward& product) {
   const Tensor xr = rounded(ctx, x), wr = rounded(ctx, w);

@@ -16,6 +16,13 @@ void CpuBackend::fill(DeviceContext&, Tensor& t, float value) {
     std::fill(p, p + t.numel(), static_cast<int32_t>(value));
     return;
   }
+  if (t.dtype() == DType::BF16) {
+    uint16_t* p = t.bf16();
+    const uint16_t bits = bf16_bits(value);
+    cpu::parallel_range(t.numel(), cpu::kGrain,
+                        [&](int64_t b, int64_t e) { std::fill(p + b, p + e, bits); });
+    return;
+  }
   float* p = t.f32();
   cpu::parallel_range(t.numel(), cpu::kGrain,
                       [&](int64_t b, int64_t e) { std::fill(p + b, p + e, value); });
@@ -25,7 +32,10 @@ void CpuBackend::copy(DeviceContext&, Tensor& dst, const Tensor& src) {
   cpu::expect_host(dst, "copy destination");
   cpu::expect_host(src, "copy source");
   cpu::expect_same_numel(dst, src, "copy");
-  REPLICA_CHECK(dst.dtype() == src.dtype(), "copy: dtype mismatch");
+  if (dst.dtype() != src.dtype()) {  // F32 <-> BF16: a conversion (backend_ops.inc)
+    cpu::convert(dst, src);
+    return;
+  }
   if (dst.raw() == src.raw()) return;
   auto* d = static_cast<char*>(dst.raw());
   auto* s = static_cast<const char*>(src.raw());

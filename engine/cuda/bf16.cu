@@ -1,6 +1,8 @@
 // Staged operands of products on CUDA devices. In bf16 (Precision::Bf16) fp32 tensors are
 // rounded into bf16 copies for cuDNN's and cuBLAS's bf16 tensor-core paths (fp32 accumulation),
-// and their bf16 results widened back into the fp32 tensors the rest of the engine keeps.
+// and their bf16 results brought into the output tensors: widened into F32 ones, or, in bf16
+// storage (engine/bf16_storage.h), copied into BF16 ones. A BF16 operand needs no copy unless
+// it must be transposed, and is read where it is.
 // Rounding goes through bf16_bits (engine/ops.h), the function the CPU's bf16 uses, so both
 // round an operand to the same bf16 number. A convolution with ctx.channels_last() has its
 // copies laid out NHWC (weights KRSC) in the same pass, fp32 or bf16: a tiled transpose, read
@@ -13,30 +15,21 @@ namespace replica {
 
 namespace {
 
-template <class T>
-__device__ __forceinline__ T to_staged(float v);
-template <>
-__device__ __forceinline__ uint16_t to_staged<uint16_t>(float v) {
-  return bf16_bits(v);
-}
-template <>
-__device__ __forceinline__ float to_staged<float>(float v) {
-  return v;
-}
-__device__ __forceinline__ float from_staged(uint16_t b) { return bf16_value(b); }
-__device__ __forceinline__ float from_staged(float v) { return v; }
+using cuda::narrow;
+using cuda::widen;
 
-template <class Out>
-__global__ void stage_flat_kernel(const float* src, Out* dst, int64_t n) {
+// Elements of In (float or uint16_t: F32 or BF16) to Out: widened, then rounded if Out is BF16.
+template <class In, class Out>
+__global__ void stage_flat_kernel(const In* src, Out* dst, int64_t n) {
   REPLICA_GRID_STRIDE(i, n)
-    dst[i] = to_staged<Out>(src[i]);
+    dst[i] = narrow<Out>(widen(src[i]));
 }
 
-template <class In>
-__global__ void unstage_flat_kernel(const In* src, float* dst, int64_t n, bool accumulate) {
+template <class In, class Out>
+__global__ void unstage_flat_kernel(const In* src, Out* dst, int64_t n, bool accumulate) {
   REPLICA_GRID_STRIDE(i, n) {
-    const float v = from_staged(src[i]);
-    dst[i] = accumulate ? dst[i] + v : v;
+    const float v = widen(src[i]);
+    dst[i] = narrow<Out>(accumulate ? widen(dst[i]) + v : v);
   }
 }
 
@@ -73,28 +66,28 @@ __host__ __device__ inline int64_t tile_count(const Planes& d) {
 }
 
 // dst[b][p][c] = stage(src[b][c][p]): rows of src read along p, rows of dst written along c.
-template <class Out, class Div>
-__global__ void stage_nhwc_kernel(const float* src, Out* dst, Planes d, TileDividers<Div> tiles) {
+template <class In, class Out, class Div>
+__global__ void stage_nhwc_kernel(const In* src, Out* dst, Planes d, TileDividers<Div> tiles) {
   __shared__ float tile[kTile][kTile + 1];  // [c - c0][p - p0]; +1: no bank conflicts
   const int tx = threadIdx.x;
   for (int64_t t = blockIdx.x; t < tile_count(d); t += gridDim.x) {
     const TileIndex at(tiles, t);
     for (int j = threadIdx.y; j < kTile; j += kTileRows) {
       const int64_t c = at.c0 + j, p = at.p0 + tx;
-      if (c < d.c && p < d.hw) tile[j][tx] = src[(at.b * d.c + c) * d.hw + p];
+      if (c < d.c && p < d.hw) tile[j][tx] = widen(src[(at.b * d.c + c) * d.hw + p]);
     }
     __syncthreads();
     for (int j = threadIdx.y; j < kTile; j += kTileRows) {
       const int64_t p = at.p0 + j, c = at.c0 + tx;
-      if (p < d.hw && c < d.c) dst[(at.b * d.hw + p) * d.c + c] = to_staged<Out>(tile[tx][j]);
+      if (p < d.hw && c < d.c) dst[(at.b * d.hw + p) * d.c + c] = narrow<Out>(tile[tx][j]);
     }
     __syncthreads();
   }
 }
 
 // dst[b][c][p] (+)= unstage(src[b][p][c]): the reverse of stage_nhwc_kernel.
-template <class In, class Div>
-__global__ void unstage_nhwc_kernel(const In* src, float* dst, Planes d, TileDividers<Div> tiles,
+template <class In, class Out, class Div>
+__global__ void unstage_nhwc_kernel(const In* src, Out* dst, Planes d, TileDividers<Div> tiles,
                                     bool accumulate) {
   __shared__ float tile[kTile][kTile + 1];  // [p - p0][c - c0]
   const int tx = threadIdx.x;
@@ -102,14 +95,14 @@ __global__ void unstage_nhwc_kernel(const In* src, float* dst, Planes d, TileDiv
     const TileIndex at(tiles, t);
     for (int j = threadIdx.y; j < kTile; j += kTileRows) {
       const int64_t p = at.p0 + j, c = at.c0 + tx;
-      if (p < d.hw && c < d.c) tile[j][tx] = from_staged(src[(at.b * d.hw + p) * d.c + c]);
+      if (p < d.hw && c < d.c) tile[j][tx] = widen(src[(at.b * d.hw + p) * d.c + c]);
     }
     __syncthreads();
     for (int j = threadIdx.y; j < kTile; j += kTileRows) {
       const int64_t c = at.c0 + j, p = at.p0 + tx;
       if (c < d.c && p < d.hw) {
-        float& o = dst[(at.b * d.c + c) * d.hw + p];
-        o = accumulate ? o + tile[tx][j] : tile[tx][j];
+        Out& o = dst[(at.b * d.c + c) * d.hw + p];
+        o = narrow<Out>(accumulate ? widen(o) + tile[tx][j] : tile[tx][j]);
       }
     }
     __syncthreads();
@@ -139,42 +132,58 @@ void with_tiles(const Planes& d, F&& launch) {
     launch(TileDividers<cuda::WideDivmod>{cuda::WideDivmod(pt), cuda::WideDivmod(ct)});
 }
 
+// t (F32 or BF16) into dst, NHWC when nhwc.
 template <class Out>
 void stage(const Tensor& t, Out* dst, bool nhwc, cudaStream_t stream) {
   const Planes d = planes_of(t);
-  if (nhwc && transposes(d)) {
-    with_tiles(d, [&](auto tiles) {
-      stage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(t.f32(), dst, d,
-                                                                              tiles);
-    });
-  } else {
-    stage_flat_kernel<Out><<<cuda::grid_for(t.numel()), cuda::kThreads, 0, stream>>>(
-        t.f32(), dst, t.numel());
-  }
+  cuda::with_storage(t.dtype(), [&](auto tag) {
+    using In = decltype(tag);
+    const In* src = cuda::data<In>(t);
+    if (nhwc && transposes(d)) {
+      with_tiles(d, [&](auto tiles) {
+        stage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(src, dst, d,
+                                                                                tiles);
+      });
+    } else {
+      stage_flat_kernel<<<cuda::grid_for(t.numel()), cuda::kThreads, 0, stream>>>(src, dst,
+                                                                                  t.numel());
+    }
+  });
   REPLICA_LAUNCH_CHECK();
 }
 
+// A staged result into `out` (F32 or BF16, NCHW), added onto it where accumulate.
 template <class In>
 void unstage(const In* src, Tensor& out, bool nhwc, bool accumulate, cudaStream_t stream) {
   const Planes d = planes_of(out);
-  if (nhwc && transposes(d)) {
-    with_tiles(d, [&](auto tiles) {
-      unstage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(
-          src, out.f32(), d, tiles, accumulate);
-    });
-  } else {
-    unstage_flat_kernel<In><<<cuda::grid_for(out.numel()), cuda::kThreads, 0, stream>>>(
-        src, out.f32(), out.numel(), accumulate);
-  }
+  cuda::with_storage(out.dtype(), [&](auto tag) {
+    using Out = decltype(tag);
+    Out* dst = cuda::data<Out>(out);
+    if (nhwc && transposes(d)) {
+      with_tiles(d, [&](auto tiles) {
+        unstage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(
+            src, dst, d, tiles, accumulate);
+      });
+    } else {
+      unstage_flat_kernel<<<cuda::grid_for(out.numel()), cuda::kThreads, 0, stream>>>(
+          src, dst, out.numel(), accumulate);
+    }
+  });
   REPLICA_LAUNCH_CHECK();
 }
 
 // Hands out consecutive staged arrays (bf16 or fp32 elements, 256-byte aligned) of one scratch
-// block; floats(n) is what one takes.
+// block; floats(n) is what one takes, copy_floats(t) what staging operand t takes.
 class Carve {
  public:
   Carve(bool bf16, bool nhwc) : bf16_(bf16), nhwc_(nhwc) {}
   int64_t floats(int64_t n) const { return ((bf16_ ? (n + 1) / 2 : n) + 63) / 64 * 64; }
+  // A BF16 operand (bf16 storage) is already what a bf16 product reads, unless it must be
+  // transposed: then it is used where it is, and takes nothing.
+  bool in_place(const Tensor& t) const {
+    return bf16_ && t.dtype() == DType::BF16 && !(nhwc_ && transposes(planes_of(t)));
+  }
+  int64_t copy_floats(const Tensor& t) const { return in_place(t) ? 0 : floats(t.numel()); }
   void start(float* base) { next_ = base; }
   void* take(int64_t n) {
     void* out = next_;
@@ -182,6 +191,7 @@ class Carve {
     return out;
   }
   const void* staged(const Tensor& t, cudaStream_t stream) {
+    if (in_place(t)) return t.raw();
     void* out = take(t.numel());
     if (t.numel() == 0) return out;
     if (bf16_) stage(t, static_cast<uint16_t*>(out), nhwc_, stream);
@@ -205,11 +215,13 @@ void ProductIo::finish(const void* result, Tensor& out, bool accumulate,
 
 ProductIo CudaBackend::forward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                                   Tensor& y, bool nhwc) {
-  ProductIo io{ctx.precision() == Precision::Bf16, nhwc, x.f32(), w.f32(), nullptr, y.f32()};
+  // BF16 tensors only in bf16 (else f32() refuses them: an fp32 product cannot read them).
+  const bool bf16 = ctx.precision() == Precision::Bf16;
+  ProductIo io{bf16, nhwc, bf16 ? x.raw() : x.f32(), w.f32(), nullptr, bf16 ? y.raw() : y.f32()};
   if (!io.staged()) return io;
   const cudaStream_t stream = cuda_state(ctx).stream;
   Carve carve(io.bf16, io.nhwc);
-  io.held = scratch(ctx, carve.floats(x.numel()) + carve.floats(w.numel()) +
+  io.held = scratch(ctx, carve.copy_floats(x) + carve.floats(w.numel()) +
                             carve.floats(y.numel()));
   carve.start(io.held.f32());
   io.x = carve.staged(x, stream);
@@ -220,15 +232,17 @@ ProductIo CudaBackend::forward_io(DeviceContext& ctx, const Tensor& x, const Ten
 
 ProductIo CudaBackend::backward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                                    const Tensor& dy, Tensor* dx, Tensor* dw, bool nhwc) {
-  ProductIo io{ctx.precision() == Precision::Bf16, nhwc, x.f32(), w.f32(), dy.f32()};
-  io.dx = dx ? dx->f32() : nullptr;
+  const bool bf16 = ctx.precision() == Precision::Bf16;  // BF16 tensors only then, as forward
+  ProductIo io{bf16, nhwc, bf16 ? x.raw() : x.f32(), w.f32(), bf16 ? dy.raw() : dy.f32()};
+  io.dx = dx ? (bf16 ? dx->raw() : dx->f32()) : nullptr;
   io.dw = dw ? dw->f32() : nullptr;
   if (!io.staged() || (!dx && !dw)) return io;
   const cudaStream_t stream = cuda_state(ctx).stream;
-  // dx = f(w, dy), dw = g(x, dy): each wants its operand and its result.
+  // dx = f(w, dy) wants w and its result, dw = g(x, dy) x and its result.
   Carve carve(io.bf16, io.nhwc);
-  const int64_t both = carve.floats(x.numel()) + carve.floats(w.numel());
-  io.held = scratch(ctx, carve.floats(dy.numel()) + (dx ? both : 0) + (dw ? both : 0));
+  const int64_t for_dx = carve.floats(w.numel()) + carve.floats(x.numel());
+  const int64_t for_dw = carve.copy_floats(x) + carve.floats(w.numel());
+  io.held = scratch(ctx, carve.copy_floats(dy) + (dx ? for_dx : 0) + (dw ? for_dw : 0));
   carve.start(io.held.f32());
   io.dy = carve.staged(dy, stream);
   if (dx) {

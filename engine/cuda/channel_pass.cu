@@ -19,9 +19,9 @@ constexpr int kUnroll = 4;  // loads each thread issues before it adds
 // Block (c, s) of slices S: the sums over slice s of channel c's values, taken in n, then
 // position order (channel_pass.h says which sums). Each thread reads kUnroll values a block's
 // width apart, then adds them in that order.
-template <class Div, ChannelSum kWhat>
-__global__ void channel_partials_kernel(const float* __restrict__ x, const float* __restrict__ dy,
-                                        const float* __restrict__ relu_y, const float* mean,
+template <class Div, ChannelSum kWhat, class T>
+__global__ void channel_partials_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                        const T* __restrict__ relu_y, const float* mean,
                                         const float* invstd, ChannelDims d, Div by_hw, int S,
                                         int64_t per, double* part_a, double* part_b) {
   using Index = typename Div::Index;
@@ -31,7 +31,7 @@ __global__ void channel_partials_kernel(const float* __restrict__ x, const float
   const int64_t first = s * per;  // per: values per slice, ceil(m / S) (the host divides)
   const Index j0 = Index(first), j1 = Index(first + per < d.m() ? first + per : d.m());
   double pivot = 0, is = 1;
-  if constexpr (kWhat == ChannelSum::Moments) pivot = x[c * d.hw];
+  if constexpr (kWhat == ChannelSum::Moments) pivot = widen(x[c * d.hw]);
   if constexpr (kGrad) {
     pivot = mean[c];
     is = invstd[c];
@@ -47,8 +47,9 @@ __global__ void channel_partials_kernel(const float* __restrict__ x, const float
         Index p;
         const Index n = split(by_hw, ju, &p);
         const Index i = (n * C + Index(c)) * hw + p;
-        xv[u] = x[i];
-        if constexpr (kGrad) gv[u] = masked_grad(dy[i], relu_y ? relu_y[i] : 1.f, relu_y);
+        xv[u] = widen(x[i]);
+        if constexpr (kGrad)
+          gv[u] = masked_grad(widen(dy[i]), relu_y ? widen(relu_y[i]) : 1.f, relu_y);
       }
     }
 #pragma unroll
@@ -74,17 +75,17 @@ __global__ void channel_partials_kernel(const float* __restrict__ x, const float
   }
 }
 
-template <ChannelSum kWhat>
-void launch_partials(const ChannelDims& d, int S, const float* x, const float* dy,
-                     const float* relu_y, const float* mean, const float* invstd,
-                     double* part_a, double* part_b, cudaStream_t stream) {
+template <ChannelSum kWhat, class T>
+void launch_partials(const ChannelDims& d, int S, const T* x, const T* dy, const T* relu_y,
+                     const float* mean, const float* invstd, double* part_a, double* part_b,
+                     cudaStream_t stream) {
   const unsigned blocks = unsigned(d.c * S);
   const int64_t per = (d.m() + S - 1) / S;
   if (fast_index(d.numel())) {
-    channel_partials_kernel<FastDivmod, kWhat><<<blocks, kThreads, 0, stream>>>(
+    channel_partials_kernel<FastDivmod, kWhat, T><<<blocks, kThreads, 0, stream>>>(
         x, dy, relu_y, mean, invstd, d, FastDivmod(d.hw), S, per, part_a, part_b);
   } else {
-    channel_partials_kernel<WideDivmod, kWhat><<<blocks, kThreads, 0, stream>>>(
+    channel_partials_kernel<WideDivmod, kWhat, T><<<blocks, kThreads, 0, stream>>>(
         x, dy, relu_y, mean, invstd, d, WideDivmod(d.hw), S, per, part_a, part_b);
   }
   REPLICA_LAUNCH_CHECK();
@@ -98,10 +99,9 @@ __global__ void channel_accumulate_kernel(const double* part, int S, int64_t C, 
   }
 }
 
-template <class Div, int kVec>
-__global__ void channel_affine_kernel(const float* x, float* y, const float* scale,
-                                      const float* shift, const float* residual,
-                                      ChannelIndex<Div> at, bool relu) {
+template <class Div, int kVec, class T>
+__global__ void channel_affine_kernel(const T* x, T* y, const float* scale, const float* shift,
+                                      const T* residual, ChannelIndex<Div> at, bool relu) {
   using Index = typename Div::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
     const Index c = at.channel(g * kVec);
@@ -128,34 +128,50 @@ int channel_slices(const ChannelDims& d, const char* op) {
   return S;
 }
 
-void channel_partials(ChannelSum what, const ChannelDims& d, int S, const float* x,
-                      const float* dy, const float* relu_y, const float* mean,
-                      const float* invstd, double* part_a, double* part_b, cudaStream_t stream) {
-  const auto launch = what == ChannelSum::Values    ? launch_partials<ChannelSum::Values>
-                      : what == ChannelSum::Moments ? launch_partials<ChannelSum::Moments>
-                                                    : launch_partials<ChannelSum::GradMoments>;
+template <class T>
+void channel_partials(ChannelSum what, const ChannelDims& d, int S, const T* x, const T* dy,
+                      const T* relu_y, const float* mean, const float* invstd, double* part_a,
+                      double* part_b, cudaStream_t stream) {
+  const auto launch = what == ChannelSum::Values    ? launch_partials<ChannelSum::Values, T>
+                      : what == ChannelSum::Moments ? launch_partials<ChannelSum::Moments, T>
+                                                    : launch_partials<ChannelSum::GradMoments, T>;
   launch(d, S, x, dy, relu_y, mean, invstd, part_a, part_b, stream);
 }
 
-void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, float* scratch,
-                            float* out, cudaStream_t stream) {
+template <class T>
+void channel_sum_accumulate(const ChannelDims& d, int S, const T* x, float* scratch, float* out,
+                            cudaStream_t stream) {
   double* part = reinterpret_cast<double*>(scratch);
-  launch_partials<ChannelSum::Values>(d, S, x, nullptr, nullptr, nullptr, nullptr, part, nullptr,
-                                      stream);
+  launch_partials<ChannelSum::Values, T>(d, S, x, nullptr, nullptr, nullptr, nullptr, part,
+                                         nullptr, stream);
   channel_accumulate_kernel<<<grid_for(d.c), kThreads, 0, stream>>>(part, S, d.c, out);
   REPLICA_LAUNCH_CHECK();
 }
 
-void channel_affine(const ChannelDims& d, const float* x, float* y, const float* scale,
-                    const float* shift, const float* residual, bool relu, cudaStream_t stream) {
+template <class T>
+void channel_affine(const ChannelDims& d, const T* x, T* y, const float* scale,
+                    const float* shift, const T* residual, bool relu, cudaStream_t stream) {
   with_channel_index(d, {x, y, residual}, [&](auto at, auto width) {
     using Div = std::decay_t<decltype(at.by_hw)>;
     constexpr int kVec = decltype(width)::value;
-    channel_affine_kernel<Div, kVec><<<grid_for(d.numel() / kVec), kThreads, 0, stream>>>(
+    channel_affine_kernel<Div, kVec, T><<<grid_for(d.numel() / kVec), kThreads, 0, stream>>>(
         x, y, scale, shift, residual, at, relu);
   });
   REPLICA_LAUNCH_CHECK();
 }
+
+// The storage types the passes run on: F32 and BF16.
+#define REPLICA_CHANNEL_PASSES(T)                                                              \
+  template void channel_partials<T>(ChannelSum, const ChannelDims&, int, const T*, const T*,   \
+                                    const T*, const float*, const float*, double*, double*,    \
+                                    cudaStream_t);                                             \
+  template void channel_sum_accumulate<T>(const ChannelDims&, int, const T*, float*, float*,   \
+                                          cudaStream_t);                                       \
+  template void channel_affine<T>(const ChannelDims&, const T*, T*, const float*, const float*, \
+                                  const T*, bool, cudaStream_t);
+REPLICA_CHANNEL_PASSES(float)
+REPLICA_CHANNEL_PASSES(uint16_t)
+#undef REPLICA_CHANNEL_PASSES
 
 }  // namespace cuda
 }  // namespace replica

@@ -40,10 +40,12 @@ int channel_slices(const ChannelDims& d, const char* op);
 enum class ChannelSum { Values, Moments, GradMoments };
 
 // part_a, part_b: C * S doubles each, channel c's slices at [c * S, c * S + S). Unused
-// pointers may be null (dy, relu_y, mean, invstd for Values and Moments).
-void channel_partials(ChannelSum what, const ChannelDims& d, int S, const float* x,
-                      const float* dy, const float* relu_y, const float* mean,
-                      const float* invstd, double* part_a, double* part_b, cudaStream_t stream);
+// pointers may be null (dy, relu_y, mean, invstd for Values and Moments). T: how x, dy and
+// relu_y are stored (float: F32, uint16_t: BF16, cuda::widen); the sums are the same either way.
+template <class T>
+void channel_partials(ChannelSum what, const ChannelDims& d, int S, const T* x, const T* dy,
+                      const T* relu_y, const float* mean, const float* invstd, double* part_a,
+                      double* part_b, cudaStream_t stream);
 
 // Channel c's slices added in order (from a per-channel kernel).
 __device__ __forceinline__ void channel_sums(const double* part_a, const double* part_b, int S,
@@ -61,13 +63,16 @@ inline int64_t channel_sum_scratch(const ChannelDims& d, int S) { return 2 * d.c
 
 // out[c] += the sum of channel c of x (a bias gradient), S = channel_slices(d), on `scratch` of
 // channel_sum_scratch(d, S) floats.
-void channel_sum_accumulate(const ChannelDims& d, int S, const float* x, float* scratch,
-                            float* out, cudaStream_t stream);
+template <class T>
+void channel_sum_accumulate(const ChannelDims& d, int S, const T* x, float* scratch, float* out,
+                            cudaStream_t stream);
 
 // y = x * scale[c] + shift[c] (scale null: x + shift[c]), plus residual where it is not null
-// (add's rule), then max(., 0) where relu (relu_forward's rule). x may be y.
-void channel_affine(const ChannelDims& d, const float* x, float* y, const float* scale,
-                    const float* shift, const float* residual, bool relu, cudaStream_t stream);
+// (add's rule), then max(., 0) where relu (relu_forward's rule). x may be y. T: how x, y and
+// residual are stored; in fp32 either way, a BF16 y rounded once as it is stored.
+template <class T>
+void channel_affine(const ChannelDims& d, const T* x, T* y, const float* scale,
+                    const float* shift, const T* residual, bool relu, cudaStream_t stream);
 
 // Where the flat passes find an element's channel: i = (n * C + c) * HW + p.
 template <class Div>

@@ -237,9 +237,14 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f);
     io.finish(io.y, y, false, s.stream);
   }
-  if (b.defined() && y.numel() > 0)
-    cuda::channel_affine({N, K, P * Q}, y.f32(), y.f32(), nullptr, b.f32(), nullptr, false,
-                         s.stream);
+  if (b.defined() && y.numel() > 0) {
+    const cuda::ChannelDims bias{N, K, P * Q};  // named here: a lambda may not capture [N, K, ...]
+    cuda::with_storage(y.dtype(), [&](auto tag) {
+      using T = decltype(tag);
+      T* yp = cuda::data<T>(y);
+      cuda::channel_affine<T>(bias, yp, yp, nullptr, b.f32(), nullptr, false, s.stream);
+    });
+  }
 }
 
 void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -290,10 +295,14 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.beta(true));
     io.finish(io.dw, dw, true, s.stream);
   }
-  if (db.defined() && dy.numel() > 0)
-    cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(),
-                                 scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)).f32(),
-                                 db.f32(), s.stream);
+  if (db.defined() && dy.numel() > 0) {
+    const Tensor sums = scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices));
+    cuda::with_storage(dy.dtype(), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::channel_sum_accumulate<T>(bias, bias_slices, cuda::data<T>(dy), sums.f32(), db.f32(),
+                                      s.stream);
+    });
+  }
 }
 
 }  // namespace replica

@@ -13,19 +13,41 @@ CudaBackend::~CudaBackend() { destroy_conv_plans(); }
 
 namespace {
 
-__global__ void fill_f32_kernel(float* p, int64_t n, float v) {
+template <class T>
+__global__ void fill_kernel(T* p, int64_t n, T v) {
   REPLICA_GRID_STRIDE(i, n)
     p[i] = v;
 }
 
 }  // namespace
 
+bool CudaBackend::takes_bf16(OpId op) const {
+  switch (op) {
+    case OpId::copy:
+    case OpId::fill:
+    case OpId::conv2d_forward:
+    case OpId::conv2d_backward:
+    case OpId::batchnorm_forward_train:
+    case OpId::batchnorm_forward_eval:
+    case OpId::batchnorm_backward:
+    case OpId::relu_forward:
+    case OpId::relu_backward:
+      return true;
+    default:
+      return false;
+  }
+}
+
 namespace cuda {
 
-void fill_async(float* p, int64_t n, float v, cudaStream_t stream) {
-  fill_f32_kernel<<<grid_for(n), kThreads, 0, stream>>>(p, n, v);
+template <class T>
+void fill_async(T* p, int64_t n, T v, cudaStream_t stream) {
+  fill_kernel<<<grid_for(n), kThreads, 0, stream>>>(p, n, v);
   REPLICA_LAUNCH_CHECK();
 }
+template void fill_async<float>(float*, int64_t, float, cudaStream_t);
+template void fill_async<int32_t>(int32_t*, int64_t, int32_t, cudaStream_t);
+template void fill_async<uint16_t>(uint16_t*, int64_t, uint16_t, cudaStream_t);
 
 void expect_device(const DeviceContext& ctx, const Tensor& t, const char* op, const char* what) {
   REPLICA_CHECK(t.defined(), "{}: {} is undefined", op, what);

@@ -57,8 +57,41 @@ __device__ __forceinline__ double block_sum(double v, double* sh) {
   return r;
 }
 
-// kVec consecutive floats, group g of an array: a float4 load or store where kVec is 4 (the
-// caller has checked that the array is 16-byte aligned), else one float.
+// Elements as tensors store them: F32 as float, BF16 as uint16_t (its bit pattern; engine/
+// bf16_storage.h). Kernels compute on floats: widen() reads an element, narrow<T>() makes one,
+// rounding through bf16_bits (engine/ops.h) as the CPU does.
+__host__ __device__ __forceinline__ float widen(float v) { return v; }
+__host__ __device__ __forceinline__ float widen(uint16_t bits) { return bf16_value(bits); }
+template <class T>
+__host__ __device__ __forceinline__ T narrow(float v) {
+  if constexpr (std::is_same_v<T, uint16_t>)
+    return bf16_bits(v);
+  else
+    return v;
+}
+
+// A tensor's elements as type T (float: F32, uint16_t: BF16); null for an undefined one.
+template <class T>
+T* data(const Tensor& t) {
+  if (!t.defined()) return nullptr;
+  if constexpr (std::is_same_v<T, uint16_t>)
+    return t.bf16();
+  else
+    return t.f32();
+}
+
+// Calls f(T()) with T the storage type of `dtype`: float for F32, uint16_t for BF16.
+template <class F>
+void with_storage(DType dtype, F&& f) {
+  if (dtype == DType::BF16)
+    f(uint16_t());
+  else
+    f(float());
+}
+
+// kVec consecutive elements, group g of an array, as floats: a float4 (F32) or 8 bytes (four
+// BF16) loaded or stored at once where kVec is 4 (the caller has checked that the array is
+// 16-byte aligned), else one element.
 template <int kVec>
 struct Pack {
   float v[kVec];
@@ -72,11 +105,31 @@ struct Pack {
     }
   }
   template <class Index>
+  __device__ __forceinline__ void load(const uint16_t* p, Index g) {
+    if constexpr (kVec == 4) {
+      const uint2 u = reinterpret_cast<const uint2*>(p)[g];  // element 0 in the low half
+      v[0] = bf16_value(uint16_t(u.x)), v[1] = bf16_value(uint16_t(u.x >> 16));
+      v[2] = bf16_value(uint16_t(u.y)), v[3] = bf16_value(uint16_t(u.y >> 16));
+    } else {
+      v[0] = bf16_value(p[g]);
+    }
+  }
+  template <class Index>
   __device__ __forceinline__ void store(float* p, Index g) const {
     if constexpr (kVec == 4) {
       reinterpret_cast<float4*>(p)[g] = make_float4(v[0], v[1], v[2], v[3]);
     } else {
       p[g] = v[0];
+    }
+  }
+  template <class Index>
+  __device__ __forceinline__ void store(uint16_t* p, Index g) const {
+    if constexpr (kVec == 4) {
+      reinterpret_cast<uint2*>(p)[g] =
+          make_uint2(uint32_t(bf16_bits(v[0])) | (uint32_t(bf16_bits(v[1])) << 16),
+                     uint32_t(bf16_bits(v[2])) | (uint32_t(bf16_bits(v[3])) << 16));
+    } else {
+      p[g] = bf16_bits(v[0]);
     }
   }
 };
@@ -102,8 +155,9 @@ void with_width(bool vec4, F&& launch) {
 // An optional tensor's data (undefined: null, "not wanted" or "none needed").
 inline float* ptr_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
 
-// p[0, n) = v on `stream` (a kernel launch; n > 0).
-void fill_async(float* p, int64_t n, float v, cudaStream_t stream);
+// p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
+template <class T>
+void fill_async(T* p, int64_t n, T v, cudaStream_t stream);
 
 // Shape checks shared by the op files: they throw replica::Error naming the op.
 void expect_device(const DeviceContext& ctx, const Tensor& t, const char* op, const char* what);
@@ -182,6 +236,10 @@ class CudaBackend final : public Backend {
 #define REPLICA_OP(name, params, args) void name params override;
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
+  // The ops of a bf16 step whose kernels read and write BF16 activations themselves
+  // (engine/bf16_storage.h): copying BF16 to F32 and back around each would cost more than the
+  // op. The others (a ResNet's one max pool, average pool and linear layer) get F32 copies.
+  bool takes_bf16(OpId op) const override;
 
  private:
   // Per-shape convolution plans (conv.cu). Descriptors are destroyed with the backend.

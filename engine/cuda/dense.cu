@@ -74,8 +74,8 @@ void CudaBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tens
     io.finish(io.y, y, false, s.stream);
   }
   if (b.defined())
-    cuda::channel_affine({N, out, 1}, y.f32(), y.f32(), nullptr, b.f32(), nullptr, false,
-                         s.stream);
+    cuda::channel_affine<float>({N, out, 1}, y.f32(), y.f32(), nullptr, b.f32(), nullptr, false,
+                                s.stream);
 }
 
 void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -116,7 +116,7 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
     io.finish(io.dw, dw, true, s.stream);
   }
   if (db.defined() && N > 0 && out > 0)
-    cuda::channel_sum_accumulate(bias, bias_slices, dy.f32(),
+    cuda::channel_sum_accumulate<float>(bias, bias_slices, dy.f32(),
                                  scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)).f32(),
                                  db.f32(), s.stream);
 }

@@ -9,9 +9,14 @@ namespace replica {
 
 namespace {
 
-__global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) {
+// copy's conversions (backend_ops.inc): F32 -> BF16 rounds through bf16_bits, as the CPU's.
+__global__ void narrow_kernel(const float* src, uint16_t* dst, int64_t n) {
   REPLICA_GRID_STRIDE(i, n)
-    p[i] = v;
+    dst[i] = bf16_bits(src[i]);
+}
+__global__ void widen_kernel(const uint16_t* src, float* dst, int64_t n) {
+  REPLICA_GRID_STRIDE(i, n)
+    dst[i] = bf16_value(src[i]);
 }
 
 // One thread per word: a 4-byte element (F32 and I32 alike), or four of them as a float4.
@@ -29,8 +34,9 @@ __global__ void gather_rows_kernel(Word* dst, const Word* table, const int32_t* 
 // Four bytes per thread left these passes at about half the memory's bandwidth on an H200
 // (ResNet-50's residual add and relu_backward, with the sum's ReLU then a pass of its own:
 // 5.3 ms of a 37 ms step).
-template <class F, int kVec>
-__global__ void map_kernel(const float* a, const float* b, float* out, int64_t n, F f) {
+// T: how the three arrays store their elements (F32 or BF16: cuda::widen, cuda::narrow).
+template <class F, int kVec, class T>
+__global__ void map_kernel(const T* a, const T* b, T* out, int64_t n, F f) {
   constexpr bool kBinary = F::kBinary;
   const int64_t groups = n / kVec;
   REPLICA_GRID_STRIDE(g, groups) {
@@ -42,7 +48,8 @@ __global__ void map_kernel(const float* a, const float* b, float* out, int64_t n
     va.store(out, g);
   }
   const int64_t tail = groups * kVec + blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (kVec > 1 && tail < n) out[tail] = f(a[tail], kBinary ? b[tail] : 0.f);
+  if (kVec > 1 && tail < n)
+    out[tail] = cuda::narrow<T>(f(cuda::widen(a[tail]), kBinary ? cuda::widen(b[tail]) : 0.f));
 }
 
 // The maps: kBinary says whether they read a second array.
@@ -70,12 +77,12 @@ struct Times {
 };
 
 // out = f(a, b) over n > 0 elements on `stream` (b: null for a unary f).
-template <class F>
-void launch_map(const float* a, const float* b, float* out, int64_t n, F f, cudaStream_t stream) {
+template <class F, class T>
+void launch_map(const T* a, const T* b, T* out, int64_t n, F f, cudaStream_t stream) {
   cuda::with_width(cuda::aligned16({a, b, out}), [&](auto width) {
     constexpr int kVec = decltype(width)::value;
-    map_kernel<F, kVec><<<cuda::grid_for(n / kVec > 0 ? n / kVec : 1), cuda::kThreads, 0,
-                          stream>>>(a, b, out, n, f);
+    map_kernel<F, kVec, T><<<cuda::grid_for(n / kVec > 0 ? n / kVec : 1), cuda::kThreads, 0,
+                             stream>>>(a, b, out, n, f);
   });
   REPLICA_LAUNCH_CHECK();
 }
@@ -102,12 +109,15 @@ void CudaBackend::fill(DeviceContext& ctx, Tensor& t, float value) {
       REPLICA_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.bytes(), stream));
       return;
     }
-    fill_i32_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(t.i32(), n, v);
-    REPLICA_LAUNCH_CHECK();
+    cuda::fill_async(t.i32(), n, v, stream);
     return;
   }
-  if (value == 0.f && !std::signbit(value)) {  // +0.0f is all-zero bits
+  if (value == 0.f && !std::signbit(value)) {  // +0.0f is all-zero bits, in F32 and BF16
     REPLICA_CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.bytes(), stream));
+    return;
+  }
+  if (t.dtype() == DType::BF16) {
+    cuda::fill_async(t.bf16(), n, bf16_bits(value), stream);
     return;
   }
   cuda::fill_async(t.f32(), n, value, stream);
@@ -117,10 +127,25 @@ void CudaBackend::copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
   REPLICA_CHECK(dst.defined() && src.defined(), "copy: undefined tensor");
   REPLICA_CHECK(dst.numel() == src.numel(), "copy: destination {} and source {} differ in size",
                 shape_str(dst.shape()), shape_str(src.shape()));
-  REPLICA_CHECK(dst.dtype() == src.dtype(), "copy: destination is {}, source is {}",
-                dtype_name(dst.dtype()), dtype_name(src.dtype()));
   REPLICA_CHECK(dst.on_cuda() || src.on_cuda(),
                 "copy: neither side is GPU memory (use the CPU backend for host copies)");
+  if (dst.dtype() != src.dtype()) {  // F32 <-> BF16 on this device: a conversion
+    const bool narrow = dst.dtype() == DType::BF16 && src.dtype() == DType::F32;
+    REPLICA_CHECK(narrow || (dst.dtype() == DType::F32 && src.dtype() == DType::BF16),
+                  "copy: {} into {} is no conversion replica makes (F32 <-> BF16)",
+                  dtype_name(src.dtype()), dtype_name(dst.dtype()));
+    cuda::expect_device(ctx, dst, "copy", "destination of a conversion");
+    cuda::expect_device(ctx, src, "copy", "source of a conversion");
+    const int64_t n = dst.numel();
+    if (n == 0) return;
+    const cudaStream_t stream = cuda_state(ctx).stream;
+    if (narrow)
+      narrow_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(src.f32(), dst.bf16(), n);
+    else
+      widen_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(src.bf16(), dst.f32(), n);
+    REPLICA_LAUNCH_CHECK();
+    return;
+  }
   if (dst.numel() == 0 || dst.raw() == src.raw()) return;
   // Unified addressing: the runtime works out host (pinned or pageable), this device or a peer.
   REPLICA_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), dst.bytes(), cudaMemcpyDefault,
@@ -152,6 +177,14 @@ void CudaBackend::gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& tab
 
 namespace {
 
+// The ReLU's tensors share one storage type, F32 or BF16 (bf16 storage keeps x, y and their
+// gradients alike: engine/bf16_storage.h).
+void same_storage(const Tensor& a, const Tensor& b, const char* op) {
+  REPLICA_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::F32 || a.dtype() == DType::BF16),
+                "{}: tensors of {} and {}: give them one dtype, F32 or BF16", op,
+                dtype_name(a.dtype()), dtype_name(b.dtype()));
+}
+
 // Two operands of an elementwise op on ctx's device with as many elements: returns how many.
 int64_t elementwise_numel(const DeviceContext& ctx, const Tensor& a, const Tensor& b,
                           const char* op, const char* a_name, const char* b_name) {
@@ -173,13 +206,18 @@ void CudaBackend::scale(DeviceContext& ctx, Tensor& t, float alpha) {
   cuda::expect_device(ctx, t, "scale", "tensor");
   const int64_t n = t.numel();
   if (n == 0) return;
-  launch_map(t.f32(), nullptr, t.f32(), n, Scaled{alpha}, cuda_state(ctx).stream);
+  launch_map<Scaled, float>(t.f32(), nullptr, t.f32(), n, Scaled{alpha}, cuda_state(ctx).stream);
 }
 
 void CudaBackend::relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
   const int64_t n = elementwise_numel(ctx, x, y, "relu_forward", "x", "y");
   if (n == 0) return;
-  launch_map(x.f32(), nullptr, y.f32(), n, Relu(), cuda_state(ctx).stream);
+  same_storage(x, y, "relu_forward");
+  cuda::with_storage(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    launch_map<Relu, T>(cuda::data<T>(x), nullptr, cuda::data<T>(y), n, Relu(),
+                        cuda_state(ctx).stream);
+  });
 }
 
 void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tensor& dy,
@@ -191,7 +229,13 @@ void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tenso
   cuda::expect_numel(dx, y.numel(), "relu_backward", "dx");
   const int64_t n = y.numel();
   if (n == 0) return;
-  launch_map(y.f32(), dy.f32(), dx.f32(), n, ReluGrad(), cuda_state(ctx).stream);
+  same_storage(y, dy, "relu_backward");
+  same_storage(y, dx, "relu_backward");
+  cuda::with_storage(y.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    launch_map<ReluGrad, T>(cuda::data<T>(y), cuda::data<T>(dy), cuda::data<T>(dx), n,
+                            ReluGrad(), cuda_state(ctx).stream);
+  });
 }
 
 void CudaBackend::dropout_forward(DeviceContext& ctx, const Tensor& x, Tensor& y, Tensor& mask,

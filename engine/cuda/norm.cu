@@ -15,7 +15,9 @@
 // [N, C, H, W]: the statistics are over every axis but C.
 //
 // The sums and the output pass are the shared per-channel passes of channel_pass.h (which says
-// how they keep the memory busy); the dx pass is here, flat in the same way.
+// how they keep the memory busy); the dx pass is here, flat in the same way. Activations may be
+// BF16 (bf16 storage, engine/bf16_storage.h): read widened, computed as for F32, stored
+// rounded, so BatchNorm moves half the bytes; statistics and parameters stay F32.
 #include "engine/cuda/channel_pass.h"
 
 namespace replica {
@@ -41,14 +43,15 @@ struct TrainOut {
 // Per channel: mean, biased variance, 1/sqrt(var + eps); the running averages (unbiased
 // variance) and saved statistics where wanted; scale = gamma * invstd, shift = beta - mean *
 // scale for the output pass (gamma, beta null: 1, 0).
-__global__ void bn_train_stats_kernel(const float* x, const double* part_a, const double* part_b,
+template <class T>
+__global__ void bn_train_stats_kernel(const T* x, const double* part_a, const double* part_b,
                                       int S, ChannelDims d, const float* gamma, const float* beta,
                                       float momentum, float eps, TrainOut out, float* scale,
                                       float* shift) {
   REPLICA_GRID_STRIDE(c, d.c) {
     double sum, sq;
     cuda::channel_sums(part_a, part_b, S, c, &sum, &sq);
-    const double m = double(d.m()), shifted = sum / m, mu = x[c * d.hw] + shifted;
+    const double m = double(d.m()), shifted = sum / m, mu = cuda::widen(x[c * d.hw]) + shifted;
     const double var = fmax(sq / m - shifted * shifted, 0.0);
     const double invstd = 1.0 / sqrt(var + eps);
     if (out.save_mean) {
@@ -95,10 +98,10 @@ __global__ void bn_grad_sums_kernel(const double* part_a, const double* part_b, 
 }
 
 // dx = k * (m * g - sum(g) - xhat * sum(g * xhat)), in double as the CPU's.
-template <class Div, int kVec>
-__global__ void bn_dx_kernel(const float* x, const float* dy, const float* relu_y,
-                             const float* mean, const float* invstd, const double* sums,
-                             cuda::ChannelIndex<Div> at, double m, float* dx) {
+template <class Div, int kVec, class T>
+__global__ void bn_dx_kernel(const T* x, const T* dy, const T* relu_y, const float* mean,
+                             const float* invstd, const double* sums, cuda::ChannelIndex<Div> at,
+                             double m, T* dx) {
   using Index = typename Div::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
     const Index c = at.channel(g * kVec);
@@ -122,6 +125,20 @@ void expect_param(const DeviceContext& ctx, const Tensor& t, int64_t C, const ch
                   const char* what) {
   cuda::expect_device(ctx, t, op, what);
   cuda::expect_numel(t, C, op, what);
+}
+
+// The dtype BatchNorm's activations share (x, y or dx, dy, and a residual or relu_y where
+// given): F32, or BF16 in bf16 storage (engine/bf16_storage.h), where the layers store them
+// alike; the kernels run on one storage type.
+DType activations_dtype(const char* op, std::initializer_list<const Tensor*> tensors) {
+  const DType dt = (*tensors.begin())->dtype();
+  for (const Tensor* t : tensors)
+    REPLICA_CHECK(!t->defined() || t->dtype() == dt,
+                  "{}: activations of different dtypes ({} and {}): give them one", op,
+                  dtype_name(dt), dtype_name(t->dtype()));
+  REPLICA_CHECK(dt == DType::F32 || dt == DType::BF16, "{}: activations are {}, not F32 or BF16",
+                op, dtype_name(dt));
+  return dt;
 }
 
 // An optional tensor of x's shape on ctx's device (undefined: not given).
@@ -178,19 +195,24 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
   REPLICA_CHECK(d.m() > 1,
                 "{}: expected more than 1 value per channel when training, got input {}", op,
                 shape_str(x.shape()));
+  const DType dt = activations_dtype(op, {&x, &y, &residual});
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int S = cuda::channel_slices(d, op);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
-  cuda::channel_partials(ChannelSum::Moments, d, S, x.f32(), nullptr, nullptr, nullptr, nullptr,
-                         w.part_a, w.part_b, stream);
   const TrainOut out{ptr_or_null(running_mean), ptr_or_null(running_var),
                      ptr_or_null(save_mean), ptr_or_null(save_invstd)};
-  bn_train_stats_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
-      x.f32(), w.part_a, w.part_b, S, d, ptr_or_null(gamma), ptr_or_null(beta), momentum, eps, out,
-      w.scale, w.shift);
-  REPLICA_LAUNCH_CHECK();
-  cuda::channel_affine(d, x.f32(), y.f32(), w.scale, w.shift, ptr_or_null(residual), relu,
-                       stream);
+  cuda::with_storage(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = cuda::data<T>(x);
+    cuda::channel_partials<T>(ChannelSum::Moments, d, S, xp, nullptr, nullptr, nullptr, nullptr,
+                              w.part_a, w.part_b, stream);
+    bn_train_stats_kernel<T><<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
+        xp, w.part_a, w.part_b, S, d, ptr_or_null(gamma), ptr_or_null(beta), momentum, eps, out,
+        w.scale, w.shift);
+    REPLICA_LAUNCH_CHECK();
+    cuda::channel_affine<T>(d, xp, cuda::data<T>(y), w.scale, w.shift, cuda::data<T>(residual),
+                            relu, stream);
+  });
 }
 
 void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
@@ -208,14 +230,18 @@ void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, co
   if (gamma.defined()) expect_param(ctx, gamma, d.c, op, "gamma");
   if (beta.defined()) expect_param(ctx, beta, d.c, op, "beta");
   if (x.numel() == 0) return;
+  const DType dt = activations_dtype(op, {&x, &y, &residual});
   const cudaStream_t stream = cuda_state(ctx).stream;
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, 1)), d.c, 1);
   bn_eval_coeffs_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
       running_mean.f32(), running_var.f32(), ptr_or_null(gamma), ptr_or_null(beta), eps, d.c,
       w.scale, w.shift);
   REPLICA_LAUNCH_CHECK();
-  cuda::channel_affine(d, x.f32(), y.f32(), w.scale, w.shift, ptr_or_null(residual), relu,
-                       stream);
+  cuda::with_storage(dt, [&](auto tag) {
+    using T = decltype(tag);
+    cuda::channel_affine<T>(d, cuda::data<T>(x), cuda::data<T>(y), w.scale, w.shift,
+                            cuda::data<T>(residual), relu, stream);
+  });
 }
 
 void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const Tensor& gamma,
@@ -235,26 +261,31 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
   if (dgamma.defined()) expect_param(ctx, dgamma, d.c, op, "dgamma");
   if (dbeta.defined()) expect_param(ctx, dbeta, d.c, op, "dbeta");
   if (x.numel() == 0) return;
+  const DType dt = activations_dtype(op, {&x, &dy, &relu_y, &dx});
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int S = cuda::channel_slices(d, op);
-  const float* mask = ptr_or_null(relu_y);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
-  cuda::channel_partials(ChannelSum::GradMoments, d, S, x.f32(), dy.f32(), mask, save_mean.f32(),
-                         save_invstd.f32(), w.part_a, w.part_b, stream);
-  bn_grad_sums_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
-      w.part_a, w.part_b, S, d, ptr_or_null(gamma), save_invstd.f32(), ptr_or_null(dgamma),
-      ptr_or_null(dbeta), w.sums);
-  REPLICA_LAUNCH_CHECK();
-  if (!dx.defined()) return;
-  const float *xp = x.f32(), *dyp = dy.f32(), *mean = save_mean.f32(), *is = save_invstd.f32();
-  float* dxp = dx.f32();
-  cuda::with_channel_index(d, {xp, dyp, mask, dxp}, [&](auto at, auto width) {
-    using Div = std::decay_t<decltype(at.by_hw)>;
-    constexpr int kVec = decltype(width)::value;
-    bn_dx_kernel<Div, kVec><<<cuda::grid_for(d.numel() / kVec), cuda::kThreads, 0, stream>>>(
-        xp, dyp, mask, mean, is, w.sums, at, double(d.m()), dxp);
+  const float *mean = save_mean.f32(), *is = save_invstd.f32();
+  cuda::with_storage(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const T *xp = cuda::data<T>(x), *dyp = cuda::data<T>(dy), *mask = cuda::data<T>(relu_y);
+    cuda::channel_partials<T>(ChannelSum::GradMoments, d, S, xp, dyp, mask, mean, is, w.part_a,
+                              w.part_b, stream);
+    bn_grad_sums_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
+        w.part_a, w.part_b, S, d, ptr_or_null(gamma), is, ptr_or_null(dgamma),
+        ptr_or_null(dbeta), w.sums);
+    REPLICA_LAUNCH_CHECK();
+    if (!dx.defined()) return;
+    T* dxp = cuda::data<T>(dx);
+    cuda::with_channel_index(d, {xp, dyp, mask, dxp}, [&](auto at, auto width) {
+      using Div = std::decay_t<decltype(at.by_hw)>;
+      constexpr int kVec = decltype(width)::value;
+      bn_dx_kernel<Div, kVec, T>
+          <<<cuda::grid_for(d.numel() / kVec), cuda::kThreads, 0, stream>>>(
+              xp, dyp, mask, mean, is, w.sums, at, double(d.m()), dxp);
+    });
+    REPLICA_LAUNCH_CHECK();
   });
-  REPLICA_LAUNCH_CHECK();
 }
 
 }  // namespace replica

@@ -223,7 +223,8 @@ class DataParallelEngine final : public TrainEngine {
     c0.run([&] {
       TraceSpan span(replicas_[0].track, "gather_loss", &c0);
       const int64_t classes = replicas_[0].logits.dim(1);
-      Tensor all = active == 1 ? replicas_[0].logits : c0.alloc({batch.size(), classes});
+      Tensor all = active == 1 ? replicas_[0].logits
+                               : c0.alloc({batch.size(), classes}, replicas_[0].logits.dtype());
       if (active > 1) {
         for (int i = 0; i < active; ++i) {
           replicas_[i].forward_done->wait(c0);
@@ -253,7 +254,7 @@ class DataParallelEngine final : public TrainEngine {
           TraceSpan span(r.track, "scatter_grad", r.ctx.get());
           loss_done_.wait(*r.ctx);
           if (r.ctx->is_cuda() && i > 0) {
-            Tensor local = r.ctx->alloc(dl.shape());
+            Tensor local = r.ctx->alloc(dl.shape(), dl.dtype());
             r.ctx->ops().copy(*r.ctx, local, dl);
             dl = local;
           }

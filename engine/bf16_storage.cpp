@@ -1,0 +1,114 @@
+#include "engine/bf16_storage.h"
+
+#include <array>
+#include <deque>
+#include <utility>
+#include <vector>
+
+#include "engine/context.h"
+
+namespace replica {
+
+namespace {
+
+bool is_bf16(const Tensor& t) { return t.defined() && t.dtype() == DType::BF16; }
+template <class T>
+bool is_bf16(const T&) {
+  return false;  // the context, numbers, window parameters
+}
+
+// One call's F32 copies of its BF16 tensors, and the BF16 outputs their results go back into.
+// An output (a Tensor& argument) is widened too: an op may add into it (+=, backend_ops.inc).
+class Widened {
+ public:
+  Widened(Backend& inner, DeviceContext& ctx) : inner_(inner), ctx_(ctx) {}
+
+  template <class T>
+  T& pass(T& arg) {
+    return arg;
+  }
+  const Tensor& pass(const Tensor& t) { return is_bf16(t) ? widen(t) : t; }
+  Tensor& pass(Tensor& t) {
+    if (!is_bf16(t)) return t;
+    Tensor& wide = widen(t);
+    outputs_.push_back({&t, &wide});
+    return wide;
+  }
+  void round_outputs() {
+    for (auto& [narrow, wide] : outputs_) inner_.copy(ctx_, *narrow, *wide);
+  }
+
+ private:
+  Tensor& widen(const Tensor& t) {
+    copies_.push_back(ctx_.alloc(t.shape(), DType::F32));  // a deque: references stay valid
+    inner_.copy(ctx_, copies_.back(), t);
+    return copies_.back();
+  }
+
+  Backend& inner_;
+  DeviceContext& ctx_;
+  std::deque<Tensor> copies_;
+  std::vector<std::pair<Tensor*, Tensor*>> outputs_;
+};
+
+// Calls `call` with a call's arguments as they are, or with its BF16 tensors widened.
+template <class Call>
+struct Dispatch {
+  Backend& inner;
+  bool takes_bf16;
+  Call call;
+
+  template <class... Args>
+  void operator()(DeviceContext& ctx, Args&... args) {
+    if (takes_bf16 || !(is_bf16(args) || ...)) {
+      call(ctx, args...);
+      return;
+    }
+    Widened widened(inner, ctx);
+    call(ctx, widened.pass(args)...);
+    widened.round_outputs();
+  }
+};
+template <class Call>
+Dispatch<Call> dispatch(Backend& inner, bool takes_bf16, Call call) {
+  return {inner, takes_bf16, std::move(call)};
+}
+
+constexpr size_t kOps = 0
+#define REPLICA_OP(name, params, args) +1
+#include "engine/backend_ops.inc"
+#undef REPLICA_OP
+    ;
+
+class Bf16StorageBackend final : public Backend {
+ public:
+  explicit Bf16StorageBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {
+    for (size_t i = 0; i < kOps; ++i) takes_[i] = inner_->takes_bf16(OpId(i));
+  }
+
+#define REPLICA_OP(name, params, args)                                                   \
+  void name params override {                                                            \
+    dispatch(*inner_, takes_[size_t(OpId::name)],                                         \
+             [this](DeviceContext& c, auto&... a) { inner_->name(c, a...); }) args;      \
+  }
+#include "engine/backend_ops.inc"
+#undef REPLICA_OP
+
+  bool takes_bf16(OpId) const override { return true; }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::array<bool, kOps> takes_{};
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_bf16_storage_backend(std::unique_ptr<Backend> inner) {
+  return std::make_unique<Bf16StorageBackend>(std::move(inner));
+}
+
+DType activation_dtype(const DeviceContext& ctx) {
+  return ctx.precision() == Precision::Bf16 ? DType::BF16 : DType::F32;
+}
+
+}  // namespace replica

@@ -1,0 +1,223 @@
+// bf16 storage on the GPU (engine/bf16_storage.h): BF16 activations, every op computing in fp32
+// and rounding what it stores. The CPU rounds the same way, so it is the reference. What must
+// hold:
+//  - copy's conversions give the CPU's bits (bf16_bits: ties to even, NaN kept), fill rounds;
+//  - each op a ResNet or the CNN runs on BF16 tensors (BatchNorm with a residual and a ReLU,
+//    its backward, convolutions on NCHW and channels_last operands with the input gradient
+//    added onto a sum, ReLU, max pooling, the linear layer) gives the CPU's numbers: up to the
+//    order of fp32 sums, which moves a stored value by one bf16 step now and then;
+//  - ResNet-18 trains in bf16 on the GPU as on the CPU.
+// Skips visibly without a GPU.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dp_reference.h"
+#include "engine/context.h"
+#include "engine/ops.h"
+#include "gpu_skip.h"
+#include "parallel/engines/train_engine.h"
+
+using namespace replica;
+
+namespace {
+
+const Device kGpu{DeviceType::CUDA, 0, 0};
+const Device kCpu{DeviceType::CPU, 0, 0};
+
+ContextOptions bf16_options(bool channels_last) {
+  ContextOptions o{0, true, Precision::Bf16};
+  o.channels_last = channels_last;
+  return o;
+}
+
+struct Arg {
+  Shape shape;
+  DType dtype;
+};
+
+// `op` on each context with the same arguments: inputs random (seeded by position; BF16 ones
+// the bf16 roundings of the F32 draws), outputs zero; returns each output's F32 values per
+// context ([output][context]).
+using Op = std::function<void(DeviceContext&, std::vector<Tensor>&, std::vector<Tensor>&)>;
+std::vector<std::vector<std::vector<float>>> on_each(const std::vector<DeviceContext*>& ctxs,
+                                                     const std::vector<Arg>& inputs,
+                                                     const std::vector<Arg>& outputs,
+                                                     const Op& op) {
+  DeviceContext host(kCpu);
+  auto make = [&](DeviceContext& ctx, const Arg& a, uint32_t seed, bool zero) {
+    Tensor h = host.alloc(a.shape);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (int64_t i = 0; i < h.numel(); ++i) h.f32()[i] = zero ? 0.f : dist(rng);
+    Tensor hd = h;
+    if (a.dtype == DType::BF16) {
+      hd = host.alloc(a.shape, DType::BF16);
+      host.ops().copy(host, hd, h);
+    }
+    if (!ctx.is_cuda()) return hd;
+    Tensor d = ctx.alloc(a.shape, a.dtype);
+    ctx.ops().copy(ctx, d, hd);
+    return d;
+  };
+  std::vector<std::vector<std::vector<float>>> out(outputs.size());
+  for (DeviceContext* ctx : ctxs) {
+    std::vector<Tensor> in, res;
+    for (size_t i = 0; i < inputs.size(); ++i) in.push_back(make(*ctx, inputs[i], 50 + i, false));
+    for (const Arg& a : outputs) res.push_back(make(*ctx, a, 0, true));
+    op(*ctx, in, res);
+    for (size_t i = 0; i < res.size(); ++i) {
+      Tensor h = Tensor::empty(host_allocator(), res[i].shape(), res[i].dtype());
+      ctx->ops().copy(*ctx, h, res[i]);
+      ctx->synchronize();
+      Tensor f = host.alloc(h.shape());
+      host.ops().copy(host, f, h);
+      out[i].emplace_back(f.f32(), f.f32() + f.numel());
+    }
+  }
+  return out;
+}
+
+// Every context's values against the first's (the CPU's): relative L2 within `tol` (0: the
+// same bits).
+void expect_like_cpu(const std::vector<std::vector<float>>& v, double tol, const char* what) {
+  const std::string name(what);
+  CAPTURE(name);
+  for (size_t c = 1; c < v.size(); ++c) {
+    CAPTURE(c);
+    if (tol == 0) {
+      CHECK(std::memcmp(v[0].data(), v[c].data(), v[0].size() * sizeof(float)) == 0);
+    } else {
+      const double d = test::relative_l2(v[0], v[c]);
+      MESSAGE(name << " (context " << c << "): relative L2 vs the CPU " << d);
+      CHECK(d < tol);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("copy converts F32 <-> BF16 on the GPU as on the CPU; fill rounds") {
+  if (!test::have_gpu()) return;
+  DeviceContext cpu(kCpu), gpu(kGpu);
+  const float values[] = {1.f + 1.f / 256, 1.f + 3.f / 256, -2.5f, 1e-40f, 3.4e38f, -0.f,
+                          std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::infinity()};
+  const int64_t n = 8;
+  Tensor h = cpu.alloc({n});
+  std::memcpy(h.f32(), values, sizeof values);
+  Tensor d = gpu.alloc({n}), db = gpu.alloc({n}, DType::BF16), back = gpu.alloc({n});
+  gpu.ops().copy(gpu, d, h);
+  gpu.ops().copy(gpu, db, d);    // narrowed on the GPU
+  gpu.ops().copy(gpu, back, db);  // widened on the GPU
+  Tensor hb = Tensor::empty(host_allocator(), {n}, DType::BF16);
+  Tensor hback = Tensor::empty(host_allocator(), {n});
+  gpu.ops().copy(gpu, hb, db);
+  gpu.ops().copy(gpu, hback, back);
+  gpu.synchronize();
+  for (int i = 0; i < n; ++i) {
+    CAPTURE(i);
+    CHECK(hb.bf16()[i] == bf16_bits(values[i]));
+    const float expect = bf16_value(bf16_bits(values[i]));
+    CHECK(std::memcmp(&hback.f32()[i], &expect, sizeof expect) == 0);
+  }
+  gpu.ops().fill(gpu, db, 1.f + 3.f / 256);
+  gpu.ops().copy(gpu, hb, db);
+  gpu.synchronize();
+  for (int i = 0; i < n; ++i) CHECK(hb.bf16()[i] == bf16_bits(1.f + 3.f / 256));
+}
+
+TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
+  if (!test::have_gpu()) return;
+  DeviceContext cpu(kCpu, bf16_options(false)), gpu(kGpu, bf16_options(false));
+  DeviceContext gpu_nhwc(kGpu, bf16_options(true));
+  const std::vector<DeviceContext*> ctxs = {&cpu, &gpu};
+  const DType B = DType::BF16, F = DType::F32;
+  const Shape x{8, 16, 9, 9};
+
+  SUBCASE("batch norm: forward with a residual and a ReLU, backward through the ReLU") {
+    auto fwd = on_each(ctxs, {{x, B}, {{16}, F}, {{16}, F}, {x, B}}, {{x, B}, {{16}, F}},
+                       [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                         Tensor rm = c.alloc({16}), rv = c.alloc({16}), invstd = c.alloc({16});
+                         c.ops().fill(c, rm, 0.f);
+                         c.ops().fill(c, rv, 1.f);
+                         c.ops().batchnorm_forward_train(c, i[0], i[1], i[2], rm, rv, 0.1f, 1e-5f,
+                                                         o[0], o[1], invstd, i[3], true);
+                       });
+    expect_like_cpu(fwd[0], 1e-3, "bn y");
+    expect_like_cpu(fwd[1], 1e-6, "bn mean");
+    auto bwd = on_each(
+        ctxs, {{x, B}, {{16}, F}, {x, B}, {x, B}}, {{x, B}, {{16}, F}, {{16}, F}},
+        [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+          Tensor mean = c.alloc({16}), invstd = c.alloc({16});
+          c.ops().fill(c, mean, 0.1f);
+          c.ops().fill(c, invstd, 0.9f);
+          c.ops().batchnorm_backward(c, i[0], i[1], mean, invstd, i[2], i[3], o[0], o[1], o[2]);
+        });
+    expect_like_cpu(bwd[0], 1e-3, "bn dx");
+    expect_like_cpu(bwd[1], 1e-5, "bn dgamma");
+  }
+  SUBCASE("convolutions, NCHW and channels_last: y; dx added onto a sum; dw in F32") {
+    const std::vector<DeviceContext*> three = {&cpu, &gpu, &gpu_nhwc};
+    const Shape w{24, 16, 3, 3}, y{8, 24, 9, 9};
+    auto fwd = on_each(three, {{x, B}, {w, F}}, {{y, B}},
+                       [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                         c.ops().conv2d_forward(c, i[0], i[1], Tensor(), o[0], {1, 1});
+                       });
+    expect_like_cpu(fwd[0], 2e-3, "conv y");
+    auto bwd = on_each(three, {{x, B}, {w, F}, {y, B}, {x, B}}, {{x, B}, {w, F}},
+                       [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                         Tensor none;
+                         c.ops().copy(c, o[0], i[3]);
+                         c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], none, {1, 1},
+                                                 InputGrad::Accumulate);
+                       });
+    expect_like_cpu(bwd[0], 2e-3, "conv dx (+=)");
+    expect_like_cpu(bwd[1], 2e-3, "conv dw");
+  }
+  SUBCASE("ReLU and max pooling: the same bits") {
+    const Shape p{8, 16, 4, 4};
+    auto relu = on_each(ctxs, {{x, B}, {x, B}}, {{x, B}, {x, B}},
+                        [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                          c.ops().relu_forward(c, i[0], o[0]);
+                          c.ops().relu_backward(c, o[0], i[1], o[1]);
+                        });
+    expect_like_cpu(relu[0], 0, "relu y");
+    expect_like_cpu(relu[1], 0, "relu dx");
+    auto pool = on_each(ctxs, {{x, B}, {p, B}}, {{p, B}, {x, B}},
+                        [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                          const Pool2dParams prm{3, 2, 0};
+                          c.ops().maxpool2d_forward(c, i[0], o[0], prm);
+                          c.ops().maxpool2d_backward(c, i[0], o[0], i[1], o[1], prm);
+                        });
+    expect_like_cpu(pool[0], 0, "maxpool y");
+    expect_like_cpu(pool[1], 0, "maxpool dx");
+  }
+  SUBCASE("a linear layer: BF16 in, BF16 out") {
+    auto fwd = on_each(ctxs, {{{32, 64}, B}, {{10, 64}, F}, {{10}, F}}, {{{32, 10}, B}},
+                       [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                         c.ops().linear_forward(c, i[0], i[1], i[2], o[0]);
+                       });
+    expect_like_cpu(fwd[0], 2e-3, "linear y");
+  }
+}
+
+TEST_CASE("ResNet-18 trains in bf16 on the GPU as on the CPU (2 SGD steps)") {
+  if (!test::have_gpu()) return;
+  EngineOptions o = test::sgd_options("resnet18", {1, 28, 28});
+  o.precision = Precision::Bf16;
+  auto cpu = make_single_device_engine(kCpu, o);
+  auto gpu = make_single_device_engine(kGpu, o);
+  const auto losses = test::train_in_lockstep(*cpu, *gpu, o.input_shape, 2, 16, 6, 2e-2);
+  for (size_t s = 0; s < losses.size(); ++s)
+    MESSAGE("step " << s << ": loss CPU bf16 " << losses[s].first << ", GPU bf16 "
+                    << losses[s].second);
+  const double drift = test::relative_l2(test::params_of(*cpu), test::params_of(*gpu));
+  MESSAGE("parameters after 2 steps, relative L2 GPU vs CPU (both bf16): " << drift);
+  CHECK(drift < 1e-3);
+}
