@@ -18,7 +18,9 @@ bool is_bf16(const T&) {
 }
 
 // One call's F32 copies of its BF16 tensors, and the BF16 outputs their results go back into.
-// An output (a Tensor& argument) is widened too: an op may add into it (+=, backend_ops.inc).
+// An output (a Tensor& argument) is widened too: an op may add into it (+=, backend_ops.inc),
+// and which ones do is not said per argument; for one the op overwrites, that is a pass over
+// memory not yet written, whose values are then overwritten.
 class Widened {
  public:
   Widened(Backend& inner, DeviceContext& ctx) : inner_(inner), ctx_(ctx) {}

@@ -77,7 +77,9 @@ class Backend {
   // Whether `op` takes BF16 tensors where the list says F32 (activations and their gradients
   // in bf16: engine/bf16_storage.h). The others are given F32 copies of them, and their
   // BF16 outputs get their F32 results rounded, by the layer every context puts around its
-  // backend; copy and fill take BF16 in every backend.
+  // backend; copy and fill take BF16 in every backend. An op that takes BF16 takes it as the
+  // layers give it: in --precision bf16, an op's activations and their gradients all in BF16;
+  // other mixes are refused with an error, where F32 copies would have served.
   virtual bool takes_bf16(OpId op) const { return op == OpId::copy || op == OpId::fill; }
 };
 

@@ -4,8 +4,8 @@
 //  - copy's conversions give the CPU's bits (bf16_bits: ties to even, NaN kept), fill rounds;
 //  - each op a ResNet or the CNN runs on BF16 tensors (BatchNorm with a residual and a ReLU,
 //    its backward, convolutions on NCHW and channels_last operands with the input gradient
-//    added onto a sum, ReLU, max pooling, the linear layer) gives the CPU's numbers: up to the
-//    order of fp32 sums, which moves a stored value by one bf16 step now and then;
+//    added onto a sum, ReLU, max and average pooling, the linear layer) gives the CPU's numbers:
+//    up to the order of fp32 sums, which moves a stored value by one bf16 step now and then;
 //  - ResNet-18 trains in bf16 on the GPU as on the CPU.
 // Skips visibly without a GPU.
 #include <doctest/doctest.h>
@@ -14,11 +14,13 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <tuple>
 #include <string>
 #include <vector>
 
 #include "dp_reference.h"
 #include "engine/context.h"
+#include "engine/cudart.h"
 #include "engine/ops.h"
 #include "gpu_skip.h"
 #include "parallel/engines/train_engine.h"
@@ -29,6 +31,15 @@ namespace {
 
 const Device kGpu{DeviceType::CUDA, 0, 0};
 const Device kCpu{DeviceType::CPU, 0, 0};
+
+// bf16 tensor cores arrived with compute capability 8.0 (cuDNN and cuBLAS refuse bf16 before).
+bool have_bf16() {
+  if (!test::have_gpu()) return false;
+  if (cudart::compute_capability(0) >= 80) return true;
+  MESSAGE("bf16 cases skipped: GPU 0 has compute capability "
+          << cudart::compute_capability(0) / 10.0 << ", no bf16 tensor cores");
+  return false;
+}
 
 ContextOptions bf16_options(bool channels_last) {
   ContextOptions o{0, true, Precision::Bf16};
@@ -133,7 +144,7 @@ TEST_CASE("copy converts F32 <-> BF16 on the GPU as on the CPU; fill rounds") {
 }
 
 TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
-  if (!test::have_gpu()) return;
+  if (!have_bf16()) return;
   DeviceContext cpu(kCpu, bf16_options(false)), gpu(kGpu, bf16_options(false));
   DeviceContext gpu_nhwc(kGpu, bf16_options(true));
   const std::vector<DeviceContext*> ctxs = {&cpu, &gpu};
@@ -141,44 +152,59 @@ TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
   const Shape x{8, 16, 9, 9};
 
   SUBCASE("batch norm: forward with a residual and a ReLU, backward through the ReLU") {
-    auto fwd = on_each(ctxs, {{x, B}, {{16}, F}, {{16}, F}, {x, B}}, {{x, B}, {{16}, F}},
-                       [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-                         Tensor rm = c.alloc({16}), rv = c.alloc({16}), invstd = c.alloc({16});
-                         c.ops().fill(c, rm, 0.f);
-                         c.ops().fill(c, rv, 1.f);
-                         c.ops().batchnorm_forward_train(c, i[0], i[1], i[2], rm, rv, 0.1f, 1e-5f,
-                                                         o[0], o[1], invstd, i[3], true);
-                       });
-    expect_like_cpu(fwd[0], 1e-3, "bn y");
-    expect_like_cpu(fwd[1], 1e-6, "bn mean");
-    auto bwd = on_each(
-        ctxs, {{x, B}, {{16}, F}, {x, B}, {x, B}}, {{x, B}, {{16}, F}, {{16}, F}},
-        [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-          Tensor mean = c.alloc({16}), invstd = c.alloc({16});
-          c.ops().fill(c, mean, 0.1f);
-          c.ops().fill(c, invstd, 0.9f);
-          c.ops().batchnorm_backward(c, i[0], i[1], mean, invstd, i[2], i[3], o[0], o[1], o[2]);
-        });
-    expect_like_cpu(bwd[0], 1e-3, "bn dx");
-    expect_like_cpu(bwd[1], 1e-5, "bn dgamma");
+    // 9x9 planes: an element at a time; 8x8: four BF16 (8 bytes) a load and a store.
+    for (const Shape& in : {x, Shape{8, 16, 8, 8}}) {
+      CAPTURE(shape_str(in));
+      auto fwd = on_each(ctxs, {{in, B}, {{16}, F}, {{16}, F}, {in, B}}, {{in, B}, {{16}, F}},
+                         [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                           Tensor rm = c.alloc({16}), rv = c.alloc({16}), is = c.alloc({16});
+                           c.ops().fill(c, rm, 0.f);
+                           c.ops().fill(c, rv, 1.f);
+                           c.ops().batchnorm_forward_train(c, i[0], i[1], i[2], rm, rv, 0.1f,
+                                                           1e-5f, o[0], o[1], is, i[3], true);
+                         });
+      expect_like_cpu(fwd[0], 1e-3, "bn y");
+      expect_like_cpu(fwd[1], 1e-6, "bn mean");
+      auto bwd = on_each(
+          ctxs, {{in, B}, {{16}, F}, {in, B}, {in, B}}, {{in, B}, {{16}, F}, {{16}, F}},
+          [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+            Tensor mean = c.alloc({16}), invstd = c.alloc({16});
+            c.ops().fill(c, mean, 0.1f);
+            c.ops().fill(c, invstd, 0.9f);
+            c.ops().batchnorm_backward(c, i[0], i[1], mean, invstd, i[2], i[3], o[0], o[1],
+                                       o[2]);
+          });
+      expect_like_cpu(bwd[0], 1e-3, "bn dx");
+      expect_like_cpu(bwd[1], 1e-5, "bn dgamma");
+      expect_like_cpu(bwd[2], 1e-5, "bn dbeta");
+    }
   }
-  SUBCASE("convolutions, NCHW and channels_last: y; dx added onto a sum; dw in F32") {
+  SUBCASE("convolutions, NCHW and channels_last: y with a bias; dx added onto a sum; dw, db") {
     const std::vector<DeviceContext*> three = {&cpu, &gpu, &gpu_nhwc};
-    const Shape w{24, 16, 3, 3}, y{8, 24, 9, 9};
-    auto fwd = on_each(three, {{x, B}, {w, F}}, {{y, B}},
-                       [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-                         c.ops().conv2d_forward(c, i[0], i[1], Tensor(), o[0], {1, 1});
-                       });
-    expect_like_cpu(fwd[0], 2e-3, "conv y");
-    auto bwd = on_each(three, {{x, B}, {w, F}, {y, B}, {x, B}}, {{x, B}, {w, F}},
-                       [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-                         Tensor none;
-                         c.ops().copy(c, o[0], i[3]);
-                         c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], none, {1, 1},
-                                                 InputGrad::Accumulate);
-                       });
-    expect_like_cpu(bwd[0], 2e-3, "conv dx (+=)");
-    expect_like_cpu(bwd[1], 2e-3, "conv dw");
+    // 9x9 planes, transposed for channels_last; 1x1 planes, the same bytes either way (a BF16
+    // operand read where it is).
+    for (const auto& [in, w, prm] : {std::tuple<Shape, Shape, Conv2dParams>{x, {24, 16, 3, 3},
+                                                                           {1, 1}},
+                                     {{8, 16, 1, 1}, {24, 16, 1, 1}, {1, 0}}}) {
+      CAPTURE(shape_str(in));
+      const Shape y{in[0], w[0], in[2], in[3]};
+      const Conv2dParams p = prm;
+      auto fwd = on_each(three, {{in, B}, {w, F}, {{24}, F}}, {{y, B}},
+                         [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                           c.ops().conv2d_forward(c, i[0], i[1], i[2], o[0], p);
+                         });
+      expect_like_cpu(fwd[0], 2e-3, "conv y");
+      auto bwd = on_each(three, {{in, B}, {w, F}, {y, B}, {in, B}},
+                         {{in, B}, {w, F}, {{24}, F}},
+                         [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                           c.ops().copy(c, o[0], i[3]);
+                           c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p,
+                                                   InputGrad::Accumulate);
+                         });
+      expect_like_cpu(bwd[0], 2e-3, "conv dx (+=)");
+      expect_like_cpu(bwd[1], 2e-3, "conv dw");
+      expect_like_cpu(bwd[2], 1e-5, "conv db");
+    }
   }
   SUBCASE("ReLU and max pooling: the same bits") {
     const Shape p{8, 16, 4, 4};
@@ -198,17 +224,35 @@ TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
     expect_like_cpu(pool[0], 0, "maxpool y");
     expect_like_cpu(pool[1], 0, "maxpool dx");
   }
-  SUBCASE("a linear layer: BF16 in, BF16 out") {
-    auto fwd = on_each(ctxs, {{{32, 64}, B}, {{10, 64}, F}, {{10}, F}}, {{{32, 10}, B}},
+  SUBCASE("average pooling: means rounded once") {
+    const Shape p{8, 16, 1, 1};
+    auto pool = on_each(ctxs, {{x, B}, {p, B}}, {{p, B}, {x, B}},
+                        [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                          c.ops().adaptive_avgpool2d_forward(c, i[0], o[0]);
+                          c.ops().adaptive_avgpool2d_backward(c, i[1], o[1]);
+                        });
+    expect_like_cpu(pool[0], 1e-3, "avgpool y");
+    expect_like_cpu(pool[1], 0, "avgpool dx");
+  }
+  SUBCASE("a linear layer: BF16 in and out, F32 weight and bias gradients") {
+    const Shape in{32, 64}, w{10, 64}, out{32, 10};
+    auto fwd = on_each(ctxs, {{in, B}, {w, F}, {{10}, F}}, {{out, B}},
                        [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
                          c.ops().linear_forward(c, i[0], i[1], i[2], o[0]);
                        });
     expect_like_cpu(fwd[0], 2e-3, "linear y");
+    auto bwd = on_each(ctxs, {{in, B}, {w, F}, {out, B}}, {{in, B}, {w, F}, {{10}, F}},
+                       [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                         c.ops().linear_backward(c, i[0], i[1], i[2], o[0], o[1], o[2]);
+                       });
+    expect_like_cpu(bwd[0], 2e-3, "linear dx");
+    expect_like_cpu(bwd[1], 2e-3, "linear dw");
+    expect_like_cpu(bwd[2], 1e-5, "linear db");
   }
 }
 
 TEST_CASE("ResNet-18 trains in bf16 on the GPU as on the CPU (2 SGD steps)") {
-  if (!test::have_gpu()) return;
+  if (!have_bf16()) return;
   EngineOptions o = test::sgd_options("resnet18", {1, 28, 28});
   o.precision = Precision::Bf16;
   auto cpu = make_single_device_engine(kCpu, o);

@@ -35,6 +35,10 @@ inline void expect_same_numel(const Tensor& a, const Tensor& b, const char* op) 
                 shape_str(b.shape()));
 }
 
+// dst <- src between F32 and BF16 (either way; same numel, host memory): BF16 to F32 is exact,
+// F32 to BF16 rounds through bf16_bits (engine/ops.h). copy's conversion (bf16.cpp).
+void convert(Tensor& dst, const Tensor& src);
+
 // OpenBLAS runs one thread per call (the TBB worker's); called once per process.
 void pin_blas_to_one_thread();
 
@@ -48,10 +52,6 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
 // forward y = f(x, w); backward dx = ... (overwritten, skipped if undefined) and dw += ....
 // Forward adds the bias in fp32 after rounding (`inner`: elements per output channel per
 // sample); backward leaves the bias gradient to the caller's fp32 code, summed from fp32 dy.
-// dst <- src between F32 and BF16 (either way; same numel, host memory): BF16 to F32 is exact,
-// F32 to BF16 rounds through bf16_bits (engine/ops.h). copy's conversion (bf16.cpp).
-void convert(Tensor& dst, const Tensor& src);
-
 using ProductForward = std::function<void(const Tensor& x, const Tensor& w, Tensor& y)>;
 using ProductBackward = std::function<void(const Tensor& x, const Tensor& w, const Tensor& dy,
                                            Tensor& dx, Tensor& dw)>;

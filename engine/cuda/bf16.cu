@@ -178,8 +178,8 @@ class Carve {
  public:
   Carve(bool bf16, bool nhwc) : bf16_(bf16), nhwc_(nhwc) {}
   int64_t floats(int64_t n) const { return ((bf16_ ? (n + 1) / 2 : n) + 63) / 64 * 64; }
-  // A BF16 operand (bf16 storage) is already what a bf16 product reads, unless it must be
-  // transposed: then it is used where it is, and takes nothing.
+  // A BF16 operand (bf16 storage) is already what a bf16 product reads: unless it must be
+  // transposed, it is used where it is and takes nothing.
   bool in_place(const Tensor& t) const {
     return bf16_ && t.dtype() == DType::BF16 && !(nhwc_ && transposes(planes_of(t)));
   }

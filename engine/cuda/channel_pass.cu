@@ -160,6 +160,22 @@ void channel_affine(const ChannelDims& d, const T* x, T* y, const float* scale,
   REPLICA_LAUNCH_CHECK();
 }
 
+void add_channel_bias(const ChannelDims& d, Tensor& y, const Tensor& b, cudaStream_t stream) {
+  with_storage(y.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* yp = data<T>(y);
+    channel_affine<T>(d, yp, yp, nullptr, b.f32(), nullptr, false, stream);
+  });
+}
+
+void accumulate_bias_grad(const ChannelDims& d, int S, const Tensor& dy, const Tensor& scratch,
+                          Tensor& db, cudaStream_t stream) {
+  with_storage(dy.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    channel_sum_accumulate<T>(d, S, data<T>(dy), scratch.f32(), db.f32(), stream);
+  });
+}
+
 // The storage types the passes run on: F32 and BF16.
 #define REPLICA_CHANNEL_PASSES(T)                                                              \
   template void channel_partials<T>(ChannelSum, const ChannelDims&, int, const T*, const T*,   \

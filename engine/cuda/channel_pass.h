@@ -74,6 +74,13 @@ template <class T>
 void channel_affine(const ChannelDims& d, const T* x, T* y, const float* scale,
                     const float* shift, const T* residual, bool relu, cudaStream_t stream);
 
+// A convolution's or linear layer's bias, y of d's shape in F32 or BF16 (bf16 storage):
+// y += b[c] (channel_affine), and db[c] += the sum of dy's channel c (channel_sum_accumulate,
+// S = channel_slices(d), on `scratch` of channel_sum_scratch(d, S) floats).
+void add_channel_bias(const ChannelDims& d, Tensor& y, const Tensor& b, cudaStream_t stream);
+void accumulate_bias_grad(const ChannelDims& d, int S, const Tensor& dy, const Tensor& scratch,
+                          Tensor& db, cudaStream_t stream);
+
 // Where the flat passes find an element's channel: i = (n * C + c) * HW + p.
 template <class Div>
 struct ChannelIndex {

@@ -6,8 +6,9 @@
 // time a shape, e.g. no memory for its trial buffers, the heuristics decide). In fp32 the math
 // type is FMA (no TF32), so results match the CPU backend; in tf32 (Precision::Tf32) each direction runs with the math
 // type of the algorithm chosen for it (tensor ops allowed, down-conversion to fp16/bf16 never).
-// In bf16 (Precision::Bf16) the descriptors hold bf16 data with fp32 compute: operands are
-// rounded into bf16 scratch copies, results widened back into the fp32 tensors (bf16.cu). With
+// In bf16 (Precision::Bf16) the descriptors hold bf16 data with fp32 compute: F32 operands are
+// rounded into bf16 scratch copies (BF16 activations are read as they are, unless transposed),
+// results brought into the F32 or BF16 output tensors (bf16.cu). With
 // ctx.channels_last() (bf16's default) those copies, fp32 or bf16, are NHWC and so are the
 // descriptors (filters KRSC): the layout cuDNN's tensor-core kernels are written for. Only for
 // convolutions whose input and output channels are multiples of 8, the shapes those kernels
@@ -237,14 +238,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f);
     io.finish(io.y, y, false, s.stream);
   }
-  if (b.defined() && y.numel() > 0) {
-    const cuda::ChannelDims bias{N, K, P * Q};  // named here: a lambda may not capture [N, K, ...]
-    cuda::with_storage(y.dtype(), [&](auto tag) {
-      using T = decltype(tag);
-      T* yp = cuda::data<T>(y);
-      cuda::channel_affine<T>(bias, yp, yp, nullptr, b.f32(), nullptr, false, s.stream);
-    });
-  }
+  if (b.defined() && y.numel() > 0) cuda::add_channel_bias({N, K, P * Q}, y, b, s.stream);
 }
 
 void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -295,14 +289,10 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.beta(true));
     io.finish(io.dw, dw, true, s.stream);
   }
-  if (db.defined() && dy.numel() > 0) {
-    const Tensor sums = scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices));
-    cuda::with_storage(dy.dtype(), [&](auto tag) {
-      using T = decltype(tag);
-      cuda::channel_sum_accumulate<T>(bias, bias_slices, cuda::data<T>(dy), sums.f32(), db.f32(),
-                                      s.stream);
-    });
-  }
+  if (db.defined() && dy.numel() > 0)
+    cuda::accumulate_bias_grad(bias, bias_slices, dy,
+                               scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)), db,
+                               s.stream);
 }
 
 }  // namespace replica

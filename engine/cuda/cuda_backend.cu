@@ -32,6 +32,12 @@ bool CudaBackend::takes_bf16(OpId op) const {
     case OpId::batchnorm_backward:
     case OpId::relu_forward:
     case OpId::relu_backward:
+    case OpId::maxpool2d_forward:
+    case OpId::maxpool2d_backward:
+    case OpId::adaptive_avgpool2d_forward:
+    case OpId::adaptive_avgpool2d_backward:
+    case OpId::linear_forward:
+    case OpId::linear_backward:
       return true;
     default:
       return false;
@@ -54,6 +60,17 @@ void expect_device(const DeviceContext& ctx, const Tensor& t, const char* op, co
   REPLICA_CHECK(t.on_cuda() && t.device().index == ctx.device().index,
                 "{}: {} must be in the memory of {} (it is on {}{})", op, what,
                 ctx.device().str(), t.device().str(), t.on_host() ? ", host memory" : "");
+}
+
+DType activations_dtype(const char* op, std::initializer_list<const Tensor*> tensors) {
+  const DType dt = (*tensors.begin())->dtype();
+  for (const Tensor* t : tensors)
+    REPLICA_CHECK(!t->defined() || t->dtype() == dt,
+                  "{}: activations of different dtypes ({} and {}): give them one", op,
+                  dtype_name(dt), dtype_name(t->dtype()));
+  REPLICA_CHECK(dt == DType::F32 || dt == DType::BF16, "{}: activations are {}, not F32 or BF16",
+                op, dtype_name(dt));
+  return dt;
 }
 
 void expect_numel(const Tensor& t, int64_t numel, const char* op, const char* what) {

@@ -161,6 +161,10 @@ void fill_async(T* p, int64_t n, T v, cudaStream_t stream);
 
 // Shape checks shared by the op files: they throw replica::Error naming the op.
 void expect_device(const DeviceContext& ctx, const Tensor& t, const char* op, const char* what);
+// The dtype an op's activations share (its first tensor's; undefined ones aside): F32, or BF16
+// in bf16 storage (engine/bf16_storage.h), where the layers store an op's activations and their
+// gradients alike, so its kernels run on one storage type. Else a clear error.
+DType activations_dtype(const char* op, std::initializer_list<const Tensor*> tensors);
 void expect_numel(const Tensor& t, int64_t numel, const char* op, const char* what);
 void expect_shape(const Tensor& t, const Shape& shape, const char* op, const char* what);
 void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what);
@@ -238,7 +242,7 @@ class CudaBackend final : public Backend {
 #undef REPLICA_OP
   // The ops of a bf16 step whose kernels read and write BF16 activations themselves
   // (engine/bf16_storage.h): copying BF16 to F32 and back around each would cost more than the
-  // op. The others (a ResNet's one max pool, average pool and linear layer) get F32 copies.
+  // op. The others (the loss, add, scale, dropout, mul, gather_rows) get F32 copies.
   bool takes_bf16(OpId op) const override;
 
  private:

@@ -1,6 +1,7 @@
 // CUDA backend: fully connected layer through cuBLAS: SGEMM in fp32 and tf32 (the handle's math
-// mode says which, cuda_runtime.cu); in bf16 (Precision::Bf16) GemmEx on bf16 copies of the
-// operands with fp32 compute and a bf16 result, widened back into the fp32 tensor (bf16.cu).
+// mode says which, cuda_runtime.cu); in bf16 (Precision::Bf16) GemmEx on bf16 operands (copies
+// of F32 ones; BF16 activations as they are) with fp32 compute and a bf16 result, brought into
+// the output tensor, F32 or BF16 (bf16.cu).
 //
 // cuBLAS is column-major. A row-major [R, C] matrix is the same memory as a column-major
 // [C, R] one, i.e. its transpose, so each row-major product below is written for the transposes:
@@ -73,9 +74,7 @@ void CudaBackend::linear_forward(DeviceContext& ctx, const Tensor& x, const Tens
     gemm(s, io.bf16, CUBLAS_OP_T, CUBLAS_OP_N, out, N, in, io.w, in, io.x, in, 0.f, io.y, out);
     io.finish(io.y, y, false, s.stream);
   }
-  if (b.defined())
-    cuda::channel_affine<float>({N, out, 1}, y.f32(), y.f32(), nullptr, b.f32(), nullptr, false,
-                                s.stream);
+  if (b.defined()) cuda::add_channel_bias({N, out, 1}, y, b, s.stream);
 }
 
 void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -116,9 +115,9 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
     io.finish(io.dw, dw, true, s.stream);
   }
   if (db.defined() && N > 0 && out > 0)
-    cuda::channel_sum_accumulate<float>(bias, bias_slices, dy.f32(),
-                                 scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)).f32(),
-                                 db.f32(), s.stream);
+    cuda::accumulate_bias_grad(bias, bias_slices, dy,
+                               scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)), db,
+                               s.stream);
 }
 
 }  // namespace replica

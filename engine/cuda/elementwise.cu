@@ -177,14 +177,6 @@ void CudaBackend::gather_rows(DeviceContext& ctx, Tensor& dst, const Tensor& tab
 
 namespace {
 
-// The ReLU's tensors share one storage type, F32 or BF16 (bf16 storage keeps x, y and their
-// gradients alike: engine/bf16_storage.h).
-void same_storage(const Tensor& a, const Tensor& b, const char* op) {
-  REPLICA_CHECK(a.dtype() == b.dtype() && (a.dtype() == DType::F32 || a.dtype() == DType::BF16),
-                "{}: tensors of {} and {}: give them one dtype, F32 or BF16", op,
-                dtype_name(a.dtype()), dtype_name(b.dtype()));
-}
-
 // Two operands of an elementwise op on ctx's device with as many elements: returns how many.
 int64_t elementwise_numel(const DeviceContext& ctx, const Tensor& a, const Tensor& b,
                           const char* op, const char* a_name, const char* b_name) {
@@ -212,8 +204,7 @@ void CudaBackend::scale(DeviceContext& ctx, Tensor& t, float alpha) {
 void CudaBackend::relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
   const int64_t n = elementwise_numel(ctx, x, y, "relu_forward", "x", "y");
   if (n == 0) return;
-  same_storage(x, y, "relu_forward");
-  cuda::with_storage(x.dtype(), [&](auto tag) {
+  cuda::with_storage(cuda::activations_dtype("relu_forward", {&x, &y}), [&](auto tag) {
     using T = decltype(tag);
     launch_map<Relu, T>(cuda::data<T>(x), nullptr, cuda::data<T>(y), n, Relu(),
                         cuda_state(ctx).stream);
@@ -229,9 +220,7 @@ void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tenso
   cuda::expect_numel(dx, y.numel(), "relu_backward", "dx");
   const int64_t n = y.numel();
   if (n == 0) return;
-  same_storage(y, dy, "relu_backward");
-  same_storage(y, dx, "relu_backward");
-  cuda::with_storage(y.dtype(), [&](auto tag) {
+  cuda::with_storage(cuda::activations_dtype("relu_backward", {&y, &dy, &dx}), [&](auto tag) {
     using T = decltype(tag);
     launch_map<ReluGrad, T>(cuda::data<T>(y), cuda::data<T>(dy), cuda::data<T>(dx), n,
                             ReluGrad(), cuda_state(ctx).stream);

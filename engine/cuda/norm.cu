@@ -127,20 +127,6 @@ void expect_param(const DeviceContext& ctx, const Tensor& t, int64_t C, const ch
   cuda::expect_numel(t, C, op, what);
 }
 
-// The dtype BatchNorm's activations share (x, y or dx, dy, and a residual or relu_y where
-// given): F32, or BF16 in bf16 storage (engine/bf16_storage.h), where the layers store them
-// alike; the kernels run on one storage type.
-DType activations_dtype(const char* op, std::initializer_list<const Tensor*> tensors) {
-  const DType dt = (*tensors.begin())->dtype();
-  for (const Tensor* t : tensors)
-    REPLICA_CHECK(!t->defined() || t->dtype() == dt,
-                  "{}: activations of different dtypes ({} and {}): give them one", op,
-                  dtype_name(dt), dtype_name(t->dtype()));
-  REPLICA_CHECK(dt == DType::F32 || dt == DType::BF16, "{}: activations are {}, not F32 or BF16",
-                op, dtype_name(dt));
-  return dt;
-}
-
 // An optional tensor of x's shape on ctx's device (undefined: not given).
 void expect_optional_like(const DeviceContext& ctx, const Tensor& t, const Tensor& x,
                           const char* op, const char* what) {
@@ -195,7 +181,7 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
   REPLICA_CHECK(d.m() > 1,
                 "{}: expected more than 1 value per channel when training, got input {}", op,
                 shape_str(x.shape()));
-  const DType dt = activations_dtype(op, {&x, &y, &residual});
+  const DType dt = cuda::activations_dtype(op, {&x, &y, &residual});
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int S = cuda::channel_slices(d, op);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
@@ -230,7 +216,7 @@ void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, co
   if (gamma.defined()) expect_param(ctx, gamma, d.c, op, "gamma");
   if (beta.defined()) expect_param(ctx, beta, d.c, op, "beta");
   if (x.numel() == 0) return;
-  const DType dt = activations_dtype(op, {&x, &y, &residual});
+  const DType dt = cuda::activations_dtype(op, {&x, &y, &residual});
   const cudaStream_t stream = cuda_state(ctx).stream;
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, 1)), d.c, 1);
   bn_eval_coeffs_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
@@ -261,7 +247,7 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
   if (dgamma.defined()) expect_param(ctx, dgamma, d.c, op, "dgamma");
   if (dbeta.defined()) expect_param(ctx, dbeta, d.c, op, "dbeta");
   if (x.numel() == 0) return;
-  const DType dt = activations_dtype(op, {&x, &dy, &relu_y, &dx});
+  const DType dt = cuda::activations_dtype(op, {&x, &dy, &relu_y, &dx});
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int S = cuda::channel_slices(d, op);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);

@@ -5,6 +5,9 @@
 // searching the windows from each input element instead repeated every window's search for
 // each element it covers (9 times for 3x3 stride 2), 3.7 ms of ResNet-50's step on an H100.
 //
+// Activations may be BF16 (bf16 storage, engine/bf16_storage.h): read widened, summed in fp32,
+// stored rounded, as the CPU's pooling on their F32 widening; a max is copied as it is.
+//
 // Every division here is by an extent or the stride, through the dividers of
 // engine/cuda/index_math.h: with 64-bit `/` and `%` (eight per input element in max pooling's
 // backward) that backward took 1.06 ms of ResNet-50's step on an H200, about 10x its memory
@@ -42,7 +45,8 @@ struct PoolIndex {
 // Index within the plane of the first maximum of window (oy, ox) in row-major window order;
 // padding is never chosen (counts as -inf); the first NaN wins (as max propagates NaN).
 // -1 when the window is all padding. Same rule as the CPU backend.
-__device__ __forceinline__ int64_t window_argmax(const float* plane, const PoolDims& d,
+template <class T>
+__device__ __forceinline__ int64_t window_argmax(const T* plane, const PoolDims& d,
                                                  int kernel, int stride, int padding, int64_t oy,
                                                  int64_t ox) {
   int64_t best = -1;
@@ -53,7 +57,7 @@ __device__ __forceinline__ int64_t window_argmax(const float* plane, const PoolD
     for (int j = 0; j < kernel; ++j) {
       const int64_t ix = ox * stride - padding + j;
       if (ix < 0 || ix >= d.W) continue;
-      const float v = plane[iy * d.W + ix];
+      const float v = cuda::widen(plane[iy * d.W + ix]);
       if (best < 0 || v > best_v || isnan(v)) {
         best = iy * d.W + ix;
         best_v = v;
@@ -65,18 +69,19 @@ __device__ __forceinline__ int64_t window_argmax(const float* plane, const PoolD
 }
 
 // Every window o's winner: forward writes its value y[o] (-inf when all padding), backward its
-// plane index winner[o] (-1 then); the other pointer is null.
-template <class Div>
-__global__ void maxpool_windows_kernel(const float* x, float* y, int* winner, PoolDims d,
+// plane index winner[o] (-1 then); the other pointer is null. T: how x and y store their
+// elements (F32 or BF16, cuda::widen): a BF16 winner is copied as it is, no rounding.
+template <class Div, class T>
+__global__ void maxpool_windows_kernel(const T* x, T* y, int* winner, PoolDims d,
                                        PoolIndex<Div> at, int kernel, int stride, int padding) {
   using Index = typename Div::Index;
   const int64_t total = d.planes * d.P * d.Q;
   REPLICA_GRID_STRIDE(o, total) {
     Index plane, oy, ox;
     at.split3(Index(o), at.by_p, at.by_q, &plane, &oy, &ox);
-    const float* xp = x + int64_t(plane) * d.H * d.W;
+    const T* xp = x + int64_t(plane) * d.H * d.W;
     const int64_t a = window_argmax(xp, d, kernel, stride, padding, oy, ox);
-    if (y) y[o] = a >= 0 ? xp[a] : -INFINITY;
+    if (y) y[o] = a >= 0 ? xp[a] : cuda::narrow<T>(-INFINITY);
     if (winner) winner[o] = int(a);
   }
 }
@@ -94,8 +99,8 @@ __device__ __forceinline__ void covering_windows(int64_t i, int kernel, const Di
   *hi = h < out - 1 ? h : out - 1;
 }
 
-template <class Div>
-__global__ void maxpool_backward_kernel(const int* winner, const float* dy, float* dx, PoolDims d,
+template <class Div, class T>
+__global__ void maxpool_backward_kernel(const int* winner, const T* dy, T* dx, PoolDims d,
                                         PoolIndex<Div> at, int kernel, int padding) {
   using Index = typename Div::Index;
   const int64_t total = d.planes * d.H * d.W;
@@ -103,7 +108,7 @@ __global__ void maxpool_backward_kernel(const int* winner, const float* dy, floa
     Index plane, iy, ix;
     at.split3(Index(i), at.by_h, at.by_w, &plane, &iy, &ix);
     const int* wp = winner + int64_t(plane) * d.P * d.Q;
-    const float* gp = dy + int64_t(plane) * d.P * d.Q;
+    const T* gp = dy + int64_t(plane) * d.P * d.Q;
     const int self = int(iy * d.W + ix);
     int64_t y0, y1, x0, x1;
     covering_windows(iy, kernel, at.by_stride, padding, d.P, &y0, &y1);
@@ -111,8 +116,8 @@ __global__ void maxpool_backward_kernel(const int* winner, const float* dy, floa
     float g = 0.f;
     for (int64_t oy = y0; oy <= y1; ++oy)
       for (int64_t ox = x0; ox <= x1; ++ox)
-        if (wp[oy * d.Q + ox] == self) g += gp[oy * d.Q + ox];
-    dx[i] = g;
+        if (wp[oy * d.Q + ox] == self) g += cuda::widen(gp[oy * d.Q + ox]);
+    dx[i] = cuda::narrow<T>(g);
   }
 }
 
@@ -128,21 +133,20 @@ __device__ __forceinline__ int64_t adaptive_end(int64_t o, int64_t in, const Div
   return int64_t(by_out.div(typename Div::Index((o + 1) * in + out - 1)));
 }
 
-template <class Div>
-__global__ void adaptive_avgpool_forward_kernel(const float* x, float* y, PoolDims d,
-                                                PoolIndex<Div> at) {
+template <class Div, class T>
+__global__ void adaptive_avgpool_forward_kernel(const T* x, T* y, PoolDims d, PoolIndex<Div> at) {
   using Index = typename Div::Index;
   const int64_t total = d.planes * d.P * d.Q;
   REPLICA_GRID_STRIDE(o, total) {
     Index plane, oy, ox;
     at.split3(Index(o), at.by_p, at.by_q, &plane, &oy, &ox);
-    const float* xp = x + int64_t(plane) * d.H * d.W;
+    const T* xp = x + int64_t(plane) * d.H * d.W;
     const int64_t y0 = adaptive_start(oy, d.H, at.by_p), y1 = adaptive_end(oy, d.H, at.by_p);
     const int64_t x0 = adaptive_start(ox, d.W, at.by_q), x1 = adaptive_end(ox, d.W, at.by_q);
     float s = 0.f;
     for (int64_t iy = y0; iy < y1; ++iy)
-      for (int64_t ix = x0; ix < x1; ++ix) s += xp[iy * d.W + ix];
-    y[o] = s / float((y1 - y0) * (x1 - x0));
+      for (int64_t ix = x0; ix < x1; ++ix) s += cuda::widen(xp[iy * d.W + ix]);
+    y[o] = cuda::narrow<T>(s / float((y1 - y0) * (x1 - x0)));
   }
 }
 
@@ -166,15 +170,15 @@ __device__ __forceinline__ void adaptive_covering(int64_t i, const Div& by_in, c
   *hi = h;
 }
 
-template <class Div>
-__global__ void adaptive_avgpool_backward_kernel(const float* dy, float* dx, PoolDims d,
+template <class Div, class T>
+__global__ void adaptive_avgpool_backward_kernel(const T* dy, T* dx, PoolDims d,
                                                  PoolIndex<Div> at) {
   using Index = typename Div::Index;
   const int64_t total = d.planes * d.H * d.W;
   REPLICA_GRID_STRIDE(i, total) {
     Index plane, iy, ix;
     at.split3(Index(i), at.by_h, at.by_w, &plane, &iy, &ix);
-    const float* gp = dy + int64_t(plane) * d.P * d.Q;
+    const T* gp = dy + int64_t(plane) * d.P * d.Q;
     int64_t oy0, oy1, ox0, ox1;
     adaptive_covering(iy, at.by_h, at.by_p, &oy0, &oy1);
     adaptive_covering(ix, at.by_w, at.by_q, &ox0, &ox1);
@@ -183,10 +187,10 @@ __global__ void adaptive_avgpool_backward_kernel(const float* dy, float* dx, Poo
       const int64_t y0 = adaptive_start(oy, d.H, at.by_p), y1 = adaptive_end(oy, d.H, at.by_p);
       for (int64_t ox = ox0; ox <= ox1; ++ox) {
         const int64_t x0 = adaptive_start(ox, d.W, at.by_q), x1 = adaptive_end(ox, d.W, at.by_q);
-        g += gp[oy * d.Q + ox] / float((y1 - y0) * (x1 - x0));
+        g += cuda::widen(gp[oy * d.Q + ox]) / float((y1 - y0) * (x1 - x0));
       }
     }
-    dx[i] = g;
+    dx[i] = cuda::narrow<T>(g);
   }
 }
 
@@ -240,9 +244,14 @@ void CudaBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor&
   check_maxpool(x, y, p, op);
   const int64_t total = d.planes * d.P * d.Q;
   if (total == 0) return;
-  with_pool_index(d, p.stride, p.padding, [&](auto at) {
-    maxpool_windows_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
-        x.f32(), y.f32(), nullptr, d, at, p.kernel, p.stride, p.padding);
+  cuda::with_storage(cuda::activations_dtype(op, {&x, &y}), [&](auto tag) {
+    using T = decltype(tag);
+    with_pool_index(d, p.stride, p.padding, [&](auto at) {
+      maxpool_windows_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
+                               cuda_state(ctx).stream>>>(cuda::data<T>(x), cuda::data<T>(y),
+                                                         nullptr, d, at, p.kernel, p.stride,
+                                                         p.padding);
+    });
   });
   REPLICA_LAUNCH_CHECK();
 }
@@ -266,15 +275,19 @@ void CudaBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const 
   const cudaStream_t stream = cuda_state(ctx).stream;
   const Tensor winners = scratch(ctx, windows);
   int* winner = reinterpret_cast<int*>(winners.f32());  // an int per float slot
-  with_pool_index(d, p.stride, p.padding, [&](auto at) {
-    if (windows > 0) {
-      maxpool_windows_kernel<<<cuda::grid_for(windows), cuda::kThreads, 0, stream>>>(
-          x.f32(), nullptr, winner, d, at, p.kernel, p.stride, p.padding);
+  cuda::with_storage(cuda::activations_dtype(op, {&x, &dy, &dx}), [&](auto tag) {
+    using T = decltype(tag);
+    with_pool_index(d, p.stride, p.padding, [&](auto at) {
+      if (windows > 0) {
+        maxpool_windows_kernel<<<cuda::grid_for(windows), cuda::kThreads, 0, stream>>>(
+            cuda::data<T>(x), static_cast<T*>(nullptr), winner, d, at, p.kernel, p.stride,
+            p.padding);
+        REPLICA_LAUNCH_CHECK();
+      }
+      maxpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, stream>>>(
+          winner, cuda::data<T>(dy), cuda::data<T>(dx), d, at, p.kernel, p.padding);
       REPLICA_LAUNCH_CHECK();
-    }
-    maxpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, stream>>>(
-        winner, dy.f32(), dx.f32(), d, at, p.kernel, p.padding);
-    REPLICA_LAUNCH_CHECK();
+    });
   });
 }
 
@@ -286,9 +299,13 @@ void CudaBackend::adaptive_avgpool2d_forward(DeviceContext& ctx, const Tensor& x
   const int64_t total = d.planes * d.P * d.Q;
   if (total == 0) return;
   REPLICA_CHECK(d.H >= 1 && d.W >= 1, "{}: empty input plane {}", op, shape_str(x.shape()));
-  with_pool_index(d, 1, 0, [&](auto at) {
-    adaptive_avgpool_forward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
-                                      cuda_state(ctx).stream>>>(x.f32(), y.f32(), d, at);
+  cuda::with_storage(cuda::activations_dtype(op, {&x, &y}), [&](auto tag) {
+    using T = decltype(tag);
+    with_pool_index(d, 1, 0, [&](auto at) {
+      adaptive_avgpool_forward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
+                                        cuda_state(ctx).stream>>>(cuda::data<T>(x),
+                                                                  cuda::data<T>(y), d, at);
+    });
   });
   REPLICA_LAUNCH_CHECK();
 }
@@ -304,9 +321,13 @@ void CudaBackend::adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& 
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
     return;
   }
-  with_pool_index(d, 1, 0, [&](auto at) {
-    adaptive_avgpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
-                                       cuda_state(ctx).stream>>>(dy.f32(), dx.f32(), d, at);
+  cuda::with_storage(cuda::activations_dtype(op, {&dy, &dx}), [&](auto tag) {
+    using T = decltype(tag);
+    with_pool_index(d, 1, 0, [&](auto at) {
+      adaptive_avgpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
+                                         cuda_state(ctx).stream>>>(cuda::data<T>(dy),
+                                                                   cuda::data<T>(dx), d, at);
+    });
   });
   REPLICA_LAUNCH_CHECK();
 }
