@@ -5,6 +5,7 @@
 
 #include <cstdio>
 
+#include "engine/cudart.h"
 #include "engine/device.h"
 
 namespace test {
@@ -13,6 +14,16 @@ inline bool have_gpu() {
   if (replica::cuda_device_count() > 0) return true;
   std::printf("SKIPPED: no CUDA GPU found (cuda_device_count() == 0)\n");
   MESSAGE("SKIPPED: no CUDA GPU found");
+  return false;
+}
+
+// A GPU with compute capability 8.0 or later: TF32 and bf16 tensor cores, which `what` (the
+// cases that need them) use; else says they are skipped and why.
+inline bool have_tensor_cores(const char* what) {
+  if (!have_gpu()) return false;
+  if (replica::cudart::compute_capability(0) >= 80) return true;
+  MESSAGE(what << " skipped: GPU 0 has compute capability "
+               << replica::cudart::compute_capability(0) / 10.0 << ", no TF32/bf16 tensor cores");
   return false;
 }
 

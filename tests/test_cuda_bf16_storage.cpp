@@ -20,7 +20,6 @@
 
 #include "dp_reference.h"
 #include "engine/context.h"
-#include "engine/cudart.h"
 #include "engine/ops.h"
 #include "gpu_skip.h"
 #include "parallel/engines/train_engine.h"
@@ -33,13 +32,7 @@ const Device kGpu{DeviceType::CUDA, 0, 0};
 const Device kCpu{DeviceType::CPU, 0, 0};
 
 // bf16 tensor cores arrived with compute capability 8.0 (cuDNN and cuBLAS refuse bf16 before).
-bool have_bf16() {
-  if (!test::have_gpu()) return false;
-  if (cudart::compute_capability(0) >= 80) return true;
-  MESSAGE("bf16 cases skipped: GPU 0 has compute capability "
-          << cudart::compute_capability(0) / 10.0 << ", no bf16 tensor cores");
-  return false;
-}
+bool have_bf16() { return test::have_tensor_cores("bf16 cases"); }
 
 ContextOptions bf16_options(bool channels_last) {
   ContextOptions o{0, true, Precision::Bf16};
@@ -253,15 +246,5 @@ TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
 
 TEST_CASE("ResNet-18 trains in bf16 on the GPU as on the CPU (2 SGD steps)") {
   if (!have_bf16()) return;
-  EngineOptions o = test::sgd_options("resnet18", {1, 28, 28});
-  o.precision = Precision::Bf16;
-  auto cpu = make_single_device_engine(kCpu, o);
-  auto gpu = make_single_device_engine(kGpu, o);
-  const auto losses = test::train_in_lockstep(*cpu, *gpu, o.input_shape, 2, 16, 6, 2e-2);
-  for (size_t s = 0; s < losses.size(); ++s)
-    MESSAGE("step " << s << ": loss CPU bf16 " << losses[s].first << ", GPU bf16 "
-                    << losses[s].second);
-  const double drift = test::relative_l2(test::params_of(*cpu), test::params_of(*gpu));
-  MESSAGE("parameters after 2 steps, relative L2 GPU vs CPU (both bf16): " << drift);
-  CHECK(drift < 1e-3);
+  CHECK(test::device_vs_cpu_drift(kGpu, "resnet18", Precision::Bf16, 2, 16, 2e-2) < 1e-3);
 }

@@ -37,13 +37,7 @@ namespace {
 
 const Device kGpu{DeviceType::CUDA, 0, 0};
 
-bool have_tf32() {
-  if (!test::have_gpu()) return false;
-  if (cudart::compute_capability(0) >= 80) return true;
-  MESSAGE("tf32 cases skipped: GPU 0 has compute capability "
-          << cudart::compute_capability(0) / 10.0 << ", no TF32 tensor cores");
-  return false;
-}
+bool have_tf32() { return test::have_tensor_cores("tf32 and bf16 cases"); }
 
 std::vector<float> random_values(const Shape& shape, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -317,17 +311,7 @@ TEST_CASE("bf16 GEMMs and convolutions: the CPU's bf16 numbers, forward and back
 
 TEST_CASE("bf16 training on the GPU follows the CPU's bf16: CNN 3 SGD steps") {
   if (!have_tf32()) return;
-  EngineOptions o = test::sgd_options("cnn", {1, 28, 28});
-  o.precision = Precision::Bf16;
-  auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
-  auto gpu = make_single_device_engine(kGpu, o);
-  const auto losses = test::train_in_lockstep(*cpu, *gpu, o.input_shape, 3, 8, 6, 1e-2);
-  for (size_t s = 0; s < losses.size(); ++s)
-    MESSAGE("step " << s << ": loss CPU bf16 " << losses[s].first << ", GPU bf16 "
-                    << losses[s].second);
-  const double drift = test::relative_l2(test::params_of(*cpu), test::params_of(*gpu));
-  MESSAGE("parameters after 3 steps, relative L2 GPU vs CPU (both bf16): " << drift);
-  CHECK(drift < 1e-3);
+  CHECK(test::device_vs_cpu_drift(kGpu, "cnn", Precision::Bf16, 3, 8, 1e-2) < 1e-3);
 }
 
 namespace {
