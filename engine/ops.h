@@ -78,8 +78,9 @@ class Backend {
   // in bf16: engine/bf16_storage.h). The others are given F32 copies of them, and their
   // BF16 outputs get their F32 results rounded, by the layer every context puts around its
   // backend; copy and fill take BF16 in every backend. An op that takes BF16 takes it as the
-  // layers give it: in --precision bf16, an op's activations and their gradients all in BF16;
-  // other mixes are refused with an error, where F32 copies would have served.
+  // layers give it, in --precision bf16: the CUDA pooling, ReLU and BatchNorm kernels want an
+  // op's activations and their gradients all in one dtype and refuse other mixes with an error
+  // (F32 copies would have served); convolutions and linear layers stage each operand by its own.
   virtual bool takes_bf16(OpId op) const { return op == OpId::copy || op == OpId::fill; }
 };
 

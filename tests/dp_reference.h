@@ -227,24 +227,30 @@ inline double precision_update_drift(const Device& device, Precision precision, 
 }
 
 // `model` (sgd_options, 1x28x28) trained `steps` steps in `precision` on the CPU and on `device`
-// side by side (train_in_lockstep, each step's losses printed); returns the parameters'
-// relative L2 between the two.
-inline double device_vs_cpu_drift(const Device& device, const std::string& model,
-                                  Precision precision, int steps, int64_t batch,
-                                  double loss_rtol) {
+// side by side (train_in_lockstep, each step's losses printed): the parameters' relative L2
+// between the two, and their updates' (update_drift: a few steps move parameters by about 1e-3
+// of their size, under which a wrong gradient can hide in the first figure, not the second).
+struct DeviceDrift {
+  double params, update;
+};
+inline DeviceDrift device_vs_cpu_drift(const Device& device, const std::string& model,
+                                       Precision precision, int steps, int64_t batch,
+                                       double loss_rtol) {
   EngineOptions o = sgd_options(model, {1, 28, 28});
   o.precision = precision;
   auto cpu = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
   auto other = make_single_device_engine(device, o);
+  const std::vector<float> before = params_of(*cpu);
   const auto losses = train_in_lockstep(*cpu, *other, o.input_shape, steps, batch, 6, loss_rtol);
   const std::string name = precision_name(precision);
   for (size_t s = 0; s < losses.size(); ++s)
     MESSAGE(model << " step " << s << ": loss CPU " << name << " " << losses[s].first << ", "
                   << device.str() << " " << losses[s].second);
-  const double drift = relative_l2(params_of(*cpu), params_of(*other));
-  MESSAGE(model << ": parameters after " << steps << " steps, relative L2 " << device.str()
-                << " vs CPU (both " << name << "): " << drift);
-  return drift;
+  const DeviceDrift d{relative_l2(params_of(*cpu), params_of(*other)),
+                      update_drift(*cpu, *other, before)};
+  MESSAGE(model << " after " << steps << " steps, " << device.str() << " vs CPU (both " << name
+                << "): parameters' relative L2 " << d.params << ", updates' " << d.update);
+  return d;
 }
 
 // max |a-b| / max |a|: a relative error over the whole parameter vector.

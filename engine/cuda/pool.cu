@@ -70,7 +70,8 @@ __device__ __forceinline__ int64_t window_argmax(const T* plane, const PoolDims&
 
 // Every window o's winner: forward writes its value y[o] (-inf when all padding), backward its
 // plane index winner[o] (-1 then); the other pointer is null. T: how x and y store their
-// elements (F32 or BF16, cuda::widen): a BF16 winner is copied as it is, no rounding.
+// elements (F32 or BF16, cuda::widen): a BF16 winner stays itself (a NaN quieted, as the CPU's
+// round trip through fp32 does).
 template <class Div, class T>
 __global__ void maxpool_windows_kernel(const T* x, T* y, int* winner, PoolDims d,
                                        PoolIndex<Div> at, int kernel, int stride, int padding) {
@@ -81,7 +82,7 @@ __global__ void maxpool_windows_kernel(const T* x, T* y, int* winner, PoolDims d
     at.split3(Index(o), at.by_p, at.by_q, &plane, &oy, &ox);
     const T* xp = x + int64_t(plane) * d.H * d.W;
     const int64_t a = window_argmax(xp, d, kernel, stride, padding, oy, ox);
-    if (y) y[o] = a >= 0 ? xp[a] : cuda::narrow<T>(-INFINITY);
+    if (y) y[o] = cuda::narrow<T>(a >= 0 ? cuda::widen(xp[a]) : -INFINITY);  // NaN: quieted
     if (winner) winner[o] = int(a);
   }
 }
