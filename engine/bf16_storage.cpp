@@ -76,16 +76,10 @@ Dispatch<Call> dispatch(Backend& inner, bool takes_bf16, Call call) {
   return {inner, takes_bf16, std::move(call)};
 }
 
-constexpr size_t kOps = 0
-#define REPLICA_OP(name, params, args) +1
-#include "engine/backend_ops.inc"
-#undef REPLICA_OP
-    ;
-
 class Bf16StorageBackend final : public Backend {
  public:
   explicit Bf16StorageBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {
-    for (size_t i = 0; i < kOps; ++i) takes_[i] = inner_->takes_bf16(OpId(i));
+    for (size_t i = 0; i < takes_.size(); ++i) takes_[i] = inner_->takes_bf16(OpId(i));
   }
 
 #define REPLICA_OP(name, params, args)                                                   \
@@ -100,7 +94,7 @@ class Bf16StorageBackend final : public Backend {
 
  private:
   std::unique_ptr<Backend> inner_;
-  std::array<bool, kOps> takes_{};
+  std::array<bool, size_t(OpId::kCount)> takes_{};
 };
 
 }  // namespace

@@ -61,11 +61,13 @@ inline int64_t window_out(int64_t in, int kernel, int stride, int padding) {
   return (in + 2 * padding - kernel) / stride + 1;
 }
 
-// Each op of the list by name, for what is said of ops one by one (takes_bf16).
+// Each op of the list by name, for what is said of ops one by one (takes_bf16); kCount: how
+// many there are.
 enum class OpId {
 #define REPLICA_OP(name, params, args) name,
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
+  kCount
 };
 
 class Backend {

@@ -20,7 +20,7 @@ using cuda::widen;
 
 // Elements of In (float or uint16_t: F32 or BF16) to Out: widened, then rounded if Out is BF16.
 template <class In, class Out>
-__global__ void stage_flat_kernel(const In* src, Out* dst, int64_t n) {
+__global__ void convert_kernel(const In* src, Out* dst, int64_t n) {
   REPLICA_GRID_STRIDE(i, n)
     dst[i] = narrow<Out>(widen(src[i]));
 }
@@ -145,8 +145,7 @@ void stage(const Tensor& t, Out* dst, bool nhwc, cudaStream_t stream) {
                                                                                 tiles);
       });
     } else {
-      stage_flat_kernel<<<cuda::grid_for(t.numel()), cuda::kThreads, 0, stream>>>(src, dst,
-                                                                                  t.numel());
+      cuda::convert_async(src, dst, t.numel(), stream);
     }
   });
   REPLICA_LAUNCH_CHECK();
@@ -205,6 +204,16 @@ class Carve {
 };
 
 }  // namespace
+
+template <class In, class Out>
+void cuda::convert_async(const In* src, Out* dst, int64_t n, cudaStream_t stream) {
+  convert_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(src, dst, n);
+  REPLICA_LAUNCH_CHECK();
+}
+template void cuda::convert_async(const float*, float*, int64_t, cudaStream_t);
+template void cuda::convert_async(const float*, uint16_t*, int64_t, cudaStream_t);
+template void cuda::convert_async(const uint16_t*, float*, int64_t, cudaStream_t);
+template void cuda::convert_async(const uint16_t*, uint16_t*, int64_t, cudaStream_t);
 
 void ProductIo::finish(const void* result, Tensor& out, bool accumulate,
                        cudaStream_t stream) const {

@@ -70,7 +70,8 @@ __host__ __device__ __forceinline__ T narrow(float v) {
     return v;
 }
 
-// A tensor's elements as type T (float: F32, uint16_t: BF16); null for an undefined one.
+// A tensor's elements as type T (float: F32, uint16_t: BF16); null for an undefined one (an
+// optional tensor: "not wanted" or "none needed").
 template <class T>
 T* data(const Tensor& t) {
   if (!t.defined()) return nullptr;
@@ -108,10 +109,10 @@ struct Pack {
   __device__ __forceinline__ void load(const uint16_t* p, Index g) {
     if constexpr (kVec == 4) {
       const uint2 u = reinterpret_cast<const uint2*>(p)[g];  // element 0 in the low half
-      v[0] = bf16_value(uint16_t(u.x)), v[1] = bf16_value(uint16_t(u.x >> 16));
-      v[2] = bf16_value(uint16_t(u.y)), v[3] = bf16_value(uint16_t(u.y >> 16));
+      v[0] = widen(uint16_t(u.x)), v[1] = widen(uint16_t(u.x >> 16));
+      v[2] = widen(uint16_t(u.y)), v[3] = widen(uint16_t(u.y >> 16));
     } else {
-      v[0] = bf16_value(p[g]);
+      v[0] = widen(p[g]);
     }
   }
   template <class Index>
@@ -125,11 +126,11 @@ struct Pack {
   template <class Index>
   __device__ __forceinline__ void store(uint16_t* p, Index g) const {
     if constexpr (kVec == 4) {
+      const auto bits = [&](int k) { return uint32_t(narrow<uint16_t>(v[k])); };
       reinterpret_cast<uint2*>(p)[g] =
-          make_uint2(uint32_t(bf16_bits(v[0])) | (uint32_t(bf16_bits(v[1])) << 16),
-                     uint32_t(bf16_bits(v[2])) | (uint32_t(bf16_bits(v[3])) << 16));
+          make_uint2(bits(0) | (bits(1) << 16), bits(2) | (bits(3) << 16));
     } else {
-      p[g] = bf16_bits(v[0]);
+      p[g] = narrow<uint16_t>(v[0]);
     }
   }
 };
@@ -152,8 +153,11 @@ void with_width(bool vec4, F&& launch) {
     launch(std::integral_constant<int, 1>());
 }
 
-// An optional tensor's data (undefined: null, "not wanted" or "none needed").
-inline float* ptr_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
+// dst[i] = src[i] as Out for i < n (n > 0) on `stream`: widened, then rounded where Out is BF16
+// (float: F32, uint16_t: BF16, either way round). copy's conversions and the staged operands'
+// flat copies (bf16.cu).
+template <class In, class Out>
+void convert_async(const In* src, Out* dst, int64_t n, cudaStream_t stream);
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
 template <class T>

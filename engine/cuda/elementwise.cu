@@ -9,16 +9,6 @@ namespace replica {
 
 namespace {
 
-// copy's conversions (backend_ops.inc): F32 -> BF16 rounds through bf16_bits, as the CPU's.
-__global__ void narrow_kernel(const float* src, uint16_t* dst, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n)
-    dst[i] = bf16_bits(src[i]);
-}
-__global__ void widen_kernel(const uint16_t* src, float* dst, int64_t n) {
-  REPLICA_GRID_STRIDE(i, n)
-    dst[i] = bf16_value(src[i]);
-}
-
 // One thread per word: a 4-byte element (F32 and I32 alike), or four of them as a float4.
 template <class Word>
 __global__ void gather_rows_kernel(Word* dst, const Word* table, const int32_t* rows,
@@ -140,10 +130,9 @@ void CudaBackend::copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
     if (n == 0) return;
     const cudaStream_t stream = cuda_state(ctx).stream;
     if (narrow)
-      narrow_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(src.f32(), dst.bf16(), n);
+      cuda::convert_async(src.f32(), dst.bf16(), n, stream);
     else
-      widen_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(src.bf16(), dst.f32(), n);
-    REPLICA_LAUNCH_CHECK();
+      cuda::convert_async(src.bf16(), dst.f32(), n, stream);
     return;
   }
   if (dst.numel() == 0 || dst.raw() == src.raw()) return;

@@ -26,7 +26,6 @@ namespace {
 
 using cuda::ChannelDims;
 using cuda::ChannelSum;
-using cuda::ptr_or_null;
 
 ChannelDims bn_dims(const Tensor& x, const char* op) {
   REPLICA_CHECK(x.ndim() >= 2 && x.ndim() <= 4,
@@ -185,15 +184,15 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int S = cuda::channel_slices(d, op);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
-  const TrainOut out{ptr_or_null(running_mean), ptr_or_null(running_var),
-                     ptr_or_null(save_mean), ptr_or_null(save_invstd)};
+  const TrainOut out{cuda::data<float>(running_mean), cuda::data<float>(running_var),
+                     cuda::data<float>(save_mean), cuda::data<float>(save_invstd)};
   cuda::with_storage(dt, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = cuda::data<T>(x);
     cuda::channel_partials<T>(ChannelSum::Moments, d, S, xp, nullptr, nullptr, nullptr, nullptr,
                               w.part_a, w.part_b, stream);
     bn_train_stats_kernel<T><<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
-        xp, w.part_a, w.part_b, S, d, ptr_or_null(gamma), ptr_or_null(beta), momentum, eps, out,
+        xp, w.part_a, w.part_b, S, d, cuda::data<float>(gamma), cuda::data<float>(beta), momentum, eps, out,
         w.scale, w.shift);
     REPLICA_LAUNCH_CHECK();
     cuda::channel_affine<T>(d, xp, cuda::data<T>(y), w.scale, w.shift, cuda::data<T>(residual),
@@ -220,7 +219,7 @@ void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, co
   const cudaStream_t stream = cuda_state(ctx).stream;
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, 1)), d.c, 1);
   bn_eval_coeffs_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
-      running_mean.f32(), running_var.f32(), ptr_or_null(gamma), ptr_or_null(beta), eps, d.c,
+      running_mean.f32(), running_var.f32(), cuda::data<float>(gamma), cuda::data<float>(beta), eps, d.c,
       w.scale, w.shift);
   REPLICA_LAUNCH_CHECK();
   cuda::with_storage(dt, [&](auto tag) {
@@ -258,8 +257,8 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
     cuda::channel_partials<T>(ChannelSum::GradMoments, d, S, xp, dyp, mask, mean, is, w.part_a,
                               w.part_b, stream);
     bn_grad_sums_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
-        w.part_a, w.part_b, S, d, ptr_or_null(gamma), is, ptr_or_null(dgamma),
-        ptr_or_null(dbeta), w.sums);
+        w.part_a, w.part_b, S, d, cuda::data<float>(gamma), is, cuda::data<float>(dgamma),
+        cuda::data<float>(dbeta), w.sums);
     REPLICA_LAUNCH_CHECK();
     if (!dx.defined()) return;
     T* dxp = cuda::data<T>(dx);
