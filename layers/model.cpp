@@ -95,6 +95,15 @@ void Model::materialize(DeviceContext& ctx, uint64_t seed) {
   ctx.synchronize();  // the host staging tensors die here
 }
 
+Tensor Model::forward(DeviceContext& ctx, const Tensor& x) {
+  if (!root_->training()) return root_->forward(ctx, x);
+  const size_t before = ctx.allocator().bytes_in_use();
+  Tensor y = root_->forward(ctx, x);
+  const size_t after = ctx.allocator().bytes_in_use();
+  if (after > before) forward_kept_bytes_ = std::max(forward_kept_bytes_, int64_t(after - before));
+  return y;
+}
+
 void Model::set_grad_hook(GradHook hook) {
   hook_ = std::move(hook);
   root_->set_grad_hook(hook_ ? &hook_ : nullptr);

@@ -23,7 +23,9 @@ class Model {
   // Allocates flat buffers on ctx's device and fills them from `seed`. Call once.
   void materialize(DeviceContext& ctx, uint64_t seed);
 
-  Tensor forward(DeviceContext& ctx, const Tensor& x) { return root_->forward(ctx, x); }
+  // In training mode it also notes what the forward left in use on ctx's device
+  // (forward_kept_bytes).
+  Tensor forward(DeviceContext& ctx, const Tensor& x);
   Tensor backward(DeviceContext& ctx, const Tensor& dy) { return root_->backward(ctx, dy); }
   void set_training(bool training) { root_->set_training(training); }
   // Called after each module's backward with the parameters whose gradients are final.
@@ -41,6 +43,11 @@ class Model {
   int64_t num_buffer_elements() const { return num_buffer_elements_; }
   // Multiply-adds of one forward pass over `batch` samples (measured from the last forward).
   double last_forward_macs() const { return root_->last_forward_macs(); }
+  // The most bytes a training forward has left in use on its device, over the training
+  // forwards so far (0 before the first): the activations and statistics kept for backward,
+  // and the output. Layers release what they kept in their backward, so it is the bytes in use
+  // after the forward less those before it.
+  int64_t forward_kept_bytes() const { return forward_kept_bytes_; }
   std::string summary() const;  // one line: name, parameters, input shape
 
  private:
@@ -51,6 +58,7 @@ class Model {
   GradHook hook_;
   Tensor flat_params_, flat_grads_, flat_buffers_;
   int64_t num_params_ = 0, num_buffer_elements_ = 0;
+  int64_t forward_kept_bytes_ = 0;
 };
 
 // The model zoo. Names: cnn, resnet18, resnet34, resnet50, resnet101, resnet152.

@@ -287,6 +287,9 @@ TEST_CASE("a short run writes metrics with the documented fields") {
   CHECK(m["peak_memory_bytes"][0].get<double>() > 0);
   REQUIRE(m["peak_held_bytes"].size() == m["devices"].size());
   CHECK(m["peak_held_bytes"][0].get<double>() >= m["peak_memory_bytes"][0].get<double>());
+  REQUIRE(m["forward_kept_bytes"].size() == m["devices"].size());
+  CHECK(m["forward_kept_bytes"][0].get<double>() > 0);
+  CHECK(m["forward_kept_bytes"][0].get<double>() < m["peak_memory_bytes"][0].get<double>());
   // The synthetic bands are easy: two epochs learn them.
   CHECK(m["test_accuracy"].get<double>() > 0.5);
   std::ifstream tin(tmp.str("t.json"));

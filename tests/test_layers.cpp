@@ -274,10 +274,19 @@ TEST_CASE("an evaluation forward keeps no activations; a training forward keeps 
   CHECK(ctx.allocator().bytes_in_use() == before);
   CHECK_THROWS_WITH_AS(m->root().backward(ctx, ctx.alloc({4, 10})),
                        doctest::Contains("backward without a training-mode forward"), Error);
+  CHECK(m->forward_kept_bytes() == 0);  // evaluation forwards do not count
   m->set_training(true);
-  { Tensor y = m->forward(ctx, x); }
-  // Among what backward needs: bn1's input, the stem convolution's 4x64x14x14 output.
-  CHECK(ctx.allocator().bytes_in_use() >= before + 4 * 64 * 14 * 14 * sizeof(float));
+  {
+    Tensor y = m->forward(ctx, x);
+    // Among what backward needs: bn1's input, the stem convolution's 4x64x14x14 output.
+    CHECK(ctx.allocator().bytes_in_use() >= before + 4 * 64 * 14 * 14 * sizeof(float));
+    // The model's own count: all the forward left in use, its output included.
+    CHECK(m->forward_kept_bytes() == int64_t(ctx.allocator().bytes_in_use() - before));
+  }
+  // The largest training forward's: a smaller batch after it leaves the count alone.
+  const int64_t four = m->forward_kept_bytes();
+  { Tensor y = m->forward(ctx, x.view(0, {2, 1, 28, 28})); }
+  CHECK(m->forward_kept_bytes() == four);
 }
 
 TEST_CASE("BatchNorm2d: running statistics updated as PyTorch (momentum 0.1, unbiased var)") {

@@ -133,6 +133,11 @@ TEST_CASE("--mode dp and --mode ddp on 2 CPU devices, same seed: accuracies with
   MESSAGE("test accuracy after 400 steps: dp " << acc_dp << ", ddp " << acc_ddp);
   CHECK(acc_dp > 0.75);
   CHECK(std::abs(acc_dp - acc_ddp) <= 0.01);
+  // DP's device and DDP's rank each run the forward on 16 of the 32 samples: the same bytes kept
+  // for backward.
+  REQUIRE(a["forward_kept_bytes"].size() == 2);
+  CHECK(a["forward_kept_bytes"][0].get<int64_t>() > 0);
+  CHECK(a["forward_kept_bytes"] == b["forward_kept_bytes"]);
 }
 
 TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are one line") {

@@ -149,6 +149,11 @@ class DataParallelEngine final : public TrainEngine {
     pool_.run([&](int i) { replicas_[i].ctx->synchronize(); });
   }
   Model& model() override { return *replicas_[0].model; }
+  std::vector<Model*> models() override {
+    std::vector<Model*> out;
+    for (Replica& r : replicas_) out.push_back(r.model.get());
+    return out;
+  }
   DeviceContext& primary() override { return *replicas_[0].ctx; }
   Optimizer& optimizer() override { return *step_->optimizer; }
   void state_loaded() override { broadcast(); }

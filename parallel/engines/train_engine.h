@@ -72,6 +72,8 @@ class TrainEngine {
 
   // The primary replica (device 0) and its optimizer: what checkpoints save and restore.
   virtual Model& model() = 0;
+  // Every replica this process trains, in contexts() order (DP: one per device).
+  virtual std::vector<Model*> models() { return {&model()}; }
   virtual DeviceContext& primary() = 0;
   virtual Optimizer& optimizer() = 0;
   // After parameters/buffers/optimizer state of the primary were overwritten (resume):
@@ -83,6 +85,13 @@ class TrainEngine {
   // (max_memory_reserved).
   std::vector<size_t> peak_memory_bytes() { return per_device(&Allocator::peak_bytes); }
   std::vector<size_t> peak_held_bytes() { return per_device(&Allocator::peak_held_bytes); }
+  // What a training forward left in use on each device, in contexts() order: the activations
+  // kept for backward (Model::forward_kept_bytes).
+  std::vector<int64_t> forward_kept_bytes() {
+    std::vector<int64_t> out;
+    for (Model* m : models()) out.push_back(m->forward_kept_bytes());
+    return out;
+  }
   // This process's place in a multi-process job (DDP); one process otherwise.
   virtual int rank() const { return 0; }
   virtual int world_size() const { return 1; }

@@ -84,19 +84,24 @@ void RunReport::gather_ranks() {
   for (const auto& d : engine_.devices()) device_names_.push_back(d.str());
   for (size_t p : engine_.peak_memory_bytes()) peaks_.push_back(int64_t(p));
   for (size_t p : engine_.peak_held_bytes()) held_.push_back(int64_t(p));
+  kept_ = engine_.forward_kept_bytes();
   if (world_ <= 1) return;
   const Device mine = engine_.devices()[0];
+  constexpr size_t kFields = 5;
   const std::vector<int64_t> all =
-      engine_.gather_from_ranks({peaks_[0], held_[0], mine.index, mine.slot});
+      engine_.gather_from_ranks({peaks_[0], held_[0], kept_[0], mine.index, mine.slot});
   peaks_.assign(size_t(world_), 0);
   held_.assign(size_t(world_), 0);
+  kept_.assign(size_t(world_), 0);
   device_names_.assign(size_t(world_), "");
   for (size_t r = 0; r < size_t(world_); ++r) {
+    const int64_t* rank = &all[kFields * r];
     Device d = mine;
-    peaks_[r] = all[4 * r];
-    held_[r] = all[4 * r + 1];
-    d.index = int(all[4 * r + 2]);
-    d.slot = int(all[4 * r + 3]);
+    peaks_[r] = rank[0];
+    held_[r] = rank[1];
+    kept_[r] = rank[2];
+    d.index = int(rank[3]);
+    d.slot = int(rank[4]);
     device_names_[r] = fmt::format("rank {} {}", r, d.str());
   }
 }
@@ -166,6 +171,8 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
       {"peak_memory_bytes", peaks_},
       // In use plus cached: what the allocator took from the system (max_memory_reserved).
       {"peak_held_bytes", held_},
+      // What a training forward left in use: the activations kept for backward (the largest).
+      {"forward_kept_bytes", kept_},
       // DDP: one entry per rank, "rank R cpu:R" (DP: one per device of this process).
       {"peak_memory_devices", device_names_},
       {"interrupted", t.stop_signal != 0},
@@ -211,6 +218,7 @@ void RunReport::finish(const RunTotals& t, const nlohmann::json& m) const {
   say("time per step by phase (" + scope + "):" + phase_line(m["phase_ms_per_step"]));
   say(fmt::format("peak memory per {}:{}", each, per_device(peaks_)));
   say(fmt::format("held per {} (in use + cached):{}", each, per_device(held_)));
+  say(fmt::format("kept by a forward for backward per {}:{}", each, per_device(kept_)));
   if (t.evaluated)
     say(fmt::format("test accuracy {:.4f}  test loss {:.4f}  ({} steps, {:.0f} samples/s, "
                     "{:.1f} GFLOP/s)",

@@ -53,7 +53,8 @@ class RunReport {
   // "interrupted" or "ended (--max-steps)".
   void epoch_done(const nlohmann::json& summary, const char* how);
 
-  // Each device's peak memory (bytes in use and held), after training; DDP: every rank's,
+  // Each device's peak memory (bytes in use and held) and what a forward kept for backward,
+  // after training; DDP: every rank's,
   // exactly (an integer all-gather, so every rank calls it).
   void gather_ranks();
   // DDP traces: every rank writes its own file; the lead merges them once all have (call after
@@ -73,7 +74,8 @@ class RunReport {
   int world_;
   nlohmann::json epochs_ = nlohmann::json::array();
   std::vector<std::string> device_names_;  // DP: each device; DDP: "rank R cpu:R" per rank
-  std::vector<int64_t> peaks_, held_;  // per entry of device_names_: bytes in use, bytes held
+  // Per entry of device_names_: peak bytes in use, bytes held, bytes a forward kept.
+  std::vector<int64_t> peaks_, held_, kept_;
 };
 
 }  // namespace replica
