@@ -141,6 +141,47 @@ TEST_CASE("an op on BF16 tensors: the op on their F32 widening, its outputs roun
     expect_same_bits(bf16_values(sum), bf16_values(sum32), "dx summed");
     CHECK(std::memcmp(dw.f32(), dw32.f32(), size_t(dw.bytes())) == 0);
   }
+  SUBCASE("a convolution with a bias: BF16 input and output, F32 weights") {
+    const Conv2dParams p{1, 1};
+    Tensor w = random_f32(ctx, {2, 3, 3, 3}, 5), b = random_f32(ctx, {2}, 10);
+    Tensor y = ctx.alloc({4, 2, 5, 5}, DType::BF16), y32 = ctx.alloc({4, 2, 5, 5});
+    ctx.ops().conv2d_forward(ctx, x, w, b, y, p);
+    ctx.ops().conv2d_forward(ctx, xw, w, b, y32, p);
+    expect_same_bits(bf16_values(y), bf16_values(y32), "y");
+  }
+  SUBCASE("a convolution's backward: BF16 dx written; F32 weight and bias gradients") {
+    const Conv2dParams p{1, 1};
+    Tensor w = random_f32(ctx, {2, 3, 3, 3}, 5);
+    const Tensor dy = to_bf16(ctx, random_f32(ctx, {4, 2, 5, 5}, 6));
+    Tensor dyw = ctx.alloc(dy.shape());
+    ctx.ops().copy(ctx, dyw, dy);
+    Tensor dx = ctx.alloc(shape, DType::BF16), dx32 = ctx.alloc(shape);
+    Tensor dw = ctx.alloc(w.shape()), dw32 = ctx.alloc(w.shape());
+    Tensor db = ctx.alloc({2}), db32 = ctx.alloc({2});
+    for (Tensor* t : {&dw, &dw32, &db, &db32}) ctx.ops().fill(ctx, *t, 0.25f);
+    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, p, InputGrad::Overwrite);
+    ctx.ops().conv2d_backward(ctx, xw, w, dyw, dx32, dw32, db32, p, InputGrad::Overwrite);
+    expect_same_bits(bf16_values(dx), bf16_values(dx32), "dx");
+    CHECK(std::memcmp(dw.f32(), dw32.f32(), size_t(dw.bytes())) == 0);
+    CHECK(std::memcmp(db.f32(), db32.f32(), size_t(db.bytes())) == 0);
+  }
+  SUBCASE("a linear layer's backward: BF16 x, dy and dx; F32 weight and bias gradients") {
+    const Tensor in32 = random_f32(ctx, {4, 6}, 7), dy32 = random_f32(ctx, {4, 3}, 11);
+    const Tensor in = to_bf16(ctx, in32), dy = to_bf16(ctx, dy32);
+    Tensor inw = ctx.alloc(in.shape()), dyw = ctx.alloc(dy.shape());
+    ctx.ops().copy(ctx, inw, in);
+    ctx.ops().copy(ctx, dyw, dy);
+    Tensor w = random_f32(ctx, {3, 6}, 8);
+    Tensor dx = ctx.alloc({4, 6}, DType::BF16), dx32 = ctx.alloc({4, 6});
+    Tensor dw = ctx.alloc(w.shape()), dw32 = ctx.alloc(w.shape());
+    Tensor db = ctx.alloc({3}), db32 = ctx.alloc({3});
+    for (Tensor* t : {&dw, &dw32, &db, &db32}) ctx.ops().fill(ctx, *t, 0.f);
+    ctx.ops().linear_backward(ctx, in, w, dy, dx, dw, db);
+    ctx.ops().linear_backward(ctx, inw, w, dyw, dx32, dw32, db32);
+    expect_same_bits(bf16_values(dx), bf16_values(dx32), "dx");
+    CHECK(std::memcmp(dw.f32(), dw32.f32(), size_t(dw.bytes())) == 0);
+    CHECK(std::memcmp(db.f32(), db32.f32(), size_t(db.bytes())) == 0);
+  }
   SUBCASE("F32 operands, a BF16 result: a linear layer's output rounded") {
     Tensor in = random_f32(ctx, {4, 6}, 7), w = random_f32(ctx, {3, 6}, 8);
     Tensor b = random_f32(ctx, {3}, 9);
@@ -168,10 +209,9 @@ Step one_step(const std::string& name, Precision precision, int64_t batch) {
   Tensor x = random_f32(ctx, {batch, 1, 28, 28}, 10);
   Tensor labels = ctx.alloc({batch}, DType::I32);
   for (int64_t i = 0; i < batch; ++i) labels.i32()[i] = int32_t(i % 10);
-  const double before = double(ctx.allocator().bytes_in_use());
   Tensor logits = model->forward(ctx, x);
   Step s;
-  s.kept_bytes = double(ctx.allocator().bytes_in_use()) - before;
+  s.kept_bytes = double(model->forward_kept_bytes());
   s.logits = logits.dtype();
   CrossEntropyLoss loss;
   CHECK(loss.forward(ctx, logits, labels).dtype() == DType::F32);

@@ -6,7 +6,9 @@
 //    its backward, convolutions on NCHW and channels_last operands with the input gradient
 //    added onto a sum, ReLU, max and average pooling, the linear layer) gives the CPU's numbers:
 //    up to the order of fp32 sums, which moves a stored value by one bf16 step now and then;
-//  - ResNet-18 trains in bf16 on the GPU as on the CPU.
+//  - ResNet-18 trains in bf16 on the GPU as on the CPU;
+//  - a forward keeps half the bytes, and a step's peak drops with them (the kernels read and
+//    write BF16 without F32 copies).
 // Skips visibly without a GPU.
 #include <doctest/doctest.h>
 
@@ -22,6 +24,8 @@
 #include "engine/context.h"
 #include "engine/ops.h"
 #include "gpu_skip.h"
+#include "layers/loss.h"
+#include "layers/model.h"
 #include "parallel/engines/train_engine.h"
 
 using namespace replica;
@@ -258,4 +262,42 @@ TEST_CASE("ResNet-18 trains in bf16 on the GPU as on the CPU (2 SGD steps)") {
       test::device_vs_cpu_drift(kGpu, "resnet18", Precision::Bf16, 2, 16, 2e-2);
   CHECK(d.params < 1e-3);
   CHECK(d.update < 0.1);  // a wrong gradient moves the update by its own size
+}
+
+TEST_CASE("bf16 halves what a forward keeps on the GPU, and a step's peak follows") {
+  if (!have_bf16()) return;
+  // The CNN at a large batch: its activations, not its 0.11M parameters, make the peak.
+  struct Memory {
+    int64_t kept;
+    size_t peak;
+  };
+  auto one_step = [](Precision precision) {
+    DeviceContext ctx(kGpu, ContextOptions{0, true, precision});
+    auto model = make_model("cnn", {1, 28, 28}, 10);
+    model->materialize(ctx, 3);
+    model->set_training(true);
+    const int64_t batch = 1024;
+    DeviceContext host(kCpu);
+    Tensor xh = host.alloc({batch, 1, 28, 28}), yh = host.alloc({batch}, DType::I32);
+    for (int64_t i = 0; i < xh.numel(); ++i) xh.f32()[i] = float(i % 29) / 29.f - 0.5f;
+    for (int64_t i = 0; i < batch; ++i) yh.i32()[i] = int32_t(i % 10);
+    Tensor x = ctx.alloc(xh.shape()), y = ctx.alloc(yh.shape(), DType::I32);
+    ctx.ops().copy(ctx, x, xh);
+    ctx.ops().copy(ctx, y, yh);
+    CrossEntropyLoss criterion;
+    Tensor logits = model->forward(ctx, x);
+    criterion.forward(ctx, logits, y);
+    logits = Tensor();
+    model->backward(ctx, criterion.backward(ctx));
+    ctx.synchronize();
+    return Memory{model->forward_kept_bytes(), ctx.allocator().peak_bytes()};
+  };
+  const Memory fp32 = one_step(Precision::Fp32), bf16 = one_step(Precision::Bf16);
+  MESSAGE("CNN batch 1024 on the GPU: kept by the forward fp32 " << fp32.kept / 1e6
+          << " MB, bf16 " << bf16.kept / 1e6 << " MB; a step's peak fp32 " << fp32.peak / 1e6
+          << " MB, bf16 " << bf16.peak / 1e6 << " MB");
+  // Every tensor the CNN keeps is an activation: half the bytes (blocks round to 512 bytes).
+  CHECK(double(bf16.kept) / double(fp32.kept) == doctest::Approx(0.5).epsilon(0.02));
+  // The GPU's kernels read and write BF16 themselves: no F32 copy of an activation at the peak.
+  CHECK(double(bf16.peak) < 0.8 * double(fp32.peak));
 }

@@ -355,21 +355,27 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
                                  const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
                                  const Conv2dParams& prm, InputGrad dx_mode) {
   if (dx_mode == InputGrad::Accumulate && dx.defined()) {
-    // The gradient into a buffer of its own, then added: the bits of a backward and an add.
+    // The gradient into a buffer of its own, then added: the bits of a backward and an add (a
+    // BF16 sum is widened, added to and rounded once, as add on BF16 tensors does).
     Tensor own = ctx.alloc(dx.shape());
     conv2d_backward(ctx, x, w, dy, own, dw, db, prm, InputGrad::Overwrite);
-    add(ctx, dx, own, 1.f);
+    if (dx.dtype() == DType::F32) return add(ctx, dx, own, 1.f);
+    uint16_t* d = dx.bf16();
+    const float* o = own.f32();
+    cpu::parallel_range(dx.numel(), cpu::kGrain, [&](int64_t b0, int64_t b1) {
+      for (int64_t i = b0; i < b1; ++i) d[i] = bf16_bits(bf16_value(d[i]) + o[i]);
+    });
     return;
   }
   if (ctx.precision() != Precision::Bf16)
     return conv2d_backward_fp32(ctx, x, w, dy, dx, dw, db, prm);
-  cpu::bf16_backward(ctx, x, w, dy, dx, dw,
-                     [&](const Tensor& xr, const Tensor& wr, const Tensor& dyr, Tensor& dxo,
-                         Tensor& dwo) {
-                       Tensor no_bias;
-                       conv2d_backward_fp32(ctx, xr, wr, dyr, dxo, dwo, no_bias, prm);
-                     });
-  conv2d_bias_grad(dy.f32(), geometry(x, w, prm), db);  // from the fp32 gradient, as in fp32
+  const Tensor dy32 = cpu::bf16_backward(
+      ctx, x, w, dy, dx, dw,
+      [&](const Tensor& xr, const Tensor& wr, const Tensor& dyr, Tensor& dxo, Tensor& dwo) {
+        Tensor no_bias;
+        conv2d_backward_fp32(ctx, xr, wr, dyr, dxo, dwo, no_bias, prm);
+      });
+  conv2d_bias_grad(dy32.f32(), geometry(x, w, prm), db);  // from dy's own values, as in fp32
 }
 
 }  // namespace replica

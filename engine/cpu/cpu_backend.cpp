@@ -4,6 +4,20 @@
 
 namespace replica {
 
+bool CpuBackend::takes_bf16(OpId op) const {
+  switch (op) {
+    case OpId::copy:
+    case OpId::fill:
+    case OpId::conv2d_forward:
+    case OpId::conv2d_backward:
+    case OpId::linear_forward:
+    case OpId::linear_backward:
+      return true;
+    default:
+      return false;
+  }
+}
+
 std::unique_ptr<Backend> make_cpu_backend() {
   cpu::pin_blas_to_one_thread();
   return std::make_unique<CpuBackend>();

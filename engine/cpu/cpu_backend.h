@@ -16,6 +16,9 @@ class CpuBackend final : public Backend {
 #define REPLICA_OP(name, params, args) void name params override;
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
+  // Convolutions and linear layers read and write BF16 activations themselves (bf16.cpp);
+  // every other op runs on the storage layer's F32 copies (engine/bf16_storage.h).
+  bool takes_bf16(OpId op) const override;
 };
 
 namespace cpu {
@@ -48,17 +51,19 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
            int64_t ldc);
 
-// Precision::Bf16 around an fp32 product (bf16.cpp). `product` computes without a bias:
-// forward y = f(x, w); backward dx = ... (overwritten, skipped if undefined) and dw += ....
+// Precision::Bf16 around an fp32 product (bf16.cpp). `product` computes without a bias, on F32
+// tensors: forward y = f(x, w); backward dx = ... (overwritten, skipped if undefined) and
+// dw += .... x, dy, y and dx may be BF16 (bf16 storage); w, dw and the bias are F32.
 // Forward adds the bias in fp32 after rounding (`inner`: elements per output channel per
-// sample); backward leaves the bias gradient to the caller's fp32 code, summed from fp32 dy.
+// sample); backward leaves the bias gradient to the caller's fp32 code, summed from dy's own
+// values, which it returns in F32 (dy itself, or its widening).
 using ProductForward = std::function<void(const Tensor& x, const Tensor& w, Tensor& y)>;
 using ProductBackward = std::function<void(const Tensor& x, const Tensor& w, const Tensor& dy,
                                            Tensor& dx, Tensor& dw)>;
 void bf16_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
                   Tensor& y, int64_t inner, const ProductForward& product);
-void bf16_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                   Tensor& dx, Tensor& dw, const ProductBackward& product);
+Tensor bf16_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                     Tensor& dx, Tensor& dw, const ProductBackward& product);
 }  // namespace cpu
 
 }  // namespace replica

@@ -98,10 +98,11 @@ void CpuBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Tens
                                  const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db) {
   if (ctx.precision() != Precision::Bf16) {
     linear_backward_fp32(x, w, dy, dx, dw);
-  } else {
-    cpu::bf16_backward(ctx, x, w, dy, dx, dw, linear_backward_fp32);
+    linear_bias_grad(dy, db);
+    return;
   }
-  linear_bias_grad(dy, db);  // from the fp32 gradient in every precision
+  // The bias gradient from dy's own values, as in fp32.
+  linear_bias_grad(cpu::bf16_backward(ctx, x, w, dy, dx, dw, linear_backward_fp32), db);
 }
 
 }  // namespace replica
