@@ -57,6 +57,16 @@ std::vector<float> bf16_values(const Tensor& t) {
   return v;
 }
 
+// The F32 values of an F32 tensor, as they are.
+std::vector<float> f32_values(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+
+// The F32 tensor a BF16 one stands for (exact).
+Tensor widened(DeviceContext& ctx, const Tensor& t) {
+  Tensor w = ctx.alloc(t.shape());
+  ctx.ops().copy(ctx, w, t);
+  return w;
+}
+
 void expect_same_bits(const std::vector<float>& a, const std::vector<float>& b,
                       const std::string& what) {
   REQUIRE(a.size() == b.size());
@@ -98,9 +108,7 @@ TEST_CASE("an op on BF16 tensors: the op on their F32 widening, its outputs roun
   const Tensor x32 = random_f32(ctx, shape, 1), r32 = random_f32(ctx, shape, 2);
   const Tensor x = to_bf16(ctx, x32), residual = to_bf16(ctx, r32);
   // The F32 operands the BF16 ones stand for.
-  Tensor xw = ctx.alloc(shape), rw = ctx.alloc(shape);
-  ctx.ops().copy(ctx, xw, x);
-  ctx.ops().copy(ctx, rw, residual);
+  const Tensor xw = widened(ctx, x), rw = widened(ctx, residual);
 
   SUBCASE("batch norm with a residual and a ReLU: BF16 in and out, F32 statistics") {
     Tensor gamma = random_f32(ctx, {3}, 3), beta = random_f32(ctx, {3}, 4);
@@ -116,30 +124,13 @@ TEST_CASE("an op on BF16 tensors: the op on their F32 widening, its outputs roun
     run(x, residual, y, mean);
     run(xw, rw, y32, mean32);
     expect_same_bits(bf16_values(y), bf16_values(y32), "y");
-    CHECK(std::memcmp(mean.f32(), mean32.f32(), 3 * sizeof(float)) == 0);
+    expect_same_bits(f32_values(mean), f32_values(mean32), "mean");
   }
   SUBCASE("add into a BF16 tensor: the sum in fp32, rounded once") {
-    Tensor dst = to_bf16(ctx, x32), dst32 = ctx.alloc(shape);
-    ctx.ops().copy(ctx, dst32, dst);
+    Tensor dst = to_bf16(ctx, x32), dst32 = widened(ctx, dst);
     ctx.ops().add(ctx, dst, residual, 0.5f);
     ctx.ops().add(ctx, dst32, rw, 0.5f);
     expect_same_bits(bf16_values(dst), bf16_values(dst32), "dst");
-  }
-  SUBCASE("a convolution's input gradient added onto a BF16 sum; F32 weight gradient") {
-    const Conv2dParams p{1, 1};
-    Tensor w = random_f32(ctx, {2, 3, 3, 3}, 5);
-    const Tensor dy = to_bf16(ctx, random_f32(ctx, {4, 2, 5, 5}, 6));
-    Tensor dyw = ctx.alloc(dy.shape());
-    ctx.ops().copy(ctx, dyw, dy);
-    Tensor sum = to_bf16(ctx, r32), sum32 = ctx.alloc(shape);
-    ctx.ops().copy(ctx, sum32, sum);
-    Tensor dw = ctx.alloc(w.shape()), dw32 = ctx.alloc(w.shape()), none;
-    ctx.ops().fill(ctx, dw, 0.f);
-    ctx.ops().fill(ctx, dw32, 0.f);
-    ctx.ops().conv2d_backward(ctx, x, w, dy, sum, dw, none, p, InputGrad::Accumulate);
-    ctx.ops().conv2d_backward(ctx, xw, w, dyw, sum32, dw32, none, p, InputGrad::Accumulate);
-    expect_same_bits(bf16_values(sum), bf16_values(sum32), "dx summed");
-    CHECK(std::memcmp(dw.f32(), dw32.f32(), size_t(dw.bytes())) == 0);
   }
   SUBCASE("a convolution with a bias: BF16 input and output, F32 weights") {
     const Conv2dParams p{1, 1};
@@ -149,28 +140,26 @@ TEST_CASE("an op on BF16 tensors: the op on their F32 widening, its outputs roun
     ctx.ops().conv2d_forward(ctx, xw, w, b, y32, p);
     expect_same_bits(bf16_values(y), bf16_values(y32), "y");
   }
-  SUBCASE("a convolution's backward: BF16 dx written; F32 weight and bias gradients") {
+  SUBCASE("a convolution's backward: BF16 dx written or added onto a sum; F32 dw and db") {
     const Conv2dParams p{1, 1};
     Tensor w = random_f32(ctx, {2, 3, 3, 3}, 5);
-    const Tensor dy = to_bf16(ctx, random_f32(ctx, {4, 2, 5, 5}, 6));
-    Tensor dyw = ctx.alloc(dy.shape());
-    ctx.ops().copy(ctx, dyw, dy);
-    Tensor dx = ctx.alloc(shape, DType::BF16), dx32 = ctx.alloc(shape);
-    Tensor dw = ctx.alloc(w.shape()), dw32 = ctx.alloc(w.shape());
-    Tensor db = ctx.alloc({2}), db32 = ctx.alloc({2});
-    for (Tensor* t : {&dw, &dw32, &db, &db32}) ctx.ops().fill(ctx, *t, 0.25f);
-    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, p, InputGrad::Overwrite);
-    ctx.ops().conv2d_backward(ctx, xw, w, dyw, dx32, dw32, db32, p, InputGrad::Overwrite);
-    expect_same_bits(bf16_values(dx), bf16_values(dx32), "dx");
-    CHECK(std::memcmp(dw.f32(), dw32.f32(), size_t(dw.bytes())) == 0);
-    CHECK(std::memcmp(db.f32(), db32.f32(), size_t(db.bytes())) == 0);
+    const Tensor dy = to_bf16(ctx, random_f32(ctx, {4, 2, 5, 5}, 6)), dyw = widened(ctx, dy);
+    for (InputGrad mode : {InputGrad::Overwrite, InputGrad::Accumulate}) {
+      CAPTURE(int(mode));
+      Tensor dx = to_bf16(ctx, r32), dx32 = widened(ctx, dx);  // the sum Accumulate adds onto
+      Tensor dw = ctx.alloc(w.shape()), dw32 = ctx.alloc(w.shape());
+      Tensor db = ctx.alloc({2}), db32 = ctx.alloc({2});
+      for (Tensor* t : {&dw, &dw32, &db, &db32}) ctx.ops().fill(ctx, *t, 0.25f);
+      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, p, mode);
+      ctx.ops().conv2d_backward(ctx, xw, w, dyw, dx32, dw32, db32, p, mode);
+      expect_same_bits(bf16_values(dx), bf16_values(dx32), "dx");
+      expect_same_bits(f32_values(dw), f32_values(dw32), "dw");
+      expect_same_bits(f32_values(db), f32_values(db32), "db");
+    }
   }
   SUBCASE("a linear layer's backward: BF16 x, dy and dx; F32 weight and bias gradients") {
-    const Tensor in32 = random_f32(ctx, {4, 6}, 7), dy32 = random_f32(ctx, {4, 3}, 11);
-    const Tensor in = to_bf16(ctx, in32), dy = to_bf16(ctx, dy32);
-    Tensor inw = ctx.alloc(in.shape()), dyw = ctx.alloc(dy.shape());
-    ctx.ops().copy(ctx, inw, in);
-    ctx.ops().copy(ctx, dyw, dy);
+    const Tensor in = to_bf16(ctx, random_f32(ctx, {4, 6}, 7)), inw = widened(ctx, in);
+    const Tensor dy = to_bf16(ctx, random_f32(ctx, {4, 3}, 11)), dyw = widened(ctx, dy);
     Tensor w = random_f32(ctx, {3, 6}, 8);
     Tensor dx = ctx.alloc({4, 6}, DType::BF16), dx32 = ctx.alloc({4, 6});
     Tensor dw = ctx.alloc(w.shape()), dw32 = ctx.alloc(w.shape());
@@ -179,8 +168,8 @@ TEST_CASE("an op on BF16 tensors: the op on their F32 widening, its outputs roun
     ctx.ops().linear_backward(ctx, in, w, dy, dx, dw, db);
     ctx.ops().linear_backward(ctx, inw, w, dyw, dx32, dw32, db32);
     expect_same_bits(bf16_values(dx), bf16_values(dx32), "dx");
-    CHECK(std::memcmp(dw.f32(), dw32.f32(), size_t(dw.bytes())) == 0);
-    CHECK(std::memcmp(db.f32(), db32.f32(), size_t(db.bytes())) == 0);
+    expect_same_bits(f32_values(dw), f32_values(dw32), "dw");
+    expect_same_bits(f32_values(db), f32_values(db32), "db");
   }
   SUBCASE("F32 operands, a BF16 result: a linear layer's output rounded") {
     Tensor in = random_f32(ctx, {4, 6}, 7), w = random_f32(ctx, {3, 6}, 8);
