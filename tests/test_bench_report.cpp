@@ -292,8 +292,13 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
     CHECK(row["comm_bytes_match"] == true);
     CHECK(row["peak_memory_bytes"].size() == size_t(n));
     REQUIRE(row["peak_held_bytes"].size() == size_t(n));
-    for (int d = 0; d < n; ++d)
+    REQUIRE(row["forward_kept_bytes"].size() == size_t(n));
+    for (int d = 0; d < n; ++d) {
       CHECK(row["peak_held_bytes"][d].get<double>() >= row["peak_memory_bytes"][d].get<double>());
+      CHECK(row["forward_kept_bytes"][d].get<double>() > 0);
+      // Every device and rank runs the forward on --batch 8 samples: the same activations.
+      CHECK(row["forward_kept_bytes"][d] == rows[0]["forward_kept_bytes"][0]);
+    }
     CHECK(row["data"] == "synthetic, preloaded in host memory (loader not timed)");
     CHECK(row["samples_per_sec"].get<double>() > 0);
     CHECK(row["efficiency"].is_number());
@@ -308,7 +313,8 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
   CHECK(test::count_lines(csv) == 5);
   CHECK(csv.substr(0, csv.find('\n'))
             .find(",peak_memory_dev0_bytes,peak_memory_dev1_bytes,peak_held_dev0_bytes,"
-                  "peak_held_dev1_bytes") != std::string::npos);
+                  "peak_held_dev1_bytes,forward_kept_dev0_bytes,forward_kept_dev1_bytes") !=
+        std::string::npos);
   // A track per device and one for the communication thread.
   const auto dp_trace = read_file(tmp.str("traces/trace-dp-2dev.json"));
   for (const char* track : {"\"cpu:0\"", "\"cpu:1\"", "\"comm\"", "\"reduce\"", "\"backward\""})
@@ -331,8 +337,8 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   CHECK(md.find("| ddp | cnn | 1x28x28 | fp32 | 2 | 64 | 2700.0 | pytorch | 2100.0 | 1.29x | "
                 "87.5% |") != std::string::npos);
   CHECK(md.find("| pytorch | ddp (gloo) | cnn | 1x28x28 | fp32 | 2 |") != std::string::npos);
-  // Rows saved before held bytes were reported show none.
-  CHECK(md.find("| replica dp | 2 | 5.18 MB | 5.18 MB | 0 B | - |") != std::string::npos);
+  // Rows saved before held bytes and kept bytes were reported show none.
+  CHECK(md.find("| replica dp | 2 | 5.18 MB | 5.18 MB | 0 B | - | - |") != std::string::npos);
   // Rows of different backends still pair up, and the mode column names both: replica's DDP
   // rows over Gloo here, PyTorch's over NCCL.
   std::filesystem::create_directories(tmp.path / "mixed-in");

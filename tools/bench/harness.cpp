@@ -166,6 +166,7 @@ Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, cons
   tracer.clear_events();
   m.peak_memory = engine.peak_memory_bytes();
   m.peak_held = engine.peak_held_bytes();
+  for (int64_t b : engine.forward_kept_bytes()) m.forward_kept.push_back(size_t(b));
   m.comm_bytes = engine.comm_bytes_per_step();
   return m;
 }
@@ -221,7 +222,8 @@ void merge(Measurement& into, const Measurement& next) {
                              next.window_seconds.end());
   if (!next.trace.empty()) into.trace = next.trace;
   into.final_loss = next.final_loss;
-  for (auto peaks : {&Measurement::peak_memory, &Measurement::peak_held}) {
+  for (auto peaks :
+       {&Measurement::peak_memory, &Measurement::peak_held, &Measurement::forward_kept}) {
     std::vector<size_t>& a = into.*peaks;
     const std::vector<size_t>& b = next.*peaks;
     a.resize(std::max(a.size(), b.size()), 0);
@@ -236,7 +238,8 @@ nlohmann::json to_json(const Measurement& m) {
   return {{"window_seconds", m.window_seconds}, {"steps_per_window", m.steps_per_window},
           {"track_ms", m.track_ms},             {"trace", trace},
           {"final_loss", m.final_loss},         {"peak_memory", m.peak_memory},
-          {"peak_held", m.peak_held},           {"comm_bytes", m.comm_bytes}};
+          {"peak_held", m.peak_held},           {"forward_kept", m.forward_kept},
+          {"comm_bytes", m.comm_bytes}};
 }
 
 Measurement measurement_from_json(const nlohmann::json& j) {
@@ -250,6 +253,7 @@ Measurement measurement_from_json(const nlohmann::json& j) {
   m.final_loss = j.at("final_loss").get<float>();
   m.peak_memory = j.at("peak_memory").get<std::vector<size_t>>();
   m.peak_held = j.at("peak_held").get<std::vector<size_t>>();
+  m.forward_kept = j.at("forward_kept").get<std::vector<size_t>>();
   m.comm_bytes = j.at("comm_bytes").get<int64_t>();
   return m;
 }

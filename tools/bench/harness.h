@@ -76,6 +76,7 @@ struct Measurement {
   float final_loss = 0;
   std::vector<size_t> peak_memory;     // per device of the engine: bytes in use
   std::vector<size_t> peak_held;       // and bytes held (in use plus cached)
+  std::vector<size_t> forward_kept;    // and what a training forward kept for backward
   int64_t comm_bytes = 0;              // engine->comm_bytes_per_step()
 };
 

@@ -177,23 +177,26 @@ std::string comm_section(const std::vector<json>& rows, const json& ab) {
 
 std::string memory_section(const std::vector<json>& rows) {
   std::string s =
-      "| mode | devices | device 0 | other devices (max) | device 0 - others | device 0 held |\n"
-      "|---|---:|---:|---:|---:|---:|\n";
+      "| mode | devices | device 0 | other devices (max) | device 0 - others | device 0 held | "
+      "kept by a forward |\n"
+      "|---|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& r : rows) {
     if (!r["peak_memory_bytes"].is_array() || r["peak_memory_bytes"].empty()) continue;
     const auto& p = r["peak_memory_bytes"];
     const double d0 = p[0].get<double>();
     double others = -1;
     for (size_t i = 1; i < p.size(); ++i) others = std::max(others, p[i].get<double>());
-    s += fmt::format("| {} | {} | {} | {} | {} | {} |\n", label(r), r.value("devices", 0),
+    s += fmt::format("| {} | {} | {} | {} | {} | {} | {} |\n", label(r), r.value("devices", 0),
                      format_bytes(d0), others < 0 ? "-" : format_bytes(others),
                      others < 0 ? "-" : format_bytes(d0 - others),
-                     device0_bytes(r, "peak_held_bytes"));
+                     device0_bytes(r, "peak_held_bytes"), device0_bytes(r, "forward_kept_bytes"));
   }
   s += "\nPeak bytes in use of each device's caching allocator (PyTorch's max_memory_allocated); "
        "held: in use plus cached, the most device 0's allocator took from the system "
-       "(max_memory_reserved). DP's device 0 also holds the gathered outputs, the loss over the "
-       "global batch and the optimizer state; DDP's ranks are alike.\n";
+       "(max_memory_reserved); kept by a forward: what device 0's training forward left "
+       "allocated for its backward (its activations). DP's device 0 also holds the gathered "
+       "outputs, the loss over the global batch and the optimizer state; DDP's ranks are "
+       "alike.\n";
   return s;
 }
 

@@ -157,10 +157,12 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
   const std::string track = primary_track(c);
   nlohmann::json device_list = nlohmann::json::array();
   for (const auto& d : c.devices) device_list.push_back(d.str());
-  nlohmann::json peaks = nlohmann::json::array(), held = nlohmann::json::array();
+  nlohmann::json peaks = nlohmann::json::array(), held = nlohmann::json::array(),
+                 kept = nlohmann::json::array();
   for (const auto& r : ranks) {
     for (size_t p : r.peak_memory) peaks.push_back(p);
     for (size_t p : r.peak_held) held.push_back(p);
+    for (size_t p : r.forward_kept) kept.push_back(p);
   }
   nlohmann::json row = {
       {"engine", "replica"},
@@ -197,6 +199,7 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
       {"bucket_bytes", facts.bucket_bytes},
       {"peak_memory_bytes", peaks},
       {"peak_held_bytes", held},
+      {"forward_kept_bytes", kept},
       {"final_loss", m0.final_loss},
       {"load_avg_1m", load_now()},
       {"env", env},
@@ -306,10 +309,11 @@ void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows)
   std::string out;
   std::string header = fmt::format("{}", fmt::join(cols, ","));
   for (const auto& p : phases) header += ",phase_" + p + "_ms";
-  // Per device: the peak bytes in use, then the peak bytes held.
+  // Per device: the peak bytes in use, the peak bytes held, what a forward kept for backward.
   const std::pair<const char*, const char*> peak_columns[] = {
       {"peak_memory_bytes", "peak_memory_dev{}_bytes"},
-      {"peak_held_bytes", "peak_held_dev{}_bytes"}};
+      {"peak_held_bytes", "peak_held_dev{}_bytes"},
+      {"forward_kept_bytes", "forward_kept_dev{}_bytes"}};
   for (const auto& [key, column] : peak_columns)
     for (size_t d = 0; d < max_devices; ++d)
       header += "," + fmt::format(fmt::runtime(column), d);
