@@ -118,6 +118,14 @@ class Table(unittest.TestCase):
         self.assertNotIn("ratio by round", text)
         self.assertIn("| 90.0 | 100.0 | 0.90x |", text)
 
+    def test_memory_cells_show_what_a_forward_kept_where_rows_have_it(self):
+        ours = dict(row("replica", 90), forward_kept_bytes=[2.95e9])
+        theirs = dict(row("pytorch", 100), forward_kept_bytes=None)  # on a CPU: not measured
+        text = vs.table([(("resnet50", "3x224x224", 64, "bf16"),
+                          {"replica": (ours, None), "pytorch": (theirs, None), "ratios": [0.9]})])
+        self.check_columns(text)
+        self.assertIn("| 1000 / 1100 MB, kept 2950 | 1000 / 1100 MB |", text)
+
     def test_a_missing_engine_says_why(self):
         cells = {"replica": (row("replica", 90), None), "pytorch": (None, "no module torch"),
                  "ratios": []}

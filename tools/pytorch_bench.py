@@ -150,7 +150,10 @@ def batches(args, batch, seed, device, count=4):
 
 
 def measure(model, data, device, args, out_device=None):
-    """Warm-up, timed windows (seconds each), then a phase window -> (windows, phase_ms, loss)."""
+    """Warm-up, timed windows (seconds each), then a phase window -> (windows, phase_ms, loss,
+    kept): kept is what a training forward left allocated on `device` for its backward (the
+    bytes in use after forward and loss less those before, the largest of the phase window's
+    steps; replica's forward_kept_bytes), None on a CPU, which has no allocator to ask."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     out_device = out_device or device
@@ -181,15 +184,19 @@ def measure(model, data, device, args, out_device=None):
         sync(device)
         windows.append(time.perf_counter() - t0)
     phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    kept = None
     n = min(args.steps, 10)
     for _ in range(n):
         x, y = data[i % len(data)]
         i += 1
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         loss = forward_loss(x, y)
         sync(device)
         t1 = time.perf_counter()
+        if before is not None:
+            kept = max(kept or 0, int(torch.cuda.memory_allocated(device)) - int(before))
         loss.backward()
         sync(device)
         t2 = time.perf_counter()
@@ -199,7 +206,7 @@ def measure(model, data, device, args, out_device=None):
         phases["forward"] += (t1 - t0) * 1e3 / n
         phases["backward"] += (t2 - t1) * 1e3 / n
         phases["step"] += (t3 - t2) * 1e3 / n
-    return windows, phases, float(loss.item())
+    return windows, phases, float(loss.item()), kept
 
 
 def peak_memory(device):
@@ -229,8 +236,9 @@ def environment(args):
     return env
 
 
-def row(args, mode, devs, shared, params, windows, phases, loss, peaks, backend=None):
-    """peaks: each device's peak_memory() pair."""
+def row(args, mode, devs, shared, params, windows, phases, loss, peaks, kept, backend=None):
+    """peaks: each device's peak_memory() pair; kept: what a forward kept on each device
+    measured (DP: device 0 alone), None where nothing was measured."""
     n = len(devs)
     sps = [n * args.batch_per_device * args.steps / w for w in windows]
     med = statistics.median(sps)
@@ -251,6 +259,7 @@ def row(args, mode, devs, shared, params, windows, phases, loss, peaks, backend=
         "busbw_gbps": None, "peak_memory_bytes": [p[0] for p in peaks],
         "peak_held_bytes": [p[1] for p in peaks] if peaks[0][1] is not None else None,
         "peak_memory_kind": "cuda max_memory_allocated" if devs[0][0] == "cuda" else "process max RSS",
+        "forward_kept_bytes": kept if kept and kept[0] is not None else None,
         "backend": backend, "final_loss": loss, "env": environment(args),
     }
 
@@ -272,9 +281,9 @@ def run_dp(args, devs, shared):
         for d in devs:
             torch.cuda.reset_peak_memory_stats(torch_device(d))
     data = batches(args, len(devs) * args.batch_per_device, args.seed, device)
-    windows, phases, loss = measure(model, data, device, args)
+    windows, phases, loss, kept = measure(model, data, device, args)
     peaks = [peak_memory(torch_device(d)) for d in devs]
-    return row(args, "dp", devs, shared, params, windows, phases, loss, peaks)
+    return row(args, "dp", devs, shared, params, windows, phases, loss, peaks, [kept])
 
 
 def ddp_rank(rank, args, devs, port, backend, out):
@@ -292,9 +301,9 @@ def ddp_rank(rank, args, devs, port, backend, out):
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=25)
     data = batches(args, args.batch_per_device, args.seed + 7919 * (rank + 1), device)
-    windows, phases, loss = measure(ddp, data, device, args)
+    windows, phases, loss, kept = measure(ddp, data, device, args)
     result = {"windows": windows, "phases": phases, "loss": loss, "params": params,
-              "peak": peak_memory(device)}
+              "peak": peak_memory(device), "kept": kept}
     with open("%s.rank%d.json" % (out, rank), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -324,7 +333,8 @@ def run_ddp(args, devs, shared, backend):
                 ranks.append(json.load(f))
     windows = [max(rk["windows"][w] for rk in ranks) for w in range(args.repeat)]
     return row(args, "ddp", devs, shared, ranks[0]["params"], windows, ranks[0]["phases"],
-               ranks[0]["loss"], [tuple(rk["peak"]) for rk in ranks], backend)
+               ranks[0]["loss"], [tuple(rk["peak"]) for rk in ranks], [rk["kept"] for rk in ranks],
+               backend)
 
 
 def main():

@@ -203,14 +203,16 @@ def train_table(results):
 
 
 def mb(row):
-    """Device 0's peak bytes in use, and held (in use plus cached) where the row has them:
-    "6139 / 6410 MB"."""
+    """Device 0's peak bytes in use, held (in use plus cached) and kept by a training forward
+    for backward, where the row has them: "6139 / 6410 MB, kept 2950"."""
     peaks = row.get("peak_memory_bytes") or []
     held = row.get("peak_held_bytes") or []
+    kept = row.get("forward_kept_bytes") or []
     if not peaks:
         return "-"
-    return ("%.0f / %.0f MB" % (peaks[0] / 1e6, held[0] / 1e6) if held and held[0] is not None
+    text = ("%.0f / %.0f MB" % (peaks[0] / 1e6, held[0] / 1e6) if held and held[0] is not None
             else "%.0f MB" % (peaks[0] / 1e6))
+    return text + (", kept %.0f" % (kept[0] / 1e6) if kept and kept[0] is not None else "")
 
 
 def table(results, rounds=1):
@@ -247,7 +249,9 @@ def table(results, rounds=1):
         notes.append("on CPU PyTorch's peak is its process's max RSS, replica's its allocator's "
                      "peak: not comparable")
     notes.append("peak / held: device memory in use at the peak (max_memory_allocated) / held "
-                 "by the caching allocator, in use plus cached (max_memory_reserved)")
+                 "by the caching allocator, in use plus cached (max_memory_reserved); kept: what "
+                 "a training forward left allocated for its backward, in MB (activations; "
+                 "under autocast PyTorch's also holds the bf16 weight copies it saved)")
     lines.append("")
     lines += ["- " + n for n in notes]
     return "\n".join(lines) + "\n"
