@@ -1,6 +1,8 @@
 #include "layers/resnet.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "engine/error.h"
 
@@ -14,9 +16,21 @@ std::unique_ptr<Conv2d> resnet_conv(int64_t in, int64_t out, int k, int stride, 
   return std::make_unique<Conv2d>(in, out, k, stride, pad, false, Init::normal(std));
 }
 
+// REPLICA_RESIDUAL_SUM: "conv" (or unset, or empty) adds a residual block's input gradient in
+// its body's first convolution, "add" in an add of its own.
+bool residual_sum_in_conv() {
+  const char* v = std::getenv("REPLICA_RESIDUAL_SUM");
+  const std::string word = v ? v : "";
+  if (word.empty() || word == "conv") return true;
+  if (word == "add") return false;
+  throw UsageError(fmt::format("REPLICA_RESIDUAL_SUM='{}': expected conv or add", word));
+}
+
 }  // namespace
 
-ResidualBlock::ResidualBlock() { body_ = &add_child("", std::make_unique<Sequential>()); }
+ResidualBlock::ResidualBlock() : sum_in_conv_(residual_sum_in_conv()) {
+  body_ = &add_child("", std::make_unique<Sequential>());
+}
 
 void ResidualBlock::add_last_bn_and_shortcut(const std::string& bn_name, int64_t in, int64_t out,
                                              int stride) {
@@ -48,6 +62,7 @@ Tensor ResidualBlock::backward(DeviceContext& ctx, const Tensor& dy) {
   Tensor dh = last_bn_->backward(ctx, dsum);
   // The body's input gradient is added onto the shortcut's as its first convolution writes it.
   // On the identity path that is dsum's own buffer: every read of dsum is queued before.
+  if (!sum_in_conv_) return body_->Module::backward_adding(ctx, dh, std::move(dshort));
   return body_->backward_adding(ctx, dh, std::move(dshort));
 }
 

@@ -33,6 +33,11 @@ class ResidualBlock : public Module {
   BatchNorm2d* last_bn_ = nullptr;
   Sequential* downsample_ = nullptr;
   Tensor y_;  // the block's output, for the ReLU's backward (training mode)
+  // Whether the body's input gradient is added onto the shortcut's by the body's first
+  // convolution as it writes it (the default), or by an add of its own
+  // (REPLICA_RESIDUAL_SUM=add, read when the block is made: for measuring the two on a GPU;
+  // both give the same bits on CPU devices).
+  bool sum_in_conv_;
 };
 
 // body = conv2(relu(bn1(conv1(x)))), then bn2; 3x3 convs, expansion 1.

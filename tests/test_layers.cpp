@@ -11,7 +11,10 @@
 
 #include "engine/context.h"
 #include "engine/error.h"
+#include "engine/op_profile.h"
+#include "env_guard.h"
 #include "layers/layers.h"
+#include "layers/loss.h"
 #include "layers/model.h"
 #include "layers/resnet.h"
 
@@ -437,4 +440,40 @@ TEST_CASE("backward_adding gives the bits of backward and an add, conv first or 
     CHECK(std::memcmp(plain->flat_grads().f32(), adding->flat_grads().f32(),
                       size_t(plain->num_params()) * sizeof(float)) == 0);
   }
+}
+
+// REPLICA_RESIDUAL_SUM=add (a measurement switch for GPUs) puts the residual sum back in an add
+// of its own: on CPU devices the same bits as the sum in the convolution.
+TEST_CASE("REPLICA_RESIDUAL_SUM: the residual sum in the convolution or in an add, same bits") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  Tensor x = ctx.alloc({4, 1, 28, 28}), labels = ctx.alloc({4}, DType::I32);
+  for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = float(i % 17) / 17.f - 0.5f;
+  for (int64_t i = 0; i < 4; ++i) labels.i32()[i] = int32_t(i * 3 % 10);
+  int64_t adds = 0;  // the last backward's add ops
+  auto grads = [&](const char* sum) {
+    test::ScopedEnv env("REPLICA_RESIDUAL_SUM", sum);
+    auto m = make_model("resnet18", {1, 28, 28}, 10);
+    m->materialize(ctx, 5);
+    m->zero_grad(ctx);
+    CrossEntropyLoss loss;
+    loss.forward(ctx, m->forward(ctx, x), labels);
+    OpProfile profile;
+    ctx.set_op_profile(&profile);
+    m->backward(ctx, loss.backward(ctx));
+    ctx.set_op_profile(nullptr);
+    const auto ops = profile.ops();
+    adds = ops.count("add") ? ops.at("add").calls : 0;
+    const Tensor& g = m->flat_grads();
+    return std::vector<float>(g.f32(), g.f32() + g.numel());
+  };
+  const std::vector<float> in_conv = grads("conv");
+  const int64_t adds_in_conv = adds;
+  const std::vector<float> in_add = grads("add");
+  CHECK(adds == adds_in_conv + 8);  // one for each of ResNet-18's eight blocks
+  REQUIRE(in_conv.size() == in_add.size());
+  CHECK(std::memcmp(in_conv.data(), in_add.data(), in_conv.size() * sizeof(float)) == 0);
+  CHECK(grads("") == in_conv);  // empty: the default
+  test::ScopedEnv bad("REPLICA_RESIDUAL_SUM", "fused");
+  CHECK_THROWS_WITH_AS(make_model("resnet18", {1, 28, 28}, 10),
+                       "REPLICA_RESIDUAL_SUM='fused': expected conv or add", UsageError);
 }

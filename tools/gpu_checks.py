@@ -303,10 +303,11 @@ def report(p):
                f"({os.path.relpath(out_dir, p.args.out)}/report.md)")
 
 
-# (precision, memory format[, cuDNN interface]) runs the ops part measures on a GPU; CPU
-# devices run fp32 NCHW only. The interface is REPLICA_CUDNN_API's word (auto when absent: the
-# graph API for bf16, the legacy calls otherwise): fp32, tf32 NCHW and bf16 both ways, tf32
-# channels_last on the graph API only (to keep the part short).
+# (precision, memory format[, cuDNN interface or environment]) runs the ops part measures on a
+# GPU; CPU devices run fp32 NCHW only. The interface is REPLICA_CUDNN_API's word (auto when
+# absent: the graph API for bf16, the legacy calls otherwise): fp32, tf32 NCHW and bf16 both
+# ways, tf32 channels_last on the graph API only (to keep the part short). A dict sets those
+# variables for the run instead (the run's name ends with their values).
 OPS_RUNS = [("fp32", "nchw"), ("fp32", "nchw", "graph"), ("tf32", "nchw"),
             ("tf32", "nchw", "graph"), ("tf32", "channels_last", "graph"),
             ("bf16", "nchw", "legacy"), ("bf16", "nchw"), ("bf16", "channels_last", "legacy"),
@@ -320,9 +321,12 @@ OPS_GPU_CASES = [("resnet50", "3x224x224", 64, OPS_RUNS),
                  ("cnn", "1x28x28", 256, [("fp32", "nchw"), ("tf32", "nchw")]),
                  # the seed recipe's model: 0.94x PyTorch on 2026-11-25, 0.75x on 2026-11-27.
                  # Its fp32 step was 17 ms longer than its tf32 one (PyTorch's: 3 ms): fp32 on
-                 # the graph API too, to see whether the legacy heuristics' picks are the cost.
-                 ("resnet101", "1x28x28", 256, [("fp32", "nchw"), ("fp32", "nchw", "graph"),
-                                                ("tf32", "nchw")])]
+                 # the graph API too, to see whether the legacy heuristics' picks are the cost,
+                 # and with the residual sum in an add of its own, as before 357c5a4 moved it
+                 # into the convolution (cuDNN's beta 1) between the two measurements.
+                 ("resnet101", "1x28x28", 256,
+                  [("fp32", "nchw"), ("fp32", "nchw", "graph"),
+                   ("fp32", "nchw", {"REPLICA_RESIDUAL_SUM": "add"}), ("tf32", "nchw")])]
 OPS_CPU_CASES = [("resnet18", "3x32x32", 64, [("fp32", "nchw")])]
 
 
@@ -334,15 +338,17 @@ def ops_case(p, model, shape, batch, runs):
     steps = "3" if p.args.quick else "10"
     by_run = {}
     for precision, layout, *api in runs:
-        api = api[0] if api else None
-        name = f"{model}-b{batch}-{precision}-{layout}" + (f"-{api}" if api else "")
+        env = api[0] if api and isinstance(api[0], dict) else (
+            {"REPLICA_CUDNN_API": api[0]} if api else None)
+        name = f"{model}-b{batch}-{precision}-{layout}" + (
+            "".join(f"-{v}" for v in env.values()) if env else "")
         out_json = os.path.join(p.dir, name + ".jsonl")
         if os.path.exists(out_json):
             os.remove(out_json)  # --json appends
         p.run(name, [p.bin("replica-bench"), "--suite", "ops", "--devices", p.args.device,
                      "--model", model, "--input-shape", shape, "--batch-per-device", str(batch),
                      "--steps", steps, "--precision", precision, "--memory-format", layout,
-                     "--json", out_json], env={"REPLICA_CUDNN_API": api} if api else None)
+                     "--json", out_json], env=env)
         if os.path.exists(out_json):
             with open(out_json) as f:
                 by_run[name.split(f"-b{batch}-", 1)[1]] = [json.loads(l) for l in f if l.strip()]
