@@ -92,7 +92,9 @@ TEST_CASE("a capture that syncs with the host or throws leaves the context as it
   // The allocator is back on its shared pool: a block freed now is handed out again.
   auto block = ctx.allocator().allocate(1 << 12);
   ctx.allocator().release(block);
-  CHECK(ctx.allocator().allocate(1 << 12).ptr == block.ptr);
+  const auto again = ctx.allocator().allocate(1 << 12);
+  CHECK(again.ptr == block.ptr);
+  ctx.allocator().release(again);  // else its segment outlives the allocator (a leak)
 }
 
 namespace {
@@ -128,7 +130,8 @@ int64_t check_same_training(EngineOptions o, const std::vector<Batch>& batches,
   const auto c = test::host_values(*eager, eager->model().flat_buffers());
   const auto d = test::host_values(*captured, captured->model().flat_buffers());
   REQUIRE(c.size() == d.size());
-  CHECK(std::memcmp(c.data(), d.data(), c.size() * sizeof(float)) == 0);
+  // (None for the CNN: memcmp must not see their null data.)
+  CHECK((c.empty() || std::memcmp(c.data(), d.data(), c.size() * sizeof(float)) == 0));
   return step->replays();
 }
 
