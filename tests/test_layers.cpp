@@ -285,10 +285,15 @@ TEST_CASE("an evaluation forward keeps no activations; a training forward keeps 
     CHECK(ctx.allocator().bytes_in_use() >= before + 4 * 64 * 14 * 14 * sizeof(float));
     // The model's own count: all the forward left in use, its output included.
     CHECK(m->forward_kept_bytes() == int64_t(ctx.allocator().bytes_in_use() - before));
+    Tensor dy = ctx.alloc(y.shape());
+    ctx.ops().fill(ctx, dy, 0.01f);
+    m->backward(ctx, dy);  // releases what the forward kept
   }
-  // The largest training forward's: a smaller batch after it leaves the count alone.
+  // The largest training forward's: a smaller batch after it keeps less and leaves the count.
   const int64_t four = m->forward_kept_bytes();
-  { Tensor y = m->forward(ctx, x.view(0, {2, 1, 28, 28})); }
+  const size_t before_two = ctx.allocator().bytes_in_use();
+  Tensor two = m->forward(ctx, x.view(0, {2, 1, 28, 28}));
+  CHECK(int64_t(ctx.allocator().bytes_in_use() - before_two) < four);
   CHECK(m->forward_kept_bytes() == four);
 }
 
