@@ -219,7 +219,7 @@ def table(results, rounds=1):
     by_round = rounds > 1
     lines = ["| model | input | batch | precision | replica samples/s | PyTorch samples/s | "
              "replica / PyTorch | " + ("ratio by round | " if by_round else "")
-             + "replica peak / held | PyTorch peak / held |",
+             + "replica peak / held, kept | PyTorch peak / held, kept |",
              "|---|---|---:|---|---:|---:|---:|" + ("---|" if by_round else "") + "---:|---:|"]
     notes = []
     for (model, shape, batch, precision), cells in results:
