@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "engine/error.h"
 #include "engine/host_device.h"
@@ -133,5 +134,48 @@ REPLICA_HOST_DEVICE float bf16_value(uint16_t bits) {
   return f;
 }
 REPLICA_HOST_DEVICE float bf16_round(float f) { return bf16_value(bf16_bits(f)); }
+
+// Elements as tensors store them: F32 as float, BF16 as uint16_t (its bit pattern; engine/
+// bf16_storage.h). Kernels of every backend compute on floats: widen() reads an element,
+// narrow<T>() makes one, rounding through bf16_bits.
+REPLICA_HOST_DEVICE float widen(float v) { return v; }
+REPLICA_HOST_DEVICE float widen(uint16_t bits) { return bf16_value(bits); }
+template <class T>
+REPLICA_HOST_DEVICE T narrow(float v) {
+  if constexpr (std::is_same_v<T, uint16_t>)
+    return bf16_bits(v);
+  else
+    return v;
+}
+
+// A tensor's elements as type T (float: F32, uint16_t: BF16); null for an undefined one (an
+// optional tensor: "not wanted" or "none needed").
+template <class T>
+T* elements(const Tensor& t) {
+  if (!t.defined()) return nullptr;
+  if constexpr (std::is_same_v<T, uint16_t>)
+    return t.bf16();
+  else
+    return t.f32();
+}
+
+// Calls f(T()) with T the storage type of `dtype`: float for F32, uint16_t for BF16.
+template <class F>
+void with_storage(DType dtype, F&& f) {
+  if (dtype == DType::BF16)
+    f(uint16_t());
+  else
+    f(float());
+}
+
+// copy between dtypes: whether it narrows (F32 into BF16) or widens (BF16 into F32); any other
+// pair of dtypes is refused, by every backend alike.
+inline bool copy_narrows(const Tensor& dst, const Tensor& src) {
+  const bool narrows = dst.dtype() == DType::BF16 && src.dtype() == DType::F32;
+  REPLICA_CHECK(narrows || (dst.dtype() == DType::F32 && src.dtype() == DType::BF16),
+                "copy: {} into {} is no conversion replica makes (F32 <-> BF16)",
+                dtype_name(src.dtype()), dtype_name(dst.dtype()));
+  return narrows;
+}
 
 }  // namespace replica

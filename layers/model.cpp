@@ -97,10 +97,10 @@ void Model::materialize(DeviceContext& ctx, uint64_t seed) {
 
 Tensor Model::forward(DeviceContext& ctx, const Tensor& x) {
   if (!root_->training()) return root_->forward(ctx, x);
-  const size_t before = ctx.allocator().bytes_in_use();
+  const int64_t before = int64_t(ctx.allocator().bytes_in_use());
   Tensor y = root_->forward(ctx, x);
-  const size_t after = ctx.allocator().bytes_in_use();
-  if (after > before) forward_kept_bytes_ = std::max(forward_kept_bytes_, int64_t(after - before));
+  const int64_t kept = int64_t(ctx.allocator().bytes_in_use()) - before;
+  forward_kept_bytes_ = std::max(forward_kept_bytes_, kept);
   return y;
 }
 

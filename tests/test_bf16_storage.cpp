@@ -218,7 +218,8 @@ Step one_step(const std::string& name, Precision precision, int64_t batch) {
 TEST_CASE("a model in bf16 keeps BF16 activations and gradients, F32 parameters") {
   for (const std::string name : {"cnn", "resnet18"}) {
     CAPTURE(name);
-    const Step bf16 = one_step(name, Precision::Bf16, 32), fp32 = one_step(name, Precision::Fp32, 32);
+    const Step bf16 = one_step(name, Precision::Bf16, 32);
+    const Step fp32 = one_step(name, Precision::Fp32, 32);
     CHECK(bf16.logits == DType::BF16);
     CHECK(bf16.dlogits == DType::BF16);
     CHECK(bf16.params == DType::F32);
@@ -240,7 +241,8 @@ TEST_CASE("what a forward keeps for backward: half the bytes in bf16") {
   // Activations are most of what a forward leaves (the parameters were allocated before): the
   // CNN (convolutions, ReLUs, a max pool, linear layers) and ResNet-18 (BatchNorm keeps its
   // input and its ReLU's output too).
-  for (const auto& [name, batch] : {std::pair<std::string, int64_t>{"cnn", 128}, {"resnet18", 64}}) {
+  using Case = std::pair<std::string, int64_t>;
+  for (const auto& [name, batch] : {Case{"cnn", 128}, Case{"resnet18", 64}}) {
     CAPTURE(name);
     const double fp32 = one_step(name, Precision::Fp32, batch).kept_bytes;
     const double bf16 = one_step(name, Precision::Bf16, batch).kept_bytes;

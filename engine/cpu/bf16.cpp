@@ -47,11 +47,7 @@ void store(Tensor& out, const Tensor& result) {
 namespace cpu {
 
 void convert(Tensor& dst, const Tensor& src) {
-  const bool narrow = dst.dtype() == DType::BF16 && src.dtype() == DType::F32;
-  REPLICA_CHECK(narrow || (dst.dtype() == DType::F32 && src.dtype() == DType::BF16),
-                "copy: {} into {} is no conversion replica makes (F32 <-> BF16)",
-                dtype_name(src.dtype()), dtype_name(dst.dtype()));
-  if (narrow) {
+  if (copy_narrows(dst, src)) {
     uint16_t* d = dst.bf16();
     const float* s = src.f32();
     parallel_range(dst.numel(), kGrain, [&](int64_t b, int64_t e) {

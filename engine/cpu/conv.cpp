@@ -355,16 +355,10 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
                                  const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
                                  const Conv2dParams& prm, InputGrad dx_mode) {
   if (dx_mode == InputGrad::Accumulate && dx.defined()) {
-    // The gradient into a buffer of its own, then added: the bits of a backward and an add (a
-    // BF16 sum is widened, added to and rounded once, as add on BF16 tensors does).
+    // The gradient into a buffer of its own, then added: the bits of a backward and an add.
     Tensor own = ctx.alloc(dx.shape());
     conv2d_backward(ctx, x, w, dy, own, dw, db, prm, InputGrad::Overwrite);
-    if (dx.dtype() == DType::F32) return add(ctx, dx, own, 1.f);
-    uint16_t* d = dx.bf16();
-    const float* o = own.f32();
-    cpu::parallel_range(dx.numel(), cpu::kGrain, [&](int64_t b0, int64_t b1) {
-      for (int64_t i = b0; i < b1; ++i) d[i] = bf16_bits(bf16_value(d[i]) + o[i]);
-    });
+    add(ctx, dx, own, 1.f);
     return;
   }
   if (ctx.precision() != Precision::Bf16)

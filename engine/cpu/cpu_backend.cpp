@@ -8,6 +8,7 @@ bool CpuBackend::takes_bf16(OpId op) const {
   switch (op) {
     case OpId::copy:
     case OpId::fill:
+    case OpId::add:
     case OpId::conv2d_forward:
     case OpId::conv2d_backward:
     case OpId::linear_forward:

@@ -16,7 +16,7 @@ class CpuBackend final : public Backend {
 #define REPLICA_OP(name, params, args) void name params override;
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
-  // Convolutions and linear layers read and write BF16 activations themselves (bf16.cpp);
+  // Convolutions, linear layers (bf16.cpp) and add read and write BF16 activations themselves;
   // every other op runs on the storage layer's F32 copies (engine/bf16_storage.h).
   bool takes_bf16(OpId op) const override;
 };

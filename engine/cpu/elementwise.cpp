@@ -63,10 +63,17 @@ void CpuBackend::gather_rows(DeviceContext&, Tensor& dst, const Tensor& table,
 
 void CpuBackend::add(DeviceContext&, Tensor& dst, const Tensor& src, float alpha) {
   cpu::expect_same_numel(dst, src, "add");
-  float* d = dst.f32();
-  const float* s = src.f32();
-  cpu::parallel_range(dst.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) d[i] += alpha * s[i];
+  // Either side may be BF16 (bf16 storage): widened, added in fp32, a BF16 dst rounded once.
+  with_storage(dst.dtype(), [&](auto dst_tag) {
+    with_storage(src.dtype(), [&](auto src_tag) {
+      using D = decltype(dst_tag);
+      using S = decltype(src_tag);
+      D* d = elements<D>(dst);
+      const S* s = elements<S>(src);
+      cpu::parallel_range(dst.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) d[i] = narrow<D>(widen(d[i]) + alpha * widen(s[i]));
+      });
+    });
   });
 }
 

@@ -15,9 +15,6 @@ namespace replica {
 
 namespace {
 
-using cuda::narrow;
-using cuda::widen;
-
 // Elements of In (float or uint16_t: F32 or BF16) to Out: widened, then rounded if Out is BF16.
 template <class In, class Out>
 __global__ void convert_kernel(const In* src, Out* dst, int64_t n) {
@@ -136,9 +133,9 @@ void with_tiles(const Planes& d, F&& launch) {
 template <class Out>
 void stage(const Tensor& t, Out* dst, bool nhwc, cudaStream_t stream) {
   const Planes d = planes_of(t);
-  cuda::with_storage(t.dtype(), [&](auto tag) {
+  with_storage(t.dtype(), [&](auto tag) {
     using In = decltype(tag);
-    const In* src = cuda::data<In>(t);
+    const In* src = elements<In>(t);
     if (nhwc && transposes(d)) {
       with_tiles(d, [&](auto tiles) {
         stage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(src, dst, d,
@@ -155,9 +152,9 @@ void stage(const Tensor& t, Out* dst, bool nhwc, cudaStream_t stream) {
 template <class In>
 void unstage(const In* src, Tensor& out, bool nhwc, bool accumulate, cudaStream_t stream) {
   const Planes d = planes_of(out);
-  cuda::with_storage(out.dtype(), [&](auto tag) {
+  with_storage(out.dtype(), [&](auto tag) {
     using Out = decltype(tag);
-    Out* dst = cuda::data<Out>(out);
+    Out* dst = elements<Out>(out);
     if (nhwc && transposes(d)) {
       with_tiles(d, [&](auto tiles) {
         unstage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(

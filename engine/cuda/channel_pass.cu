@@ -163,7 +163,7 @@ void channel_affine(const ChannelDims& d, const T* x, T* y, const float* scale,
 void add_channel_bias(const ChannelDims& d, Tensor& y, const Tensor& b, cudaStream_t stream) {
   with_storage(y.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    T* yp = data<T>(y);
+    T* yp = elements<T>(y);
     channel_affine<T>(d, yp, yp, nullptr, b.f32(), nullptr, false, stream);
   });
 }
@@ -172,7 +172,7 @@ void accumulate_bias_grad(const ChannelDims& d, int S, const Tensor& dy, const T
                           Tensor& db, cudaStream_t stream) {
   with_storage(dy.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    channel_sum_accumulate<T>(d, S, data<T>(dy), scratch.f32(), db.f32(), stream);
+    channel_sum_accumulate<T>(d, S, elements<T>(dy), scratch.f32(), db.f32(), stream);
   });
 }
 

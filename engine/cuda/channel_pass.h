@@ -41,7 +41,8 @@ enum class ChannelSum { Values, Moments, GradMoments };
 
 // part_a, part_b: C * S doubles each, channel c's slices at [c * S, c * S + S). Unused
 // pointers may be null (dy, relu_y, mean, invstd for Values and Moments). T: how x, dy and
-// relu_y are stored (float: F32, uint16_t: BF16, cuda::widen); the sums are the same either way.
+// relu_y are stored (float: F32, uint16_t: BF16; widen in engine/ops.h); the sums are the
+// same either way.
 template <class T>
 void channel_partials(ChannelSum what, const ChannelDims& d, int S, const T* x, const T* dy,
                       const T* relu_y, const float* mean, const float* invstd, double* part_a,

@@ -182,7 +182,7 @@ void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir
   if (const ConvGraph* graph = conv_graph(ctx, plan, dir, beta, b)) {
     const Tensor ws = workspace(ctx, graph->workspace_bytes());
     try {
-      graph->run(s.cudnn, b, cuda::data<float>(ws));
+      graph->run(s.cudnn, b, elements<float>(ws));
       return;
     } catch (const Error& e) {  // a plan cuDNN refuses to execute: Auto goes on without it
       if (ctx.conv_api() == ConvApi::Graph) throw;
@@ -197,7 +197,7 @@ void CudaBackend::run_conv(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir
   const Tensor held = workspace(ctx, dir == ConvDirection::Forward        ? plan.fwd.ws
                                      : dir == ConvDirection::BackwardData ? plan.bwd_data.ws
                                                                           : plan.bwd_filter.ws);
-  void* const ws = cuda::data<float>(held);
+  void* const ws = elements<float>(held);
   if (dir == ConvDirection::Forward) {
     REPLICA_CUDNN_CHECK(cudnnSetConvolutionMathType(plan.conv, plan.fwd.math));
     REPLICA_CUDNN_CHECK(cudnnConvolutionForward(s.cudnn, &one, plan.x, x, plan.w, w, plan.conv,

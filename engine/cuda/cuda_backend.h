@@ -57,39 +57,6 @@ __device__ __forceinline__ double block_sum(double v, double* sh) {
   return r;
 }
 
-// Elements as tensors store them: F32 as float, BF16 as uint16_t (its bit pattern; engine/
-// bf16_storage.h). Kernels compute on floats: widen() reads an element, narrow<T>() makes one,
-// rounding through bf16_bits (engine/ops.h) as the CPU does.
-__host__ __device__ __forceinline__ float widen(float v) { return v; }
-__host__ __device__ __forceinline__ float widen(uint16_t bits) { return bf16_value(bits); }
-template <class T>
-__host__ __device__ __forceinline__ T narrow(float v) {
-  if constexpr (std::is_same_v<T, uint16_t>)
-    return bf16_bits(v);
-  else
-    return v;
-}
-
-// A tensor's elements as type T (float: F32, uint16_t: BF16); null for an undefined one (an
-// optional tensor: "not wanted" or "none needed").
-template <class T>
-T* data(const Tensor& t) {
-  if (!t.defined()) return nullptr;
-  if constexpr (std::is_same_v<T, uint16_t>)
-    return t.bf16();
-  else
-    return t.f32();
-}
-
-// Calls f(T()) with T the storage type of `dtype`: float for F32, uint16_t for BF16.
-template <class F>
-void with_storage(DType dtype, F&& f) {
-  if (dtype == DType::BF16)
-    f(uint16_t());
-  else
-    f(float());
-}
-
 // kVec consecutive elements, group g of an array, as floats: a float4 (F32) or 8 bytes (four
 // BF16) loaded or stored at once where kVec is 4 (the caller has checked that the array is
 // 16-byte aligned), else one element.

@@ -24,7 +24,7 @@ __global__ void gather_rows_kernel(Word* dst, const Word* table, const int32_t* 
 // Four bytes per thread left these passes at about half the memory's bandwidth on an H200
 // (ResNet-50's residual add and relu_backward, with the sum's ReLU then a pass of its own:
 // 5.3 ms of a 37 ms step).
-// T: how the three arrays store their elements (F32 or BF16: cuda::widen, cuda::narrow).
+// T: how the three arrays store their elements (F32 or BF16: widen and narrow, engine/ops.h).
 template <class F, int kVec, class T>
 __global__ void map_kernel(const T* a, const T* b, T* out, int64_t n, F f) {
   constexpr bool kBinary = F::kBinary;
@@ -39,7 +39,7 @@ __global__ void map_kernel(const T* a, const T* b, T* out, int64_t n, F f) {
   }
   const int64_t tail = groups * kVec + blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (kVec > 1 && tail < n)
-    out[tail] = cuda::narrow<T>(f(cuda::widen(a[tail]), kBinary ? cuda::widen(b[tail]) : 0.f));
+    out[tail] = narrow<T>(f(widen(a[tail]), kBinary ? widen(b[tail]) : 0.f));
 }
 
 // The maps: kBinary says whether they read a second array.
@@ -120,16 +120,13 @@ void CudaBackend::copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
   REPLICA_CHECK(dst.on_cuda() || src.on_cuda(),
                 "copy: neither side is GPU memory (use the CPU backend for host copies)");
   if (dst.dtype() != src.dtype()) {  // F32 <-> BF16 on this device: a conversion
-    const bool narrow = dst.dtype() == DType::BF16 && src.dtype() == DType::F32;
-    REPLICA_CHECK(narrow || (dst.dtype() == DType::F32 && src.dtype() == DType::BF16),
-                  "copy: {} into {} is no conversion replica makes (F32 <-> BF16)",
-                  dtype_name(src.dtype()), dtype_name(dst.dtype()));
+    const bool narrows = copy_narrows(dst, src);
     cuda::expect_device(ctx, dst, "copy", "destination of a conversion");
     cuda::expect_device(ctx, src, "copy", "source of a conversion");
     const int64_t n = dst.numel();
     if (n == 0) return;
     const cudaStream_t stream = cuda_state(ctx).stream;
-    if (narrow)
+    if (narrows)
       cuda::convert_async(src.f32(), dst.bf16(), n, stream);
     else
       cuda::convert_async(src.bf16(), dst.f32(), n, stream);
@@ -193,9 +190,9 @@ void CudaBackend::scale(DeviceContext& ctx, Tensor& t, float alpha) {
 void CudaBackend::relu_forward(DeviceContext& ctx, const Tensor& x, Tensor& y) {
   const int64_t n = elementwise_numel(ctx, x, y, "relu_forward", "x", "y");
   if (n == 0) return;
-  cuda::with_storage(cuda::activations_dtype("relu_forward", {&x, &y}), [&](auto tag) {
+  with_storage(cuda::activations_dtype("relu_forward", {&x, &y}), [&](auto tag) {
     using T = decltype(tag);
-    launch_map<Relu, T>(cuda::data<T>(x), nullptr, cuda::data<T>(y), n, Relu(),
+    launch_map<Relu, T>(elements<T>(x), nullptr, elements<T>(y), n, Relu(),
                         cuda_state(ctx).stream);
   });
 }
@@ -209,9 +206,9 @@ void CudaBackend::relu_backward(DeviceContext& ctx, const Tensor& y, const Tenso
   cuda::expect_numel(dx, y.numel(), "relu_backward", "dx");
   const int64_t n = y.numel();
   if (n == 0) return;
-  cuda::with_storage(cuda::activations_dtype("relu_backward", {&y, &dy, &dx}), [&](auto tag) {
+  with_storage(cuda::activations_dtype("relu_backward", {&y, &dy, &dx}), [&](auto tag) {
     using T = decltype(tag);
-    launch_map<ReluGrad, T>(cuda::data<T>(y), cuda::data<T>(dy), cuda::data<T>(dx), n,
+    launch_map<ReluGrad, T>(elements<T>(y), elements<T>(dy), elements<T>(dx), n,
                             ReluGrad(), cuda_state(ctx).stream);
   });
 }

@@ -50,7 +50,7 @@ __global__ void bn_train_stats_kernel(const T* x, const double* part_a, const do
   REPLICA_GRID_STRIDE(c, d.c) {
     double sum, sq;
     cuda::channel_sums(part_a, part_b, S, c, &sum, &sq);
-    const double m = double(d.m()), shifted = sum / m, mu = cuda::widen(x[c * d.hw]) + shifted;
+    const double m = double(d.m()), shifted = sum / m, mu = widen(x[c * d.hw]) + shifted;
     const double var = fmax(sq / m - shifted * shifted, 0.0);
     const double invstd = 1.0 / sqrt(var + eps);
     if (out.save_mean) {
@@ -184,18 +184,18 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int S = cuda::channel_slices(d, op);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
-  const TrainOut out{cuda::data<float>(running_mean), cuda::data<float>(running_var),
-                     cuda::data<float>(save_mean), cuda::data<float>(save_invstd)};
-  cuda::with_storage(dt, [&](auto tag) {
+  const TrainOut out{elements<float>(running_mean), elements<float>(running_var),
+                     elements<float>(save_mean), elements<float>(save_invstd)};
+  with_storage(dt, [&](auto tag) {
     using T = decltype(tag);
-    const T* xp = cuda::data<T>(x);
+    const T* xp = elements<T>(x);
     cuda::channel_partials<T>(ChannelSum::Moments, d, S, xp, nullptr, nullptr, nullptr, nullptr,
                               w.part_a, w.part_b, stream);
     bn_train_stats_kernel<T><<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
-        xp, w.part_a, w.part_b, S, d, cuda::data<float>(gamma), cuda::data<float>(beta), momentum, eps, out,
-        w.scale, w.shift);
+        xp, w.part_a, w.part_b, S, d, elements<float>(gamma), elements<float>(beta), momentum,
+        eps, out, w.scale, w.shift);
     REPLICA_LAUNCH_CHECK();
-    cuda::channel_affine<T>(d, xp, cuda::data<T>(y), w.scale, w.shift, cuda::data<T>(residual),
+    cuda::channel_affine<T>(d, xp, elements<T>(y), w.scale, w.shift, elements<T>(residual),
                             relu, stream);
   });
 }
@@ -219,13 +219,13 @@ void CudaBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, co
   const cudaStream_t stream = cuda_state(ctx).stream;
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, 1)), d.c, 1);
   bn_eval_coeffs_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
-      running_mean.f32(), running_var.f32(), cuda::data<float>(gamma), cuda::data<float>(beta), eps, d.c,
-      w.scale, w.shift);
+      running_mean.f32(), running_var.f32(), elements<float>(gamma), elements<float>(beta), eps,
+      d.c, w.scale, w.shift);
   REPLICA_LAUNCH_CHECK();
-  cuda::with_storage(dt, [&](auto tag) {
+  with_storage(dt, [&](auto tag) {
     using T = decltype(tag);
-    cuda::channel_affine<T>(d, cuda::data<T>(x), cuda::data<T>(y), w.scale, w.shift,
-                            cuda::data<T>(residual), relu, stream);
+    cuda::channel_affine<T>(d, elements<T>(x), elements<T>(y), w.scale, w.shift,
+                            elements<T>(residual), relu, stream);
   });
 }
 
@@ -251,17 +251,17 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
   const int S = cuda::channel_slices(d, op);
   BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
   const float *mean = save_mean.f32(), *is = save_invstd.f32();
-  cuda::with_storage(dt, [&](auto tag) {
+  with_storage(dt, [&](auto tag) {
     using T = decltype(tag);
-    const T *xp = cuda::data<T>(x), *dyp = cuda::data<T>(dy), *mask = cuda::data<T>(relu_y);
+    const T *xp = elements<T>(x), *dyp = elements<T>(dy), *mask = elements<T>(relu_y);
     cuda::channel_partials<T>(ChannelSum::GradMoments, d, S, xp, dyp, mask, mean, is, w.part_a,
                               w.part_b, stream);
     bn_grad_sums_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
-        w.part_a, w.part_b, S, d, cuda::data<float>(gamma), is, cuda::data<float>(dgamma),
-        cuda::data<float>(dbeta), w.sums);
+        w.part_a, w.part_b, S, d, elements<float>(gamma), is, elements<float>(dgamma),
+        elements<float>(dbeta), w.sums);
     REPLICA_LAUNCH_CHECK();
     if (!dx.defined()) return;
-    T* dxp = cuda::data<T>(dx);
+    T* dxp = elements<T>(dx);
     cuda::with_channel_index(d, {xp, dyp, mask, dxp}, [&](auto at, auto width) {
       using Div = std::decay_t<decltype(at.by_hw)>;
       constexpr int kVec = decltype(width)::value;

@@ -57,7 +57,7 @@ __device__ __forceinline__ int64_t window_argmax(const T* plane, const PoolDims&
     for (int j = 0; j < kernel; ++j) {
       const int64_t ix = ox * stride - padding + j;
       if (ix < 0 || ix >= d.W) continue;
-      const float v = cuda::widen(plane[iy * d.W + ix]);
+      const float v = widen(plane[iy * d.W + ix]);
       if (best < 0 || v > best_v || isnan(v)) {
         best = iy * d.W + ix;
         best_v = v;
@@ -70,8 +70,8 @@ __device__ __forceinline__ int64_t window_argmax(const T* plane, const PoolDims&
 
 // Every window o's winner: forward writes its value y[o] (-inf when all padding), backward its
 // plane index winner[o] (-1 then); the other pointer is null. T: how x and y store their
-// elements (F32 or BF16, cuda::widen): a BF16 winner stays itself (a NaN quieted, as the CPU's
-// round trip through fp32 does).
+// elements (F32 or BF16, widen in engine/ops.h): a BF16 winner stays itself (a NaN quieted, as
+// the CPU's round trip through fp32 does).
 template <class Div, class T>
 __global__ void maxpool_windows_kernel(const T* x, T* y, int* winner, PoolDims d,
                                        PoolIndex<Div> at, int kernel, int stride, int padding) {
@@ -82,7 +82,7 @@ __global__ void maxpool_windows_kernel(const T* x, T* y, int* winner, PoolDims d
     at.split3(Index(o), at.by_p, at.by_q, &plane, &oy, &ox);
     const T* xp = x + int64_t(plane) * d.H * d.W;
     const int64_t a = window_argmax(xp, d, kernel, stride, padding, oy, ox);
-    if (y) y[o] = cuda::narrow<T>(a >= 0 ? cuda::widen(xp[a]) : -INFINITY);  // NaN: quieted
+    if (y) y[o] = narrow<T>(a >= 0 ? widen(xp[a]) : -INFINITY);  // NaN: quieted
     if (winner) winner[o] = int(a);
   }
 }
@@ -117,8 +117,8 @@ __global__ void maxpool_backward_kernel(const int* winner, const T* dy, T* dx, P
     float g = 0.f;
     for (int64_t oy = y0; oy <= y1; ++oy)
       for (int64_t ox = x0; ox <= x1; ++ox)
-        if (wp[oy * d.Q + ox] == self) g += cuda::widen(gp[oy * d.Q + ox]);
-    dx[i] = cuda::narrow<T>(g);
+        if (wp[oy * d.Q + ox] == self) g += widen(gp[oy * d.Q + ox]);
+    dx[i] = narrow<T>(g);
   }
 }
 
@@ -146,8 +146,8 @@ __global__ void adaptive_avgpool_forward_kernel(const T* x, T* y, PoolDims d, Po
     const int64_t x0 = adaptive_start(ox, d.W, at.by_q), x1 = adaptive_end(ox, d.W, at.by_q);
     float s = 0.f;
     for (int64_t iy = y0; iy < y1; ++iy)
-      for (int64_t ix = x0; ix < x1; ++ix) s += cuda::widen(xp[iy * d.W + ix]);
-    y[o] = cuda::narrow<T>(s / float((y1 - y0) * (x1 - x0)));
+      for (int64_t ix = x0; ix < x1; ++ix) s += widen(xp[iy * d.W + ix]);
+    y[o] = narrow<T>(s / float((y1 - y0) * (x1 - x0)));
   }
 }
 
@@ -188,18 +188,21 @@ __global__ void adaptive_avgpool_backward_kernel(const T* dy, T* dx, PoolDims d,
       const int64_t y0 = adaptive_start(oy, d.H, at.by_p), y1 = adaptive_end(oy, d.H, at.by_p);
       for (int64_t ox = ox0; ox <= ox1; ++ox) {
         const int64_t x0 = adaptive_start(ox, d.W, at.by_q), x1 = adaptive_end(ox, d.W, at.by_q);
-        g += cuda::widen(gp[oy * d.Q + ox]) / float((y1 - y0) * (x1 - x0));
+        g += widen(gp[oy * d.Q + ox]) / float((y1 - y0) * (x1 - x0));
       }
     }
-    dx[i] = cuda::narrow<T>(g);
+    dx[i] = narrow<T>(g);
   }
 }
 
-// Calls launch(index) with the dividers for d: FastDivmod where every number divided stays
-// below 2^31 (the flat indices; the adaptive windows' products o * In; a coordinate plus the
-// padding and the stride), else WideDivmod. Extents of 0 divide nothing: they get divisor 1.
+// Calls launch(T(), index) with T the storage type `op`'s activations share (float: F32,
+// uint16_t: BF16; cuda::activations_dtype) and the dividers for d: FastDivmod where every
+// number divided stays below 2^31 (the flat indices; the adaptive windows' products o * In; a
+// coordinate plus the padding and the stride), else WideDivmod. Extents of 0 divide nothing:
+// they get divisor 1.
 template <class F>
-void with_pool_index(const PoolDims& d, int stride, int padding, F&& launch) {
+void with_pool_launch(const char* op, std::initializer_list<const Tensor*> activations,
+                      const PoolDims& d, int stride, int padding, F&& launch) {
   const auto at_least_1 = [](int64_t v) { return v < 1 ? int64_t(1) : v; };
   const int64_t largest = std::max({d.planes * d.H * d.W, d.planes * d.P * d.Q,
                                     (d.P + 1) * d.H + d.P, (d.Q + 1) * d.W + d.Q,
@@ -210,10 +213,12 @@ void with_pool_index(const PoolDims& d, int stride, int padding, F&& launch) {
     return PoolIndex<Div>{Div(at_least_1(d.H)), Div(at_least_1(d.W)), Div(at_least_1(d.P)),
                           Div(at_least_1(d.Q)), Div(stride)};
   };
-  if (cuda::fast_index(largest))
-    launch(make(FastDivmod()));
-  else
-    launch(make(WideDivmod()));
+  with_storage(cuda::activations_dtype(op, activations), [&](auto tag) {
+    if (cuda::fast_index(largest))
+      launch(tag, make(FastDivmod()));
+    else
+      launch(tag, make(WideDivmod()));
+  });
 }
 
 PoolDims pool_dims(const Tensor& x, const Tensor& y, const char* op) {
@@ -245,14 +250,10 @@ void CudaBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor&
   check_maxpool(x, y, p, op);
   const int64_t total = d.planes * d.P * d.Q;
   if (total == 0) return;
-  cuda::with_storage(cuda::activations_dtype(op, {&x, &y}), [&](auto tag) {
+  with_pool_launch(op, {&x, &y}, d, p.stride, p.padding, [&](auto tag, auto at) {
     using T = decltype(tag);
-    with_pool_index(d, p.stride, p.padding, [&](auto at) {
-      maxpool_windows_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
-                               cuda_state(ctx).stream>>>(cuda::data<T>(x), cuda::data<T>(y),
-                                                         nullptr, d, at, p.kernel, p.stride,
-                                                         p.padding);
-    });
+    maxpool_windows_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+        elements<T>(x), elements<T>(y), nullptr, d, at, p.kernel, p.stride, p.padding);
   });
   REPLICA_LAUNCH_CHECK();
 }
@@ -276,19 +277,17 @@ void CudaBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const 
   const cudaStream_t stream = cuda_state(ctx).stream;
   const Tensor winners = scratch(ctx, windows);
   int* winner = reinterpret_cast<int*>(winners.f32());  // an int per float slot
-  cuda::with_storage(cuda::activations_dtype(op, {&x, &dy, &dx}), [&](auto tag) {
+  with_pool_launch(op, {&x, &dy, &dx}, d, p.stride, p.padding, [&](auto tag, auto at) {
     using T = decltype(tag);
-    with_pool_index(d, p.stride, p.padding, [&](auto at) {
-      if (windows > 0) {
-        maxpool_windows_kernel<<<cuda::grid_for(windows), cuda::kThreads, 0, stream>>>(
-            cuda::data<T>(x), static_cast<T*>(nullptr), winner, d, at, p.kernel, p.stride,
-            p.padding);
-        REPLICA_LAUNCH_CHECK();
-      }
-      maxpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, stream>>>(
-          winner, cuda::data<T>(dy), cuda::data<T>(dx), d, at, p.kernel, p.padding);
+    if (windows > 0) {
+      maxpool_windows_kernel<<<cuda::grid_for(windows), cuda::kThreads, 0, stream>>>(
+          elements<T>(x), static_cast<T*>(nullptr), winner, d, at, p.kernel, p.stride,
+          p.padding);
       REPLICA_LAUNCH_CHECK();
-    });
+    }
+    maxpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0, stream>>>(
+        winner, elements<T>(dy), elements<T>(dx), d, at, p.kernel, p.padding);
+    REPLICA_LAUNCH_CHECK();
   });
 }
 
@@ -300,13 +299,11 @@ void CudaBackend::adaptive_avgpool2d_forward(DeviceContext& ctx, const Tensor& x
   const int64_t total = d.planes * d.P * d.Q;
   if (total == 0) return;
   REPLICA_CHECK(d.H >= 1 && d.W >= 1, "{}: empty input plane {}", op, shape_str(x.shape()));
-  cuda::with_storage(cuda::activations_dtype(op, {&x, &y}), [&](auto tag) {
+  with_pool_launch(op, {&x, &y}, d, 1, 0, [&](auto tag, auto at) {
     using T = decltype(tag);
-    with_pool_index(d, 1, 0, [&](auto at) {
-      adaptive_avgpool_forward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
-                                        cuda_state(ctx).stream>>>(cuda::data<T>(x),
-                                                                  cuda::data<T>(y), d, at);
-    });
+    adaptive_avgpool_forward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
+                                      cuda_state(ctx).stream>>>(elements<T>(x), elements<T>(y),
+                                                                d, at);
   });
   REPLICA_LAUNCH_CHECK();
 }
@@ -322,13 +319,11 @@ void CudaBackend::adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& 
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
     return;
   }
-  cuda::with_storage(cuda::activations_dtype(op, {&dy, &dx}), [&](auto tag) {
+  with_pool_launch(op, {&dy, &dx}, d, 1, 0, [&](auto tag, auto at) {
     using T = decltype(tag);
-    with_pool_index(d, 1, 0, [&](auto at) {
-      adaptive_avgpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
-                                         cuda_state(ctx).stream>>>(cuda::data<T>(dy),
-                                                                   cuda::data<T>(dx), d, at);
-    });
+    adaptive_avgpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
+                                       cuda_state(ctx).stream>>>(elements<T>(dy),
+                                                                 elements<T>(dx), d, at);
   });
   REPLICA_LAUNCH_CHECK();
 }
