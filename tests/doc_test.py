@@ -6,6 +6,8 @@ Every fenced block must say what it is. Shell blocks are marked in their info st
     ```sh run                  run it (from a scratch directory of the file's own, in order)
     ```sh run timeout=300      ... with a time limit other than the default 120 s
     ```sh run gpu              ... only where replica finds a GPU (elsewhere skipped by name)
+    ```sh run netns            ... only where network namespaces can be made (root, iproute2:
+                                   tools/local_nodes.sh --check; elsewhere skipped by name)
     ```sh skip=hours on CPU    not run, for the reason given (printed, never silent)
 
 and an ```output block after a run block is what it prints: the run's output must have the same
@@ -48,8 +50,9 @@ class Block:
         m = re.match(r"^skip=(.+)$", self.attrs)
         return m.group(1).strip() if m else None
 
-    def needs_gpu(self):
-        return self.run() and re.search(r"\bgpu\b", self.attrs) is not None
+    def needs(self):
+        """What the machine must have for this run block (words of REQUIREMENTS)."""
+        return [w for w in REQUIREMENTS if self.run() and re.search(rf"\b{w}\b", self.attrs)]
 
     def timeout(self):
         m = re.search(r"timeout=(\d+)", self.attrs)
@@ -266,6 +269,20 @@ def have_gpu(bindir):
         return False
 
 
+def have_netns(repo):
+    try:
+        p = subprocess.run([os.path.join(repo, "tools", "local_nodes.sh"), "--check"],
+                           capture_output=True, text=True, timeout=60)
+        return p.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+# A run block's requirements: the word in its info string, and what is missing without it.
+REQUIREMENTS = {"gpu": "needs a GPU (none found)",
+                "netns": "needs network namespaces (root and iproute2: tools/local_nodes.sh --check)"}
+
+
 def doc_files(repo, only):
     if only:
         return only
@@ -285,7 +302,7 @@ def main():
     args = ap.parse_args()
     repo, bindir = os.path.abspath(args.repo), os.path.abspath(args.bin)
     programs = Programs(repo, bindir)
-    gpu = have_gpu(bindir)
+    have = {"gpu": have_gpu(bindir), "netns": have_netns(repo)}
     failures, ran, skipped = [], 0, 0
 
     for rel in doc_files(repo, args.only):
@@ -314,9 +331,10 @@ def main():
                 for seg in segments(line):
                     for problem in check_command(seg, programs):
                         failures.append(f"{b.where()}: {problem}  ({line.strip()[:100]})")
-            if b.needs_gpu() and not gpu:
+            missing = [w for w in b.needs() if not have[w]]
+            if missing:
                 skipped += 1
-                print(f"SKIP {b.where()}: needs a GPU (none found)")
+                print(f"SKIP {b.where()}: {REQUIREMENTS[missing[0]]}")
                 last_run = None
                 continue
             if b.run():

@@ -202,6 +202,19 @@ class Cli(unittest.TestCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn("--rounds must be at least 1", p.stderr)
 
+    def test_local_nodes_refuses_bad_arguments_before_making_nodes(self):
+        script = os.path.join(REPO, "tools", "local_nodes.sh")
+        for argv, message in ((["--rate", "5xbit", "--", "true"], "--rate '5xbit'"),
+                              (["--nodes", "0", "--", "true"], "--nodes must be 1 to 200"),
+                              (["--nproc-per-node", "x", "--", "true"], "--nproc-per-node"),
+                              (["--speed", "1"], "unknown argument '--speed'"),
+                              (["--rate"], "--rate needs a value"),
+                              ([], "no program given")):
+            p = subprocess.run([script] + argv, capture_output=True, text=True)
+            self.assertEqual(p.returncode, 2, argv)
+            self.assertIn(message, p.stderr)
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

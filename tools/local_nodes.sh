@@ -23,14 +23,15 @@ set -uo pipefail
 
 nodes=2 nproc=1 rate="" logs="" check=0
 die() { echo "local_nodes: $*" >&2; exit 2; }
+value() { (($# >= 2)) || die "$1 needs a value"; }
 while (($#)); do
   case "$1" in
-    --nodes) nodes="${2:-}"; shift 2 ;;
-    --nproc-per-node) nproc="${2:-}"; shift 2 ;;
-    --rate) rate="${2:-}"; shift 2 ;;
-    --logs) logs="${2:-}"; shift 2 ;;
+    --nodes) value "$@"; nodes="$2"; shift 2 ;;
+    --nproc-per-node) value "$@"; nproc="$2"; shift 2 ;;
+    --rate) value "$@"; rate="$2"; shift 2 ;;
+    --logs) value "$@"; logs="$2"; shift 2 ;;
     --check) check=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
