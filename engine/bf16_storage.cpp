@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/context.h"
+#include "engine/error.h"
 
 namespace replica {
 
@@ -58,6 +59,7 @@ template <class Call>
 struct Dispatch {
   Backend& inner;
   bool takes_bf16;
+  int64_t& copied_calls;
   Call call;
 
   template <class... Args>
@@ -66,14 +68,15 @@ struct Dispatch {
       call(ctx, args...);
       return;
     }
+    ++copied_calls;
     Widened widened(inner, ctx);
     call(ctx, widened.pass(args)...);
     widened.round_outputs();
   }
 };
 template <class Call>
-Dispatch<Call> dispatch(Backend& inner, bool takes_bf16, Call call) {
-  return {inner, takes_bf16, std::move(call)};
+Dispatch<Call> dispatch(Backend& inner, bool takes_bf16, int64_t& copied_calls, Call call) {
+  return {inner, takes_bf16, copied_calls, std::move(call)};
 }
 
 class Bf16StorageBackend final : public Backend {
@@ -84,23 +87,31 @@ class Bf16StorageBackend final : public Backend {
 
 #define REPLICA_OP(name, params, args)                                                   \
   void name params override {                                                            \
-    dispatch(*inner_, takes_[size_t(OpId::name)],                                         \
+    dispatch(*inner_, takes_[size_t(OpId::name)], copied_calls_,                          \
              [this](DeviceContext& c, auto&... a) { inner_->name(c, a...); }) args;      \
   }
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
 
   bool takes_bf16(OpId) const override { return true; }
+  int64_t copied_calls() const { return copied_calls_; }
 
  private:
   std::unique_ptr<Backend> inner_;
   std::array<bool, size_t(OpId::kCount)> takes_{};
+  int64_t copied_calls_ = 0;  // a context, and so its layer, is used by one thread at a time
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_bf16_storage_backend(std::unique_ptr<Backend> inner) {
   return std::make_unique<Bf16StorageBackend>(std::move(inner));
+}
+
+int64_t calls_on_f32_copies(const Backend& ops) {
+  const auto* layer = dynamic_cast<const Bf16StorageBackend*>(&ops);
+  REPLICA_CHECK(layer, "calls_on_f32_copies: not a context's ops (the bf16 storage layer)");
+  return layer->copied_calls();
 }
 
 DType activation_dtype(const DeviceContext& ctx) {

@@ -11,6 +11,7 @@
 // kernel that rounds its stores, at the price of the copies: one mechanism that gives every op,
 // on every backend, bf16 storage at once, and a kernel of its own where the copies cost too much.
 #pragma once
+#include <cstdint>
 #include <memory>
 
 #include "engine/ops.h"
@@ -20,6 +21,11 @@ namespace replica {
 // What every DeviceContext puts around its backend: an op none of whose tensors is BF16, or one
 // the inner backend takes BF16 for, goes straight through.
 std::unique_ptr<Backend> make_bf16_storage_backend(std::unique_ptr<Backend> inner);
+
+// How many calls the layer `ops` (a DeviceContext's ops()) has run on F32 copies so far: the
+// calls with a BF16 tensor to an op its backend does not take BF16 for. Tests hold it still
+// across the ops a backend says it takes BF16 for; throws if `ops` is not the layer.
+int64_t calls_on_f32_copies(const Backend& ops);
 
 // The dtype layers store activations (and so their gradients) in: BF16 in Precision::Bf16,
 // else F32.

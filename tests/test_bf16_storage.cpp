@@ -181,6 +181,28 @@ TEST_CASE("an op on BF16 tensors: the op on their F32 widening, its outputs roun
   }
 }
 
+TEST_CASE("the layer counts the calls it runs on F32 copies: none for the CPU's BF16 kernels") {
+  DeviceContext ctx = cpu_context(Precision::Bf16);
+  const Tensor x = to_bf16(ctx, random_f32(ctx, {4, 3, 5, 5}, 1));
+  const Tensor w = random_f32(ctx, {2, 3, 3, 3}, 5), none;
+  Tensor y = ctx.alloc({4, 2, 5, 5}, DType::BF16);
+  Tensor sum = to_bf16(ctx, random_f32(ctx, {4, 3, 5, 5}, 2));
+  const int64_t before = calls_on_f32_copies(ctx.ops());
+  // Kernels of the CPU's that take BF16 (CpuBackend::takes_bf16): straight through.
+  ctx.ops().conv2d_forward(ctx, x, w, none, y, Conv2dParams{1, 1});
+  ctx.ops().add(ctx, sum, x, 1.f);
+  ctx.ops().fill(ctx, sum, 0.5f);
+  CHECK(calls_on_f32_copies(ctx.ops()) == before);
+  // ReLU has no BF16 kernel on the CPU: one call on copies. F32 tensors alone: none.
+  Tensor r = ctx.alloc(x.shape(), DType::BF16);
+  Tensor r32 = ctx.alloc(x.shape()), x32 = ctx.alloc(x.shape());
+  ctx.ops().relu_forward(ctx, x, r);
+  CHECK(calls_on_f32_copies(ctx.ops()) == before + 1);
+  ctx.ops().fill(ctx, x32, 1.f);
+  ctx.ops().relu_forward(ctx, x32, r32);
+  CHECK(calls_on_f32_copies(ctx.ops()) == before + 1);
+}
+
 // One training step's forward and backward of `name` on 4 random 1x28x28 images: the logits,
 // their gradient, the parameter gradients (host copies), and the bytes the forward left in use
 // for backward (activations and what the layers keep).

@@ -3,9 +3,13 @@
 // hold:
 //  - copy's conversions give the CPU's bits (bf16_bits: ties to even, NaN kept), fill rounds;
 //  - each op a ResNet or the CNN runs on BF16 tensors (BatchNorm with a residual and a ReLU,
-//    its backward, convolutions on NCHW and channels_last operands with the input gradient
-//    added onto a sum, ReLU, max and average pooling, the linear layer) gives the CPU's numbers:
-//    up to the order of fp32 sums, which moves a stored value by one bf16 step now and then;
+//    in training and evaluation, its backward, convolutions on NCHW and channels_last operands
+//    with the input gradient written or added onto a sum, ReLU, max and average pooling, the
+//    linear layer) gives the CPU's numbers: up to the order of fp32 sums, which moves a stored
+//    value by one bf16 step now and then; on the kernels' 64-bit index path too. Outputs start
+//    from random values, so an op that adds where it should write (or the reverse) differs
+//    from the CPU's; and none of these ops runs on F32 copies (the CUDA backend takes BF16 for
+//    each: calls_on_f32_copies stays still);
 //  - ResNet-18 trains in bf16 on the GPU as on the CPU;
 //  - a forward keeps half the bytes, and a step's peak drops with them (the kernels read and
 //    write BF16 without F32 copies).
@@ -21,8 +25,10 @@
 #include <vector>
 
 #include "dp_reference.h"
+#include "engine/bf16_storage.h"
 #include "engine/context.h"
 #include "engine/ops.h"
+#include "env_guard.h"
 #include "gpu_skip.h"
 #include "layers/loss.h"
 #include "layers/model.h"
@@ -49,20 +55,20 @@ struct Arg {
   DType dtype;
 };
 
-// `op` on each context with the same arguments: inputs random (seeded by position; BF16 ones
-// the bf16 roundings of the F32 draws), outputs zero; returns each output's F32 values per
-// context ([output][context]).
+// `op` on each context with the same arguments: inputs and outputs random (seeded by position;
+// BF16 ones the bf16 roundings of the F32 draws); returns each output's F32 values per context
+// ([output][context]). On a GPU the op must not run on F32 copies.
 using Op = std::function<void(DeviceContext&, std::vector<Tensor>&, std::vector<Tensor>&)>;
 std::vector<std::vector<std::vector<float>>> on_each(const std::vector<DeviceContext*>& ctxs,
                                                      const std::vector<Arg>& inputs,
                                                      const std::vector<Arg>& outputs,
                                                      const Op& op) {
   DeviceContext host(kCpu);
-  auto make = [&](DeviceContext& ctx, const Arg& a, uint32_t seed, bool zero) {
+  auto make = [&](DeviceContext& ctx, const Arg& a, uint32_t seed) {
     Tensor h = host.alloc(a.shape);
     std::mt19937 rng(seed);
     std::normal_distribution<float> dist(0.f, 1.f);
-    for (int64_t i = 0; i < h.numel(); ++i) h.f32()[i] = zero ? 0.f : dist(rng);
+    for (int64_t i = 0; i < h.numel(); ++i) h.f32()[i] = dist(rng);
     Tensor hd = h;
     if (a.dtype == DType::BF16) {
       hd = host.alloc(a.shape, DType::BF16);
@@ -76,9 +82,14 @@ std::vector<std::vector<std::vector<float>>> on_each(const std::vector<DeviceCon
   std::vector<std::vector<std::vector<float>>> out(outputs.size());
   for (DeviceContext* ctx : ctxs) {
     std::vector<Tensor> in, res;
-    for (size_t i = 0; i < inputs.size(); ++i) in.push_back(make(*ctx, inputs[i], 50 + i, false));
-    for (const Arg& a : outputs) res.push_back(make(*ctx, a, 0, true));
+    for (size_t i = 0; i < inputs.size(); ++i) in.push_back(make(*ctx, inputs[i], 50 + i));
+    for (size_t i = 0; i < outputs.size(); ++i) res.push_back(make(*ctx, outputs[i], 90 + i));
+    const int64_t copied = calls_on_f32_copies(ctx->ops());
     op(*ctx, in, res);
+    if (ctx->is_cuda()) {
+      INFO("an op the CUDA backend takes BF16 for ran on F32 copies of its tensors");
+      CHECK(calls_on_f32_copies(ctx->ops()) == copied);
+    }
     for (size_t i = 0; i < res.size(); ++i) {
       Tensor h = Tensor::empty(host_allocator(), res[i].shape(), res[i].dtype());
       ctx->ops().copy(*ctx, h, res[i]);
@@ -140,15 +151,17 @@ TEST_CASE("copy converts F32 <-> BF16 on the GPU as on the CPU; fill rounds") {
   for (int i = 0; i < n; ++i) CHECK(hb.bf16()[i] == bf16_bits(1.f + 3.f / 256));
 }
 
-TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
-  if (!have_bf16()) return;
+namespace {
+
+// The ops cases (a function: run on the kernels' 32-bit and 64-bit index paths).
+void ops_on_bf16_tensors() {
   DeviceContext cpu(kCpu, bf16_options(false)), gpu(kGpu, bf16_options(false));
   DeviceContext gpu_nhwc(kGpu, bf16_options(true));
   const std::vector<DeviceContext*> ctxs = {&cpu, &gpu};
   const DType B = DType::BF16, F = DType::F32;
   const Shape x{8, 16, 9, 9};
 
-  SUBCASE("batch norm: forward with a residual and a ReLU, backward through the ReLU") {
+  SUBCASE("batch norm: forward with a residual and a ReLU (training, evaluation), backward") {
     // 9x9 planes: an element at a time; 8x8: four BF16 (8 bytes) a load and a store.
     for (const Shape& in : {x, Shape{8, 16, 8, 8}}) {
       CAPTURE(shape_str(in));
@@ -162,6 +175,15 @@ TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
                          });
       expect_like_cpu(fwd[0], 1e-3, "bn y");
       expect_like_cpu(fwd[1], 1e-6, "bn mean");
+      auto eval = on_each(ctxs, {{in, B}, {{16}, F}, {{16}, F}, {in, B}}, {{in, B}},
+                          [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                            Tensor rm = c.alloc({16}), rv = c.alloc({16});
+                            c.ops().fill(c, rm, 0.1f);
+                            c.ops().fill(c, rv, 1.5f);
+                            c.ops().batchnorm_forward_eval(c, i[0], i[1], i[2], rm, rv, 1e-5f,
+                                                           o[0], i[3], true);
+                          });
+      expect_like_cpu(eval[0], 1e-3, "bn eval y");
       auto bwd = on_each(
           ctxs, {{in, B}, {{16}, F}, {in, B}, {in, B}}, {{in, B}, {{16}, F}, {{16}, F}},
           [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
@@ -176,41 +198,50 @@ TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
       expect_like_cpu(bwd[2], 1e-5, "bn dbeta");
     }
   }
-  SUBCASE("convolutions, NCHW and channels_last: y with a bias; dx added onto a sum; dw, db") {
+  SUBCASE("convolutions, NCHW and channels_last: y with a bias; dx written or added; dw, db") {
     const std::vector<DeviceContext*> three = {&cpu, &gpu, &gpu_nhwc};
     // 9x9 planes, transposed for channels_last; 1x1 planes, the same bytes either way (a BF16
-    // operand read where it is).
-    for (const auto& [in, w, prm] : {std::tuple<Shape, Shape, Conv2dParams>{x, {24, 16, 3, 3},
-                                                                           {1, 1}},
-                                     {{8, 16, 1, 1}, {24, 16, 1, 1}, {1, 0}}}) {
+    // operand read where it is); 2x2 to 1x1 (ResNet-18's layer4 at 28x28): x transposed, dy
+    // and y read and written where they are.
+    using Case = std::tuple<Shape, Shape, Conv2dParams>;
+    for (const auto& [in, w, prm] : {Case{x, {24, 16, 3, 3}, {1, 1}},
+                                     Case{{8, 16, 1, 1}, {24, 16, 1, 1}, {1, 0}},
+                                     Case{{8, 16, 2, 2}, {24, 16, 3, 3}, {2, 1}}}) {
       CAPTURE(shape_str(in));
-      const Shape y{in[0], w[0], in[2], in[3]};
       const Conv2dParams p = prm;
+      const int64_t P = window_out(in[2], int(w[2]), p.stride, p.padding);
+      const Shape y{in[0], w[0], P, P};
       auto fwd = on_each(three, {{in, B}, {w, F}, {{24}, F}}, {{y, B}},
                          [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
                            c.ops().conv2d_forward(c, i[0], i[1], i[2], o[0], p);
                          });
       expect_like_cpu(fwd[0], 2e-3, "conv y");
-      auto bwd = on_each(three, {{in, B}, {w, F}, {y, B}, {in, B}},
-                         {{in, B}, {w, F}, {{24}, F}},
-                         [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-                           c.ops().copy(c, o[0], i[3]);
-                           c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p,
-                                                   InputGrad::Accumulate);
-                         });
-      expect_like_cpu(bwd[0], 2e-3, "conv dx (+=)");
-      expect_like_cpu(bwd[1], 2e-3, "conv dw");
-      expect_like_cpu(bwd[2], 1e-5, "conv db");
+      // dx starts random: Accumulate adds onto it, Overwrite must not.
+      for (const InputGrad mode : {InputGrad::Overwrite, InputGrad::Accumulate}) {
+        CAPTURE(int(mode));
+        auto bwd = on_each(three, {{in, B}, {w, F}, {y, B}}, {{in, B}, {w, F}, {{24}, F}},
+                           [&](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                             c.ops().conv2d_backward(c, i[0], i[1], i[2], o[0], o[1], o[2], p,
+                                                     mode);
+                           });
+        expect_like_cpu(bwd[0], 2e-3, "conv dx");
+        expect_like_cpu(bwd[1], 2e-3, "conv dw");
+        expect_like_cpu(bwd[2], 1e-5, "conv db");
+      }
     }
   }
   SUBCASE("ReLU and max pooling: a maximum is copied, gradients summed then rounded") {
-    auto relu = on_each(ctxs, {{x, B}, {x, B}}, {{x, B}, {x, B}},
-                        [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
-                          c.ops().relu_forward(c, i[0], o[0]);
-                          c.ops().relu_backward(c, o[0], i[1], o[1]);
-                        });
-    expect_like_cpu(relu[0], 0, "relu y");
-    expect_like_cpu(relu[1], 0, "relu dx");
+    // 10,368 values, four a load; 735, which ends in a tail of three.
+    for (const Shape& in : {x, Shape{3, 5, 7, 7}}) {
+      CAPTURE(shape_str(in));
+      auto relu = on_each(ctxs, {{in, B}, {in, B}}, {{in, B}, {in, B}},
+                          [](DeviceContext& c, std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                            c.ops().relu_forward(c, i[0], o[0]);
+                            c.ops().relu_backward(c, o[0], i[1], o[1]);
+                          });
+      expect_like_cpu(relu[0], 0, "relu y");
+      expect_like_cpu(relu[1], 0, "relu dx");
+    }
     // ResNet's 3x3 stride-2 window with padding 1, and without (windows overlap either way).
     for (const Pool2dParams prm : {Pool2dParams{3, 2, 1}, Pool2dParams{3, 2, 0}}) {
       CAPTURE(prm.padding);
@@ -254,6 +285,19 @@ TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
     expect_like_cpu(bwd[1], 2e-3, "linear dw");
     expect_like_cpu(bwd[2], 1e-5, "linear db");
   }
+}
+
+}  // namespace
+
+TEST_CASE("ops on BF16 tensors: the GPU's numbers are the CPU's") {
+  if (!have_bf16()) return;
+  ops_on_bf16_tensors();
+}
+
+TEST_CASE("ops on BF16 tensors on the kernels' 64-bit index path: the CPU's numbers too") {
+  if (!have_bf16()) return;
+  const test::WideIndexPath wide;
+  ops_on_bf16_tensors();
 }
 
 TEST_CASE("ResNet-18 trains in bf16 on the GPU as on the CPU (2 SGD steps)") {

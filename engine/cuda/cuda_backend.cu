@@ -63,6 +63,7 @@ void expect_device(const DeviceContext& ctx, const Tensor& t, const char* op, co
 }
 
 DType activations_dtype(const char* op, std::initializer_list<const Tensor*> tensors) {
+  REPLICA_CHECK((*tensors.begin())->defined(), "{}: its first activation is undefined", op);
   const DType dt = (*tensors.begin())->dtype();
   for (const Tensor* t : tensors)
     REPLICA_CHECK(!t->defined() || t->dtype() == dt,
