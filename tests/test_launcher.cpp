@@ -224,6 +224,32 @@ TEST_CASE("replica-launch: SIGTERM and Ctrl-C reach every rank exactly once") {
   }
 }
 
+TEST_CASE("replica-launch: a launcher started with SIGINT ignored still stops ranks with it") {
+  // As a script's background job starts it: SIGINT and SIGQUIT ignored, inherited through exec.
+  // The ranks, plain shells without a trap, must end on the forwarded SIGINT at once, not at
+  // the grace period's SIGKILL.
+  test::TempDir tmp;
+  const std::string script = "echo $$ > " + tmp.str("pid") + "$RANK; while :; do sleep 0.1; done";
+  struct sigaction ignore {}, saved_int {}, saved_quit {};
+  ignore.sa_handler = SIG_IGN;
+  sigaction(SIGINT, &ignore, &saved_int);
+  sigaction(SIGQUIT, &ignore, &saved_quit);
+  const pid_t launcher =
+      spawn_launcher({"--nproc-per-node", "2", "--", "/bin/sh", "-c", script}, tmp.str("out"));
+  sigaction(SIGINT, &saved_int, nullptr);
+  sigaction(SIGQUIT, &saved_quit, nullptr);
+  REQUIRE(wait_for_file(tmp.str("pid0")));
+  REQUIRE(wait_for_file(tmp.str("pid1")));
+  const auto t0 = Clock::now();
+  kill(launcher, SIGINT);
+  const int code = wait_launcher(launcher, 30s);
+  INFO(read(tmp.str("out")));
+  CHECK(code == 128 + SIGINT);
+  CHECK(seconds_since(t0) < 5.0);  // the grace period is 120 s
+  CHECK_FALSE(alive(read_pid(tmp.str("pid0"))));
+  CHECK_FALSE(alive(read_pid(tmp.str("pid1"))));
+}
+
 TEST_CASE("replica-launch: a rank ignoring SIGTERM is killed after the grace period") {
   test::TempDir tmp;
   std::string script = "trap \"\" TERM; if [ $RANK = 1 ]; then sleep 0.3; exit 5; fi; echo $$ > " +

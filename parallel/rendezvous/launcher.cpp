@@ -89,6 +89,10 @@ Child start_rank(const LaunchOptions& o, const std::string& program, int local, 
   c.pid = fork();
   if (c.pid == 0) {
     sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+    // The launcher stops ranks with the SIGINT it forwards: a rank must not inherit SIGINT or
+    // SIGQUIT ignored, as a launcher started in the background by a script has them.
+    signal(SIGINT, SIG_DFL);
+    signal(SIGQUIT, SIG_DFL);
     setpgid(0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != launcher) _exit(127);
