@@ -335,7 +335,7 @@ def main():
             if missing:
                 skipped += 1
                 print(f"SKIP {b.where()}: {REQUIREMENTS[missing[0]]}")
-                last_run = None
+                last_run = (None, "", b.where())  # its output block: taken, not compared
                 continue
             if b.run():
                 if args.list or args.no_run:

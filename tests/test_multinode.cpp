@@ -35,10 +35,12 @@ bool nodes_possible() {
 struct Job {
   int exit_code[2] = {-1, -1};
   std::string output[2];
+  std::string script_output;  // tools/local_nodes.sh's own, with node 0's
   // Both launchers ended with 0 (a failing node's output shown).
   void expect_success() const {
     for (int n = 0; n < 2; ++n) {
       INFO("node ", n, ": ", output[n]);
+      INFO("tools/local_nodes.sh: ", script_output);
       CHECK(exit_code[n] == 0);
     }
   }
@@ -49,10 +51,13 @@ struct Job {
 Job launch(int ranks_per_node, const std::string& program, const test::TempDir& tmp,
            const std::string& options = "") {
   const std::string logs = tmp.str("logs");
-  test::run("env REPLICA_LAUNCH=" + test::bin("replica-launch") + " " + local_nodes() + " --nodes 2 --nproc-per-node " + std::to_string(ranks_per_node) +
-                " --logs " + logs + " " + options + " -- " + program + " > /dev/null 2>&1",
-            240);
   Job job;
+  job.script_output = test::run("env REPLICA_LAUNCH=" + test::bin("replica-launch") + " " +
+                                    local_nodes() + " --nodes 2 --nproc-per-node " +
+                                    std::to_string(ranks_per_node) + " --logs " + logs + " " +
+                                    options + " -- " + program,
+                                240)
+                          .output;
   for (int n = 0; n < 2; ++n) {
     const std::string log = logs + "/node" + std::to_string(n) + ".log";
     auto bytes = test::file_bytes(log);

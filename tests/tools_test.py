@@ -7,7 +7,9 @@
 
     python3 tests/tools_test.py        # ctest: tools_py (label unit)
 """
+import contextlib
 import importlib.util
+import io
 import os
 import stat
 import subprocess
@@ -28,6 +30,10 @@ def load(name):
 
 
 vs = load("replica_vs_pytorch")
+doc_spec = importlib.util.spec_from_file_location(
+    "doc_test", os.path.join(REPO, "tests", "doc_test.py"))
+doc_test = importlib.util.module_from_spec(doc_spec)
+doc_spec.loader.exec_module(doc_test)
 clocks = load("gpu_clocks")
 
 
@@ -194,6 +200,39 @@ class Clocks(unittest.TestCase):
         self.assertIn("not sampled (nvidia-smi did not run", log.summary(0, time.time()))
 
 
+class DocTest(unittest.TestCase):
+    def run_docs(self, text, have):
+        with tempfile.TemporaryDirectory() as repo:
+            with open(os.path.join(repo, "README.md"), "w") as f:
+                f.write(text)
+            saved = (doc_test.have_gpu, doc_test.have_netns, sys.argv)
+            doc_test.have_gpu = lambda bindir: have
+            doc_test.have_netns = lambda repo: have
+            sys.argv = ["doc_test.py", "--repo", repo, "--bin", repo]
+            try:
+                with contextlib.redirect_stdout(io.StringIO()) as out, \
+                        contextlib.redirect_stderr(io.StringIO()) as err:
+                    code = doc_test.main()
+            finally:
+                doc_test.have_gpu, doc_test.have_netns, sys.argv = saved
+            return code, out.getvalue() + err.getvalue()
+
+    def test_a_block_skipped_for_what_the_machine_lacks_takes_its_output_block(self):
+        text = ("```sh run netns\necho one 1\n```\n```output\none 1\n```\n"
+                "```sh run gpu\necho two 2\n```\n```output\ntwo 2\n```\n")
+        code, out = self.run_docs(text, have=False)
+        self.assertEqual(code, 0, out)
+        self.assertIn("needs network namespaces", out)
+        self.assertIn("needs a GPU", out)
+        # Where the machine has them, the blocks run and their outputs are compared.
+        code, out = self.run_docs(text, have=True)
+        self.assertEqual(code, 0, out)
+        self.assertIn("2 blocks run", out)
+        code, out = self.run_docs(text.replace("```output\ntwo 2", "```output\nthree 3"), have=True)
+        self.assertEqual(code, 1, out)
+        self.assertIn("changed shape", out)
+
+
 class Cli(unittest.TestCase):
     def test_rounds_below_one_is_refused(self):
         p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "replica_vs_pytorch.py"),
@@ -209,6 +248,8 @@ class Cli(unittest.TestCase):
                               (["--nproc-per-node", "x", "--", "true"], "--nproc-per-node"),
                               (["--speed", "1"], "unknown argument '--speed'"),
                               (["--rate"], "--rate needs a value"),
+                              (["--rate", "", "--", "true"], "--rate needs a value"),
+                              (["--nodes", "08", "--", "true"], "--nodes must be 1 to 200"),
                               ([], "no program given")):
             p = subprocess.run([script] + argv, capture_output=True, text=True)
             self.assertEqual(p.returncode, 2, argv)

@@ -7,7 +7,7 @@
 # Gloo cross the links; the ranks of one node share that node's address.
 #
 #   tools/local_nodes.sh [--nodes N] [--nproc-per-node P] [--rate RATE] [--logs DIR] -- PROGRAM ARGS
-#   tools/local_nodes.sh --check          can namespaces be made here? (exit 0, else the reason)
+#   tools/local_nodes.sh --check          can nodes be made here? (exit 0, else the reason, 77)
 #
 #   --nodes N            nodes (default 2)
 #   --nproc-per-node P   ranks per node (default 1)
@@ -15,72 +15,81 @@
 #   --logs DIR           keep every node's output in DIR/nodeK.log (its exit status in nodeK.rc)
 #
 # Node 0's output is printed as it comes; another node's is printed (prefixed) only when it
-# fails. The exit status is node 0's, else the first failing node's. Needs root and iproute2;
-# without them it says so and exits 77 (automake's "skipped"). The namespaces are removed at the
-# end, on Ctrl-C too. The launcher is $REPLICA_LAUNCH, else replica-launch beside PROGRAM, else
-# build/bin's.
+# fails. When a node fails, the others get 10 s to end on their own (a DDP job's ranks notice a
+# lost peer), then SIGTERM. The exit status is the first failing node's (0: none failed); 1
+# when the nodes cannot be made. Needs root and iproute2; without them it says so and exits 77
+# (automake's "skipped"). Ctrl-C reaches the launchers as it reaches this script, a SIGTERM to
+# this script is passed on to them, and the namespaces are removed at the end. The launcher is
+# $REPLICA_LAUNCH, else replica-launch beside PROGRAM, else build/bin's.
 set -uo pipefail
 
 nodes=2 nproc=1 rate="" logs="" check=0
 die() { echo "local_nodes: $*" >&2; exit 2; }
-value() { (($# >= 2)) || die "$1 needs a value"; }
+value() { (($# >= 2)) && [ -n "$2" ] || die "$1 needs a value"; }
 while (($#)); do
   case "$1" in
     --nodes) value "$@"; nodes="$2"; shift 2 ;;
     --nproc-per-node) value "$@"; nproc="$2"; shift 2 ;;
-    --rate) value "$@"; rate="$2"; shift 2 ;;
+    --rate) value "$@"; rate="${2,,}"; shift 2 ;;
     --logs) value "$@"; logs="$2"; shift 2 ;;
     --check) check=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-[[ "$nodes" =~ ^[0-9]+$ ]] && ((nodes >= 1 && nodes <= 200)) || die "--nodes must be 1 to 200"
-[[ "$nproc" =~ ^[0-9]+$ ]] && ((nproc >= 1)) || die "--nproc-per-node must be at least 1"
+[[ "$nodes" =~ ^[1-9][0-9]*$ ]] && ((nodes <= 200)) || die "--nodes must be 1 to 200"
+[[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc-per-node must be at least 1"
 rate_bytes=0
 if [ -n "$rate" ]; then
-  [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || die "--rate '$rate': a number, then kbit|mbit|gbit"
+  [[ "$rate" =~ ^([1-9][0-9]*)(kbit|mbit|gbit)$ ]] ||
+    die "--rate '$rate': a number, then kbit, mbit or gbit"
   case "${BASH_REMATCH[2]}" in
     kbit) unit=1000 ;;
     mbit) unit=1000000 ;;
     gbit) unit=1000000000 ;;
   esac
   rate_bytes=$((BASH_REMATCH[1] * unit / 8))
-  ((rate_bytes > 0)) || die "--rate must be above 0"
 fi
 
 id="$$"
 switch="replica-sw-$id"
 node_ns() { echo "replica-node$1-$id"; }
 
-cleanup() {
-  for ((k = 0; k < nodes; ++k)); do ip netns del "$(node_ns "$k")" 2>/dev/null; done
-  ip netns del "$switch" 2>/dev/null
-  [ -n "${scratch:-}" ] && rm -rf "$scratch"
-  return 0
+# A token bucket of `rate` on interface $2 of namespace $1. The bucket holds 1 ms of traffic, and
+# at least 16 KB (below 131 Mbit/s): tbf needs room for a few full frames, or TCP stalls. A
+# packet waits up to 100 ms in the queue.
+limit_link() {
+  local burst=$((rate_bytes / 1000 > 16384 ? rate_bytes / 1000 : 16384))
+  tc -n "$1" qdisc add dev "$2" root tbf rate "$rate" burst "$burst" latency 100ms
 }
 
-# Can namespaces be made here? Prints the reason when not.
-can_make_namespaces() {
-  local why
+# Can nodes be made here? Builds what the nodes need (a namespace, a bridge, a veth pair, a token
+# bucket) in a namespace of its own; prints the reason when not.
+can_make_nodes() {
+  local probe="replica-probe-$id" why
   if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
     echo "iproute2 (ip, tc) not found"
     return 1
   fi
-  if ! why=$(ip netns add "replica-probe-$id" 2>&1); then
+  if ! why=$(ip netns add "$probe" 2>&1); then
     echo "ip netns: ${why:-failed} (needs root)"
     return 1
   fi
-  ip netns del "replica-probe-$id"
+  why=$( { ip -n "$probe" link add br0 type bridge &&
+           ip -n "$probe" link add va type veth peer name vb &&
+           tc -n "$probe" qdisc add dev va root tbf rate 1mbit burst 16384 latency 100ms; } 2>&1)
+  local ok=$?
+  ip netns del "$probe"
+  ((ok == 0)) || { echo "a bridge, a veth pair or a token bucket: ${why:-failed}"; return 1; }
 }
 
 if ((check)); then
-  if why=$(can_make_namespaces); then
-    echo "local_nodes: network namespaces can be made here"
+  if why=$(can_make_nodes); then
+    echo "local_nodes: nodes can be made here"
     exit 0
   fi
-  echo "local_nodes: cannot make network namespaces here: $why"
+  echo "local_nodes: cannot make nodes here: $why"
   exit 77
 fi
 (($#)) || die "no program given (tools/local_nodes.sh [options] -- PROGRAM ARGS)"
@@ -89,19 +98,40 @@ for candidate in "$(dirname "$1")/replica-launch" "$(dirname "$0")/../build/bin/
   [ -z "$launcher" ] && [ -x "$candidate" ] && launcher="$candidate"
 done
 [ -x "$launcher" ] || die "no replica-launch beside $1 or in build/bin (or set REPLICA_LAUNCH)"
-if ! why=$(can_make_namespaces); then
-  echo "local_nodes: cannot make network namespaces here: $why" >&2
+scratch=$(mktemp -d)
+dir="${logs:-$scratch}"
+if ! mkdir -p "$dir" 2>/dev/null || [ ! -w "$dir" ]; then
+  rm -rf "$scratch"
+  die "cannot write --logs $dir"
+fi
+if ! why=$(can_make_nodes); then
+  echo "local_nodes: cannot make nodes here: $why" >&2
+  rm -rf "$scratch"
   exit 77
 fi
 
-trap cleanup EXIT
+# Namespaces of runs whose script is gone (killed with SIGKILL: no cleanup ran).
+for ns in $(ip netns list | awk '{print $1}' | grep -E '^replica-(node[0-9]+|sw)-[0-9]+$'); do
+  kill -0 "${ns##*-}" 2>/dev/null || ip netns del "$ns" 2>/dev/null
+done
 
-# A token bucket of `rate` on interface $2 of namespace $1. The bucket holds 1 ms of traffic (at
-# least 16 KB, the kernel's floor at high rates); packets wait up to 100 ms in the queue.
-limit_link() {
-  local burst=$((rate_bytes / 1000 > 16384 ? rate_bytes / 1000 : 16384))
-  tc -n "$1" qdisc add dev "$2" root tbf rate "$rate" burst "$burst" latency 100ms
+# Everything this run made: processes left in its namespaces, the namespaces (and with them
+# their ends of the veth pairs), a pair not yet moved out of this namespace, the scratch folder.
+cleanup() {
+  # A child forked for a background command and killed before its exec runs this trap too.
+  [ "$BASHPID" = "$id" ] || return 0
+  for ((k = 0; k < nodes; ++k)); do
+    local ns
+    ns=$(node_ns "$k")
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null
+    ip netns del "$ns" 2>/dev/null
+    ip link del "n$k-$id" 2>/dev/null
+  done
+  ip netns del "$switch" 2>/dev/null
+  rm -rf "$scratch"
+  return 0
 }
+trap cleanup EXIT
 
 make_nodes() {
   ip netns add "$switch" && ip -n "$switch" link add br0 type bridge &&
@@ -120,38 +150,48 @@ make_nodes() {
     fi
   done
 }
-make_nodes || die "could not make the nodes' namespaces and links"
+if ! why=$(make_nodes 2>&1); then
+  echo "local_nodes: could not make the nodes: $why" >&2
+  exit 1
+fi
 
-scratch=$(mktemp -d)
-dir="${logs:-$scratch}"
-mkdir -p "$dir" || die "cannot write --logs $dir"
-pids=()
+declare -A node_of  # launcher pid -> node
 for ((k = 0; k < nodes; ++k)); do
   : > "$dir/node$k.log"  # there before tail follows it
   ip netns exec "$(node_ns "$k")" "$launcher" --nnodes "$nodes" --node-rank "$k" \
     --nproc-per-node "$nproc" --master-addr 10.213.0.1 -- "$@" > "$dir/node$k.log" 2>&1 &
-  pids+=($!)
+  node_of[$!]=$k
+  ((k == 0)) && node0=$!
 done
-tail -s 0.2 -n +1 -f --pid="${pids[0]}" "$dir/node0.log" &
+tail -s 0.2 -n +1 -f --pid="$node0" "$dir/node0.log" &
 follower=$!
-# Ctrl-C reaches the launchers from the terminal itself (a second one would make them kill
-# their ranks at once); a TERM sent to this script alone is passed on.
+# A terminal's Ctrl-C reaches the launchers itself (they share this script's process group), and
+# a second SIGINT would make them kill their ranks at once: it is not passed on. A SIGTERM sent
+# to this script alone is.
 trap ':' INT
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+trap 'kill -TERM "${!node_of[@]}" 2>/dev/null' TERM
 
-# A node's exit status, waited for through any signal this script traps.
-wait_node() {
-  while kill -0 "$1" 2>/dev/null; do wait "$1"; done
-  wait "$1"
-}
-status=0
-for ((k = 0; k < nodes; ++k)); do
-  wait_node "${pids[k]}"
-  rc=$?
-  echo "$rc" > "$dir/node$k.rc"
-  if ((rc != 0)); then
-    ((status == 0)) && status=$rc
+# The nodes' ends, polled (a timer process killed between its fork and its exec would run this
+# script's traps). After the first failure the others have 10 s to end, then get SIGTERM.
+status=0 deadline=""
+while ((${#node_of[@]})); do
+  for pid in "${!node_of[@]}"; do
+    kill -0 "$pid" 2>/dev/null && continue
+    wait "$pid"
+    rc=$?
+    k=${node_of[$pid]}
+    unset "node_of[$pid]"
+    echo "$rc" > "$dir/node$k.rc"
+    if ((rc != 0 && status == 0)); then
+      status=$rc
+      deadline=$((SECONDS + 10))
+    fi
+  done
+  if [ -n "$deadline" ] && ((SECONDS >= deadline && ${#node_of[@]})); then
+    kill -TERM "${!node_of[@]}" 2>/dev/null
+    deadline=""
   fi
+  ((${#node_of[@]})) && sleep 0.2
 done
 wait "$follower"
 for ((k = 1; k < nodes; ++k)); do
