@@ -22,18 +22,15 @@ from types import SimpleNamespace
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", name + ".py"))
+def load(name, folder="tools"):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, folder, name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 vs = load("replica_vs_pytorch")
-doc_spec = importlib.util.spec_from_file_location(
-    "doc_test", os.path.join(REPO, "tests", "doc_test.py"))
-doc_test = importlib.util.module_from_spec(doc_spec)
-doc_spec.loader.exec_module(doc_test)
+doc_test = load("doc_test", folder="tests")
 clocks = load("gpu_clocks")
 
 

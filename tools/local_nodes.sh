@@ -98,15 +98,8 @@ for candidate in "$(dirname "$1")/replica-launch" "$(dirname "$0")/../build/bin/
   [ -z "$launcher" ] && [ -x "$candidate" ] && launcher="$candidate"
 done
 [ -x "$launcher" ] || die "no replica-launch beside $1 or in build/bin (or set REPLICA_LAUNCH)"
-scratch=$(mktemp -d)
-dir="${logs:-$scratch}"
-if ! mkdir -p "$dir" 2>/dev/null || [ ! -w "$dir" ]; then
-  rm -rf "$scratch"
-  die "cannot write --logs $dir"
-fi
 if ! why=$(can_make_nodes); then
   echo "local_nodes: cannot make nodes here: $why" >&2
-  rm -rf "$scratch"
   exit 77
 fi
 
@@ -131,7 +124,10 @@ cleanup() {
   rm -rf "$scratch"
   return 0
 }
+scratch=$(mktemp -d)
 trap cleanup EXIT
+dir="${logs:-$scratch}"
+mkdir -p "$dir" 2>/dev/null && [ -w "$dir" ] || die "cannot write --logs $dir"
 
 make_nodes() {
   ip netns add "$switch" && ip -n "$switch" link add br0 type bridge &&

@@ -33,13 +33,16 @@ Tensor operand(DeviceContext& ctx, const Tensor& t) {
   return r;
 }
 
-// Where a result is computed: `out` itself when F32, else an F32 buffer of its shape, which
-// store() then rounds into it.
+// Where a result is computed: `out` itself when F32, else an F32 buffer of its shape, which is
+// then stored into it.
 Tensor f32_result(DeviceContext& ctx, Tensor& out) {
   return out.dtype() == DType::F32 ? out : ctx.alloc(out.shape());
 }
-void store(Tensor& out, const Tensor& result) {
+// `result` (f32_result's) into `out`, rounded to bf16 once: a BF16 out rounds it as it stores
+// it; an F32 out is `result` itself, rounded in place.
+void store_rounded(Tensor& out, Tensor& result) {
   if (out.dtype() == DType::BF16) cpu::convert(out, result);
+  else round_into(result.f32(), result.f32(), result.numel());
 }
 
 }  // namespace
@@ -67,17 +70,17 @@ void bf16_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Te
   const Tensor xr = operand(ctx, x), wr = operand(ctx, w);
   Tensor out = f32_result(ctx, y);
   product(xr, wr, out);
+  if (!b.defined()) return store_rounded(y, out);
+  // The product rounded, the bias added in fp32, and a BF16 y's sum rounded as it is stored.
   float* yp = out.f32();
   round_into(yp, yp, out.numel());
-  if (b.defined()) {
-    const float* bp = b.f32();
-    const int64_t channels = b.numel();
-    parallel_range(out.numel() / inner, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t i = 0; i < inner; ++i) yp[r * inner + i] += bp[r % channels];
-    });
-  }
-  store(y, out);
+  const float* bp = b.f32();
+  const int64_t channels = b.numel();
+  parallel_range(out.numel() / inner, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < inner; ++i) yp[r * inner + i] += bp[r % channels];
+  });
+  if (y.dtype() == DType::BF16) convert(y, out);
 }
 
 Tensor bf16_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
@@ -89,10 +92,7 @@ Tensor bf16_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w, const
   std::fill(step.f32(), step.f32() + step.numel(), 0.f);
   Tensor dx_out = dx.defined() ? f32_result(ctx, dx) : Tensor();
   product(xr, wr, dyr, dx_out, step);
-  if (dx.defined()) {
-    round_into(dx_out.f32(), dx_out.f32(), dx_out.numel());
-    store(dx, dx_out);
-  }
+  if (dx.defined()) store_rounded(dx, dx_out);
   if (dw.defined()) {
     float* d = dw.f32();
     const float* s = step.f32();
