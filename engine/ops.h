@@ -116,6 +116,19 @@ REPLICA_HOST_DEVICE float dropout_uniform(uint64_t seed, uint64_t index) {
   return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
 }
 
+// Where a row's label stands among its logits, 0 for the first: the logits above it, and those
+// equal to it at a lower index (ties go to the lower index, as argmax's first maximum). A label
+// out of [0, C) or a NaN logit has no place (INT64_MAX): never among the top k, whatever k.
+// count_correct's rule on every backend.
+REPLICA_HOST_DEVICE int64_t label_place(const float* row, int64_t C, int32_t label) {
+  if (label < 0 || label >= C) return INT64_MAX;
+  const float mine = row[label];
+  if (mine != mine) return INT64_MAX;
+  int64_t place = 0;
+  for (int64_t j = 0; j < C; ++j) place += row[j] > mine || (j < label && row[j] == mine);
+  return place;
+}
+
 // bf16 is the upper half of an fp32 number: 8 exponent bits as fp32, 7 mantissa bits. Rounded to
 // nearest, ties to even, as tensor cores and PyTorch round; a NaN stays a (quiet) NaN and what is
 // beyond bf16's largest finite value becomes infinity. Every backend rounds through these, so

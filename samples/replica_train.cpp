@@ -166,6 +166,9 @@ void declare_outputs(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_option("--save-model", c.save_model,
                  "write the trained weights (state_dict names, safetensors) at the end")
       ->capture_default_str();
+  app.add_option("--save-best", c.save_best,
+                 "write the weights after each epoch whose test accuracy beats every earlier "
+                 "one (PyTorch's model_best; --resume remembers the best)");
   app.add_option("--trace", c.trace_file, "write a Chrome trace (JSON) of every phase");
   app.add_option("--metrics-json", c.metrics_json, "write run metrics as JSON");
   app.add_option("--log-every", c.log_every, "progress line every N steps")->capture_default_str();

@@ -1,6 +1,7 @@
 // Helpers for tests that run the programs: a temp directory, small MNIST-format data sets,
-// and running a command to capture its exit code and output.
+// running a command to capture its exit code and output, and what a bad invocation must print.
 #pragma once
+#include <doctest/doctest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -121,6 +122,18 @@ inline int count_lines(const std::string& s) {
   int n = 0;
   for (char c : s) n += c == '\n';
   return n;
+}
+
+// A bad invocation of `program` (a program in the build's bin/): exit code 2 (usage) or 1, and
+// exactly one output line, "program: error: ...", that contains `must_contain`.
+inline void expect_clean_error(const std::string& program, const std::string& args,
+                               const std::string& must_contain) {
+  RunResult r = run(bin(program) + " " + args, 60);
+  INFO("args: " << args << "\noutput: " << r.output);
+  CHECK((r.exit_code == 1 || r.exit_code == 2));
+  CHECK(count_lines(r.output) == 1);
+  CHECK(r.output.rfind(program + ": error: ", 0) == 0);
+  CHECK(r.output.find(must_contain) != std::string::npos);
 }
 
 }  // namespace test

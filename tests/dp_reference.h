@@ -148,10 +148,9 @@ inline void train_side_by_side(TrainEngine& a, TrainEngine& b, const std::vector
       if (before) before(*e, k);
       e->train_step(batches[k]);
       if (k == 3) {
-        double loss = 0;
-        int64_t correct = 0;
+        EvalSums sums;
         e->set_training(false);
-        e->eval_batch(eval, loss, correct);
+        e->eval_batch(eval, sums);
         e->set_training(true);
       }
     }

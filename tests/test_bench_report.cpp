@@ -62,12 +62,7 @@ std::vector<nlohmann::json> ops_rows(const std::string& flags, std::string* outp
 }
 
 void expect_clean_error(const std::string& args, const std::string& must_contain) {
-  test::RunResult r = test::run(kBench + " " + args, 60);
-  INFO("args: " << args << "\noutput: " << r.output);
-  CHECK((r.exit_code == 1 || r.exit_code == 2));
-  CHECK(test::count_lines(r.output) == 1);
-  CHECK(r.output.rfind("replica-bench: error: ", 0) == 0);
-  CHECK(r.output.find(must_contain) != std::string::npos);
+  test::expect_clean_error("replica-bench", args, must_contain);
 }
 
 }  // namespace

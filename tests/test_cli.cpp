@@ -25,14 +25,8 @@ namespace {
 
 const std::string kTrain = test::bin("replica-train");
 
-// A bad invocation: exit code 2 (usage) or 1, exactly one output line naming the problem.
 void expect_clean_error(const std::string& args, const std::string& must_contain) {
-  test::RunResult r = run(kTrain + " " + args, 60);
-  INFO("args: " << args << "\noutput: " << r.output);
-  CHECK((r.exit_code == 1 || r.exit_code == 2));
-  CHECK(test::count_lines(r.output) == 1);
-  CHECK(r.output.rfind("replica-train: error: ", 0) == 0);
-  CHECK(r.output.find(must_contain) != std::string::npos);
+  test::expect_clean_error("replica-train", args, must_contain);
 }
 
 }  // namespace

@@ -98,12 +98,14 @@ std::vector<float> gpu_values(Rig& r, const Tensor& t) {
   return host_values(h);
 }
 
-int32_t gpu_int(Rig& r, const Tensor& t) {
+std::vector<int32_t> gpu_ints(Rig& r, const Tensor& t) {
   Tensor h = Tensor::empty(host_allocator(), t.shape(), DType::I32);
   r.g().copy(r.gpu, h, t);
   r.gpu.synchronize();
-  return h.i32()[0];
+  return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
 }
+
+int32_t gpu_int(Rig& r, const Tensor& t) { return gpu_ints(r, t)[0]; }
 
 // |cpu - gpu| <= atol + rtol * |cpu| everywhere (NaN must match NaN).
 void expect_close(const std::vector<float>& cpu, const std::vector<float>& gpu, double rtol,
@@ -608,20 +610,26 @@ TEST_CASE("cuda parity: cross-entropy and count_correct") {
   CHECK(std::isnan(gpu_values(r, loss.g)[0]));
   expect_close(r, loss, 0, 0, "cross-entropy loss, bad label");
 
-  // count_correct adds to what is there; ties go to the first maximum.
+  // count_correct adds to what is there; ties go to the lower index, a NaN label logit and a
+  // label out of range are never counted; top-1 ... top-K for K = 1, 5 and past C.
   std::vector<float> tied = random_values(N * C, 84);
   for (auto& e : tied) e = std::round(e * 2.f);
+  tied[3] = std::nanf("");  // row 0's label (3)
+  tied[C + 4] = std::nanf("");  // another class of row 1
   Pair tl = make_twin(r, {N, C}, tied);
-  for (const Pair* lg : {&logits, &tl}) {
-    Tensor cc = r.cpu.alloc({1}, DType::I32);
-    Tensor cg = r.gpu.alloc({1}, DType::I32);
-    r.c().fill(r.cpu, cc, 3.f);
-    r.g().fill(r.gpu, cg, 3.f);
-    for (const Pair* lb : {&labels, &bad}) {
-      r.c().count_correct(r.cpu, lg->c, lb->c, cc);
-      r.g().count_correct(r.gpu, lg->g, lb->g, cg);
+  for (const int64_t K : {int64_t(1), int64_t(5), C + 2}) {
+    for (const Pair* lg : {&logits, &tl}) {
+      CAPTURE(K);
+      Tensor cc = r.cpu.alloc({K}, DType::I32);
+      Tensor cg = r.gpu.alloc({K}, DType::I32);
+      r.c().fill(r.cpu, cc, 3.f);
+      r.g().fill(r.gpu, cg, 3.f);
+      for (const Pair* lb : {&labels, &bad}) {
+        r.c().count_correct(r.cpu, lg->c, lb->c, cc);
+        r.g().count_correct(r.gpu, lg->g, lb->g, cg);
+      }
+      CHECK(gpu_ints(r, cg) == std::vector<int32_t>(cc.i32(), cc.i32() + K));
     }
-    CHECK(gpu_int(r, cg) == cc.i32()[0]);
   }
 }
 

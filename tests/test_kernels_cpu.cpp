@@ -450,6 +450,50 @@ TEST_CASE("count_correct accumulates, with ties going to the first maximum") {
   CHECK(correct.i32()[0] == 16);
 }
 
+// correct[k] counts the rows whose label is among the k+1 first of the row's classes ordered by
+// logit (largest first, ties by index, NaN last); a NaN label logit or a label out of range is
+// never counted. Checked against that order, with K past the number of classes.
+TEST_CASE("count_correct with K counts top-1 ... top-K, as a stable sort of each row orders it") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  const int64_t N = 400, C = 6, K = 8;
+  std::mt19937 rng(11);
+  std::vector<float> v(N * C);
+  for (auto& e : v) e = float(int(rng() % 5)) - 2.f;  // five values: many ties
+  for (int i = 0; i < 40; ++i) v[rng() % v.size()] = std::nanf("");
+  Tensor logits = make(ctx, {N, C}, v);
+  Tensor labels = ctx.alloc({N}, DType::I32);
+  for (int64_t i = 0; i < N; ++i) labels.i32()[i] = int32_t(rng() % (C + 2)) - 1;  // -1 .. C
+  Tensor correct = ctx.alloc({K}, DType::I32);
+  for (int64_t k = 0; k < K; ++k) correct.i32()[k] = int32_t(k);  // counts are added
+  ctx.ops().count_correct(ctx, logits, labels, correct);
+
+  std::vector<int32_t> expect(K);
+  for (int64_t k = 0; k < K; ++k) expect[k] = int32_t(k);
+  for (int64_t i = 0; i < N; ++i) {
+    const float* row = &v[i * C];
+    const int32_t y = labels.i32()[i];
+    if (y < 0 || y >= C || std::isnan(row[y])) continue;
+    std::vector<int64_t> order(C);
+    for (int64_t j = 0; j < C; ++j) order[j] = j;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return row[a] > row[b] || (!std::isnan(row[a]) && std::isnan(row[b]));
+    });
+    const int64_t place = std::find(order.begin(), order.end(), y) - order.begin();
+    for (int64_t k = place; k < K; ++k) ++expect[k];
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    CAPTURE(k);
+    CHECK(correct.i32()[k] == expect[k]);
+  }
+  // The cases are all there: hits at top-1, every countable row within the top C and none
+  // after, and rows never counted.
+  const auto hits = [&](int64_t k) { return expect[k] - k; };
+  CHECK(hits(0) > 20);
+  CHECK(hits(K - 1) == hits(C - 1));
+  CHECK(hits(C - 2) < hits(C - 1));
+  CHECK(hits(C - 1) < N * 4 / 5);
+}
+
 TEST_CASE("maxpool2d k3 s2 p1 on 7x7: padding is -inf, overlapping windows add gradients") {
   DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
   std::vector<float> xv(49);

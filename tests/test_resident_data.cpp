@@ -130,13 +130,13 @@ TEST_CASE("evaluation reads a resident batch as it reads a host one (single and 
     for (size_t i = 0; i < picks.size(); ++i) resident.indices.i32()[i] = int32_t(picks[i]);
     resident.resident = &set;
     engine->set_training(false);
-    double host_loss = 0, resident_loss = 0;
-    int64_t host_hits = 0, resident_hits = 0;
-    engine->eval_batch(host, host_loss, host_hits);
-    engine->eval_batch(resident, resident_loss, resident_hits);
-    CHECK(resident_loss == host_loss);
-    CHECK(resident_hits == host_hits);
-    CHECK(host_loss > 0);
+    EvalSums on_host, on_device;
+    engine->eval_batch(host, on_host);
+    engine->eval_batch(resident, on_device);
+    CHECK(on_device.loss_sum == on_host.loss_sum);
+    CHECK(on_device.top1 == on_host.top1);
+    CHECK(on_device.top5 == on_host.top5);
+    CHECK(on_host.loss_sum > 0);
   }
 }
 

@@ -46,16 +46,18 @@ void CpuBackend::cross_entropy_backward(DeviceContext&, const Tensor& probs, con
 void CpuBackend::count_correct(DeviceContext&, const Tensor& logits, const Tensor& labels,
                                Tensor& correct) {
   const int64_t n = logits.dim(0), c = logits.dim(1);
+  REPLICA_CHECK(labels.numel() == n, "count_correct: {} labels for {} rows", labels.numel(), n);
+  REPLICA_CHECK(correct.dtype() == DType::I32 && correct.numel() >= 1,
+                "count_correct: counts must be I32 [K >= 1], got {} {}",
+                dtype_name(correct.dtype()), shape_str(correct.shape()));
+  const int64_t k = correct.numel();
   const float* x = logits.f32();
   const int32_t* y = labels.i32();
-  int32_t hits = 0;
+  int32_t* counts = correct.i32();
   for (int64_t i = 0; i < n; ++i) {
-    int64_t best = 0;
-    for (int64_t j = 1; j < c; ++j)
-      if (x[i * c + j] > x[i * c + best]) best = j;
-    hits += best == y[i];
+    const int64_t place = label_place(x + i * c, c, y[i]);
+    for (int64_t j = place; j < k; ++j) ++counts[j];  // among the top j+1 for every j >= place
   }
-  correct.i32()[0] += hits;
 }
 
 namespace {

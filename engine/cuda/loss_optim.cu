@@ -63,20 +63,16 @@ __global__ void xent_backward_kernel(const float* probs, const int32_t* labels, 
   }
 }
 
-// One thread per row (first maximum on ties, as the CPU backend); one atomic per block.
+// One thread per row (its label's place: label_place, as the CPU backend); one atomic per
+// block and count.
 __global__ void count_correct_kernel(const float* logits, const int32_t* labels, int64_t N,
-                                     int64_t C, int32_t* correct) {
+                                     int64_t C, int64_t K, int32_t* correct) {
   const int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  int hit = 0;
-  if (n < N) {
-    const float* row = logits + n * C;
-    int64_t best = 0;
-    for (int64_t j = 1; j < C; ++j)
-      if (row[j] > row[best]) best = j;
-    hit = best == labels[n];
+  const int64_t place = n < N ? label_place(logits + n * C, C, labels[n]) : INT64_MAX;
+  for (int64_t k = 0; k < K; ++k) {  // K is the same in every thread: each reaches the barrier
+    const int hits = __syncthreads_count(place <= k);
+    if (threadIdx.x == 0 && hits > 0) atomicAdd(correct + k, hits);
   }
-  const int hits = __syncthreads_count(hit);
-  if (threadIdx.x == 0 && hits > 0) atomicAdd(correct, hits);
 }
 
 // The step's numbers come from device memory (scalars, backend_ops.inc): a captured step
@@ -173,13 +169,14 @@ void CudaBackend::count_correct(DeviceContext& ctx, const Tensor& logits, const 
   check_logits_labels(ctx, logits, labels, op);
   cuda::expect_device(ctx, correct, op, "correct");
   cuda::expect_dtype(correct, DType::I32, op, "correct");
-  cuda::expect_numel(correct, 1, op, "correct");
-  const int64_t N = logits.dim(0), C = logits.dim(1);
+  REPLICA_CHECK(correct.numel() >= 1, "{}: counts {} must be [K >= 1]", op,
+                shape_str(correct.shape()));
+  const int64_t N = logits.dim(0), C = logits.dim(1), K = correct.numel();
   if (N == 0) return;
   const int64_t blocks = (N + cuda::kThreads - 1) / cuda::kThreads;
   REPLICA_CHECK(blocks <= INT32_MAX, "{}: {} rows is too many", op, N);
   count_correct_kernel<<<static_cast<unsigned>(blocks), cuda::kThreads, 0,
-                         cuda_state(ctx).stream>>>(logits.f32(), labels.i32(), N, C,
+                         cuda_state(ctx).stream>>>(logits.f32(), labels.i32(), N, C, K,
                                                    correct.i32());
   REPLICA_LAUNCH_CHECK();
 }

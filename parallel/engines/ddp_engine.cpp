@@ -140,8 +140,8 @@ class DdpEngine final : public TrainEngine {
     return step_.read_loss(ctx_);
   }
 
-  void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    evaluate_batch(ctx_, *model_, step_.criterion, batch, 0, batch.size(), loss_sum, correct);
+  void eval_batch(const Batch& batch, EvalSums& sums) override {
+    evaluate_batch(ctx_, *model_, step_.criterion, batch, 0, batch.size(), sums);
   }
 
   // Sums each rank's evaluation totals, so every rank reports the same metrics.

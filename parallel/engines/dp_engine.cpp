@@ -123,23 +123,19 @@ class DataParallelEngine final : public TrainEngine {
   float last_loss() override { return step_->read_loss(primary()); }
 
   // Evaluation: each replica takes its chunk of the batch (every replica holds the same
-  // parameters); the per-chunk loss sums and hit counts are added up.
-  void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
+  // parameters); the per-chunk loss sums and hit counts are added up, in device order.
+  void eval_batch(const Batch& batch, EvalSums& sums) override {
     const int n = static_cast<int>(replicas_.size());
     const auto chunks = scatter_chunks(batch.size(), n);
-    std::vector<double> losses(n, 0.0);
-    std::vector<int64_t> hits(n, 0);
+    std::vector<EvalSums> per_replica(n);
     pool_.run([&](int i) {
       if (chunks[i].count == 0) return;
       Replica& r = replicas_[i];
       const int64_t b = chunks[i].begin, e = b + chunks[i].count;
       CrossEntropyLoss criterion;  // per worker: the criterion keeps state between calls
-      evaluate_batch(*r.ctx, *r.model, criterion, batch, b, e, losses[i], hits[i]);
+      evaluate_batch(*r.ctx, *r.model, criterion, batch, b, e, per_replica[i]);
     });
-    for (int i = 0; i < n; ++i) {
-      loss_sum += losses[i];
-      correct += hits[i];
-    }
+    for (const EvalSums& s : per_replica) sums += s;
   }
 
   void set_training(bool training) override {

@@ -93,22 +93,22 @@ void BatchPrefetcher::stage(DeviceContext& ctx, const Batch& batch, int64_t begi
 }
 
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
-                    const Batch& batch, int64_t begin, int64_t end, double& loss_sum,
-                    int64_t& correct) {
+                    const Batch& batch, int64_t begin, int64_t end, EvalSums& sums) {
   ctx.run([&] {
     auto [x, y] = batch_rows(ctx, batch, begin, end, BatchParts::Both);
     Tensor logits = model.forward(ctx, x);
     Tensor loss = criterion.forward(ctx, logits, y);
-    Tensor hits = ctx.alloc({1}, DType::I32);
+    Tensor hits = ctx.alloc({5}, DType::I32);  // top-1 ... top-5
     ctx.ops().fill(ctx, hits, 0.f);
     ctx.ops().count_correct(ctx, logits, y, hits);
     Tensor host_loss = Tensor::empty(host_allocator(), {1});
-    Tensor host_hits = Tensor::empty(host_allocator(), {1}, DType::I32);
+    Tensor host_hits = Tensor::empty(host_allocator(), {5}, DType::I32);
     ctx.ops().copy(ctx, host_loss, loss);
     ctx.ops().copy(ctx, host_hits, hits);
     ctx.synchronize();
-    loss_sum += double(host_loss.f32()[0]) * double(end - begin);
-    correct += host_hits.i32()[0];
+    sums.loss_sum += double(host_loss.f32()[0]) * double(end - begin);
+    sums.top1 += host_hits.i32()[0];
+    sums.top5 += host_hits.i32()[4];
   });
 }
 

@@ -6,6 +6,7 @@
 #include "layers/model.h"
 #include "layers/optimizer.h"
 #include "parallel/engines/captured_step.h"
+#include "parallel/engines/train_engine.h"  // EvalSums
 
 namespace replica {
 
@@ -57,11 +58,10 @@ class BatchPrefetcher {
 };
 
 // Eval-mode forward of rows [begin, end) of `batch` on `model` (ctx's device): adds the summed
-// loss and the number of correct predictions. Reads two numbers back (a host sync: evaluation
-// only). The batch may come from the host or from a set held on the device.
+// loss and the top-1/top-5 counts to `sums`. Reads the loss and counts back (a host sync:
+// evaluation only). The batch may come from the host or from a set held on the device.
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
-                    const Batch& batch, int64_t begin, int64_t end, double& loss_sum,
-                    int64_t& correct);
+                    const Batch& batch, int64_t begin, int64_t end, EvalSums& sums);
 
 // One optimizer step of `model` on one device over images x and labels y: the optimizer's
 // prepare_step on the host, then gradients zeroed, forward, loss, backward and the update

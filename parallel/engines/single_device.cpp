@@ -42,8 +42,8 @@ class SingleDeviceEngine final : public TrainEngine {
 
   float last_loss() override { return step_.read_loss(ctx_); }
 
-  void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) override {
-    evaluate_batch(ctx_, *model_, step_.criterion, batch, 0, batch.size(), loss_sum, correct);
+  void eval_batch(const Batch& batch, EvalSums& sums) override {
+    evaluate_batch(ctx_, *model_, step_.criterion, batch, 0, batch.size(), sums);
   }
 
   void set_training(bool training) override { model_->set_training(training); }

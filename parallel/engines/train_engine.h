@@ -41,6 +41,20 @@ inline ContextOptions context_options(const EngineOptions& o, int threads) {
 
 class CapturedStep;  // parallel/engines/captured_step.h
 
+// What evaluating batches adds up: the summed loss and the samples whose label is the largest
+// logit (top-1) or among the five largest (top-5; every sample with 5 classes or fewer), as
+// PyTorch's ImageNet example counts Acc@1 and Acc@5.
+struct EvalSums {
+  double loss_sum = 0;
+  int64_t top1 = 0, top5 = 0;
+  EvalSums& operator+=(const EvalSums& o) {
+    loss_sum += o.loss_sum;
+    top1 += o.top1;
+    top5 += o.top5;
+    return *this;
+  }
+};
+
 class TrainEngine {
  public:
   virtual ~TrainEngine() = default;
@@ -65,8 +79,8 @@ class TrainEngine {
   virtual bool prefetches() const = 0;
   // Mean training loss of the last step (reads it back: a host sync).
   virtual float last_loss() = 0;
-  // Eval mode forward over one batch: adds the summed loss and the correct predictions.
-  virtual void eval_batch(const Batch& batch, double& loss_sum, int64_t& correct) = 0;
+  // Eval mode forward over one batch: adds its summed loss and top-1/top-5 counts to `sums`.
+  virtual void eval_batch(const Batch& batch, EvalSums& sums) = 0;
   virtual void set_training(bool training) = 0;
   virtual void synchronize() = 0;
 

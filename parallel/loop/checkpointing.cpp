@@ -38,6 +38,18 @@ uint64_t meta_count(const Checkpoint& c, const std::string& key, const std::stri
   return v;
 }
 
+// A fraction in the metadata (an accuracy): a decimal number in [0, 1].
+double meta_fraction(const Checkpoint& c, const std::string& key, const std::string& path) {
+  const std::string text = meta(c, key, path);
+  double v = -1;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  REPLICA_USAGE_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size() &&
+                          v >= 0 && v <= 1,
+                      "{}: corrupt checkpoint: metadata '{}' is '{}', not a number in [0, 1]",
+                      path, key, text);
+  return v;
+}
+
 // The primary replica's parameters and buffers as host tensors (names prefixed as given) and the
 // model's metadata: what a training checkpoint and a model file both hold. `extra` runs inside
 // the same device context, before the one synchronize.
@@ -86,6 +98,9 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
                      {"epoch", std::to_string(pos.epoch)},
                      {"batch_in_epoch", std::to_string(pos.batch_in_epoch)},
                      {"step", std::to_string(pos.global_step)}});
+  if (pos.best_epoch > 0)
+    c.metadata.insert({{"best_accuracy", fmt::format("{}", pos.best_accuracy)},
+                       {"best_epoch", std::to_string(pos.best_epoch)}});
   save_checkpoint(checkpoint_path(dir), c);
 }
 
@@ -136,6 +151,10 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
   pos.epoch = int64_t(meta_count(c, "epoch", path));
   pos.batch_in_epoch = int64_t(meta_count(c, "batch_in_epoch", path));
   pos.global_step = int64_t(meta_count(c, "step", path));
+  if (c.metadata.count("best_epoch")) {  // absent: no epoch evaluated (or an older checkpoint)
+    pos.best_epoch = int64_t(meta_count(c, "best_epoch", path, 1));
+    pos.best_accuracy = meta_fraction(c, "best_accuracy", path);
+  }
   const int64_t optimizer_steps = int64_t(meta_count(c, "optimizer_steps", path));
   ctx.run([&] {
     for (Param* p : model.params()) restore("model." + p->name, p->value);

@@ -11,12 +11,17 @@ struct RunPosition {
   int64_t epoch = 0;          // epoch in progress (0-based)
   int64_t batch_in_epoch = 0; // batches of that epoch already trained
   int64_t global_step = 0;    // optimizer steps so far
+  // The best test accuracy (top-1) of the epochs evaluated so far, and its epoch (1-based);
+  // -1 and 0 before any: what --save-best compares against, a resumed run included.
+  double best_accuracy = -1;
+  int64_t best_epoch = 0;
 };
 
 std::string checkpoint_path(const std::string& dir);  // dir/checkpoint.safetensors
 
 // Writes atomically (never a half-written file). Tensors: "model.<param>", "buffer.<name>",
-// "optim.<state>"; metadata: format, model, optimizer, seed, epoch, batch_in_epoch, step.
+// "optim.<state>"; metadata: format, model, optimizer, seed, epoch, batch_in_epoch, step and,
+// once an epoch was evaluated, best_accuracy and best_epoch.
 void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const RunPosition& pos,
                               uint64_t seed, int64_t batch_size);
 

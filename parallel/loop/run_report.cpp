@@ -70,11 +70,22 @@ void RunReport::epoch_done(const nlohmann::json& e, const char* how) {
   say(fmt::format("epoch {} {}: train loss {:.4f}{}, {:.0f} samples/s, {}", e.value("epoch", 0),
                   how, e.value("train_loss", std::nan("")),
                   e.contains("test_accuracy")
-                      ? fmt::format(", test loss {:.4f}, test accuracy {:.4f}",
-                                    e["test_loss"].get<double>(),
-                                    e["test_accuracy"].get<double>())
+                      ? fmt::format(", test loss {:.4f}, test accuracy {:.4f}{}",
+                                    e["test_loss"].get<double>(), e["test_accuracy"].get<double>(),
+                                    top5_note(e.value("test_top5_accuracy", 0.0)))
                       : "",
                   e.value("samples_per_sec", 0.0), fmt_duration(seconds)));
+}
+
+bool RunReport::shows_top5() const { return engine_.model().spec().num_classes > 5; }
+
+std::string RunReport::top5_note(double top5) const {
+  return shows_top5() ? fmt::format(" (top-5 {:.4f})", top5) : "";
+}
+
+void RunReport::say_best_saved(double accuracy, int64_t epoch) const {
+  say(fmt::format("best test accuracy so far ({:.4f}, epoch {}): model saved to {}", accuracy,
+                  epoch, c_.save_best));
 }
 
 void RunReport::gather_ranks() {
@@ -180,7 +191,12 @@ nlohmann::json RunReport::metrics(const RunTotals& t) const {
   };
   if (t.evaluated) {
     m["test_accuracy"] = t.test_accuracy;
+    if (shows_top5()) m["test_top5_accuracy"] = t.test_top5;
     m["test_loss"] = t.test_loss;
+  }
+  if (t.best_epoch > 0) {  // over every epoch evaluated, resumed ones included
+    m["best_test_accuracy"] = t.best_accuracy;
+    m["best_epoch"] = t.best_epoch;
   }
   if (t.stop_signal) m["stop_signal"] = t.stop_signal;
   return m;
@@ -220,10 +236,10 @@ void RunReport::finish(const RunTotals& t, const nlohmann::json& m) const {
   say(fmt::format("held per {} (in use + cached):{}", each, per_device(held_)));
   say(fmt::format("kept by a forward for backward per {}:{}", each, per_device(kept_)));
   if (t.evaluated)
-    say(fmt::format("test accuracy {:.4f}  test loss {:.4f}  ({} steps, {:.0f} samples/s, "
+    say(fmt::format("test accuracy {:.4f}{}  test loss {:.4f}  ({} steps, {:.0f} samples/s, "
                     "{:.1f} GFLOP/s)",
-                    t.test_accuracy, t.test_loss, t.steps, m["samples_per_sec"].get<double>(),
-                    m["train_gflops"].get<double>()));
+                    t.test_accuracy, top5_note(t.test_top5), t.test_loss, t.steps,
+                    m["samples_per_sec"].get<double>(), m["train_gflops"].get<double>()));
 }
 
 }  // namespace replica

@@ -35,7 +35,9 @@ struct RunTotals {
   double train_seconds = 0;
   float final_loss = std::nanf("");
   bool evaluated = false;
-  double test_loss = 0, test_accuracy = 0;
+  double test_loss = 0, test_accuracy = 0, test_top5 = 0;
+  double best_accuracy = -1;  // the best epoch's test accuracy (RunPosition), -1: none
+  int64_t best_epoch = 0;
   int stop_signal = 0;  // the signal that stopped the run, or 0
   FirstStep first_step;
 };
@@ -52,6 +54,11 @@ class RunReport {
   // An epoch's summary (as in the metrics' "epoch_summaries") and its line; `how` is "done",
   // "interrupted" or "ended (--max-steps)".
   void epoch_done(const nlohmann::json& summary, const char* how);
+  // Top-5 accuracy is shown where the model has more than 5 classes (else every sample counts);
+  // top5_note(a) is " (top-5 a)" then, else empty.
+  bool shows_top5() const;
+  std::string top5_note(double top5) const;
+  void say_best_saved(double accuracy, int64_t epoch) const;  // --save-best wrote the model
 
   // Each device's peak memory (bytes in use and held) and what a forward kept for backward,
   // after training; DDP: every rank's,

@@ -2,9 +2,14 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <vector>
 
 #include "engine/output_files.h"
+#include "engine/trace.h"
+#include "parallel/engines/train_engine.h"
 
 namespace replica {
 
@@ -46,5 +51,20 @@ void StopRequest::uninstall() {
 }
 
 int StopRequest::signal() { return g_signal; }
+
+bool StopAgreement::after_step(TrainEngine& engine, int64_t steps_run) {
+  if (engine.world_size() <= 1) return StopRequest::requested();
+  if (steps_run == 1) t_first_ = Tracer::now_us();
+  const bool calibrate = steps_run == kCalibrationSteps;
+  if (!calibrate && steps_run % every_ != 0) return false;
+  std::vector<double> v = {StopRequest::requested() ? 1.0 : 0.0, 0.0};
+  if (calibrate && engine.rank() == 0) {
+    const double step_s = (Tracer::now_us() - t_first_) / 1e6 / double(kCalibrationSteps - 1);
+    v[1] = double(std::clamp<int64_t>(int64_t(std::ceil(kStopCheckSeconds / step_s)), 1, 1000));
+  }
+  engine.reduce_metrics(v);
+  if (calibrate) every_ = std::max<int64_t>(1, int64_t(v[1]));
+  return v[0] > 0;
+}
 
 }  // namespace replica

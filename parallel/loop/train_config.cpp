@@ -52,7 +52,8 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"accumulate", c.accumulate},
           {"log_every", c.log_every},
           {"checkpoint", c.checkpoint_dir},
-          {"save_model", c.save_model}};
+          {"save_model", c.save_model},
+          {"save_best", c.save_best}};
 }
 
 const std::vector<ModeFlag>& mode_flags() {
@@ -78,6 +79,13 @@ void validate(const TrainConfig& c) {
   // What the run writes at its end must be writable now, not after hours of training.
   check_output_dir("--checkpoint", c.checkpoint_dir);
   check_output_file("--save-model", c.save_model);
+  check_output_file("--save-best", c.save_best);
+  REPLICA_USAGE_CHECK(c.save_best.empty() || c.evaluate,
+                      "--save-best keeps the model of the epoch with the best test accuracy: it "
+                      "needs the evaluation that --no-eval turns off");
+  REPLICA_USAGE_CHECK(c.save_best.empty() || c.save_best != c.save_model,
+                      "--save-best and --save-model name the same file ({}): give two",
+                      c.save_best);
   check_output_file("--metrics-json", c.metrics_json);
   check_output_file("--trace", c.trace_file);
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");

@@ -13,21 +13,6 @@
 
 namespace replica {
 
-bool StopAgreement::after_step(TrainEngine& engine, int64_t steps_run) {
-  if (engine.world_size() <= 1) return StopRequest::requested();
-  if (steps_run == 1) t_first_ = Tracer::now_us();
-  const bool calibrate = steps_run == kCalibrationSteps;
-  if (!calibrate && steps_run % every_ != 0) return false;
-  std::vector<double> v = {StopRequest::requested() ? 1.0 : 0.0, 0.0};
-  if (calibrate && engine.rank() == 0) {
-    const double step_s = (Tracer::now_us() - t_first_) / 1e6 / double(kCalibrationSteps - 1);
-    v[1] = double(std::clamp<int64_t>(int64_t(std::ceil(kStopCheckSeconds / step_s)), 1, 1000));
-  }
-  engine.reduce_metrics(v);
-  if (calibrate) every_ = std::max<int64_t>(1, int64_t(v[1]));
-  return v[0] > 0;
-}
-
 TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
   if (c_.synthetic) {
     const auto& in = c_.engine.input_shape;
@@ -170,10 +155,14 @@ nlohmann::json TrainLoop::run() {
   // run has nothing to train and evaluates the trained model (every rank alike).
   if (finished && c_.evaluate) {
     evaluate();
-    report_->say(fmt::format("test accuracy {:.4f}  test loss {:.4f}", totals_.test_accuracy,
-                             totals_.test_loss));
+    report_->say(fmt::format("test accuracy {:.4f}{}  test loss {:.4f}", totals_.test_accuracy,
+                             report_->top5_note(totals_.test_top5), totals_.test_loss));
+    if (keep_if_best(pos_.batch_in_epoch > 0 ? pos_.epoch + 1 : pos_.epoch))
+      report_->say_best_saved(pos_.best_accuracy, pos_.best_epoch);
   }
   totals_.steps = pos_.global_step;
+  totals_.best_accuracy = pos_.best_accuracy;
+  totals_.best_epoch = pos_.best_epoch;
 
   report_->gather_ranks();      // every rank takes part
   report_->write_rank_trace();  // DDP: each rank's own, before the ranks part
@@ -201,11 +190,15 @@ void TrainLoop::run_epoch(int64_t epoch) {
   nlohmann::json e = epoch_summary(epoch, complete, start, steady);
   totals_.train_seconds += e["seconds"].get<double>();
   // An interrupted run stops at once: no evaluation (a resumed run evaluates this epoch).
-  if (c_.evaluate && !totals_.stop_signal) {
+  const bool evaluated = c_.evaluate && !totals_.stop_signal;
+  if (evaluated) {
     evaluate();
     e["test_loss"] = totals_.test_loss;
     e["test_accuracy"] = totals_.test_accuracy;
+    if (report_->shows_top5()) e["test_top5_accuracy"] = totals_.test_top5;
   }
+  // The best model first: the checkpoint's best is then a file already written.
+  const bool best_saved = evaluated && keep_if_best(epoch + 1);
   if (!c_.checkpoint_dir.empty() && report_->lead()) {
     TraceSpan span("host", "checkpoint");
     save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed, c_.batch_size);
@@ -213,6 +206,7 @@ void TrainLoop::run_epoch(int64_t epoch) {
   report_->epoch_done(e, complete                ? "done"
                          : totals_.stop_signal ? "interrupted"
                                                : "ended (--max-steps)");
+  if (best_saved) report_->say_best_saved(pos_.best_accuracy, pos_.best_epoch);
 }
 
 int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start, Mark& steady) {
@@ -313,37 +307,6 @@ void TrainLoop::log_step(int64_t epoch, int64_t b, bool last_step) {
                                 steps_bound ? planned_steps_ : per_epoch_,
                                 world_ > 1 ? "rank-0 loss" : "loss", loss, rate,
                                 fmt_duration(eta)));
-}
-
-// Each process evaluates its interleaved shard (rank, rank+R, ...: no padding, so nothing is
-// counted twice); the totals are summed across processes, so every rank reports the same.
-// Evaluation runs in the training's batches (DDP ranks: their share of it), so every device sees
-// the shapes of a training step: the caching allocator hands back the blocks training freed,
-// and evaluating never needs more memory than a training step. (In larger batches, every
-// activation size was new: ResNet-50 at 224x224 in batches of 256 took 12.9 GB of host memory
-// on cpu*2, against 3.9 GB for training alone.)
-void TrainLoop::evaluate() {
-  TraceSpan span("host", "evaluate");
-  engine_->set_training(false);
-  const int64_t batch = std::max<int64_t>(1, c_.batch_size / world_);
-  Loader loader(*test_, batch, false);
-  std::vector<int64_t> shard;
-  for (int64_t i = engine_->rank(); i < test_->size(); i += world_) shard.push_back(i);
-  double loss_sum = 0;
-  int64_t correct = 0, seen = 0;
-  if (!shard.empty()) {
-    loader.start_epoch(std::move(shard), 0);
-    while (auto b = loader.next()) {
-      engine_->eval_batch(*b, loss_sum, correct);
-      seen += b->size();
-    }
-  }
-  std::vector<double> totals = {loss_sum, double(correct), double(seen)};
-  engine_->reduce_metrics(totals);
-  engine_->set_training(true);
-  totals_.evaluated = true;
-  totals_.test_loss = totals[2] ? totals[0] / totals[2] : 0.0;
-  totals_.test_accuracy = totals[2] ? totals[1] / totals[2] : 0.0;
 }
 
 }  // namespace replica

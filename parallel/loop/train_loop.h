@@ -14,27 +14,10 @@
 #include "parallel/loop/checkpointing.h"
 #include "parallel/loop/distributed_sampler.h"
 #include "parallel/loop/run_report.h"
+#include "parallel/loop/stop_request.h"
 #include "parallel/loop/trainer.h"
 
 namespace replica {
-
-// Whether to stop after this step: this process got SIGINT/SIGTERM, or (DDP) any rank did.
-// The ranks must stop after the same step (the checkpoint holds a position every rank reached),
-// so they agree through a small all-reduce. That all-reduce is a synchronisation point: every
-// step it cost 12% of a 2-rank CNN step on 2 cores. So the ranks agree every step only for the
-// first steps, time them, and then every K steps with K (rank 0's choice, shared through the
-// same all-reduce) making the interval about kStopCheckSeconds: < 1% of the time, and a stop
-// that lands within a fraction of a second.
-class StopAgreement {
- public:
-  static constexpr double kStopCheckSeconds = 0.25;
-  static constexpr int64_t kCalibrationSteps = 10;
-  bool after_step(TrainEngine& engine, int64_t steps_run);
-
- private:
-  int64_t every_ = 1;
-  int64_t t_first_ = 0;
-};
 
 class TrainLoop {
  public:
@@ -63,7 +46,10 @@ class TrainLoop {
   nlohmann::json epoch_summary(int64_t epoch, bool complete, const Mark& start,
                                const Mark& steady) const;
   void log_step(int64_t epoch, int64_t batch, bool last_step);
+  // Evaluation (evaluation.cpp): the test set's loss and accuracy into totals_; then whether the
+  // epoch (1-based) is the best so far and --save-best wrote its weights.
   void evaluate();
+  bool keep_if_best(int64_t epoch);
 
   TrainConfig c_;
   std::unique_ptr<Dataset> train_, test_;

@@ -45,6 +45,7 @@ struct TrainConfig {
   std::string trace_file;          // Chrome trace JSON
   std::string metrics_json;        // metrics written here at the end
   std::string save_model;          // rank 0 writes the trained weights here (state_dict names)
+  std::string save_best;           // ... and here after each epoch whose test accuracy is best
   bool stop_on_signal = true;      // SIGINT/SIGTERM: stop after the step, checkpoint, return
 };
 
