@@ -1,10 +1,13 @@
 # Finds every dependency and makes one imported target per library.
-# Required: TBB, OpenBLAS (pthread variant, one thread per call), zlib, CLI11, nlohmann-json, fmt, doctest.
+# Required: TBB, OpenBLAS (pthread variant, one thread per call), zlib, libjpeg (libjpeg-turbo),
+# libpng, CLI11, nlohmann-json, fmt, doctest.
 # Optional: CUDA toolkit + cuBLAS + cuDNN (the CUDA backend plugin), NCCL (its plugin), Gloo.
 
 find_package(Threads REQUIRED)
 find_package(TBB REQUIRED)
 find_package(ZLIB REQUIRED)
+find_package(JPEG REQUIRED)  # image-folder datasets: JPEG and PNG files
+find_package(PNG REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(nlohmann_json REQUIRED)
 find_package(fmt REQUIRED)

@@ -1,7 +1,11 @@
 #include "engine/file_io.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <memory>
 
 #include "engine/error.h"
 
@@ -34,6 +38,25 @@ bool read_at(int fd, void* data, size_t n, uint64_t offset, const std::string& p
     offset += static_cast<uint64_t>(r);
   }
   return true;
+}
+
+std::vector<uint8_t> read_file_bytes(const std::string& path, const std::string& expected) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    int err = errno;
+    if (err == ENOENT) throw UsageError(fmt::format("{}: no such file", path));
+    throw UsageError(fmt::format("{}: cannot open: {}", path, std::strerror(err)));
+  }
+  if (S_ISDIR(st.st_mode))
+    throw UsageError(fmt::format("{}: is a directory, expected {}", path, expected));
+  std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
+  if (!f) throw UsageError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size));
+  size_t got = bytes.empty() ? 0 : std::fread(bytes.data(), 1, bytes.size(), f.get());
+  if (got != bytes.size())
+    throw Error(fmt::format("{}: read error after {} of {} bytes: {}", path, got, bytes.size(),
+                            std::ferror(f.get()) ? std::strerror(errno) : "file shrank"));
+  return bytes;
 }
 
 }  // namespace replica

@@ -1,13 +1,15 @@
-// Exact reads and writes on POSIX file descriptors, for the checkpoint writer and reader:
-// interrupted calls retried, large transfers in pieces, failures as replica::Error naming the
-// file.
+// Exact reads and writes on POSIX file descriptors, for the checkpoint writer and reader, and
+// whole files for the data readers: interrupted calls retried, large transfers in pieces,
+// failures as replica::Error naming the file.
 #pragma once
 #include <unistd.h>
 
 #include <cstddef>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace replica {
 
@@ -32,6 +34,15 @@ class Fd {
 
 // Writes all n bytes; `what` names the file in an error.
 void write_all(int fd, const void* data, size_t n, const std::string& what);
+// std::unique_ptr<std::FILE, FileCloser>: a stdio file closed on every path.
+struct FileCloser {
+  void operator()(std::FILE* f) const { std::fclose(f); }
+};
+
+// The whole file at `path`: UsageError if it is missing, unreadable or a directory (the message
+// says `expected`: "an IDX file"), Error on a read error. Its size bounds what a parser of it
+// allocates.
+std::vector<uint8_t> read_file_bytes(const std::string& path, const std::string& expected);
 // Reads exactly n bytes at offset; false at end of file.
 bool read_at(int fd, void* data, size_t n, uint64_t offset, const std::string& path);
 

@@ -19,6 +19,7 @@
 #include "cli/gpu_flags.h"
 #include "cli/program.h"
 
+#include "engine/data/image_folder.h"
 #include "engine/device.h"
 #include "engine/error.h"
 #include "parallel/rendezvous/launcher.h"
@@ -76,6 +77,7 @@ std::optional<int> launch_ddp_ranks(const TrainConfig& c, int argc, char** argv)
 struct TypedFlags {
   std::string preset, preset_value, input_shape;
   bool list_devices = false, no_eval = false, no_shuffle = false, print_config = false;
+  bool no_augment = false;
   int threads = 0;
   int64_t seed = 0;  // signed: "-1" must be an error, not 2^64 - 1
 };
@@ -87,13 +89,18 @@ void declare_model_and_data(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_option("--model", c.engine.model,
                  "cnn | resnet18 | resnet34 | resnet50 | resnet101 | resnet152")
       ->capture_default_str();
-  app.add_option("--data", c.data_dir, "MNIST-format directory (IDX files, gzip or raw)")
+  app.add_option("--data", c.data_dir,
+                 "MNIST-format directory (IDX files, gzip or raw), or an image folder: train/ "
+                 "and val/ with a directory of JPEG or PNG images per class (ImageNet's layout)")
       ->capture_default_str();
   app.add_flag("--synthetic", c.synthetic, "random images and labels instead of --data");
   app.add_option("--synthetic-size", c.synthetic_size, "samples in the synthetic set")
       ->capture_default_str();
   app.add_option("--input-shape", t.input_shape,
-                 "CxHxW for --synthetic (default 1x28x28 for cnn, 3x224x224 for ResNets)");
+                 "CxHxW for --synthetic (default 1x28x28 for cnn, 3x224x224 for ResNets), or an "
+                 "image folder's crops (default 3x224x224)");
+  app.add_flag("--no-augment", t.no_augment,
+               "image folders: train on centre crops too (no random crops and flips)");
   app.add_option("--num-classes", c.engine.num_classes, "classes for --synthetic")
       ->capture_default_str();
   app.add_option("--data-placement", c.data_placement,
@@ -205,17 +212,24 @@ void resolve_flags(const CLI::App& app, TrainConfig& c, const TypedFlags& t) {
   c.engine.threads_per_device = t.threads;
   c.evaluate = !t.no_eval;
   c.shuffle = !t.no_shuffle;
+  // An image folder's images are cropped to the input shape; MNIST-format images are used
+  // as they are.
+  const bool image_folder = !c.synthetic && is_image_folder(c.data_dir);
   if (!t.input_shape.empty()) {
-    REPLICA_USAGE_CHECK(c.synthetic, "--input-shape applies to --synthetic data");
+    REPLICA_USAGE_CHECK(c.synthetic || image_folder,
+                        "--input-shape applies to --synthetic data and image folders");
     c.engine.input_shape = parse_input_shape(t.input_shape);
-  } else if (c.synthetic && c.engine.model != "cnn" && t.preset.empty()) {
+  } else if ((c.synthetic && c.engine.model != "cnn" && t.preset.empty()) || image_folder) {
     c.engine.input_shape = {3, 224, 224};
   }
+  REPLICA_USAGE_CHECK(!t.no_augment || image_folder, "--no-augment applies to image folders");
+  c.augment = !t.no_augment;
   if (!c.synthetic) {
     namespace fs = std::filesystem;
     REPLICA_USAGE_CHECK(!fs::exists(c.data_dir) || fs::is_directory(c.data_dir),
                         "--data '{}' is a file: give the directory that holds the MNIST-format "
-                        "files (train-images-idx3-ubyte[.gz], ...)", c.data_dir);
+                        "files (train-images-idx3-ubyte[.gz], ...) or an image folder's train/ "
+                        "and val/", c.data_dir);
     REPLICA_USAGE_CHECK(fs::is_directory(c.data_dir),
                         "data directory '{}' does not exist{}", c.data_dir,
                         c.data_dir == kDefaultData

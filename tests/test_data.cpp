@@ -37,7 +37,8 @@ class CountingDataset : public Dataset {
   int64_t size() const override { return n_; }
   Shape sample_shape() const override { return shape_; }
   int num_classes() const override { return 7; }
-  void read(const int64_t* idx, int64_t n, float* images, int32_t* labels) const override {
+  void read_samples(const int64_t* idx, int64_t n, int64_t, float* images,
+                    int32_t* labels) const override {
     reads++;
     if (delay_ms) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     const int64_t per = shape_numel(shape_);

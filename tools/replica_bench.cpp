@@ -35,7 +35,10 @@ void declare_workload(CLI::App& app, BenchOptions& o) {
   app.add_option("--model", o.model, "cnn | resnet18 | resnet34 | resnet50 | ...")
       ->capture_default_str();
   app.add_option("--input-shape", o.input_shape,
-                 "CxHxW (default 1x28x28 for cnn, 3x224x224 for ResNets)");
+                 "CxHxW (default 1x28x28 for cnn, 3x224x224 for ResNets and image folders)");
+  app.add_option("--data", o.data,
+                 "loader: an image folder (DIR/train/<class>/*.jpg) decoded and cropped, "
+                 "instead of synthetic samples");
   app.add_option("--batch,--batch-per-device", o.batch,
                  "single: the batch; dp/ddp: samples per device per step (weak scaling)")
       ->capture_default_str();

@@ -21,7 +21,7 @@ for arg in "$@"; do
 done
 
 packages=(
-  build-essential cmake ninja-build pkg-config zlib1g-dev
+  build-essential cmake ninja-build pkg-config zlib1g-dev libjpeg62-turbo-dev libpng-dev
   libtbb-dev libopenblas-pthread-dev doctest-dev libcli11-dev nlohmann-json3-dev libfmt-dev
   libgloo-dev dataset-fashion-mnist python3-matplotlib
 )

@@ -28,19 +28,21 @@ uint64_t SplitMix64::below(uint64_t bound) {
   return static_cast<uint64_t>(m >> 64);
 }
 
-namespace {
-
-uint64_t mix(uint64_t a, uint64_t b) {
+uint64_t mix_seeds(uint64_t a, uint64_t b) {
   SplitMix64 g(a ^ (b * 0xd1342543de82ef95ull + 0x2545f4914f6cdd1dull));
   g.next();
   return g.next();
 }
 
-void check_indices(const int64_t* indices, int64_t n, int64_t size, const std::string& what) {
+void Dataset::read(const int64_t* indices, int64_t n, float* images, int32_t* labels,
+                   int64_t epoch) const {
   for (int64_t i = 0; i < n; ++i)
-    REPLICA_CHECK(indices[i] >= 0 && indices[i] < size, "{}: sample index {} out of range [0, {})",
-                  what, indices[i], size);
+    REPLICA_CHECK(indices[i] >= 0 && indices[i] < size(),
+                  "{}: sample index {} out of range [0, {})", describe(), indices[i], size());
+  read_samples(indices, n, epoch, images, labels);
 }
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // MNIST-format directory
@@ -62,8 +64,8 @@ class MnistDataset final : public Dataset {
   int64_t size() const override { return n_; }
   Shape sample_shape() const override { return {1, rows_, cols_}; }
   int num_classes() const override { return classes_; }
-  void read(const int64_t* indices, int64_t n, float* images, int32_t* labels) const override {
-    check_indices(indices, n, n_, name_);
+  void read_samples(const int64_t* indices, int64_t n, int64_t, float* images,
+                    int32_t* labels) const override {
     const int64_t per = rows_ * cols_;
     for (int64_t i = 0; i < n; ++i) {
       const uint8_t* src = pixels_.data() + indices[i] * per;
@@ -120,8 +122,8 @@ class SyntheticDataset final : public Dataset {
   // A 3x224x224 sample costs about 2 ms (75k Box-Muller pairs), so one loader thread feeds
   // only ~250-500 samples/s: large samples are made in parallel, one task per sample. Each
   // sample is its own stream, so the values do not depend on the thread count.
-  void read(const int64_t* indices, int64_t n, float* images, int32_t* labels) const override {
-    check_indices(indices, n, size_, "synthetic dataset");
+  void read_samples(const int64_t* indices, int64_t n, int64_t, float* images,
+                    int32_t* labels) const override {
     auto one = [&](int64_t i) { make_sample(indices[i], images + i * per_, labels + i); };
     if (per_ >= kParallelFrom && n > 1) {
       tbb::parallel_for(int64_t(0), n, one);
@@ -131,7 +133,7 @@ class SyntheticDataset final : public Dataset {
   }
   // One stream per sample: the label first, then Box-Muller pairs for the pixels.
   void make_sample(int64_t index, float* dst, int32_t* label) const {
-    SplitMix64 g(mix(seed_, static_cast<uint64_t>(index)));
+    SplitMix64 g(mix_seeds(seed_, static_cast<uint64_t>(index)));
     *label = static_cast<int32_t>(g.below(static_cast<uint64_t>(classes_)));
     for (int64_t k = 0; k < per_; k += 2) {
       double u1 = 1.0 - g.uniform01();  // (0, 1]: log is finite
@@ -254,7 +256,7 @@ std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch, bool s
   std::vector<int64_t> order(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) order[i] = i;
   if (!shuffle) return order;
-  SplitMix64 g(mix(seed, static_cast<uint64_t>(epoch) ^ 0x6a09e667f3bcc909ull));
+  SplitMix64 g(mix_seeds(seed, static_cast<uint64_t>(epoch) ^ 0x6a09e667f3bcc909ull));
   for (int64_t i = n - 1; i > 0; --i) {
     int64_t j = static_cast<int64_t>(g.below(static_cast<uint64_t>(i) + 1));
     std::swap(order[i], order[j]);

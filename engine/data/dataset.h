@@ -1,5 +1,6 @@
 // Datasets: where samples come from, and the order they are visited in.
 //   open_mnist      MNIST-format IDX directories (MNIST, Fashion-MNIST), gzip or raw
+//   (image_folder.h: JPEG and PNG files in a directory per class, ImageNet's layout)
 //   make_synthetic  random images and labels computed from (seed, index): nothing is stored
 //   epoch_order     the per-epoch permutation, identical on every machine and device count
 #pragma once
@@ -19,10 +20,18 @@ class Dataset {
   virtual Shape sample_shape() const = 0;  // e.g. {1, 28, 28}
   virtual int num_classes() const = 0;
   // Writes n samples (normalised floats, sample_shape each, contiguous) and their labels.
-  // Every index must be in [0, size()) (replica::Error otherwise). Thread-safe (const).
-  virtual void read(const int64_t* indices, int64_t n, float* images, int32_t* labels) const = 0;
+  // Every index must be in [0, size()) (replica::Error otherwise). Thread-safe (const). A set
+  // that augments() draws each sample's random crop and flip from (its seed, index, epoch): the
+  // same sample for the same epoch, another the next epoch; other sets ignore `epoch`.
+  void read(const int64_t* indices, int64_t n, float* images, int32_t* labels,
+            int64_t epoch = 0) const;
+  virtual bool augments() const { return false; }
   // One line, e.g. "fashion-mnist train: 60000 x 1x28x28, 10 classes".
   virtual std::string describe() const = 0;
+
+ protected:
+  virtual void read_samples(const int64_t* indices, int64_t n, int64_t epoch, float* images,
+                            int32_t* labels) const = 0;
 };
 
 // An MNIST-format directory holding {train,t10k}-{images-idx3,labels-idx1}-ubyte, each with or
@@ -65,5 +74,9 @@ struct SplitMix64 {
   uint64_t below(uint64_t bound);
   double uniform01() { return double(next() >> 11) * 0x1.0p-53; }  // [0, 1)
 };
+
+// A seed made of two (a seed and a sample index, an epoch...): streams of nearby inputs share
+// nothing.
+uint64_t mix_seeds(uint64_t a, uint64_t b);
 
 }  // namespace replica

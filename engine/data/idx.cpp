@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 
 namespace replica {
 namespace {
@@ -17,30 +18,6 @@ namespace {
 constexpr uint64_t kMaxDataBytes = uint64_t(1) << 36;  // 64 GiB: anything larger is a bad header
 constexpr int kMaxDims = 4;
 constexpr size_t kMaxHeaderBytes = 4 + 4 * 255;
-
-struct FileCloser {
-  void operator()(std::FILE* f) const { std::fclose(f); }
-};
-
-// The whole file; its size bounds every later allocation for raw files.
-std::vector<uint8_t> read_file_bytes(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    int err = errno;
-    if (err == ENOENT) throw UsageError(fmt::format("{}: no such file", path));
-    throw UsageError(fmt::format("{}: cannot open: {}", path, std::strerror(err)));
-  }
-  if (S_ISDIR(st.st_mode))
-    throw UsageError(fmt::format("{}: is a directory, expected an IDX file", path));
-  std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
-  if (!f) throw UsageError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
-  std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size));
-  size_t got = bytes.empty() ? 0 : std::fread(bytes.data(), 1, bytes.size(), f.get());
-  if (got != bytes.size())
-    throw Error(fmt::format("{}: read error after {} of {} bytes: {}", path, got, bytes.size(),
-                            std::ferror(f.get()) ? std::strerror(errno) : "file shrank"));
-  return bytes;
-}
 
 struct Inflated {
   std::vector<uint8_t> data;
@@ -152,7 +129,9 @@ Header parse_header(const std::string& path, const uint8_t* b, size_t n, const c
 
 }  // namespace
 
-IdxArray read_idx(const std::string& path) { return parse_idx(read_file_bytes(path), path); }
+IdxArray read_idx(const std::string& path) {
+  return parse_idx(read_file_bytes(path, "an IDX file"), path);
+}
 
 IdxArray parse_idx(std::vector<uint8_t> file, const std::string& path) {
   if (file.empty()) throw Error(fmt::format("{}: empty file, expected an IDX file", path));

@@ -65,6 +65,7 @@ struct Loader::State {
         free.pop_back();
         const int64_t b = next_fill++;
         const uint64_t gen = generation;
+        const int64_t batch_epoch = epoch;
         const auto idx = indices;  // keeps this epoch's indices alive if start_epoch replaces them
         const int64_t begin = b * batch_size;
         const int64_t count = std::min<int64_t>(batch_size, int64_t(idx->size()) - begin);
@@ -74,7 +75,9 @@ struct Loader::State {
           const Slot& out = slots[slot];
           int32_t* rows = out.indices.i32();
           for (int64_t i = 0; i < count; ++i) rows[i] = static_cast<int32_t>((*idx)[begin + i]);
-          if (!resident) data->read(idx->data() + begin, count, out.images.f32(), out.labels.i32());
+          if (!resident)
+            data->read(idx->data() + begin, count, out.images.f32(), out.labels.i32(),
+                       batch_epoch);
         } catch (...) {
           error = std::current_exception();
         }

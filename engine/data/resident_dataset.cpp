@@ -40,6 +40,13 @@ bool data_fits_on_device(int64_t bytes, const Device& device, int copies) {
 
 DataPlacement resolve_data_placement(DataPlacement wanted, const Dataset& data,
                                      const std::vector<Device>& devices, int copies_per_gpu) {
+  // A set held on the device is read once: random crops would be the same every epoch.
+  REPLICA_USAGE_CHECK(wanted != DataPlacement::Device || !data.augments(),
+                      "--data-placement device holds each sample as read once, but {} draws "
+                      "new random crops every epoch (--no-augment: centre crops, which it can "
+                      "hold)",
+                      data.describe());
+  if (data.augments()) return DataPlacement::Host;
   if (wanted != DataPlacement::Auto) return wanted;
   const int64_t bytes = resident_bytes(data);
   for (const Device& d : devices)

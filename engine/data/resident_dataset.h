@@ -39,7 +39,8 @@ int64_t resident_bytes(const Dataset& data);
 bool data_fits_on_device(int64_t bytes, const Device& device, int copies);
 
 // The placement a run uses: `wanted` resolved for `devices` (the devices this process drives)
-// and the number of processes that hold a copy on the same GPU (DDP ranks sharing one).
+// and the number of processes that hold a copy on the same GPU (DDP ranks sharing one). A set
+// that augments() stays on the host (UsageError if `wanted` is Device).
 DataPlacement resolve_data_placement(DataPlacement wanted, const Dataset& data,
                                      const std::vector<Device>& devices, int copies_per_gpu);
 

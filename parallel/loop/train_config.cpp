@@ -29,6 +29,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"synthetic", c.synthetic},
           {"synthetic_size", c.synthetic_size},
           {"data_placement", c.data_placement},
+          {"augment", c.augment},
           {"epochs", c.epochs},
           {"max_steps", c.max_steps},
           // The global batch, once known (with --batch-per-device, after devices are counted).

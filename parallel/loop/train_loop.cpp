@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "engine/data/image_folder.h"
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "parallel/comm/rank_agreement.h"
@@ -20,6 +21,12 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
     train_ = make_synthetic(c_.synthetic_size, in, classes, c_.engine.seed);
     test_ = make_synthetic(std::max<int64_t>(c_.synthetic_size / 10, 1), in, classes,
                            c_.engine.seed + 0x7E57ull);
+  } else if (is_image_folder(c_.data_dir)) {
+    check_image_folder(c_.data_dir, c_.evaluate);  // --no-eval needs no val/
+    const ImageFolderOptions o{c_.engine.input_shape, c_.augment, c_.engine.seed};
+    train_ = open_image_folder(c_.data_dir, true, o);
+    if (c_.evaluate) test_ = open_image_folder(c_.data_dir, false, o);
+    c_.engine.num_classes = train_->num_classes();  // a class per directory
   } else {
     check_mnist_dir(c_.data_dir, c_.evaluate);  // --no-eval needs no test files
     train_ = open_mnist(c_.data_dir, true);

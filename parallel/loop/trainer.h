@@ -25,7 +25,8 @@ struct TrainConfig {
   std::string reduce = "root";     // DP gradient reduction: root | tree
   double bucket_cap_mb = 25;       // gradient bucket cap (the first bucket is 1 MB)
   std::string devices;             // device string; empty = resolve_devices() default
-  std::string data_dir;            // MNIST-format directory
+  std::string data_dir;            // MNIST-format directory, or an image folder (train/, val/)
+  bool augment = true;             // image folders: random crops and flips for training
   bool synthetic = false;          // random images of engine.input_shape instead of data_dir
   int64_t synthetic_size = 10000;  // samples in the synthetic training set
   // Where the training set lives: auto | host | device (engine/data/resident_dataset.h).

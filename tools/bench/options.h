@@ -14,6 +14,7 @@ struct BenchOptions {
   std::string suite;
   std::string model = "cnn";
   std::string input_shape;       // empty: 1x28x28 for cnn, 3x224x224 otherwise
+  std::string data;              // loader: an image folder instead of synthetic samples
   int64_t batch = 64;            // single: the batch; dp/ddp: the batch per device
   std::string threads;           // single, loader: comma list of thread counts
   std::string devices;           // dp/ddp: the largest device set (cpu*N, cuda, cuda:0*N)
