@@ -157,6 +157,45 @@ TEST_CASE("--save-best keeps the best epoch's model, across a resume") {
   MESSAGE("test accuracy by epoch: " << by_epoch << "; best epoch " << best_epoch);
 }
 
+// The best the checkpoint carries is the bar: a resumed run below it writes nothing. A run
+// resumed at its end (stopped during its last step, or trained without evaluation) evaluates
+// the model, and a new best goes into the checkpoint too, for the resume after it.
+TEST_CASE("--save-best: the checkpoint's best is the bar, and a resume at the end updates it") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 96, 32);
+  const std::string base = kTrain + " --data " + tmp.str("data") + " --batch-size 32" +
+                           " --threads-per-device 1 --checkpoint " + tmp.str("ck") +
+                           " --save-best " + tmp.str("best.safetensors");
+  REQUIRE(run(base + " --epochs 1 --quiet").exit_code == 0);
+  const std::string ck = tmp.str("ck/checkpoint.safetensors");
+  Checkpoint c = load_checkpoint(ck);
+  c.metadata["best_accuracy"] = "1";
+  save_checkpoint(ck, c);
+  const auto before = test::file_bytes(tmp.str("best.safetensors"));
+  auto r = run(base + " --epochs 3 --resume --metrics-json " + tmp.str("m.json"));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("best test accuracy so far") == std::string::npos);
+  CHECK(test::file_bytes(tmp.str("best.safetensors")) == before);
+  const auto m = read_json(tmp.str("m.json"));
+  CHECK(m["best_test_accuracy"] == 1.0);
+  CHECK(m["best_epoch"] == 1);
+
+  test::fs::remove_all(tmp.path / "ck");
+  test::fs::remove(tmp.path / "best.safetensors");
+  REQUIRE(run(kTrain + " --data " + tmp.str("data") + " --batch-size 32 --threads-per-device 1" +
+              " --no-eval --quiet --checkpoint " + tmp.str("ck"))
+              .exit_code == 0);
+  CHECK(load_checkpoint(ck).metadata.count("best_epoch") == 0);
+  auto end = run(base + " --resume");
+  INFO(end.output);
+  REQUIRE(end.exit_code == 0);
+  CHECK(end.output.find("nothing left to train") != std::string::npos);
+  CHECK(end.output.find("best test accuracy so far (") != std::string::npos);
+  CHECK(test::fs::exists(tmp.path / "best.safetensors"));
+  CHECK(load_checkpoint(ck).metadata.at("best_epoch") == "1");
+}
+
 TEST_CASE("--save-best: bad combinations and a corrupt best in the checkpoint are one line") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 64, 32);

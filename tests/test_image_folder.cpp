@@ -29,9 +29,10 @@ using namespace replica;
 namespace {
 
 // A JPEG of `image` (3 components), of its luminance (1), or of inverted CMYK inks (4: Adobe's
-// convention, for which `image` holds what the decoder must return with no black ink).
+// convention, for which `image` holds what the decoder must return with no black ink), with or
+// without the Adobe marker that says so.
 void write_jpeg(const std::string& path, const RgbImage& image, int components,
-                int quality = 100) {
+                int quality = 100, bool adobe_marker = true) {
   std::vector<uint8_t> data;
   const size_t n = size_t(image.width) * size_t(image.height);
   for (size_t i = 0; i < n; ++i) {
@@ -53,6 +54,7 @@ void write_jpeg(const std::string& path, const RgbImage& image, int components,
   cinfo.in_color_space = components == 1 ? JCS_GRAYSCALE : components == 3 ? JCS_RGB : JCS_CMYK;
   jpeg_set_defaults(&cinfo);
   jpeg_set_quality(&cinfo, quality, TRUE);
+  cinfo.write_Adobe_marker = adobe_marker && components == 4;
   jpeg_start_compress(&cinfo, TRUE);
   while (cinfo.next_scanline < cinfo.image_height) {
     JSAMPROW row = &data[size_t(cinfo.next_scanline) * size_t(image.width) * size_t(components)];
@@ -136,6 +138,9 @@ TEST_CASE("decode: JPEG (RGB, gray, CMYK) and PNG (alpha, gray) become RGB, told
   }
   write_jpeg(tmp.str("cmyk.jpg"), im, 4);
   CHECK(max_difference(decode_image(tmp.str("cmyk.jpg")), im) <= 3);
+  // Without the marker the inks are taken as inverted all the same, as PIL takes them.
+  write_jpeg(tmp.str("cmyk-plain.jpg"), im, 4, 100, false);
+  CHECK(max_difference(decode_image(tmp.str("cmyk-plain.jpg")), im) <= 3);
 
   // A PNG named .JPEG (ImageNet has one): the content decides. Alpha is dropped, not blended.
   write_png(tmp.str("png.JPEG"), im, false);
@@ -146,6 +151,22 @@ TEST_CASE("decode: JPEG (RGB, gray, CMYK) and PNG (alpha, gray) become RGB, told
     CHECK(g.pixels[i] == im.pixels[i]);
     CHECK(g.pixels[i + 2] == im.pixels[i]);
   }
+  // 16-bit samples, stored with a gAMA of 1.0 (linear): no gamma is applied, as PIL applies
+  // none; each sample keeps its high byte (0x80xx: 128, where gamma would make 188).
+  png_image p16;
+  std::memset(&p16, 0, sizeof p16);
+  p16.version = PNG_IMAGE_VERSION;
+  p16.width = 3;
+  p16.height = 2;
+  p16.format = PNG_FORMAT_LINEAR_Y;
+  const uint16_t samples[6] = {0x8040, 0x0000, 0xFFFF, 0x1234, 0x80FF, 0x7F00};
+  REQUIRE(png_image_write_to_file(&p16, tmp.str("deep.png").c_str(), 0, samples, 0, nullptr));
+  const RgbImage deep = decode_image(tmp.str("deep.png"));
+  for (int i = 0; i < 6; ++i) {
+    CAPTURE(i);
+    CHECK(deep.pixels[size_t(3 * i)] == samples[i] >> 8);
+    CHECK(deep.pixels[size_t(3 * i + 1)] == samples[i] >> 8);
+  }
 }
 
 TEST_CASE("decode: bad files are errors naming the file, never a crash or a gray image") {
@@ -154,12 +175,12 @@ TEST_CASE("decode: bad files are errors naming the file, never a crash or a gray
   write_png(tmp.str("ok.png"), pattern(64, 48), false);
   const auto jpg = test::file_bytes(tmp.str("ok.jpg"));
   const auto png = test::file_bytes(tmp.str("ok.png"));
-  // A decompression bomb: the frame header (JPEG has no checksum) says 10000x10000 pixels.
+  // A decompression bomb: the frame header (JPEG has no checksum) says 15000x15000 pixels.
   std::vector<uint8_t> bomb = jpg;
   for (size_t i = 0; i + 9 < bomb.size(); ++i)
     if (bomb[i] == 0xFF && bomb[i + 1] == 0xC0) {
-      bomb[i + 5] = bomb[i + 7] = 10000 >> 8;
-      bomb[i + 6] = bomb[i + 8] = 10000 & 0xFF;
+      bomb[i + 5] = bomb[i + 7] = 15000 >> 8;
+      bomb[i + 6] = bomb[i + 8] = 15000 & 0xFF;
       break;
     }
   struct Case {
@@ -176,7 +197,7 @@ TEST_CASE("decode: bad files are errors naming the file, never a crash or a gray
       {"empty.jpg", {}, "not a JPEG or PNG image (0 bytes, empty)"},
       {"half.png", {png.begin(), png.begin() + long(png.size() / 2)}, "corrupt PNG image"},
       {"bomb.jpg", bomb,
-       "corrupt JPEG image: 10000x10000 pixels, more than the 89478485 an image may have"},
+       "corrupt JPEG image: 15000x15000 pixels, more than the 178956970 an image may have"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.name);
@@ -189,6 +210,14 @@ TEST_CASE("decode: bad files are errors naming the file, never a crash or a gray
         std::string::npos);
   // Every cut of a JPEG and PNG, and bytes changed at random: an error or an image of the
   // right size, nothing else (no crash, no abort, no message on stderr).
+  std::fflush(stderr);
+  const int saved_stderr = dup(2);
+  {
+    FILE* sink = std::fopen(tmp.str("stderr").c_str(), "w");
+    REQUIRE(sink != nullptr);
+    dup2(fileno(sink), 2);
+    std::fclose(sink);
+  }
   std::mt19937 rng(3);
   for (const auto* file : {&jpg, &png}) {
     std::vector<std::vector<uint8_t>> variants;
@@ -207,40 +236,102 @@ TEST_CASE("decode: bad files are errors naming the file, never a crash or a gray
       }
     }
   }
+  std::fflush(stderr);
+  dup2(saved_stderr, 2);
+  close(saved_stderr);
+  CHECK(test::fs::file_size(tmp.str("stderr")) == 0);
 }
 
-TEST_CASE("crops: torchvision's Resize + CenterCrop box, and RandomResizedCrop's ranges") {
+TEST_CASE("crops: torchvision's Resize + CenterCrop, its padding, RandomResizedCrop's ranges") {
   // Resize(256) of 500x375: 341x256; CenterCrop(224) at (round(58.5) = 58, 16) in it.
-  CropBox b = center_crop_box(500, 375, 224, 224);
+  CropPlan p = center_crop_plan(500, 375, 224, 224);
   const double s = 500.0 / 341;
-  CHECK(b.x == doctest::Approx(58 * s));
-  CHECK(b.y == doctest::Approx(16 * 375.0 / 256));
-  CHECK(b.w == doctest::Approx(224 * s));
-  CHECK(b.h == doctest::Approx(224 * 375.0 / 256));
-  b = center_crop_box(300, 600, 32, 32);  // tall: Resize(37) gives 37x74
-  CHECK(b.x == doctest::Approx(2 * 300.0 / 37));  // round(2.5) = 2, half to even
-  CHECK(b.y == doctest::Approx(21 * 600.0 / 74));
+  CHECK(p.x.start == doctest::Approx(58 * s));
+  CHECK(p.x.length == doctest::Approx(224 * s));
+  CHECK(p.y.start == doctest::Approx(16 * 375.0 / 256));
+  CHECK(p.y.length == doctest::Approx(224 * 375.0 / 256));
+  CHECK((p.x.lo == 0 && p.x.hi == 500 && p.x.out_first == 0 && p.x.out_count == 224));
+  p = center_crop_plan(300, 600, 32, 32);  // tall: Resize(37) gives 37x74
+  CHECK(p.x.start == doctest::Approx(2 * 300.0 / 37));  // round(2.5) = 2, half to even
+  CHECK(p.y.start == doctest::Approx(21 * 600.0 / 74));
+  // CenterCrop(224x448) of the 341x256 image pads it: (448 - 341) // 2 = 53 columns on the left.
+  p = center_crop_plan(500, 375, 224, 448);
+  CHECK(p.x.out_first == 53);
+  CHECK(p.x.out_count == 341);
+  CHECK(p.x.start == 0);
+  CHECK(p.x.length == 500);
+  CHECK(p.y.out_count == 224);
   SplitMix64 rng(7);
   for (const auto& [w, h] : std::vector<std::pair<int, int>>{{500, 375}, {64, 64}, {1000, 10}}) {
     for (int i = 0; i < 500; ++i) {
-      const CropBox r = random_crop_box(w, h, rng);
-      CHECK(r.x >= 0);
-      CHECK(r.y >= 0);
-      CHECK(r.x + r.w <= w);
-      CHECK(r.y + r.h <= h);
-      CHECK(r.w >= 1);
-      CHECK(r.h >= 1);
+      const CropPlan r = random_crop_plan(w, h, 8, 8, rng);
+      CHECK(r.x.start >= 0);
+      CHECK(r.y.start >= 0);
+      CHECK(r.x.start + r.x.length <= w);
+      CHECK(r.y.start + r.y.length <= h);
+      CHECK((r.x.lo == int(r.x.start) && r.x.hi == int(r.x.start + r.x.length)));
+      CHECK((r.y.lo == int(r.y.start) && r.y.hi == int(r.y.start + r.y.length)));
+      CHECK(r.x.length >= 1);
       if (w == 500) {  // always found within 10 tries here: torchvision's ranges
-        CHECK(r.w * r.h >= 0.079 * w * h);
-        CHECK(r.w / r.h >= 0.74);
-        CHECK(r.w / r.h <= 1.34);
+        CHECK(r.x.length * r.y.length >= 0.079 * w * h);
+        CHECK(r.x.length / r.y.length >= 0.74);
+        CHECK(r.x.length / r.y.length <= 1.34);
       }
     }
   }
-  const CropBox wide = random_crop_box(1000, 10, rng);  // no try fits: the centre at 4/3
-  CHECK(wide.w == 13);
-  CHECK(wide.h == 10);
-  CHECK(wide.x == (1000 - 13) / 2);
+  const CropPlan wide = random_crop_plan(1000, 10, 8, 8, rng);  // no try fits: the centre, 4/3
+  CHECK(wide.x.length == 13);
+  CHECK(wide.y.length == 10);
+  CHECK(wide.x.start == (1000 - 13) / 2);
+}
+
+// PIL's antialiased bilinear weights, worked by hand from its precompute_coeffs: halving takes
+// four source pixels at 1/8, 3/8, 3/8, 1/8 (a filter without antialiasing would take two at
+// 1/2); doubling a cropped box never reads past the box (torchvision crops, then resizes).
+TEST_CASE("resampling: PIL's weights when shrinking, the crop's box alone when enlarging") {
+  RgbImage im = solid(512, 512, 0, 0, 0);
+  const auto v = [](int x) { return float((x * 37) % 256); };
+  for (int y = 0; y < 512; ++y)
+    for (int x = 0; x < 512; ++x) im.pixels[(size_t(y) * 512 + size_t(x)) * 3] = uint8_t(v(x));
+  ImageTransform t;  // 224x224 from 512x512: Resize(256) halves, the crop starts at 16 (32)
+  t.mean = {0, 0, 0};
+  t.std = {1, 1, 1};
+  std::vector<float> out(3 * 224 * 224);
+  transform_image(im, t, 0, out.data());
+  for (int i = 0; i < 224; i += 17) {
+    const float want = (v(31 + 2 * i) + 3 * v(32 + 2 * i) + 3 * v(33 + 2 * i) + v(34 + 2 * i)) / 8;
+    CHECK(out[size_t(100) * 224 + size_t(i)] * 255 == doctest::Approx(want).epsilon(1e-4));
+  }
+  // A 4-pixel box at x = 2 enlarged to 8: output 0 is pixel 2 alone, output 1 3/4 of pixel 2
+  // and 1/4 of pixel 3; pixels 1 and 6 (beside the box) never count.
+  const CropPlan plan{{0, 8, 2, 4, 2, 6}, {0, 8, 2, 4, 2, 6}};
+  t.out_h = t.out_w = 8;
+  std::vector<float> a(3 * 64), b(3 * 64), flipped(3 * 64);
+  crop_resize(im, plan, false, t, a.data());
+  CHECK(a[0] * 255 == doctest::Approx(v(2)));
+  CHECK(a[1] * 255 == doctest::Approx(0.75 * v(2) + 0.25 * v(3)));
+  CHECK(a[7] * 255 == doctest::Approx(v(5)));
+  RgbImage changed = im;
+  for (int y = 0; y < 512; ++y)
+    for (int x : {0, 1, 6, 7}) changed.pixels[(size_t(y) * 512 + size_t(x)) * 3] = 255;
+  crop_resize(changed, plan, false, t, b.data());
+  CHECK(a == b);
+  // The flip mirrors each row.
+  crop_resize(im, plan, true, t, flipped.data());
+  for (int y = 0; y < 8; ++y)
+    for (int x = 0; x < 8; ++x)
+      CHECK(flipped[size_t(y) * 8 + size_t(x)] == a[size_t(y) * 8 + size_t(7 - x)]);
+  // Padding is zero before normalisation.
+  t.out_h = 4;
+  t.out_w = 16;
+  t.mean = {0.5f, 0.5f, 0.5f};
+  std::vector<float> padded(3 * 4 * 16);
+  crop_resize(im, CropPlan{{3, 10, 0, 512, 0, 512}, {0, 4, 0, 512, 0, 512}}, false, t,
+              padded.data());
+  CHECK(padded[0] == -0.5f);
+  CHECK(padded[2] == -0.5f);
+  CHECK(padded[13] == -0.5f);
+  CHECK(padded[3] != -0.5f);
 }
 
 TEST_CASE("transform: exact copies at scale 1, normalisation, the same key the same sample") {
@@ -338,6 +429,21 @@ TEST_CASE("image folder: sorted classes and files, labels shared with val, augme
   CHECK(error_of([&] {
           resolve_data_placement(DataPlacement::Device, *train, {Device{}}, 1);
         }).find("draws new random crops every epoch") != std::string::npos);
+
+  // ImageFolder's order within a class: a directory's own files before its sub-directories'
+  // (sorted(os.walk)), not the full paths sorted (which would put more/ before z.jpg).
+  write_jpeg(tmp.str("set/train/dog/z.jpg"), solid(20, 20, 250, 0, 0), 3);
+  write_jpeg(tmp.str("set/train/dog/more/a.jpg"), solid(20, 20, 0, 250, 0), 3);
+  o.augment = false;
+  o.sample_shape = {3, 4, 4};
+  auto more = open_image_folder(dir, true, o);
+  REQUIRE(more->size() == 7);  // ant: 2, cat: 1, dog: d1, z, more/a, more/d2
+  std::vector<float> px(2 * 3 * 16);
+  const int64_t z_then_a[2] = {4, 5};
+  more->read(z_then_a, 2, px.data(), labels.data());
+  const auto red = [&](int sample) { return px[size_t(sample) * 48 + 5] * 0.229f + 0.485f; };
+  CHECK(red(0) > 0.9f);  // z.jpg: red
+  CHECK(red(1) < 0.1f);  // more/a.jpg: green
 }
 
 TEST_CASE("image folder: what is missing or wrong is named before training") {

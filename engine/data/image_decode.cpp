@@ -16,8 +16,9 @@ namespace replica {
 
 namespace {
 
-// PIL's decompression-bomb limit: a few bytes of a file can declare an image of gigabytes.
-constexpr int64_t kMaxPixels = 89478485;
+// PIL's decompression-bomb limit (it refuses twice its warning threshold of 89,478,485): a few
+// bytes of a file can declare an image of gigabytes.
+constexpr int64_t kMaxPixels = 2 * 89478485;
 
 bool plausible_size(int64_t width, int64_t height) {
   return width >= 1 && height >= 1 && width * height <= kMaxPixels;
@@ -45,16 +46,11 @@ void jpeg_note(j_common_ptr cinfo, int level) {
   if (level < 0 && cinfo->err->msg_code == JWRN_JPEG_EOF) e->truncated = true;
 }
 
-// Adobe's CMYK JPEGs store the inks inverted (255 = no ink); PIL turns CMYK into RGB as
-// (255 - c)(255 - k) / 255 per channel.
-void cmyk_to_rgb(const uint8_t* cmyk, int width, bool inverted, uint8_t* rgb) {
-  for (int x = 0; x < width; ++x, cmyk += 4, rgb += 3) {
-    const int k = inverted ? cmyk[3] : 255 - cmyk[3];
-    for (int c = 0; c < 3; ++c) {
-      const int ink = inverted ? cmyk[c] : 255 - cmyk[c];
-      rgb[c] = uint8_t((ink * k + 127) / 255);
-    }
-  }
+// CMYK JPEGs store the inks inverted (255 = no ink: Adobe's convention, which PIL assumes for
+// every CMYK JPEG, marker or not); PIL's CMYK to RGB is (255 - c)(255 - k) / 255 a channel.
+void cmyk_to_rgb(const uint8_t* inverted, int width, uint8_t* rgb) {
+  for (int x = 0; x < width; ++x, inverted += 4, rgb += 3)
+    for (int c = 0; c < 3; ++c) rgb[c] = uint8_t((inverted[c] * inverted[3] + 127) / 255);
 }
 
 // No C++ object is made between the setjmp and the end of the decode: a longjmp skips
@@ -90,7 +86,7 @@ bool decode_jpeg(const std::vector<uint8_t>& bytes, RgbImage& out, std::vector<u
     uint8_t* dst = out.pixels.data() + size_t(cinfo.output_scanline) * size_t(out.width) * 3;
     JSAMPROW target = cmyk ? row.data() : dst;
     jpeg_read_scanlines(&cinfo, &target, 1);
-    if (cmyk) cmyk_to_rgb(row.data(), out.width, cinfo.saw_Adobe_marker, dst);
+    if (cmyk) cmyk_to_rgb(row.data(), out.width, dst);
   }
   jpeg_finish_decompress(&cinfo);
   jpeg_destroy_decompress(&cinfo);
@@ -101,38 +97,85 @@ bool decode_jpeg(const std::vector<uint8_t>& bytes, RgbImage& out, std::vector<u
   return true;
 }
 
-// PIL's convert("RGB") drops an alpha channel (no compositing): read RGBA, keep RGB.
-RgbImage decode_png(const std::vector<uint8_t>& bytes, const std::string& name) {
-  png_image image;
-  std::memset(&image, 0, sizeof image);
-  image.version = PNG_IMAGE_VERSION;
-  if (!png_image_begin_read_from_memory(&image, bytes.data(), bytes.size()))
-    throw Error(fmt::format("{}: corrupt PNG image: {}", name, image.message));
-  if (!plausible_size(image.width, image.height)) {
-    png_image_free(&image);
-    throw Error(fmt::format("{}: corrupt PNG image: {}x{} pixels, more than the {} an image may "
-                            "have",
-                            name, image.width, image.height, kMaxPixels));
+// libpng's simplified API would apply gamma (a 16-bit file counts as linear light, and is
+// re-encoded to sRGB); PIL applies none. So the plain API, told to expand palettes and low bit
+// depths, keep each 16-bit sample's high byte, make gray RGB and drop alpha: PIL's
+// convert("RGB"). Errors jump back here, as libjpeg's do.
+struct PngRead {
+  const std::vector<uint8_t>* bytes;
+  size_t at = 0;
+  char message[200] = {};
+};
+
+void png_fail(png_structp png, png_const_charp message) {
+  auto* r = static_cast<PngRead*>(png_get_error_ptr(png));
+  std::snprintf(r->message, sizeof r->message, "%s", message);
+  png_longjmp(png, 1);
+}
+
+void png_quiet(png_structp, png_const_charp) {}
+
+void png_source(png_structp png, png_bytep data, png_size_t n) {
+  auto* r = static_cast<PngRead*>(png_get_io_ptr(png));
+  if (r->bytes->size() - r->at < n) png_error(png, "the data end before the image does");
+  std::memcpy(data, r->bytes->data() + r->at, n);
+  r->at += n;
+}
+
+// As decode_jpeg: no C++ object is made between the setjmp and its end.
+bool decode_png(PngRead& r, RgbImage& out, std::vector<png_bytep>& rows) {
+  png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &r, png_fail, png_quiet);
+  png_infop info = png ? png_create_info_struct(png) : nullptr;
+  if (!png || !info) {
+    std::snprintf(r.message, sizeof r.message, "out of memory");
+    png_destroy_read_struct(&png, &info, nullptr);
+    return false;
   }
-  const int width = int(image.width), height = int(image.height);
-  image.format = PNG_FORMAT_RGBA;
-  std::vector<uint8_t> rgba(PNG_IMAGE_SIZE(image));
-  if (!png_image_finish_read(&image, nullptr, rgba.data(), 0, nullptr))
-    throw Error(fmt::format("{}: corrupt PNG image: {}", name, image.message));
-  RgbImage out;
-  out.width = width;
-  out.height = height;
+  if (setjmp(png_jmpbuf(png))) {
+    png_destroy_read_struct(&png, &info, nullptr);
+    return false;
+  }
+  png_set_read_fn(png, &r, png_source);
+  png_read_info(png, info);
+  const png_uint_32 width = png_get_image_width(png, info);
+  const png_uint_32 height = png_get_image_height(png, info);
+  if (!plausible_size(width, height)) {
+    char message[120];  // an array: no destructor for the jump to skip
+    std::snprintf(message, sizeof message, "%ux%u pixels, more than the %lld an image may have",
+                  width, height, (long long)kMaxPixels);
+    png_error(png, message);
+  }
+  png_set_expand(png);  // palette to RGB, gray below 8 bits to 8, tRNS to alpha
+  png_set_strip_16(png);
+  png_set_gray_to_rgb(png);
+  png_set_strip_alpha(png);
+  png_set_interlace_handling(png);
+  png_read_update_info(png, info);
+  if (png_get_rowbytes(png, info) != size_t(width) * 3)
+    png_error(png, "not convertible to 8-bit RGB");
+  out.width = int(width);
+  out.height = int(height);
   out.pixels.resize(size_t(width) * size_t(height) * 3);
-  for (size_t i = 0, n = size_t(width) * size_t(height); i < n; ++i)
-    std::memcpy(&out.pixels[3 * i], &rgba[4 * i], 3);
-  return out;
+  rows.resize(height);
+  for (png_uint_32 y = 0; y < height; ++y) rows[y] = &out.pixels[size_t(y) * size_t(width) * 3];
+  png_read_image(png, rows.data());
+  png_read_end(png, nullptr);
+  png_destroy_read_struct(&png, &info, nullptr);
+  return true;
 }
 
 }  // namespace
 
 RgbImage decode_image(const std::vector<uint8_t>& bytes, const std::string& name) {
   static const uint8_t kPng[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
-  if (bytes.size() >= 8 && std::memcmp(bytes.data(), kPng, 8) == 0) return decode_png(bytes, name);
+  if (bytes.size() >= 8 && std::memcmp(bytes.data(), kPng, 8) == 0) {
+    RgbImage out;
+    std::vector<png_bytep> rows;
+    PngRead r{&bytes};
+    if (!decode_png(r, out, rows))
+      throw Error(fmt::format("{}: corrupt PNG image: {}", name, r.message));
+    return out;
+  }
   REPLICA_CHECK(bytes.size() >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF,
                 "{}: not a JPEG or PNG image ({} bytes{})", name, bytes.size(),
                 bytes.empty() ? ", empty" : "");

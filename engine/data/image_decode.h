@@ -1,8 +1,9 @@
 // Image files as 8-bit RGB pixels: what an image-folder dataset reads (image_folder.h). The
 // format is told by the file's first bytes, not its name (ImageNet holds a PNG named .JPEG):
 // JPEG through libjpeg-turbo (grayscale, YCbCr, CMYK and YCCK all become RGB, as PIL's
-// convert("RGB") makes them) and PNG through libpng (palette, gray, 16-bit and alpha: RGB,
-// alpha dropped).
+// convert("RGB") makes them; CMYK taken as Adobe's inverted inks, as PIL takes it) and PNG
+// through libpng (palette, gray and alpha become RGB with alpha dropped, no gamma applied, as
+// PIL does; a 16-bit sample keeps its high byte, where PIL clips 16-bit gray instead).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -16,8 +17,8 @@ struct RgbImage {
 };
 
 // Decodes the file at `path`. Errors (replica::Error) name the file and say what is wrong: not
-// readable, neither JPEG nor PNG, truncated or corrupt data, more than 89,478,485 pixels (PIL's
-// decompression-bomb limit: a few bytes can declare gigabytes of image).
+// readable, neither JPEG nor PNG, truncated or corrupt data, more than 178,956,970 pixels
+// (PIL's decompression-bomb limit: a few bytes can declare gigabytes of image).
 RgbImage decode_image(const std::string& path);
 
 // The same from bytes in memory; `name` is what errors call them.

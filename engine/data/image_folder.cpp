@@ -35,8 +35,10 @@ std::vector<std::string> class_names(const fs::path& split) {
   REPLICA_USAGE_CHECK(fs::is_directory(split, ec), "{}: no such directory (an image folder has "
                       "train/ and val/, a directory per class in each)", split.string());
   std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(split, ec))
-    if (e.is_directory(ec)) names.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(split, ec)) {
+    std::error_code kind;
+    if (e.is_directory(kind)) names.push_back(e.path().filename().string());
+  }
   REPLICA_USAGE_CHECK(!ec, "{}: cannot list: {}", split.string(), ec.message());
   REPLICA_USAGE_CHECK(!names.empty(), "{}: no class directories in it (an image folder has a "
                       "directory per class, its images inside)", split.string());
@@ -44,18 +46,25 @@ std::vector<std::string> class_names(const fs::path& split) {
   return names;
 }
 
-// The images of one class, sorted by path (ImageFolder walks sub-directories too).
+// The images of one class in ImageFolder's order: `sorted(os.walk(dir))` visits directories
+// in the order of their path strings (a directory's own files before its sub-directories'),
+// each one's files sorted by name.
 std::vector<std::string> class_images(const fs::path& dir) {
-  std::vector<std::string> files;
+  std::vector<std::pair<std::string, std::string>> found;  // (directory, file name)
   std::error_code ec;
   const auto opts = fs::directory_options::follow_directory_symlink;
   for (auto it = fs::recursive_directory_iterator(dir, opts, ec);
-       !ec && it != fs::recursive_directory_iterator(); it.increment(ec))
-    if (!it->is_directory(ec) && is_image_name(it->path())) files.push_back(it->path().string());
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    std::error_code kind;  // a dangling link is skipped, not an error of the walk
+    if (!it->is_directory(kind) && is_image_name(it->path()))
+      found.emplace_back(it->path().parent_path().string(), it->path().filename().string());
+  }
   REPLICA_USAGE_CHECK(!ec, "{}: cannot list: {}", dir.string(), ec.message());
-  REPLICA_USAGE_CHECK(!files.empty(), "{}: no images in it (.jpg, .jpeg or .png files)",
+  REPLICA_USAGE_CHECK(!found.empty(), "{}: no images in it (.jpg, .jpeg or .png files)",
                       dir.string());
-  std::sort(files.begin(), files.end());
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> files;
+  for (const auto& [d, f] : found) files.push_back((fs::path(d) / f).string());
   return files;
 }
 

@@ -46,9 +46,10 @@ bool TrainLoop::keep_if_best(int64_t epoch) {
   if (totals_.test_accuracy <= pos_.best_accuracy) return false;
   pos_.best_accuracy = totals_.test_accuracy;
   pos_.best_epoch = epoch;
-  if (c_.save_best.empty() || !report_->lead()) return false;
-  TraceSpan span("host", "checkpoint");
-  save_model_weights(c_.save_best, *engine_);
+  if (!c_.save_best.empty() && report_->lead()) {
+    TraceSpan span("host", "checkpoint");
+    save_model_weights(c_.save_best, *engine_);
+  }
   return true;
 }
 

@@ -122,7 +122,8 @@ void TrainLoop::agree_on_settings() {
   for (const char* key : {"model", "input_shape", "num_classes", "synthetic", "synthetic_size",
                           "epochs", "max_steps", "batch_size", "batch_per_device", "optimizer",
                           "lr", "lr_schedule", "momentum", "weight_decay", "nesterov", "seed",
-                          "deterministic", "precision", "accumulate", "bucket_cap_mb"}) {
+                          "deterministic", "precision", "accumulate", "bucket_cap_mb",
+                          "augment"}) {
     std::string flag = std::string("--") + key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     items.push_back({flag, int64_t(text_hash(settings.at(key).dump())), false, hint});
@@ -164,8 +165,12 @@ nlohmann::json TrainLoop::run() {
     evaluate();
     report_->say(fmt::format("test accuracy {:.4f}{}  test loss {:.4f}", totals_.test_accuracy,
                              report_->top5_note(totals_.test_top5), totals_.test_loss));
-    if (keep_if_best(pos_.batch_in_epoch > 0 ? pos_.epoch + 1 : pos_.epoch))
-      report_->say_best_saved(pos_.best_accuracy, pos_.best_epoch);
+    if (keep_if_best(pos_.batch_in_epoch > 0 ? pos_.epoch + 1 : pos_.epoch)) {
+      if (!c_.save_best.empty()) report_->say_best_saved(pos_.best_accuracy, pos_.best_epoch);
+      if (!c_.checkpoint_dir.empty() && report_->lead())  // the new best, for the next resume
+        save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed,
+                                 c_.batch_size);
+    }
   }
   totals_.steps = pos_.global_step;
   totals_.best_accuracy = pos_.best_accuracy;
@@ -205,7 +210,7 @@ void TrainLoop::run_epoch(int64_t epoch) {
     if (report_->shows_top5()) e["test_top5_accuracy"] = totals_.test_top5;
   }
   // The best model first: the checkpoint's best is then a file already written.
-  const bool best_saved = evaluated && keep_if_best(epoch + 1);
+  const bool best = evaluated && keep_if_best(epoch + 1);
   if (!c_.checkpoint_dir.empty() && report_->lead()) {
     TraceSpan span("host", "checkpoint");
     save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed, c_.batch_size);
@@ -213,7 +218,7 @@ void TrainLoop::run_epoch(int64_t epoch) {
   report_->epoch_done(e, complete                ? "done"
                          : totals_.stop_signal ? "interrupted"
                                                : "ended (--max-steps)");
-  if (best_saved) report_->say_best_saved(pos_.best_accuracy, pos_.best_epoch);
+  if (best && !c_.save_best.empty()) report_->say_best_saved(pos_.best_accuracy, pos_.best_epoch);
 }
 
 int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start, Mark& steady) {

@@ -47,7 +47,7 @@ class TrainLoop {
                                const Mark& steady) const;
   void log_step(int64_t epoch, int64_t batch, bool last_step);
   // Evaluation (evaluation.cpp): the test set's loss and accuracy into totals_; then whether the
-  // epoch (1-based) is the best so far and --save-best wrote its weights.
+  // epoch (1-based) is the best so far (pos_ then holds it, and --save-best's file its weights).
   void evaluate();
   bool keep_if_best(int64_t epoch);
 
