@@ -4,7 +4,8 @@
 //   DIR/val/<class>/<image>       the test split (the same class names, or some of them)
 //
 // A class is a sub-directory; classes sorted by name are labels 0, 1, ...; images are the files
-// below it (sub-directories included) named .jpg, .jpeg or .png in any case, sorted by path.
+// below it (sub-directories included) named .jpg, .jpeg or .png in any case, in ImageFolder's
+// order (sorted(os.walk): directories by path, each one's files by name).
 // Each read decodes the file (image_decode.h) and transforms it (image_transform.h): training
 // samples with random crops and flips when augmenting, test samples centre-cropped.
 #pragma once
