@@ -126,7 +126,8 @@ void declare_training(CLI::App& app, TrainConfig& c, TypedFlags& t) {
   app.add_option("--optimizer", opt.name, "sgd | adam")->capture_default_str();
   app.add_option("--lr", opt.lr, "learning rate")->capture_default_str();
   app.add_option("--lr-schedule", c.lr_schedule,
-                 "constant | cosine (decays to 0 over the run's steps)")
+                 "constant | cosine (decays to 0 over the run's steps) | step:N[:GAMMA] (times "
+                 "GAMMA, default 0.1, every N epochs: PyTorch's StepLR)")
       ->capture_default_str();
   app.add_option("--momentum", opt.momentum, "SGD momentum")->capture_default_str();
   app.add_option("--weight-decay", opt.weight_decay, "L2 weight decay")->capture_default_str();
@@ -226,6 +227,11 @@ void resolve_flags(const CLI::App& app, TrainConfig& c, const TypedFlags& t) {
   c.augment = !t.no_augment;
   if (!c.synthetic) {
     namespace fs = std::filesystem;
+    REPLICA_USAGE_CHECK(!c.data_dir.empty(),
+                        "give --data DIR{}", t.preset == "imagenet"
+                                                 ? ": --preset imagenet reads an image folder "
+                                                   "(DIR/train/<class>/, DIR/val/<class>/)"
+                                                 : "");
     REPLICA_USAGE_CHECK(!fs::exists(c.data_dir) || fs::is_directory(c.data_dir),
                         "--data '{}' is a file: give the directory that holds the MNIST-format "
                         "files (train-images-idx3-ubyte[.gz], ...) or an image folder's train/ "

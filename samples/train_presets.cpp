@@ -18,6 +18,10 @@ const std::vector<Preset>& presets() {
       {"resnet18-synthetic",
        "resnet18 on 10000 random 3x224x224 images, 9 classes, --mode ddp, "
        "--batch-per-device 2, SGD lr 0.001 momentum 0.9"},
+      {"imagenet",
+       "PyTorch's ImageNet example: resnet18 on the image folder --data DIR (give it), --mode "
+       "ddp, batch 256, SGD lr 0.1 momentum 0.9 weight decay 1e-4, --lr-schedule step:30, 90 "
+       "epochs, --checkpoint checkpoint, --save-best model_best.safetensors"},
   };
   return list;
 }
@@ -49,6 +53,20 @@ void apply_preset(const std::string& name, TrainConfig& c) {
     opt.name = "sgd";
     opt.lr = 1e-3f;
     opt.momentum = 0.9f;
+  } else if (name == "imagenet") {
+    c.engine.model = "resnet18";
+    c.mode = "ddp";
+    c.data_dir.clear();  // an image folder of the user's: --data must say where
+    c.batch_size = 256;
+    opt.name = "sgd";
+    opt.lr = 0.1f;
+    opt.momentum = 0.9f;
+    opt.weight_decay = 1e-4f;
+    c.lr_schedule = "step:30";
+    c.epochs = 90;
+    c.log_every = 10;
+    c.checkpoint_dir = "checkpoint";
+    c.save_best = "model_best.safetensors";
   } else {
     std::string known;
     for (const auto& p : presets()) known += (known.empty() ? "" : ", ") + p.name;

@@ -291,6 +291,24 @@ TEST_CASE("a short run writes metrics with the documented fields") {
   CHECK(trace["traceEvents"].size() > 16 * 3);
 }
 
+TEST_CASE("--lr-schedule step:N:GAMMA decays by epochs, as StepLR; each epoch records its lr") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 96, 32);  // 3 steps an epoch at batch 32
+  auto r = run(kTrain + " --data " + tmp.str("data") + " --batch-size 32 --epochs 5 --quiet" +
+               " --no-eval --threads-per-device 1 --lr 0.01 --lr-schedule step:2:0.5" +
+               " --metrics-json " + tmp.str("m.json"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  std::ifstream in(tmp.str("m.json"));
+  const auto m = nlohmann::json::parse(in);
+  const double want[5] = {0.01, 0.01, 0.005, 0.005, 0.0025};
+  for (int e = 0; e < 5; ++e) {
+    CAPTURE(e);
+    CHECK(m["epoch_summaries"][size_t(e)]["lr"].get<double>() == doctest::Approx(want[e]));
+  }
+  expect_clean_error("--data " + tmp.str("data") + " --lr-schedule step:0",
+                     "--lr-schedule 'step:0': step:N[:GAMMA] needs N");
+}
+
 TEST_CASE("--precision: CPU devices compute in fp32 or bf16, and the run says which it used") {
   const std::vector<Device> cpus = parse_devices("cpu*2");
   CHECK(resolve_precision("auto", cpus) == Precision::Fp32);

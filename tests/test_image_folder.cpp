@@ -513,6 +513,28 @@ TEST_CASE("replica-train on an image folder: DP and DDP, flags that do not apply
                            tmp.str("set/val") + ": no such directory");
 }
 
+TEST_CASE("--preset imagenet trains on an image folder: DDP, StepLR, checkpoint and best model") {
+  test::TempDir tmp;
+  write_folder(tmp.path / "set");
+  auto r = test::run(test::bin("replica-train") + " --preset imagenet --data " + tmp.str("set") +
+                         " --input-shape 3x32x32 --batch-size 4 --drop-last --epochs 2" +
+                         " --devices cpu*2 --threads-per-device 1 --checkpoint " + tmp.str("ck") +
+                         " --save-best " + tmp.str("best.safetensors") + " --metrics-json " +
+                         tmp.str("m.json"),
+                     300);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("on 2 ranks (ddp mode") != std::string::npos);
+  CHECK(test::fs::exists(tmp.path / "ck/checkpoint.safetensors"));
+  CHECK(test::fs::exists(tmp.path / "best.safetensors"));
+  std::ifstream in(tmp.str("m.json"));
+  const auto m = nlohmann::json::parse(in);
+  CHECK(m["config"]["lr_schedule"] == "step:30");
+  CHECK(m["epoch_summaries"][1]["lr"] == doctest::Approx(0.1));
+  CHECK(m["config"]["weight_decay"] == 0.0001);
+  CHECK(m["best_epoch"].get<int>() >= 1);
+}
+
 TEST_CASE("replica-bench --suite loader --data: an image folder's decoding rate") {
   test::TempDir tmp;
   write_folder(tmp.path / "set");

@@ -284,4 +284,16 @@ TEST_CASE("learning-rate schedules") {
   CHECK(replica::scheduled_lr("cosine", 0.1f, 250, 1000) ==
         doctest::Approx(0.1 * 0.5 * (1 + std::cos(3.141592653589793 / 4))));
   CHECK_THROWS_AS(replica::scheduled_lr("linear", 0.1f, 0, 10), replica::UsageError);
+  // StepLR by epochs of 10 steps: x0.5 after every 2 epochs; GAMMA defaults to 0.1.
+  for (const auto& [step, want] : std::vector<std::pair<int64_t, double>>{
+           {0, 1.0}, {19, 1.0}, {20, 0.5}, {39, 0.5}, {40, 0.25}, {65, 0.125}})
+    CHECK(replica::scheduled_lr("step:2:0.5", 1.f, step, 1000, 10) == doctest::Approx(want));
+  CHECK(replica::scheduled_lr("step:30", 0.1f, 29 * 5, 1000, 5) == doctest::Approx(0.1));
+  CHECK(replica::scheduled_lr("step:30", 0.1f, 30 * 5, 1000, 5) == doctest::Approx(0.01));
+  CHECK(replica::scheduled_lr("step:30", 0.1f, 60 * 5, 1000, 5) == doctest::Approx(0.001));
+  for (const char* bad : {"step:", "step:0", "step:x", "step:3:", "step:3:0", "step:3:1.5",
+                          "step:3:0.1:2", "step:-2"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(replica::scheduled_lr(bad, 0.1f, 0, 10, 1), replica::UsageError);
+  }
 }

@@ -57,6 +57,24 @@ TEST_CASE("presets set their recipe; flags given with them override it") {
   CHECK(syn["num_classes"] == 9);
   CHECK(syn["batch_per_device"] == 2);
 
+  // PyTorch's ImageNet example; its data are the user's image folder.
+  auto imagenet = config_of(std::string("--preset imagenet --data ") + kFashion);
+  CHECK(imagenet["model"] == "resnet18");
+  CHECK(imagenet["mode"] == "ddp");
+  CHECK(imagenet["batch_size"] == 256);
+  CHECK(imagenet["optimizer"] == "sgd");
+  CHECK(imagenet["lr"] == 0.1);
+  CHECK(imagenet["momentum"] == 0.9);
+  CHECK(imagenet["weight_decay"] == 0.0001);
+  CHECK(imagenet["lr_schedule"] == "step:30");
+  CHECK(imagenet["epochs"] == 90);
+  CHECK(imagenet["checkpoint"] == "checkpoint");
+  CHECK(imagenet["save_best"] == "model_best.safetensors");
+  auto no_data = run(kTrain + " --preset imagenet", 30);
+  CHECK(no_data.exit_code == 2);
+  CHECK(no_data.output.find("give --data DIR: --preset imagenet reads an image folder") !=
+        std::string::npos);
+
   // Overrides, before or after the preset.
   auto o = config_of("--epochs 1 --preset seed --lr 0.01 --mode dp --batch-size 64");
   CHECK(o["epochs"] == 1);
@@ -70,8 +88,8 @@ TEST_CASE("presets set their recipe; flags given with them override it") {
 
   auto bad = run(kTrain + " --preset nope", 30);
   CHECK(bad.exit_code == 2);
-  CHECK(bad.output.find("unknown --preset 'nope' (known: seed, cnn-sgd, resnet18-synthetic)") !=
-        std::string::npos);
+  CHECK(bad.output.find("unknown --preset 'nope' (known: seed, cnn-sgd, resnet18-synthetic, "
+                        "imagenet)") != std::string::npos);
   auto both = run(kTrain + " --batch-size 8 --batch-per-device 4", 30);
   CHECK(both.exit_code == 2);
   CHECK(both.output.find("not both") != std::string::npos);

@@ -239,7 +239,8 @@ int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start
       break;
     }
     engine_->optimizer().set_lr(
-        scheduled_lr(c_.lr_schedule, c_.engine.optimizer.lr, pos_.global_step, planned_steps_));
+        scheduled_lr(c_.lr_schedule, c_.engine.optimizer.lr, pos_.global_step, planned_steps_,
+                     per_epoch_));
     std::shared_ptr<Batch> batch = upcoming ? std::move(upcoming) : next_batch();
     if (!batch) break;
     if (look_ahead_ && b + 1 < per_epoch_ &&
@@ -289,6 +290,7 @@ nlohmann::json TrainLoop::epoch_summary(int64_t epoch, bool complete, const Mark
       {"complete", complete},
       {"steps", end.steps - start.steps},
       {"train_loss", totals_.final_loss},
+      {"lr", engine_->optimizer().lr()},  // the epoch's last step's (--lr-schedule)
       {"samples", end.samples - start.samples},
       {"seconds", (end.t_us - start.t_us) / 1e6},
       {"samples_per_sec", double(end.samples - steady.samples) / std::max(steady_seconds, 1e-9)},
