@@ -1,15 +1,18 @@
 // Image folders (ImageNet's layout): classes, labels shared with val, ImageFolder's file order,
 // augmentation draws, what is missing named before training, and the programs on a folder:
-// replica-train (DP, DDP, --preset imagenet) and replica-bench --suite loader --data.
+// replica-train (DP, DDP, --preset imagenet), replica-bench --suite loader --data and
+// replica-data.
 #include <doctest/doctest.h>
 
 #include "cli_helpers.h"
 #include "image_files.h"
 
+#include <algorithm>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
 
+#include "engine/checkpoint.h"
 #include "engine/data/image_folder.h"
 #include "engine/data/resident_dataset.h"
 #include "engine/error.h"
@@ -202,4 +205,49 @@ TEST_CASE("replica-bench --suite loader --data: an image folder's decoding rate"
                            "--data is read by --suite loader");
   test::expect_clean_error("replica-bench", "--suite loader --data " + tmp.str("set/train"),
                            "not an image folder");
+}
+
+TEST_CASE("replica-data writes the samples the training reads, as safetensors") {
+  test::TempDir tmp;
+  write_folder(tmp.path / "set");
+  const std::string dir = tmp.str("set");
+  auto r = test::run(test::bin("replica-data") + " --data " + dir + " --split test" +
+                     " --input-shape 3x16x16 --out " + tmp.str("val.safetensors"));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output == "2 samples of set val: 2 x 3x16x16, 3 classes, centre crops (from 0, epoch "
+                    "0) written to " + tmp.str("val.safetensors") + "\n");
+  const Checkpoint c = load_checkpoint(tmp.str("val.safetensors"));
+  CHECK(c.metadata.at("format") == "replica-samples-v1");
+  const Tensor* images = c.find("images");
+  const Tensor* labels = c.find("labels");
+  REQUIRE(images != nullptr);
+  REQUIRE(labels != nullptr);
+  CHECK(images->shape() == Shape{2, 3, 16, 16});
+  ImageFolderOptions o;
+  o.sample_shape = {3, 16, 16};
+  auto val = open_image_folder(dir, false, o);
+  std::vector<float> want(2 * 3 * 16 * 16);
+  std::vector<int32_t> want_labels(2);
+  const int64_t both[2] = {0, 1};
+  val->read(both, 2, want.data(), want_labels.data());
+  CHECK(std::vector<float>(images->f32(), images->f32() + images->numel()) == want);
+  CHECK(std::vector<int32_t>(labels->i32(), labels->i32() + 2) == want_labels);
+  // An epoch's random crops: another epoch, other crops.
+  const std::string train = test::bin("replica-data") + " --data " + dir +
+                            " --input-shape 3x16x16 --count 5 --out ";
+  REQUIRE(test::run(train + tmp.str("e0") + " --epoch 0").exit_code == 0);
+  REQUIRE(test::run(train + tmp.str("e1") + " --epoch 1").exit_code == 0);
+  const Checkpoint e0 = load_checkpoint(tmp.str("e0")), e1 = load_checkpoint(tmp.str("e1"));
+  CHECK(e0.find("images")->shape() == Shape{5, 3, 16, 16});
+  CHECK_FALSE(std::equal(e0.find("images")->f32(), e0.find("images")->f32() + 5 * 768,
+                         e1.find("images")->f32()));
+  test::expect_clean_error("replica-data", "--data " + dir + " --split val --out x",
+                           "unknown --split 'val' (train, test)");
+  test::expect_clean_error("replica-data", "--data " + dir + " --first 5 --out x",
+                           "--first 5: the train split has 5 samples");
+  test::write_mnist_dir(tmp.path / "mnist", 16, 8);
+  test::expect_clean_error("replica-data",
+                           "--data " + tmp.str("mnist") + " --no-augment --out " + tmp.str("y"),
+                           "--input-shape and --no-augment apply to image folders");
 }

@@ -230,6 +230,19 @@ class DocTest(unittest.TestCase):
         self.assertIn("changed shape", out)
 
 
+class CompareTransforms(unittest.TestCase):
+    def test_without_torchvision_it_says_what_it_needs(self):
+        try:
+            import torch, torchvision, PIL  # noqa: F401
+            self.skipTest("torch, torchvision and PIL are here: the comparison itself can run")
+        except ImportError:
+            pass
+        r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "compare_transforms.py"),
+                            "--bin", "/nonexistent"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 77)
+        self.assertIn("compare_transforms: needs torch, torchvision and PIL", r.stderr)
+
+
 class Cli(unittest.TestCase):
     def test_rounds_below_one_is_refused(self):
         p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "replica_vs_pytorch.py"),

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "engine/data/image_folder.h"
+#include "engine/data/data_dir.h"
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "parallel/comm/rank_agreement.h"
@@ -21,27 +21,14 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
     train_ = make_synthetic(c_.synthetic_size, in, classes, c_.engine.seed);
     test_ = make_synthetic(std::max<int64_t>(c_.synthetic_size / 10, 1), in, classes,
                            c_.engine.seed + 0x7E57ull);
-  } else if (is_image_folder(c_.data_dir)) {
-    check_image_folder(c_.data_dir, c_.evaluate);  // --no-eval needs no val/
-    const ImageFolderOptions o{c_.engine.input_shape, c_.augment, c_.engine.seed};
-    train_ = open_image_folder(c_.data_dir, true, o);
-    if (c_.evaluate) test_ = open_image_folder(c_.data_dir, false, o);
-    c_.engine.num_classes = train_->num_classes();  // a class per directory
   } else {
-    check_mnist_dir(c_.data_dir, c_.evaluate);  // --no-eval needs no test files
-    train_ = open_mnist(c_.data_dir, true);
+    DataSplits d = open_data_dir(c_.data_dir, c_.evaluate,  // --no-eval needs no test files
+                                 {c_.engine.input_shape, c_.augment, c_.engine.seed});
+    train_ = std::move(d.train);
+    test_ = std::move(d.test);
     c_.engine.input_shape = train_->sample_shape();  // the model fits the data
-    if (c_.evaluate) {
-      test_ = open_mnist(c_.data_dir, false);
-      REPLICA_USAGE_CHECK(test_->sample_shape() == train_->sample_shape(),
-                          "{}: train images are {}, test images {}", c_.data_dir,
-                          shape_str(train_->sample_shape()), shape_str(test_->sample_shape()));
-      // A test label the model has no output for would make the test loss NaN, hours in.
-      REPLICA_USAGE_CHECK(test_->num_classes() <= train_->num_classes(),
-                          "{}: the test labels go up to {}, the training labels to {}: a test "
-                          "class the model never trains on",
-                          c_.data_dir, test_->num_classes() - 1, train_->num_classes() - 1);
-    }
+    // A class per directory; MNIST-format labels up to 9 still make a 10-class model.
+    if (d.image_folder) c_.engine.num_classes = train_->num_classes();
   }
   c_.engine.num_classes = std::max<int64_t>(c_.engine.num_classes, train_->num_classes());
   std::string device_spec;
