@@ -105,7 +105,7 @@ std::pair<int64_t, double> step_schedule(const std::string& schedule) {
 }  // namespace
 
 float scheduled_lr(const std::string& schedule, float lr0, int64_t step, int64_t total,
-                   int64_t steps_per_epoch) {
+                   int64_t epoch) {
   if (schedule == "constant") return lr0;
   if (schedule == "cosine") {
     const double t = total > 0 ? std::min(1.0, double(step) / double(total)) : 0.0;
@@ -113,8 +113,7 @@ float scheduled_lr(const std::string& schedule, float lr0, int64_t step, int64_t
   }
   if (schedule.rfind("step:", 0) == 0) {
     const auto [every, gamma] = step_schedule(schedule);
-    const int64_t epoch = step / std::max<int64_t>(1, steps_per_epoch);
-    return float(lr0 * std::pow(gamma, double(epoch / every)));
+    return float(lr0 * std::pow(gamma, double(std::max<int64_t>(epoch, 0) / every)));
   }
   throw UsageError(fmt::format("unknown --lr-schedule '{}' (constant, cosine, step:N[:GAMMA])",
                                schedule));

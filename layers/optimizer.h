@@ -91,15 +91,14 @@ struct OptimizerOptions {
   float momentum = 0.f, weight_decay = 0.f;
   bool nesterov = false;
 };
-// The learning rate at optimizer step `step` (0-based) of `total`, epochs being
-// `steps_per_epoch` steps:
+// The learning rate at optimizer step `step` (0-based) of `total`, in epoch `epoch` (0-based):
 //   "constant"
 //   "cosine"          lr0 * (1 + cos(pi * step / total)) / 2, from lr0 towards 0 at the end
 //   "step:N[:GAMMA]"  PyTorch's StepLR(step_size=N, gamma=GAMMA, default 0.1): lr0 *
-//                     GAMMA^(epoch // N), the epoch being step // steps_per_epoch
+//                     GAMMA^(epoch // N)
 // UsageError for another name, N < 1 or GAMMA outside (0, 1].
 float scheduled_lr(const std::string& schedule, float lr0, int64_t step, int64_t total,
-                   int64_t steps_per_epoch = 1);
+                   int64_t epoch = 0);
 
 // Validates (UsageError): unknown name, lr <= 0 or not finite, momentum outside [0, 1),
 // negative weight decay, nesterov without momentum.

@@ -20,8 +20,9 @@ const std::vector<Preset>& presets() {
        "--batch-per-device 2, SGD lr 0.001 momentum 0.9"},
       {"imagenet",
        "PyTorch's ImageNet example: resnet18 on the image folder --data DIR (give it), --mode "
-       "ddp, batch 256, SGD lr 0.1 momentum 0.9 weight decay 1e-4, --lr-schedule step:30, 90 "
-       "epochs, --checkpoint checkpoint, --save-best model_best.safetensors"},
+       "ddp, global batch 256 (main.py's -b 256 is per node), SGD lr 0.1 momentum 0.9 weight "
+       "decay 1e-4, --lr-schedule step:30, 90 epochs, --checkpoint checkpoint, --save-best "
+       "model_best.safetensors"},
   };
   return list;
 }

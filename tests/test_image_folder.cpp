@@ -216,7 +216,7 @@ TEST_CASE("replica-data writes the samples the training reads, as safetensors") 
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   CHECK(r.output == "2 samples of set val: 2 x 3x16x16, 3 classes, centre crops (from 0, epoch "
-                    "0) written to " + tmp.str("val.safetensors") + "\n");
+                    "1) written to " + tmp.str("val.safetensors") + "\n");
   const Checkpoint c = load_checkpoint(tmp.str("val.safetensors"));
   CHECK(c.metadata.at("format") == "replica-samples-v1");
   const Tensor* images = c.find("images");
@@ -236,12 +236,23 @@ TEST_CASE("replica-data writes the samples the training reads, as safetensors") 
   // An epoch's random crops: another epoch, other crops.
   const std::string train = test::bin("replica-data") + " --data " + dir +
                             " --input-shape 3x16x16 --count 5 --out ";
-  REQUIRE(test::run(train + tmp.str("e0") + " --epoch 0").exit_code == 0);
   REQUIRE(test::run(train + tmp.str("e1") + " --epoch 1").exit_code == 0);
-  const Checkpoint e0 = load_checkpoint(tmp.str("e0")), e1 = load_checkpoint(tmp.str("e1"));
-  CHECK(e0.find("images")->shape() == Shape{5, 3, 16, 16});
-  CHECK_FALSE(std::equal(e0.find("images")->f32(), e0.find("images")->f32() + 5 * 768,
-                         e1.find("images")->f32()));
+  REQUIRE(test::run(train + tmp.str("e2") + " --epoch 2").exit_code == 0);
+  const Checkpoint e1 = load_checkpoint(tmp.str("e1")), e2 = load_checkpoint(tmp.str("e2"));
+  CHECK(e1.find("images")->shape() == Shape{5, 3, 16, 16});
+  CHECK_FALSE(std::equal(e1.find("images")->f32(), e1.find("images")->f32() + 5 * 768,
+                         e2.find("images")->f32()));
+  // Epoch 1 is the loader's first: what the training's first epoch reads.
+  ImageFolderOptions crops;
+  crops.sample_shape = {3, 16, 16};
+  auto train_set = open_image_folder(dir, true, crops);
+  std::vector<float> first_epoch(5 * 768);
+  std::vector<int32_t> five(5);
+  const int64_t all[5] = {0, 1, 2, 3, 4};
+  train_set->read(all, 5, first_epoch.data(), five.data(), 0);
+  CHECK(std::equal(first_epoch.begin(), first_epoch.end(), e1.find("images")->f32()));
+  test::expect_clean_error("replica-data", "--data " + dir + " --epoch 0 --out x",
+                           "--epoch counts from 1, got 0");
   test::expect_clean_error("replica-data", "--data " + dir + " --split val --out x",
                            "unknown --split 'val' (train, test)");
   test::expect_clean_error("replica-data", "--data " + dir + " --first 5 --out x",

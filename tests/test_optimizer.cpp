@@ -284,13 +284,14 @@ TEST_CASE("learning-rate schedules") {
   CHECK(replica::scheduled_lr("cosine", 0.1f, 250, 1000) ==
         doctest::Approx(0.1 * 0.5 * (1 + std::cos(3.141592653589793 / 4))));
   CHECK_THROWS_AS(replica::scheduled_lr("linear", 0.1f, 0, 10), replica::UsageError);
-  // StepLR by epochs of 10 steps: x0.5 after every 2 epochs; GAMMA defaults to 0.1.
-  for (const auto& [step, want] : std::vector<std::pair<int64_t, double>>{
-           {0, 1.0}, {19, 1.0}, {20, 0.5}, {39, 0.5}, {40, 0.25}, {65, 0.125}})
-    CHECK(replica::scheduled_lr("step:2:0.5", 1.f, step, 1000, 10) == doctest::Approx(want));
-  CHECK(replica::scheduled_lr("step:30", 0.1f, 29 * 5, 1000, 5) == doctest::Approx(0.1));
-  CHECK(replica::scheduled_lr("step:30", 0.1f, 30 * 5, 1000, 5) == doctest::Approx(0.01));
-  CHECK(replica::scheduled_lr("step:30", 0.1f, 60 * 5, 1000, 5) == doctest::Approx(0.001));
+  // StepLR by epochs: x0.5 after every 2 epochs; GAMMA defaults to 0.1. The step does not
+  // count: an epoch's lr is the same at its first and last step.
+  for (const auto& [epoch, want] : std::vector<std::pair<int64_t, double>>{
+           {0, 1.0}, {1, 1.0}, {2, 0.5}, {3, 0.5}, {4, 0.25}, {6, 0.125}})
+    CHECK(replica::scheduled_lr("step:2:0.5", 1.f, 999, 1000, epoch) == doctest::Approx(want));
+  CHECK(replica::scheduled_lr("step:30", 0.1f, 0, 1000, 29) == doctest::Approx(0.1));
+  CHECK(replica::scheduled_lr("step:30", 0.1f, 0, 1000, 30) == doctest::Approx(0.01));
+  CHECK(replica::scheduled_lr("step:30", 0.1f, 0, 1000, 60) == doctest::Approx(0.001));
   for (const char* bad : {"step:", "step:0", "step:x", "step:3:", "step:3:0", "step:3:1.5",
                           "step:3:0.1:2", "step:-2"}) {
     CAPTURE(bad);

@@ -10,8 +10,9 @@ between its two resampling passes, replica does not, so up to about 1 level is e
 
     python3 tools/compare_transforms.py --bin build/bin [--keep DIR] [--tolerance 1.5]
 
-Exit 0 within the tolerance (and the same labels in the same order), 1 beyond it, 77 where
-torch, torchvision or PIL is missing (the GPU machine's image has them).
+Exit 0 within the tolerance (and the same labels in the same order), 1 beyond it, 2 when
+replica-data fails, 77 where torch, torchvision or PIL is missing (the GPU machine's image has
+them).
 """
 import argparse
 import json
@@ -35,6 +36,17 @@ def make_folder(root, Image):
         img = Image.new("RGB", (w, h))
         img.putdata([((x * 255) // max(1, w - 1), (y * 255) // max(1, h - 1),
                       rng.randrange(256)) for y in range(h) for x in range(w)])
+        if mode == "CMYK":  # black ink as well (PIL's RGB -> CMYK leaves K at 0)
+            c, m, y, _ = img.convert("CMYK").split()
+            k = Image.new("L", (w, h))
+            k.putdata([(x * 200) // max(1, w - 1) for _ in range(h) for x in range(w)])
+            return Image.merge("CMYK", (c, m, y, k))
+        if mode == "RGBA":  # alpha that varies: dropped, not blended
+            img = img.convert("RGBA")
+            a = Image.new("L", (w, h))
+            a.putdata([(y * 255) // max(1, h - 1) for y in range(h) for _ in range(w)])
+            img.putalpha(a)
+            return img
         return img.convert(mode) if mode != "RGB" else img
 
     files = {
@@ -87,9 +99,18 @@ def main():
     try:
         make_folder(root, Image)
         out = os.path.join(root, "replica.safetensors")
-        subprocess.run([os.path.join(a.bin, "replica-data"), "--data", root, "--split", "test",
-                        "--count", "1000", "--out", out], check=True)
+        try:
+            subprocess.run([os.path.join(a.bin, "replica-data"), "--data", root, "--split",
+                            "test", "--count", "1000", "--out", out], check=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"compare_transforms: replica-data failed: {e}", file=sys.stderr)
+            return 2
         mine = read_safetensors(out, torch)
+        if tuple(mine["images"].shape[1:]) != (3, 224, 224) or \
+                not torch.isfinite(mine["images"]).all():
+            print(f"compare_transforms: replica-data wrote {tuple(mine['images'].shape)} images "
+                  "(expected 3x224x224, all finite)")
+            return 1
         tf = transforms.Compose([transforms.Resize(256), transforms.CenterCrop(224),
                                  transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
         theirs = datasets.ImageFolder(os.path.join(root, "val"), transform=tf)
@@ -101,11 +122,12 @@ def main():
         worst, bad = 0.0, 0
         for i, (path, label) in enumerate(theirs.samples):
             image, _ = theirs[i]
-            levels = ((mine["images"][i] - image).abs() * scale).max().item()
+            diff = (mine["images"][i] - image).abs() * scale
+            levels, mean = diff.max().item(), diff.mean().item()
             same_label = int(mine["labels"][i]) == label
             worst = max(worst, levels)
-            bad += levels > a.tolerance or not same_label
-            print(f"{os.path.relpath(path, root):24} {levels:6.2f} levels"
+            bad += not (levels <= a.tolerance) or not same_label  # a NaN is beyond it too
+            print(f"{os.path.relpath(path, root):24} largest {levels:6.2f}  mean {mean:5.2f} levels"
                   f"{'' if same_label else '  LABEL ' + str(int(mine['labels'][i]))}")
         print(f"{len(theirs)} images, largest difference {worst:.2f} pixel levels "
               f"(tolerance {a.tolerance}): {'ok' if not bad else f'{bad} beyond it'}")

@@ -227,7 +227,7 @@ int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start
     }
     engine_->optimizer().set_lr(
         scheduled_lr(c_.lr_schedule, c_.engine.optimizer.lr, pos_.global_step, planned_steps_,
-                     per_epoch_));
+                     epoch));
     std::shared_ptr<Batch> batch = upcoming ? std::move(upcoming) : next_batch();
     if (!batch) break;
     if (look_ahead_ && b + 1 < per_epoch_ &&
