@@ -34,6 +34,9 @@ class Fd {
 
 // Writes all n bytes; `what` names the file in an error.
 void write_all(int fd, const void* data, size_t n, const std::string& what);
+// Reads exactly n bytes at offset; false at end of file.
+bool read_at(int fd, void* data, size_t n, uint64_t offset, const std::string& path);
+
 // std::unique_ptr<std::FILE, FileCloser>: a stdio file closed on every path.
 struct FileCloser {
   void operator()(std::FILE* f) const { std::fclose(f); }
@@ -43,8 +46,6 @@ struct FileCloser {
 // says `expected`: "an IDX file"), Error on a read error. Its size bounds what a parser of it
 // allocates.
 std::vector<uint8_t> read_file_bytes(const std::string& path, const std::string& expected);
-// Reads exactly n bytes at offset; false at end of file.
-bool read_at(int fd, void* data, size_t n, uint64_t offset, const std::string& path);
 
 // Checkpoints are little-endian on disk and copied as raw bytes.
 inline bool little_endian() {

@@ -1,8 +1,8 @@
 #include "layers/optimizer.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <utility>
 
 #include "engine/error.h"
 
@@ -77,46 +77,46 @@ std::vector<std::pair<std::string, Tensor>> Adam::state() {
   return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
 }
 
-namespace {
-
-// "step:N[:GAMMA]" as (N, GAMMA); UsageError naming what is wrong.
-std::pair<int64_t, double> step_schedule(const std::string& schedule) {
-  const std::string spec = schedule.substr(5);
+LrSchedule::LrSchedule(const std::string& text) {
+  if (text == "constant") return;
+  if (text == "cosine") {
+    kind_ = Kind::Cosine;
+    return;
+  }
+  REPLICA_USAGE_CHECK(text.rfind("step:", 0) == 0,
+                      "unknown --lr-schedule '{}' (constant, cosine, step:N[:GAMMA])", text);
+  kind_ = Kind::Step;
+  const std::string spec = text.substr(5);
   const size_t colon = spec.find(':');
   const std::string n_text = spec.substr(0, colon);
   const std::string g_text = colon == std::string::npos ? "0.1" : spec.substr(colon + 1);
-  int64_t n = 0;
-  double gamma = 0;
-  const auto [n_end, n_ec] = std::from_chars(n_text.data(), n_text.data() + n_text.size(), n);
-  const auto [g_end, g_ec] = std::from_chars(g_text.data(), g_text.data() + g_text.size(), gamma);
+  const auto [n_end, n_ec] = std::from_chars(n_text.data(), n_text.data() + n_text.size(), every_);
+  const auto [g_end, g_ec] =
+      std::from_chars(g_text.data(), g_text.data() + g_text.size(), gamma_);
   REPLICA_USAGE_CHECK(!n_text.empty() && n_ec == std::errc() &&
-                          n_end == n_text.data() + n_text.size() && n >= 1,
+                          n_end == n_text.data() + n_text.size() && every_ >= 1,
                       "--lr-schedule '{}': step:N[:GAMMA] needs N, the epochs between decays, a "
                       "whole number of at least 1",
-                      schedule);
+                      text);
   REPLICA_USAGE_CHECK(!g_text.empty() && g_ec == std::errc() &&
-                          g_end == g_text.data() + g_text.size() && gamma > 0 && gamma <= 1,
+                          g_end == g_text.data() + g_text.size() && gamma_ > 0 && gamma_ <= 1,
                       "--lr-schedule '{}': step:N[:GAMMA] needs GAMMA, the factor at each decay, "
                       "in (0, 1]",
-                      schedule);
-  return {n, gamma};
+                      text);
 }
 
-}  // namespace
-
-float scheduled_lr(const std::string& schedule, float lr0, int64_t step, int64_t total,
-                   int64_t epoch) {
-  if (schedule == "constant") return lr0;
-  if (schedule == "cosine") {
-    const double t = total > 0 ? std::min(1.0, double(step) / double(total)) : 0.0;
-    return float(lr0 * 0.5 * (1.0 + std::cos(3.141592653589793 * t)));
+float LrSchedule::at(float lr0, int64_t step, int64_t total, int64_t epoch) const {
+  switch (kind_) {
+    case Kind::Constant:
+      return lr0;
+    case Kind::Cosine: {
+      const double t = total > 0 ? std::min(1.0, double(step) / double(total)) : 0.0;
+      return float(lr0 * 0.5 * (1.0 + std::cos(3.141592653589793 * t)));
+    }
+    case Kind::Step:
+      return float(lr0 * std::pow(gamma_, double(std::max<int64_t>(epoch, 0) / every_)));
   }
-  if (schedule.rfind("step:", 0) == 0) {
-    const auto [every, gamma] = step_schedule(schedule);
-    return float(lr0 * std::pow(gamma, double(std::max<int64_t>(epoch, 0) / every)));
-  }
-  throw UsageError(fmt::format("unknown --lr-schedule '{}' (constant, cosine, step:N[:GAMMA])",
-                               schedule));
+  return lr0;
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& o) {

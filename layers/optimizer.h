@@ -91,14 +91,24 @@ struct OptimizerOptions {
   float momentum = 0.f, weight_decay = 0.f;
   bool nesterov = false;
 };
-// The learning rate at optimizer step `step` (0-based) of `total`, in epoch `epoch` (0-based):
+// A learning-rate schedule, read once from its --lr-schedule text:
 //   "constant"
 //   "cosine"          lr0 * (1 + cos(pi * step / total)) / 2, from lr0 towards 0 at the end
 //   "step:N[:GAMMA]"  PyTorch's StepLR(step_size=N, gamma=GAMMA, default 0.1): lr0 *
 //                     GAMMA^(epoch // N)
-// UsageError for another name, N < 1 or GAMMA outside (0, 1].
-float scheduled_lr(const std::string& schedule, float lr0, int64_t step, int64_t total,
-                   int64_t epoch = 0);
+class LrSchedule {
+ public:
+  // UsageError for another name, N < 1 or GAMMA outside (0, 1].
+  explicit LrSchedule(const std::string& text);
+  // The learning rate at optimizer step `step` (0-based) of `total`, in epoch `epoch` (0-based).
+  float at(float lr0, int64_t step, int64_t total, int64_t epoch = 0) const;
+
+ private:
+  enum class Kind { Constant, Cosine, Step };
+  Kind kind_ = Kind::Constant;
+  int64_t every_ = 1;   // Step: epochs between decays
+  double gamma_ = 0.1;  // Step: the factor at each decay
+};
 
 // Validates (UsageError): unknown name, lr <= 0 or not finite, momentum outside [0, 1),
 // negative weight decay, nesterov without momentum.

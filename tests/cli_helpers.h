@@ -1,5 +1,6 @@
 // Helpers for tests that run the programs: a temp directory, small MNIST-format data sets,
-// running a command to capture its exit code and output, and what a bad invocation must print.
+// running a command to capture its exit code and output, what a bad invocation must print, a
+// JSON file read back, and the message of an error thrown in-process.
 #pragma once
 #include <doctest/doctest.h>
 #include <sys/wait.h>
@@ -12,6 +13,10 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/error.h"
 
 namespace test {
 
@@ -122,6 +127,22 @@ inline int count_lines(const std::string& s) {
   int n = 0;
   for (char c : s) n += c == '\n';
   return n;
+}
+
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+// The message of the replica::Error f() throws, "" if it throws none.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const replica::Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 // A bad invocation of `program` (a program in the build's bin/): exit code 2 (usage) or 1, and

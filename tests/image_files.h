@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 // clang-format off: jpeglib.h needs FILE and size_t declared before it
@@ -100,15 +99,6 @@ inline int max_difference(const RgbImage& a, const RgbImage& b) {
   int d = 0;
   for (size_t i = 0; i < a.pixels.size(); ++i) d = std::max(d, std::abs(a.pixels[i] - b.pixels[i]));
   return d;
-}
-
-inline std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const replica::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace test

@@ -25,11 +25,6 @@ inline const std::string& train_bin() {
   return path;
 }
 
-inline nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
-}
-
 struct Interrupted {
   int exit_code = -1;
   std::string output;

@@ -25,16 +25,8 @@ namespace {
 using test::file_bytes;
 using test::TempDir;
 using test::put_bytes;
+using test::error_of;
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }

@@ -142,7 +142,7 @@ TEST_CASE("cuda graphs: captured steps train as eager ones (CNN SGD, ResNet-18 A
     test::train_side_by_side(
         *eager, *captured, batches, eval,
         [lr](TrainEngine& e, size_t k) {
-          e.optimizer().set_lr(scheduled_lr("cosine", lr, int64_t(k), 8));
+          e.optimizer().set_lr(LrSchedule("cosine").at(lr, int64_t(k), 8));
         },
         [&](size_t) {
           const float le = eager->last_loss(), lc = captured->last_loss();

@@ -14,17 +14,13 @@
 
 #include "engine/checkpoint.h"
 
+using test::read_json;
 using test::run;
 using namespace replica;
 
 namespace {
 
 const std::string kTrain = test::bin("replica-train");
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
-}
 
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;

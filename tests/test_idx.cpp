@@ -24,6 +24,7 @@ namespace {
 using test::file_bytes;
 using test::TempDir;
 using test::put_bytes;
+using test::error_of;
 std::vector<uint8_t> gzip_bytes(const std::vector<uint8_t>& raw) {
   z_stream zs{};
   REQUIRE(deflateInit2(&zs, 6, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) == Z_OK);
@@ -38,16 +39,6 @@ std::vector<uint8_t> gzip_bytes(const std::vector<uint8_t>& raw) {
   return out;
 }
 
-// Error message of f(), "" if it did not throw replica::Error.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 template <class F>
 bool throws_usage(F&& f) {
   try {

@@ -277,24 +277,24 @@ TEST_CASE("load_state rejects missing or mis-sized state") {
 }
 
 TEST_CASE("learning-rate schedules") {
-  CHECK(replica::scheduled_lr("constant", 0.1f, 500, 1000) == doctest::Approx(0.1f));
-  CHECK(replica::scheduled_lr("cosine", 0.1f, 0, 1000) == doctest::Approx(0.1f));
-  CHECK(replica::scheduled_lr("cosine", 0.1f, 500, 1000) == doctest::Approx(0.05f));
-  CHECK(replica::scheduled_lr("cosine", 0.1f, 1000, 1000) == doctest::Approx(0.0f));
-  CHECK(replica::scheduled_lr("cosine", 0.1f, 250, 1000) ==
+  CHECK(replica::LrSchedule("constant").at(0.1f, 500, 1000) == doctest::Approx(0.1f));
+  CHECK(replica::LrSchedule("cosine").at(0.1f, 0, 1000) == doctest::Approx(0.1f));
+  CHECK(replica::LrSchedule("cosine").at(0.1f, 500, 1000) == doctest::Approx(0.05f));
+  CHECK(replica::LrSchedule("cosine").at(0.1f, 1000, 1000) == doctest::Approx(0.0f));
+  CHECK(replica::LrSchedule("cosine").at(0.1f, 250, 1000) ==
         doctest::Approx(0.1 * 0.5 * (1 + std::cos(3.141592653589793 / 4))));
-  CHECK_THROWS_AS(replica::scheduled_lr("linear", 0.1f, 0, 10), replica::UsageError);
+  CHECK_THROWS_AS(replica::LrSchedule("linear"), replica::UsageError);
   // StepLR by epochs: x0.5 after every 2 epochs; GAMMA defaults to 0.1. The step does not
   // count: an epoch's lr is the same at its first and last step.
   for (const auto& [epoch, want] : std::vector<std::pair<int64_t, double>>{
            {0, 1.0}, {1, 1.0}, {2, 0.5}, {3, 0.5}, {4, 0.25}, {6, 0.125}})
-    CHECK(replica::scheduled_lr("step:2:0.5", 1.f, 999, 1000, epoch) == doctest::Approx(want));
-  CHECK(replica::scheduled_lr("step:30", 0.1f, 0, 1000, 29) == doctest::Approx(0.1));
-  CHECK(replica::scheduled_lr("step:30", 0.1f, 0, 1000, 30) == doctest::Approx(0.01));
-  CHECK(replica::scheduled_lr("step:30", 0.1f, 0, 1000, 60) == doctest::Approx(0.001));
+    CHECK(replica::LrSchedule("step:2:0.5").at(1.f, 999, 1000, epoch) == doctest::Approx(want));
+  CHECK(replica::LrSchedule("step:30").at(0.1f, 0, 1000, 29) == doctest::Approx(0.1));
+  CHECK(replica::LrSchedule("step:30").at(0.1f, 0, 1000, 30) == doctest::Approx(0.01));
+  CHECK(replica::LrSchedule("step:30").at(0.1f, 0, 1000, 60) == doctest::Approx(0.001));
   for (const char* bad : {"step:", "step:0", "step:x", "step:3:", "step:3:0", "step:3:1.5",
                           "step:3:0.1:2", "step:-2"}) {
     CAPTURE(bad);
-    CHECK_THROWS_AS(replica::scheduled_lr(bad, 0.1f, 0, 10, 1), replica::UsageError);
+    CHECK_THROWS_AS(replica::LrSchedule{bad}, replica::UsageError);
   }
 }

@@ -143,7 +143,7 @@ TEST_CASE("captured steps train as eager ones: CNN, SGD with momentum, lr set ev
   // An epoch's short last batch between replays: it runs eagerly, the graph goes on after it.
   batches.insert(batches.begin() + 4, test::make_batches({1, 28, 28}, 5, 1, 4)[0]);
   const int64_t replays = check_same_training(o, batches, [](TrainEngine& e, size_t k) {
-    e.optimizer().set_lr(scheduled_lr("cosine", 0.05f, int64_t(k), 8));
+    e.optimizer().set_lr(LrSchedule("cosine").at(0.05f, int64_t(k), 8));
   });
   CHECK(replays == 5);  // steps 3, 4, 6, 7, 8: two eager first, the short batch eager
 }

@@ -11,6 +11,7 @@
 #include "cli_helpers.h"
 #include "engine/checkpoint.h"
 
+using test::read_json;
 using test::run;
 
 namespace {
@@ -23,11 +24,6 @@ nlohmann::json config_of(const std::string& args) {
   INFO(args << "\n" << r.output);
   REQUIRE(r.exit_code == 0);
   return nlohmann::json::parse(r.output);
-}
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
 }
 
 }  // namespace

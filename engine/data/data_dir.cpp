@@ -11,7 +11,6 @@ DataSplits open_data_dir(const std::string& dir, bool with_test,
   DataSplits d;
   d.image_folder = is_image_folder(dir);
   if (d.image_folder) {  // val's classes are mapped onto train's by name
-    check_image_folder(dir, with_test);
     d.train = open_image_folder(dir, true, image);
     if (with_test) d.test = open_image_folder(dir, false, image);
     return d;

@@ -14,10 +14,11 @@ struct DataSplits {
   bool image_folder = false;
 };
 
-// Checks DIR first (every file or directory either split needs, named at once: UsageError),
-// then opens the training split and, `with_test`, the test split. An image folder's samples
-// are `image`'s; MNIST's are its images as stored. A test split whose samples differ in shape,
-// or with labels the training split lacks, is a UsageError (its loss would be NaN hours in).
+// Opens the training split and, `with_test`, the test split, before any training: what either
+// lacks is a UsageError (an MNIST-format directory's missing files all named at once). An
+// image folder's samples are `image`'s; MNIST's are its images as stored. A test split whose
+// samples differ in shape, or with labels the training split lacks, is a UsageError (its loss
+// would be NaN hours in).
 DataSplits open_data_dir(const std::string& dir, bool with_test, const ImageFolderOptions& image);
 
 }  // namespace replica

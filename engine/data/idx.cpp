@@ -1,6 +1,5 @@
 #include "engine/data/idx.h"
 
-#include <sys/stat.h>
 #include <zlib.h>
 
 #include <algorithm>

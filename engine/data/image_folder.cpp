@@ -119,14 +119,6 @@ bool is_image_folder(const std::string& dir) {
   return fs::is_directory(split_dir(dir, true), ec);
 }
 
-void check_image_folder(const std::string& dir, bool with_test) {
-  for (const bool train : {true, false}) {
-    if (!train && !with_test) continue;
-    const fs::path split = split_dir(dir, train);
-    for (const std::string& c : class_names(split)) class_images(split / c);
-  }
-}
-
 std::unique_ptr<Dataset> open_image_folder(const std::string& dir, bool train,
                                            const ImageFolderOptions& options) {
   const Shape& s = options.sample_shape;
@@ -141,10 +133,11 @@ std::unique_ptr<Dataset> open_image_folder(const std::string& dir, bool train,
   std::vector<std::string> files;
   std::vector<int32_t> labels;
   for (const std::string& c : train ? classes : class_names(split)) {
+    std::vector<std::string> images = class_images(split / c);  // an empty class named first
     auto it = label_of.find(c);
     REPLICA_USAGE_CHECK(it != label_of.end(), "{}: class '{}' is not among the {} classes of {}",
                         split.string(), c, classes.size(), split_dir(dir, true).string());
-    for (std::string& f : class_images(split / c)) {
+    for (std::string& f : images) {
       files.push_back(std::move(f));
       labels.push_back(it->second);
     }

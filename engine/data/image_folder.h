@@ -26,13 +26,11 @@ struct ImageFolderOptions {
 // Whether `dir` is laid out as an image folder (it has a train/ directory).
 bool is_image_folder(const std::string& dir);
 
-// Before reading: a UsageError if DIR/train (or, `with_test`, DIR/val) is missing, holds no
-// class directory, or has a class without images (each named).
-void check_image_folder(const std::string& dir, bool with_test);
-
-// The split `train` (DIR/train) or the test split (DIR/val, never augmented). Labels are the
-// training split's class numbers in both: a test class the training split lacks is a
-// UsageError. Files are decoded when read: a corrupt one is an Error naming it then.
+// The split `train` (DIR/train) or the test split (DIR/val, never augmented), its files listed
+// once, here. Labels are the training split's class numbers in both. A UsageError names what is
+// missing: the split's directory, any class directory, a class without images, a test class
+// the training split lacks. Files are decoded when read: a corrupt one is an Error naming it
+// then.
 std::unique_ptr<Dataset> open_image_folder(const std::string& dir, bool train,
                                            const ImageFolderOptions& options);
 

@@ -98,17 +98,17 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
     auto [x, y] = batch_rows(ctx, batch, begin, end, BatchParts::Both);
     Tensor logits = model.forward(ctx, x);
     Tensor loss = criterion.forward(ctx, logits, y);
-    Tensor hits = ctx.alloc({5}, DType::I32);  // top-1 ... top-5
+    Tensor hits = ctx.alloc({EvalSums::kTopK}, DType::I32);
     ctx.ops().fill(ctx, hits, 0.f);
     ctx.ops().count_correct(ctx, logits, y, hits);
     Tensor host_loss = Tensor::empty(host_allocator(), {1});
-    Tensor host_hits = Tensor::empty(host_allocator(), {5}, DType::I32);
+    Tensor host_hits = Tensor::empty(host_allocator(), {EvalSums::kTopK}, DType::I32);
     ctx.ops().copy(ctx, host_loss, loss);
     ctx.ops().copy(ctx, host_hits, hits);
     ctx.synchronize();
     sums.loss_sum += double(host_loss.f32()[0]) * double(end - begin);
     sums.top1 += host_hits.i32()[0];
-    sums.top5 += host_hits.i32()[4];
+    sums.top5 += host_hits.i32()[EvalSums::kTopK - 1];
   });
 }
 

@@ -45,6 +45,7 @@ class CapturedStep;  // parallel/engines/captured_step.h
 // logit (top-1) or among the five largest (top-5; every sample with 5 classes or fewer), as
 // PyTorch's ImageNet example counts Acc@1 and Acc@5.
 struct EvalSums {
+  static constexpr int kTopK = 5;  // the counts a batch's evaluation reads back: top-1 ... top-5
   double loss_sum = 0;
   int64_t top1 = 0, top5 = 0;
   EvalSums& operator+=(const EvalSums& o) {

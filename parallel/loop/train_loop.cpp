@@ -14,7 +14,7 @@
 
 namespace replica {
 
-TrainLoop::TrainLoop(const TrainConfig& config) : c_(config) {
+TrainLoop::TrainLoop(const TrainConfig& config) : c_(config), lr_schedule_(c_.lr_schedule) {
   if (c_.synthetic) {
     const auto& in = c_.engine.input_shape;
     const int classes = int(c_.engine.num_classes);
@@ -154,9 +154,7 @@ nlohmann::json TrainLoop::run() {
                              report_->top5_note(totals_.test_top5), totals_.test_loss));
     if (keep_if_best(pos_.batch_in_epoch > 0 ? pos_.epoch + 1 : pos_.epoch)) {
       if (!c_.save_best.empty()) report_->say_best_saved(pos_.best_accuracy, pos_.best_epoch);
-      if (!c_.checkpoint_dir.empty() && report_->lead())  // the new best, for the next resume
-        save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed,
-                                 c_.batch_size);
+      write_checkpoint();  // the new best, for the next resume
     }
   }
   totals_.steps = pos_.global_step;
@@ -198,14 +196,18 @@ void TrainLoop::run_epoch(int64_t epoch) {
   }
   // The best model first: the checkpoint's best is then a file already written.
   const bool best = evaluated && keep_if_best(epoch + 1);
-  if (!c_.checkpoint_dir.empty() && report_->lead()) {
-    TraceSpan span("host", "checkpoint");
-    save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed, c_.batch_size);
-  }
+  write_checkpoint();
   report_->epoch_done(e, complete                ? "done"
                          : totals_.stop_signal ? "interrupted"
                                                : "ended (--max-steps)");
   if (best && !c_.save_best.empty()) report_->say_best_saved(pos_.best_accuracy, pos_.best_epoch);
+}
+
+// With --checkpoint, the lead writes where the run stands (pos_) and the model's state.
+void TrainLoop::write_checkpoint() {
+  if (c_.checkpoint_dir.empty() || !report_->lead()) return;
+  TraceSpan span("host", "checkpoint");
+  save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed, c_.batch_size);
 }
 
 int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start, Mark& steady) {
@@ -226,8 +228,7 @@ int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start
       break;
     }
     engine_->optimizer().set_lr(
-        scheduled_lr(c_.lr_schedule, c_.engine.optimizer.lr, pos_.global_step, planned_steps_,
-                     epoch));
+        lr_schedule_.at(c_.engine.optimizer.lr, pos_.global_step, planned_steps_, epoch));
     std::shared_ptr<Batch> batch = upcoming ? std::move(upcoming) : next_batch();
     if (!batch) break;
     if (look_ahead_ && b + 1 < per_epoch_ &&

@@ -46,12 +46,14 @@ class TrainLoop {
   nlohmann::json epoch_summary(int64_t epoch, bool complete, const Mark& start,
                                const Mark& steady) const;
   void log_step(int64_t epoch, int64_t batch, bool last_step);
+  void write_checkpoint();
   // Evaluation (evaluation.cpp): the test set's loss and accuracy into totals_; then whether the
   // epoch (1-based) is the best so far (pos_ then holds it, and --save-best's file its weights).
   void evaluate();
   bool keep_if_best(int64_t epoch);
 
   TrainConfig c_;
+  LrSchedule lr_schedule_;  // c_.lr_schedule, read once
   std::unique_ptr<Dataset> train_, test_;
   std::unique_ptr<TrainEngine> engine_;
   std::unique_ptr<RunReport> report_;

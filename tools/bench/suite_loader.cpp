@@ -69,7 +69,6 @@ int run_loader_suite(const BenchOptions& o) {
   if (!o.data.empty()) {
     REPLICA_USAGE_CHECK(is_image_folder(o.data),
                         "--data {}: not an image folder (DIR/train/<class>/*.jpg)", o.data);
-    check_image_folder(o.data, false);
     ImageFolderOptions io;
     if (!o.input_shape.empty()) io.sample_shape = resolve_input_shape(o);
     io.seed = o.seed;
