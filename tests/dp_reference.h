@@ -5,10 +5,13 @@
 
 #include <cmath>
 #include <functional>
+#include <memory>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "engine/allocator.h"
 #include "engine/data/dataset.h"
 #include "engine/data/loader.h"
 #include "layers/loss.h"
@@ -203,6 +206,19 @@ inline double update_drift(TrainEngine& a, TrainEngine& b, const std::vector<flo
     return u;
   };
   return relative_l2(update(a), update(b));
+}
+
+// b with every pixel scaled by (1 + u), u uniform in [-rel, rel]: rounding-sized noise, to hold a
+// precision's or a device's effect on training against what rounding alone does to the model.
+inline Batch perturbed(const Batch& b, float rel, uint32_t seed) {
+  Batch p = b;
+  p.images = Tensor::empty(host_allocator(), b.images.shape());
+  p.copies = std::make_shared<PendingCopies>();
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-rel, rel);
+  for (int64_t i = 0; i < b.images.numel(); ++i)
+    p.images.f32()[i] = b.images.f32()[i] * (1.f + u(rng));
+  return p;
 }
 
 // The CNN (sgd_options) trained `steps` steps on `device` in fp32 and in `precision` side by

@@ -300,12 +300,35 @@ TEST_CASE("ops on BF16 tensors on the kernels' 64-bit index path: the CPU's numb
   ops_on_bf16_tensors();
 }
 
-TEST_CASE("ResNet-18 trains in bf16 on the GPU as on the CPU (2 SGD steps)") {
+// ResNet-18 at 1x28x28 is not smooth at bf16's scale (test_cuda_precision.cpp says why for
+// TF32): its max-pools route gradients by which of near-equal inputs is largest, and layer4's
+// BatchNorms normalise one value per sample. The GPU sums a convolution's products in another
+// order than the CPU, so a few results round to the neighbouring bf16 value, and downstream of
+// those many more do. On an H200 (2026-11-27) two SGD steps at batch 16 moved the update by 50%
+// (relative L2) while every op alone gave the CPU's numbers. So the GPU's step is held against
+// what one rounding's worth of noise on the input pixels (2^-9) does on the CPU in bf16: within
+// 5x of that. A wrong kernel or a layer left out changes the update by O(1), far beyond.
+TEST_CASE("ResNet-18 in bf16: the GPU's SGD step is the CPU's, within rounding noise") {
   if (!have_bf16()) return;
-  const test::DeviceDrift d =
-      test::device_vs_cpu_drift(kGpu, "resnet18", Precision::Bf16, 2, 16, 2e-2);
-  CHECK(d.params < 1e-3);
-  CHECK(d.update < 0.1);  // a wrong gradient moves the update by its own size
+  EngineOptions o = test::sgd_options("resnet18", {1, 28, 28});
+  o.precision = Precision::Bf16;
+  auto cpu = make_single_device_engine(kCpu, o);
+  auto noisy = make_single_device_engine(kCpu, o);
+  auto gpu = make_single_device_engine(kGpu, o);
+  const std::vector<float> before = test::params_of(*cpu);
+  const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
+  cpu->train_step(batch);
+  gpu->train_step(batch);
+  noisy->train_step(test::perturbed(batch, 1.f / 512, 1));
+  MESSAGE("resnet18 bf16 loss: CPU " << cpu->last_loss() << ", GPU " << gpu->last_loss()
+                                     << ", CPU with noisy input " << noisy->last_loss());
+  CHECK(std::fabs(cpu->last_loss() - gpu->last_loss()) <= 1e-2 * cpu->last_loss());
+  const double drift = test::update_drift(*cpu, *gpu, before);
+  const double noise_drift = test::update_drift(*cpu, *noisy, before);
+  MESSAGE("resnet18 bf16: update, relative L2 against the CPU's: GPU " << drift
+          << ", CPU with +-2^-9 input noise " << noise_drift);
+  CHECK(noise_drift > 0);  // the noise reached the update: the bar is not zero
+  CHECK(drift < 5 * noise_drift);
 }
 
 TEST_CASE("bf16 halves what a forward keeps on the GPU, and a step's peak follows") {

@@ -192,22 +192,6 @@ TEST_CASE("tf32 convolutions: within TF32's rounding, forward and backward") {
   expect_precisions(bwd[1], "conv dw", false);
 }
 
-namespace {
-
-// b with every pixel scaled by (1 + u), u uniform in [-rel, rel]: rounding-sized noise.
-Batch perturbed(const Batch& b, float rel, uint32_t seed) {
-  Batch p = b;
-  p.images = Tensor::empty(host_allocator(), b.images.shape());
-  p.copies = std::make_shared<PendingCopies>();
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-rel, rel);
-  for (int64_t i = 0; i < b.images.numel(); ++i)
-    p.images.f32()[i] = b.images.f32()[i] * (1.f + u(rng));
-  return p;
-}
-
-}  // namespace
-
 TEST_CASE("tf32 training follows fp32: CNN 3 SGD steps") {
   if (!have_tf32()) return;
   const double drift = test::precision_update_drift(kGpu, Precision::Tf32, 3, 8, 1e-2);
@@ -233,7 +217,7 @@ TEST_CASE("tf32 training follows fp32: ResNet-18 one SGD step, against rounding 
   const Batch batch = test::make_batches(o.input_shape, 8, 1, 6).at(0);
   fp32->train_step(batch);
   tf32->train_step(batch);
-  noisy->train_step(perturbed(batch, 1.f / 2048, 1));
+  noisy->train_step(test::perturbed(batch, 1.f / 2048, 1));
   MESSAGE("resnet18 loss: fp32 " << fp32->last_loss() << ", tf32 " << tf32->last_loss()
                                   << ", fp32 with noisy input " << noisy->last_loss());
   CHECK(std::fabs(fp32->last_loss() - tf32->last_loss()) <= 1e-2 * fp32->last_loss());
