@@ -2,11 +2,13 @@
 
 #include <array>
 #include <deque>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "engine/context.h"
 #include "engine/error.h"
+#include "engine/op_profile.h"
 
 namespace replica {
 
@@ -54,6 +56,9 @@ class Widened {
   std::vector<std::pair<Tensor*, Tensor*>> outputs_;
 };
 
+// What an op profile calls the copies (OpProfile's parts): the widening and the rounding back.
+constexpr const char* kCopiesPart = "F32 copies of its BF16 tensors";
+
 // Calls `call` with a call's arguments as they are, or with its BF16 tensors widened.
 template <class Call>
 struct Dispatch {
@@ -70,8 +75,10 @@ struct Dispatch {
     }
     ++copied_calls;
     Widened widened(inner, ctx);
-    call(ctx, widened.pass(args)...);
-    widened.round_outputs();
+    auto passed = op_part(ctx, kCopiesPart,
+                          [&] { return std::forward_as_tuple(widened.pass(args)...); });
+    std::apply([&](auto&... a) { call(ctx, a...); }, passed);
+    op_part(ctx, kCopiesPart, [&] { widened.round_outputs(); });
   }
 };
 template <class Call>

@@ -21,9 +21,53 @@ std::map<std::string, OpStats> OpProfile::ops() const {
   return ops_;
 }
 
+void OpProfile::add_part(const std::string& key, const std::string& part, double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  OpStats& s = parts_[key][part];
+  ++s.calls;
+  s.seconds += seconds;
+}
+
+std::map<std::string, std::map<std::string, OpStats>> OpProfile::parts() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return parts_;
+}
+
 void OpProfile::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   ops_.clear();
+  parts_.clear();
+}
+
+namespace {
+
+// The op a ProfilingBackend is timing on this thread (DP's workers each run their own), for
+// the parts the backend under it times (op_part).
+struct RunningOp {
+  OpProfile* profile = nullptr;
+  const std::string* key = nullptr;
+};
+thread_local RunningOp running_op;
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+OpPartTimer::OpPartTimer(DeviceContext& ctx, const char* part) : ctx_(ctx), part_(part) {
+  if (!running_op.profile) return;
+  ctx_.synchronize();
+  running_ = true;
+  start_ = now_seconds();
+}
+
+void OpPartTimer::stop() {
+  if (!running_) return;
+  running_ = false;
+  ctx_.synchronize();
+  running_op.profile->add_part(*running_op.key, part_, now_seconds() - start_);
 }
 
 namespace {
@@ -82,11 +126,18 @@ class ProfilingBackend final : public Backend {
   template <class F>
   void timed(DeviceContext& ctx, const std::string& key, double bytes, F&& call) {
     ctx.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
-    call();
+    const double t0 = now_seconds();
+    {
+      // The parts the inner backend times (op_part) go under this call's key.
+      struct Scope {
+        RunningOp saved;
+        ~Scope() { running_op = saved; }
+      } scope{running_op};
+      running_op = {&profile_, &key};
+      call();
+    }
     ctx.synchronize();
-    profile_.add(key, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                 bytes);
+    profile_.add(key, now_seconds() - t0, bytes);
   }
 
   Backend& inner_;

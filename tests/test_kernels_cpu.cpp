@@ -701,6 +701,33 @@ TEST_CASE("an op profile counts and times every call while set, and none after")
   CHECK(ops.at("gather_rows").tensor_bytes == 2.0 * 3 * 1024 * 4 + 3 * 4);
 }
 
+TEST_CASE("an op's parts are timed under its key (the bf16 layer's copies); none outside one") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{1, false, Precision::Bf16});
+  // relu_backward has no BF16 kernel on the CPU: the storage layer runs it on F32 copies.
+  Tensor y = ctx.alloc({4096}, DType::BF16), dy = ctx.alloc({4096}, DType::BF16);
+  Tensor dx = ctx.alloc({4096}, DType::BF16), a = ctx.alloc({4096}), b = ctx.alloc({4096});
+  ctx.ops().fill(ctx, y, 1.f);
+  ctx.ops().fill(ctx, dy, 2.f);
+  OpProfile profile;
+  ctx.set_op_profile(&profile);
+  ctx.ops().relu_backward(ctx, y, dy, dx);
+  ctx.ops().add(ctx, a, b, 1.f);  // F32: no copies, no parts
+  ctx.set_op_profile(nullptr);
+  const auto parts = profile.parts();
+  REQUIRE(parts.count("relu_backward") == 1);
+  CHECK(parts.count("add") == 0);
+  const OpStats copies = parts.at("relu_backward").at("F32 copies of its BF16 tensors");
+  CHECK(copies.calls == 2);  // the widening before the op, the rounding back after it
+  CHECK(copies.seconds > 0);
+  CHECK(copies.seconds <= profile.ops().at("relu_backward").seconds);
+  // Outside a profiled op a part only runs its work, and hands back what it returns.
+  int ran = 0;
+  op_part(ctx, "alone", [&] { ++ran; });
+  CHECK(ran == 1);
+  CHECK(op_part(ctx, "alone", [] { return 7; }) == 7);
+  CHECK(profile.parts().size() == 1);
+}
+
 TEST_CASE("a context gets every thread it asks for, more than the cores included") {
   // Two contexts of cores + 2 threads each: TBB's default limit (the cores) would lend each
   // arena fewer threads than it holds. Every one of a context's threads must join one loop at

@@ -20,7 +20,11 @@ short summary (OUT/PART/summary.md):
                                                      # the training set on the GPU and copied
                                                      # from the host a step ahead;
                                                      # --case MODEL:CxHxW:BATCH to pick cases)
-    python3 tools/gpu_checks.py ops --out OUT        # ResNet-50 batch 64, op by op (replica-bench
+    python3 tools/gpu_checks.py ops --out OUT        # ResNet-50 bf16 batch 256 op by op, each
+                                                     # convolution's cuDNN time apart from its
+                                                     # operand copies, beside PyTorch's
+                                                     # torch.profiler table of the same step;
+                                                     # ResNet-50 batch 64, op by op (replica-bench
                                                      # --suite ops) in fp32, tf32 and bf16, NCHW
                                                      # and channels_last, cuDNN's legacy calls
                                                      # and its graph API: which layout and which
@@ -316,7 +320,11 @@ OPS_RUNS = [("fp32", "nchw"), ("fp32", "nchw", "graph"), ("tf32", "nchw"),
 # about a millisecond, at the main job's batch and at the largest the speed cases time: where the
 # sum of its ops falls short of an ordinary step, launches and host work take the rest (what
 # CUDA Graphs would remove). On CPU devices a rehearsal on a model small enough to finish.
-OPS_GPU_CASES = [("resnet50", "3x224x224", 64, OPS_RUNS),
+# First: ResNet-50 bf16 at batch 256, 0.49x PyTorch on an H200 (2026-11-27) with its
+# convolutions 74% of the step; their parts say how much of that is the NHWC/bf16 copies that
+# stage each convolution's operands, and how much cuDNN.
+OPS_GPU_CASES = [("resnet50", "3x224x224", 256, [("bf16", "channels_last")]),
+                 ("resnet50", "3x224x224", 64, OPS_RUNS),
                  ("cnn", "1x28x28", 32, [("fp32", "nchw"), ("tf32", "nchw")]),
                  ("cnn", "1x28x28", 256, [("fp32", "nchw"), ("tf32", "nchw")]),
                  # the seed recipe's model: 0.94x PyTorch on 2026-11-25, 0.75x on 2026-11-27.
@@ -327,7 +335,7 @@ OPS_GPU_CASES = [("resnet50", "3x224x224", 64, OPS_RUNS),
                  ("resnet101", "1x28x28", 256,
                   [("fp32", "nchw"), ("fp32", "nchw", "graph"),
                    ("fp32", "nchw", {"REPLICA_RESIDUAL_SUM": "add"}), ("tf32", "nchw")])]
-OPS_CPU_CASES = [("resnet18", "3x32x32", 64, [("fp32", "nchw")])]
+OPS_CPU_CASES = [("resnet18", "3x32x32", 64, [("fp32", "nchw"), ("bf16", "nchw")])]
 
 
 MEMORY_BOUND_OPS = ("batchnorm", "relu", "add", "maxpool", "adaptive_avgpool", "scale", "fill",
@@ -368,6 +376,18 @@ def ops_case(p, model, shape, batch, runs):
     for op in top:
         p.note(f"| {op} | " + " | ".join(
             f"{op_ms[n][op]:.2f}" if op in op_ms[n] else "-" for n in names) + " |")
+    # Inside each op, the parts it timed (a convolution's cuDNN calls and operand copies).
+    parts = {n: {(r["op"], part): ms for r in rows
+                 for part, ms in (r.get("parts_ms_per_step") or {}).items()}
+             for n, rows in by_run.items()}
+    keys = sorted({k for m in parts.values() for k in m}, key=lambda k: (k[0], k[1]))
+    if keys:
+        p.note("\nParts of ops, ms per step (inside the op's own time):\n")
+        p.note("| op: part | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+        for op, part in keys:
+            p.note(f"| {op}: {part} | " + " | ".join(
+                f"{parts[n][(op, part)]:.2f}" if (op, part) in parts[n] else "-"
+                for n in names) + " |")
     # The ops bound by memory: their tensors' bytes over their time, against the bandwidth.
     gbs = {n: {r["op"]: r.get("tensor_gb_per_s") for r in rows} for n, rows in by_run.items()}
     bound = [op for op in top if op.startswith(MEMORY_BOUND_OPS)]
@@ -383,6 +403,24 @@ def ops_case(p, model, shape, batch, runs):
 def ops(p):
     for case in (OPS_GPU_CASES if p.gpu else OPS_CPU_CASES):
         ops_case(p, *case)
+    if not p.gpu:
+        p.note("\n- not run: PyTorch's op profile (on the GPU machine)")
+        return
+    # PyTorch's own op profile of the first case, to set its convolutions' time beside replica's.
+    model, shape, batch, runs = OPS_GPU_CASES[0]
+    precision, layout = runs[0][:2]
+    table = os.path.join(p.dir, f"pytorch-{model}-b{batch}-{precision}-{layout}.txt")
+    p.run("pytorch-profile", [sys.executable, os.path.join(HERE, "pytorch_bench.py"), "--mode",
+                              "dp", "--device-counts", "1", "--devices", p.args.device,
+                              "--model", model, "--input-shape", shape, "--batch-per-device",
+                              str(batch), "--precision", precision, "--memory-format", layout,
+                              "--steps", "10", "--repeat", "1", "--profile-ops", table,
+                              "--out", os.path.join(p.dir, "pytorch-profile-rows.jsonl")])
+    if os.path.exists(table):
+        with open(table) as f:
+            p.note(f"\nPyTorch, {model} {shape}, batch {batch}, {precision}, {layout} "
+                   "(torch.profiler, self device time):\n\n```\n" + "".join(f.readlines()[:26])
+                   + "```")
 
 
 def speed(p):

@@ -25,6 +25,10 @@ Gloo on CPU or when ranks share a GPU (cuda:0*N, labelled devices_share_gpu).
           (unless --memory-format nchw)
     auto  (default) tf32 when every GPU has TF32 tensor cores (compute capability 8.0+), else fp32
 --cudnn-benchmark sets torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape).
+--profile-ops FILE (one device, DP mode): after the timed windows, 10 more steps under
+torch.profiler, written to FILE as a table of ops with their self device time per step (the
+kernels each op launched) and to FILE.jsonl, to hold beside `replica-bench --suite ops` on the
+same model, batch and precision.
 --memory-format nchw keeps bf16 in NCHW (auto: channels_last for bf16 images on GPUs, as
 PyTorch's recipes do; channels_last forces it in every precision). Rows say which.
 replica-bench takes the same flag with the same default, for its convolutions' operands.
@@ -149,7 +153,49 @@ def batches(args, batch, seed, device, count=4):
     return out
 
 
-def measure(model, data, device, args, out_device=None):
+def write_op_profile(step, first, device, args, path):
+    """Runs 10 steps from step index `first` under torch.profiler; writes each op's calls and
+    self device (kernel) and CPU milliseconds per step to path (a table, busiest first) and
+    path.jsonl. Self time: an op's own kernels, not its children's."""
+    from torch.profiler import ProfilerActivity, profile
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    n = min(args.steps, 10)
+    with profile(activities=activities) as prof:
+        for k in range(n):
+            step(first + k)
+        sync(device)
+
+    def self_device_us(e):  # renamed from the CUDA-only name in PyTorch 2.4
+        v = getattr(e, "self_device_time_total", None)
+        return v if v is not None else getattr(e, "self_cuda_time_total", 0)
+
+    rows = [{"op": e.key, "calls_per_step": e.count / n,
+             "self_device_ms_per_step": self_device_us(e) / 1e3 / n,
+             "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / n}
+            for e in prof.key_averages()]
+    by = "self_device_ms_per_step" if gpu else "self_cpu_ms_per_step"
+    rows.sort(key=lambda r: -r[by])
+    total = sum(r[by] for r in rows)
+    with open(path, "w") as f:
+        f.write("PyTorch %s: %s %s, batch %d, %s, %s, %d steps under torch.profiler\n"
+                % (torch.__version__, args.model, "x".join(map(str, args.shape)),
+                   args.batch_per_device, args.precision,
+                   "channels_last" if channels_last(args) else "nchw", n))
+        f.write("%-52s %10s %14s %7s %12s\n" % ("op", "calls/step", "self dev ms/step", "share",
+                                                "cpu ms/step"))
+        for r in rows[:40]:
+            f.write("%-52s %10.1f %14.3f %6.1f%% %12.3f\n"
+                    % (r["op"][:52], r["calls_per_step"], r["self_device_ms_per_step"],
+                       100 * r[by] / total if total else 0, r["self_cpu_ms_per_step"]))
+        f.write("%s time %.3f ms per step, all ops\n" % ("device" if gpu else "cpu", total))
+    with open(path + ".jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print("pytorch_bench: op profile of %d steps written to %s" % (n, path))
+
+
+def measure(model, data, device, args, out_device=None, profile_to=None):
     """Warm-up, timed windows (seconds each), then a phase window -> (windows, phase_ms, loss,
     kept): kept is what a training forward left allocated on `device` for its backward (the
     bytes in use after forward and loss less those before, the largest of the phase window's
@@ -206,6 +252,8 @@ def measure(model, data, device, args, out_device=None):
         phases["forward"] += (t1 - t0) * 1e3 / n
         phases["backward"] += (t2 - t1) * 1e3 / n
         phases["step"] += (t3 - t2) * 1e3 / n
+    if profile_to:
+        write_op_profile(step, i, device, args, profile_to)
     return windows, phases, float(loss.item()), kept
 
 
@@ -281,7 +329,8 @@ def run_dp(args, devs, shared):
         for d in devs:
             torch.cuda.reset_peak_memory_stats(torch_device(d))
     data = batches(args, len(devs) * args.batch_per_device, args.seed, device)
-    windows, phases, loss, kept = measure(model, data, device, args)
+    windows, phases, loss, kept = measure(model, data, device, args,
+                                          profile_to=args.profile_ops if len(devs) == 1 else None)
     peaks = [peak_memory(torch_device(d)) for d in devs]
     return row(args, "dp", devs, shared, params, windows, phases, loss, peaks, [kept])
 
@@ -355,6 +404,8 @@ def main():
     p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--memory-format", default="auto", choices=["auto", "nchw", "channels_last"],
                    help="images' layout: auto (channels_last for bf16 on GPUs), nchw, channels_last")
+    p.add_argument("--profile-ops", default="",
+                   help="FILE: one device's ops under torch.profiler, self device ms per step")
     p.add_argument("--out", required=True, help="JSON-lines file to write (replaced)")
     args = p.parse_args()
     if not args.devices:

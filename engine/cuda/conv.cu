@@ -21,6 +21,7 @@
 
 #include "engine/cuda/channel_pass.h"
 #include "engine/cuda/conv_algo.h"
+#include "engine/op_profile.h"
 
 namespace replica {
 
@@ -30,6 +31,10 @@ int as_int(int64_t v, const char* what) {
   REPLICA_CHECK(v >= 0 && v <= INT32_MAX, "conv2d: {} = {} is out of cuDNN's range", what, v);
   return static_cast<int>(v);
 }
+
+// What an op profile calls the staging (OpProfile's parts): operands rounded to bf16 and/or laid
+// out NHWC, results brought back.
+constexpr const char* kCopiesPart = "operand copies (bf16, NHWC)";
 
 // Whether a convolution of C input and K output channels runs on NHWC copies (see the top).
 bool conv_nhwc(const DeviceContext& ctx, int64_t C, int64_t K) {
@@ -234,9 +239,11 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.bytes(), s.stream));
   } else {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
-    const ProductIo io = forward_io(ctx, x, w, y, plan.spec.nhwc);
-    run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f);
-    io.finish(io.y, y, false, s.stream);
+    const ProductIo io =
+        op_part(ctx, kCopiesPart, [&] { return forward_io(ctx, x, w, y, plan.spec.nhwc); });
+    op_part(ctx, "cuDNN forward",
+            [&] { run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f); });
+    op_part(ctx, kCopiesPart, [&] { io.finish(io.y, y, false, s.stream); });
   }
   if (b.defined() && y.numel() > 0) cuda::add_channel_bias({N, K, P * Q}, y, b, s.stream);
 }
@@ -275,19 +282,27 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
   const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
   ConvPlan* const wanted = want_dx || want_dw ? &conv_plan(ctx, x, w, p) : nullptr;
-  const ProductIo io = backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr,
-                                   want_dw ? &dw : nullptr, wanted && wanted->spec.nhwc);
+  const ProductIo io = op_part(ctx, kCopiesPart, [&] {
+    return backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr, want_dw ? &dw : nullptr,
+                       wanted && wanted->spec.nhwc);
+  });
 
   if (want_dx) {
-    run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy}, io.beta(add_to_dx));
-    io.finish(io.dx, dx, add_to_dx, s.stream);
+    op_part(ctx, "cuDNN backward data", [&] {
+      run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy},
+               io.beta(add_to_dx));
+    });
+    op_part(ctx, kCopiesPart, [&] { io.finish(io.dx, dx, add_to_dx, s.stream); });
   } else if (dx.defined() && dx.numel() > 0 && !add_to_dx) {
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), s.stream));
   }
   if (want_dw) {
     // dw accumulates; staged, the call writes its own part, added by finish()
-    run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy}, io.beta(true));
-    io.finish(io.dw, dw, true, s.stream);
+    op_part(ctx, "cuDNN backward filter", [&] {
+      run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy},
+               io.beta(true));
+    });
+    op_part(ctx, kCopiesPart, [&] { io.finish(io.dw, dw, true, s.stream); });
   }
   if (db.defined() && dy.numel() > 0)
     cuda::accumulate_bias_grad(bias, bias_slices, dy,

@@ -5,7 +5,10 @@
 // op's calls and milliseconds per step and its share of the profiled step; the profiled step
 // is slower than the real one by what overlap and synchronisation cost, printed beside it.
 // What it is for: holding a model's op mix against PyTorch's profiler on the same model and
-// batch, and seeing which op a change should go after.
+// batch, and seeing which op a change should go after. Under an op, its parts (OpProfile's: a
+// convolution's cuDNN calls and the copies that stage its operands, the F32 copies of the bf16
+// storage layer) are printed indented, with their share of the op; the rest of the op's time
+// is what it does besides (a bias, checks, launches).
 #include <algorithm>
 #include <cstdio>
 
@@ -72,6 +75,7 @@ int run_ops_suite(const BenchOptions& o) {
   for (const auto& [key, s] : ops) width = std::max(width, int(key.size()));
   std::printf("%-*s %10s %10s %8s %10s %9s\n", width, o.by_shape ? "op and tensor shapes" : "op",
               "calls/step", "ms/step", "share", "us/call", "GB/s");
+  const auto parts = profile.parts();
   std::vector<nlohmann::json> rows;
   for (const auto& [key, s] : ops) {
     const double ms = s.seconds * 1e3 / steps, share = total_s > 0 ? s.seconds / total_s : 0;
@@ -90,6 +94,19 @@ int run_ops_suite(const BenchOptions& o) {
                           {"step_ms", real_ms},
                           {"profiled_step_ms", profiled_ms}};
     if (space != std::string::npos) row["shapes"] = key.substr(space + 1);
+    if (auto it = parts.find(key); it != parts.end()) {
+      std::vector<std::pair<std::string, OpStats>> sorted(it->second.begin(), it->second.end());
+      std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
+        return a.second.seconds > b.second.seconds;
+      });
+      for (const auto& [part, ps] : sorted) {
+        const double part_ms = ps.seconds * 1e3 / steps;
+        std::printf("  %-*s %10.1f %10.3f %7.1f%% of the op\n", width - 2, part.c_str(),
+                    double(ps.calls) / steps, part_ms,
+                    s.seconds > 0 ? 100 * ps.seconds / s.seconds : 0.0);
+        row["parts_ms_per_step"][part] = part_ms;
+      }
+    }
     rows.push_back(row);
   }
   std::printf("ops %.3f ms of a profiled step of %.3f ms; an ordinary step takes %.3f ms (the "
