@@ -19,93 +19,127 @@ template <class T>
 bool is_bf16(const T&) {
   return false;  // the context, numbers, window parameters
 }
+// A tensor whose memory is NHWC and differs from NCHW's (engine/tensor.h), or one that is not.
+bool is_nhwc(const Tensor& t) { return t.defined() && t.channels_last() && !t.layout_free(); }
+template <class T>
+bool is_nhwc(const T&) {
+  return false;
+}
+bool is_nchw(const Tensor& t) { return t.defined() && t.ndim() == 4 && !is_nhwc(t); }
+template <class T>
+bool is_nchw(const T&) {
+  return false;
+}
 
-// One call's F32 copies of its BF16 tensors, and the BF16 outputs their results go back into.
-// An output (a Tensor& argument) is widened too: an op may add into it (+=, backend_ops.inc),
-// and which ones do is not said per argument; for one the op overwrites, that is a pass over
-// memory not yet written, whose values are then overwritten.
-class Widened {
+// What an op profile calls the copies (OpProfile's parts): the conversions and those back.
+constexpr const char* kCopiesPart = "copies for its kernel (F32, NCHW)";
+
+// One call's copies of its tensors in the form its kernel takes (F32 for BF16 ones where
+// `wide`, NCHW for channels_last ones where `nchw`), and the outputs their results go back
+// into. An output (a Tensor& argument) is copied in too: an op may add into it (+=,
+// backend_ops.inc), and which ones do is not said per argument; for one the op overwrites,
+// that is a pass over memory not yet written, whose values are then overwritten.
+class Converted {
  public:
-  Widened(Backend& inner, DeviceContext& ctx) : inner_(inner), ctx_(ctx) {}
+  Converted(Backend& inner, DeviceContext& ctx, bool wide, bool nchw)
+      : inner_(inner), ctx_(ctx), wide_(wide), nchw_(nchw) {}
 
   template <class T>
   T& pass(T& arg) {
     return arg;
   }
-  const Tensor& pass(const Tensor& t) { return is_bf16(t) ? widen(t) : t; }
+  const Tensor& pass(const Tensor& t) { return converts(t) ? convert(t) : t; }
   Tensor& pass(Tensor& t) {
-    if (!is_bf16(t)) return t;
-    Tensor& wide = widen(t);
-    outputs_.push_back({&t, &wide});
-    return wide;
+    if (!converts(t)) return t;
+    Tensor& copy = convert(t);
+    outputs_.push_back({&t, &copy});
+    return copy;
   }
-  void round_outputs() {
-    for (auto& [narrow, wide] : outputs_) inner_.copy(ctx_, *narrow, *wide);
+  void copy_back() {
+    for (auto& [out, copy] : outputs_) inner_.copy(ctx_, *out, *copy);
   }
 
  private:
-  Tensor& widen(const Tensor& t) {
-    copies_.push_back(ctx_.alloc(t.shape(), DType::F32));  // a deque: references stay valid
+  bool converts(const Tensor& t) const { return (wide_ && is_bf16(t)) || (nchw_ && is_nhwc(t)); }
+  Tensor& convert(const Tensor& t) {
+    const DType dtype = wide_ && is_bf16(t) ? DType::F32 : t.dtype();
+    const bool channels_last = t.channels_last() && !nchw_;
+    // a deque: references stay valid
+    copies_.push_back(ctx_.alloc(t.shape(), dtype, channels_last));
     inner_.copy(ctx_, copies_.back(), t);
     return copies_.back();
   }
 
   Backend& inner_;
   DeviceContext& ctx_;
+  const bool wide_, nchw_;
   std::deque<Tensor> copies_;
   std::vector<std::pair<Tensor*, Tensor*>> outputs_;
 };
 
-// What an op profile calls the copies (OpProfile's parts): the widening and the rounding back.
-constexpr const char* kCopiesPart = "F32 copies of its BF16 tensors";
-
-// Calls `call` with a call's arguments as they are, or with its BF16 tensors widened.
+// Calls `call` with a call's arguments as they are, or with copies of those its kernel does not
+// take (takes_bf16, layouts: engine/ops.h).
 template <class Call>
 struct Dispatch {
   Backend& inner;
   bool takes_bf16;
+  Backend::Layouts layouts;
   int64_t& copied_calls;
   Call call;
 
   template <class... Args>
   void operator()(DeviceContext& ctx, Args&... args) {
-    if (takes_bf16 || !(is_bf16(args) || ...)) {
+    const bool wide = !takes_bf16 && (is_bf16(args) || ...);
+    const bool any_nhwc = (is_nhwc(args) || ...);
+    const bool mixed = any_nhwc && (is_nchw(args) || ...);
+    const bool nchw = any_nhwc && (layouts == Backend::Layouts::None ||
+                                   (layouts == Backend::Layouts::Uniform && mixed));
+    if (!wide && !nchw) {
       call(ctx, args...);
       return;
     }
-    ++copied_calls;
-    Widened widened(inner, ctx);
+    if (wide) ++copied_calls;
+    Converted converted(inner, ctx, wide, nchw);
     auto passed = op_part(ctx, kCopiesPart,
-                          [&] { return std::forward_as_tuple(widened.pass(args)...); });
+                          [&] { return std::forward_as_tuple(converted.pass(args)...); });
     std::apply([&](auto&... a) { call(ctx, a...); }, passed);
-    op_part(ctx, kCopiesPart, [&] { widened.round_outputs(); });
+    op_part(ctx, kCopiesPart, [&] { converted.copy_back(); });
   }
 };
 template <class Call>
-Dispatch<Call> dispatch(Backend& inner, bool takes_bf16, int64_t& copied_calls, Call call) {
-  return {inner, takes_bf16, copied_calls, std::move(call)};
+Dispatch<Call> dispatch(Backend& inner, bool takes_bf16, Backend::Layouts layouts,
+                        int64_t& copied_calls, Call call) {
+  return {inner, takes_bf16, layouts, copied_calls, std::move(call)};
 }
 
 class Bf16StorageBackend final : public Backend {
  public:
   explicit Bf16StorageBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {
-    for (size_t i = 0; i < takes_.size(); ++i) takes_[i] = inner_->takes_bf16(OpId(i));
+    for (size_t i = 0; i < takes_.size(); ++i) {
+      takes_[i] = inner_->takes_bf16(OpId(i));
+      layouts_[i] = inner_->layouts(OpId(i));
+    }
+    REPLICA_CHECK(layouts_[size_t(OpId::copy)] == Layouts::Any,
+                  "a backend's copy must convert layouts (Backend::layouts)");
   }
 
-#define REPLICA_OP(name, params, args)                                                   \
-  void name params override {                                                            \
-    dispatch(*inner_, takes_[size_t(OpId::name)], copied_calls_,                          \
-             [this](DeviceContext& c, auto&... a) { inner_->name(c, a...); }) args;      \
+#define REPLICA_OP(name, params, args)                                                      \
+  void name params override {                                                               \
+    dispatch(*inner_, takes_[size_t(OpId::name)], layouts_[size_t(OpId::name)],              \
+             copied_calls_, [this](DeviceContext& c, auto&... a) { inner_->name(c, a...); }) \
+    args;                                                                                   \
   }
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
 
   bool takes_bf16(OpId) const override { return true; }
+  Layouts layouts(OpId) const override { return Layouts::Any; }
   int64_t copied_calls() const { return copied_calls_; }
 
  private:
   std::unique_ptr<Backend> inner_;
   std::array<bool, size_t(OpId::kCount)> takes_{};
+  std::array<Layouts, size_t(OpId::kCount)> layouts_{};
   int64_t copied_calls_ = 0;  // a context, and so its layer, is used by one thread at a time
 };
 

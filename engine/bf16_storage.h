@@ -10,6 +10,10 @@
 // BF16 outputs rounded back into them (copy converts, backend_ops.inc). The same numbers as a
 // kernel that rounds its stores, at the price of the copies: one mechanism that gives every op,
 // on every backend, bf16 storage at once, and a kernel of its own where the copies cost too much.
+//
+// The same layer gives an op that has no kernel for channels_last tensors (Backend::layouts,
+// engine/ops.h; engine/tensor.h) NCHW copies of them, in the same copies: one copy converts
+// dtype and layout at once.
 #pragma once
 #include <cstdint>
 #include <memory>

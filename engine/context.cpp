@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include <tbb/global_control.h>
@@ -44,6 +45,11 @@ void release_cpu_threads(int n) {
 
 }  // namespace
 
+static bool channels_last_on_cpu() {
+  const char* v = std::getenv("REPLICA_CHANNELS_LAST_ON_CPU");
+  return v && std::string(v) == "1";
+}
+
 DeviceContext::DeviceContext(Device device, ContextOptions options)
     : device_(device), options_(options) {
   REPLICA_USAGE_CHECK(!(options.cudnn_benchmark && options.deterministic),
@@ -54,7 +60,9 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
                         "{} has no TF32: --precision tf32 needs a CUDA device", device.str());
     REPLICA_USAGE_CHECK(!options.cudnn_benchmark,
                         "{} has no cuDNN: --cudnn-benchmark needs a CUDA device", device.str());
-    REPLICA_USAGE_CHECK(!options.channels_last,
+    // Tests lay CPU activations out NHWC (REPLICA_CHANNELS_LAST_ON_CPU=1): every CPU op then
+    // runs on NCHW copies, which proves the layout's plumbing through the layers bit for bit.
+    REPLICA_USAGE_CHECK(!options.channels_last || channels_last_on_cpu(),
                         "{} has no cuDNN: --memory-format channels_last needs a CUDA device",
                         device.str());
     threads_ = options.threads > 0 ? options.threads : cpu_cores();

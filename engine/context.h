@@ -119,11 +119,21 @@ class DeviceContext {
   Precision precision() const { return options_.precision; }
   bool cudnn_benchmark() const { return options_.cudnn_benchmark; }
   bool channels_last() const { return options_.channels_last; }
+  // Whether a convolution of C input and K output channels runs NHWC here, and so writes a
+  // channels_last output (engine/tensor.h): with channels_last, where both are multiples of 8,
+  // the shapes cuDNN's tensor-core kernels take (a first layer's 1 or 3 channels stay NCHW).
+  bool nhwc_convolution(int64_t C, int64_t K) const {
+    return options_.channels_last && C % 8 == 0 && K % 8 == 0;
+  }
   ConvApi conv_api() const { return options_.conv_api; }
   CudaState* cuda() const { return cuda_.get(); }
 
-  Tensor alloc(const Shape& shape, DType dtype = DType::F32) {
-    return Tensor::empty(*allocator_, shape, dtype);
+  Tensor alloc(const Shape& shape, DType dtype = DType::F32, bool channels_last = false) {
+    return Tensor::empty(*allocator_, shape, dtype, channels_last);
+  }
+  // A tensor of `like`'s shape, dtype and layout (an op's output, a gradient).
+  Tensor alloc_as(const Tensor& like) {
+    return Tensor::empty(*allocator_, like.shape(), like.dtype(), like.channels_last());
   }
   // Makes this device current for the calling thread (cudaSetDevice); a no-op on CPU.
   void activate() const;

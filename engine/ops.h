@@ -85,6 +85,16 @@ class Backend {
   // op's activations and their gradients all in one dtype and refuse other mixes with an error
   // (F32 copies would have served); convolutions and linear layers stage each operand by its own.
   virtual bool takes_bf16(OpId op) const { return op == OpId::copy || op == OpId::fill; }
+  // Which channels_last tensors (engine/tensor.h) `op` takes as they are. None: the layer every
+  // context puts around its backend gives it NCHW copies of them and copies its results back
+  // (engine/bf16_storage.h). Uniform: taken where every 4-D tensor of the call has one layout
+  // (the flat kernels: an element's neighbours do not matter), else NCHW copies. Any: each
+  // tensor as it is laid out (copy, which converts layouts; convolutions, which stage each
+  // operand as their kernels need it). copy must be Any on every backend.
+  enum class Layouts { None, Uniform, Any };
+  virtual Layouts layouts(OpId op) const {
+    return op == OpId::copy ? Layouts::Any : Layouts::None;
+  }
 };
 
 // gather_rows' shapes, checked alike by every backend: returns the elements in one row.
@@ -179,6 +189,20 @@ void with_storage(DType dtype, F&& f) {
     f(uint16_t());
   else
     f(float());
+}
+
+// Whether a copy converts layouts (one side channels_last, engine/tensor.h, where that lays
+// the shape out differently), checked alike by every backend: then both are one 4-D shape, of
+// F32 or BF16 elements.
+inline bool copy_relayouts(const Tensor& dst, const Tensor& src) {
+  if (dst.channels_last() == src.channels_last() || (dst.layout_free() && src.layout_free()))
+    return false;
+  REPLICA_CHECK(dst.shape() == src.shape() && dst.dtype() != DType::I32 &&
+                    src.dtype() != DType::I32,
+                "copy: {} {} into {} {} across layouts (NCHW <-> channels_last)",
+                dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()),
+                shape_str(dst.shape()));
+  return true;
 }
 
 // copy between dtypes: whether it narrows (F32 into BF16) or widens (BF16 into F32); any other

@@ -24,7 +24,9 @@ Block::Block(Allocator* a, size_t n) : owner(a) {
 }
 Block::~Block() { owner->release({ptr, bytes}); }
 
-Tensor Tensor::empty(Allocator& alloc, const Shape& shape, DType dtype) {
+Tensor Tensor::empty(Allocator& alloc, const Shape& shape, DType dtype, bool channels_last) {
+  REPLICA_CHECK(!channels_last || shape.size() == 4,
+                "a channels_last tensor is 4-D [N, C, H, W], not {}", shape_str(shape));
   // Checked before shape_numel() multiplies in int64: an overflow there is undefined.
   int64_t elements = 1;
   for (auto d : shape) {
@@ -38,6 +40,7 @@ Tensor Tensor::empty(Allocator& alloc, const Shape& shape, DType dtype) {
   t.dtype_ = dtype;
   t.device_ = alloc.device();
   t.host_ = alloc.kind() != Allocator::Kind::CudaDevice;
+  t.channels_last_ = channels_last;
   t.block_ = std::make_shared<Block>(&alloc, std::max<size_t>(t.bytes(), 1));
   return t;
 }
@@ -67,14 +70,22 @@ uint16_t* Tensor::bf16() const {
   return static_cast<uint16_t*>(raw());
 }
 
+bool Tensor::layout_free() const {
+  return ndim() != 4 || shape_[1] == 1 || shape_[2] * shape_[3] == 1;
+}
+
 Tensor Tensor::view(int64_t offset, const Shape& shape) const {
   REPLICA_CHECK(defined(), "view of an undefined tensor");
+  REPLICA_CHECK(!channels_last_ || layout_free(),
+                "a view of a channels_last tensor {} (copy it into an NCHW one first)",
+                shape_str(shape_));
   REPLICA_CHECK(offset >= 0 && offset + shape_numel(shape) <= numel(),
                 "view [{}, +{}) outside a tensor of {} elements", offset, shape_numel(shape),
                 numel());
   Tensor t = *this;
   t.offset_bytes_ += offset * dtype_size(dtype_);
   t.shape_ = shape;
+  t.channels_last_ = false;
   return t;
 }
 
@@ -90,7 +101,10 @@ Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
   Shape s = shape_;
   s[0] = end - begin;
   int64_t row = shape_[0] ? numel() / shape_[0] : 0;
-  return view(begin * row, s);
+  Tensor t = *this;  // a sample's elements are contiguous in either layout
+  t.offset_bytes_ += begin * row * dtype_size(dtype_);
+  t.shape_ = s;
+  return t;
 }
 
 }  // namespace replica

@@ -32,10 +32,16 @@ struct Block {
   Block& operator=(const Block&) = delete;
 };
 
+// A 4-D tensor's shape is always [N, C, H, W]; `channels_last` says its memory holds it NHWC
+// (element (n, c, h, w) at ((n * H + h) * W + w) * C + c), as PyTorch's channels_last memory
+// format: convolutions' tensor-core kernels read and write that layout, so activations kept in it
+// need no transposes around each convolution (ctx.channels_last(), engine/context.h). An op that
+// has no kernel for it is given NCHW copies (engine/bf16_storage.h, Backend::layouts).
 class Tensor {
  public:
   Tensor() = default;  // undefined tensor (an absent optional argument)
-  static Tensor empty(Allocator& alloc, const Shape& shape, DType dtype = DType::F32);
+  static Tensor empty(Allocator& alloc, const Shape& shape, DType dtype = DType::F32,
+                      bool channels_last = false);
 
   bool defined() const { return block_ != nullptr; }
   const Shape& shape() const { return shape_; }
@@ -47,16 +53,20 @@ class Tensor {
   const Device& device() const { return device_; }
   bool on_cuda() const { return device_.is_cuda() && !host_; }
   bool on_host() const { return host_; }
+  bool channels_last() const { return channels_last_; }
+  // Whether NCHW and NHWC lay this shape out alike (one channel, or one position per plane).
+  bool layout_free() const;
 
   void* raw() const;
   float* f32() const;
   int32_t* i32() const;
   uint16_t* bf16() const;  // a BF16 tensor's elements, as bf16 bit patterns
 
-  // A view of `shape` starting `offset` elements in. Must fit inside this tensor.
+  // A view of `shape` starting `offset` elements in. Must fit inside this tensor. Of a
+  // channels_last tensor only where its layout is NCHW's too (layout_free); the view is NCHW.
   Tensor view(int64_t offset, const Shape& shape) const;
-  Tensor reshape(const Shape& shape) const;  // same numel
-  // Rows [begin, end) of the first dimension.
+  Tensor reshape(const Shape& shape) const;  // same numel; as view
+  // Rows [begin, end) of the first dimension (samples: a channels_last tensor's stay so).
   Tensor slice_rows(int64_t begin, int64_t end) const;
 
   const std::shared_ptr<Block>& block() const { return block_; }
@@ -68,6 +78,7 @@ class Tensor {
   DType dtype_ = DType::F32;
   Device device_;
   bool host_ = true;  // memory is host-addressable (CPU device or pinned host)
+  bool channels_last_ = false;
 };
 
 }  // namespace replica

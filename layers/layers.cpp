@@ -34,7 +34,7 @@ Tensor Linear::forward(DeviceContext& ctx, const Tensor& x) {
 
 Tensor Linear::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "Linear backward without a training-mode forward");
-  Tensor dx = needs_input_grad_ ? ctx.alloc(x_.shape(), x_.dtype()) : Tensor();
+  Tensor dx = needs_input_grad_ ? ctx.alloc_as(x_) : Tensor();
   Tensor db = has_bias_ ? params_[1]->grad : Tensor();
   ctx.ops().linear_backward(ctx, x_, params_[0]->value, dy, dx, params_[0]->grad, db);
   x_ = Tensor();
@@ -72,7 +72,8 @@ Shape Conv2d::output_shape(const Shape& in) const {
 Tensor Conv2d::forward(DeviceContext& ctx, const Tensor& x) {
   if (training_) x_ = x;
   Shape os = output_shape(x.shape());
-  Tensor y = ctx.alloc(os, activation_dtype(ctx));
+  // NHWC where the convolution runs NHWC: the next layers read it as cuDNN wrote it.
+  Tensor y = ctx.alloc(os, activation_dtype(ctx), ctx.nhwc_convolution(in_, out_));
   ctx.ops().conv2d_forward(ctx, x, params_[0]->value, has_bias_ ? params_[1]->value : Tensor(), y,
                            p_);
   macs_ = double(os[0]) * os[1] * os[2] * os[3] * in_ * kernel_ * kernel_;
@@ -80,7 +81,7 @@ Tensor Conv2d::forward(DeviceContext& ctx, const Tensor& x) {
 }
 
 Tensor Conv2d::backward(DeviceContext& ctx, const Tensor& dy) {
-  Tensor dx = needs_input_grad_ && x_.defined() ? ctx.alloc(x_.shape(), x_.dtype()) : Tensor();
+  Tensor dx = needs_input_grad_ && x_.defined() ? ctx.alloc_as(x_) : Tensor();
   run_backward(ctx, dy, dx, InputGrad::Overwrite);
   return dx;
 }
@@ -126,7 +127,7 @@ Tensor BatchNorm2d::normalize(DeviceContext& ctx, const Tensor& x, const Tensor&
                               bool relu) {
   REPLICA_CHECK(x.ndim() >= 2 && x.dim(1) == channels_, "BatchNorm2d({}) got input {}",
                 channels_, shape_str(x.shape()));
-  Tensor y = ctx.alloc(x.shape(), x.dtype());
+  Tensor y = ctx.alloc_as(x);
   Tensor& gamma = params_[0]->value;
   Tensor& beta = params_[1]->value;
   if (training_) {
@@ -146,7 +147,7 @@ Tensor BatchNorm2d::normalize(DeviceContext& ctx, const Tensor& x, const Tensor&
 
 Tensor BatchNorm2d::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "BatchNorm2d backward without a training-mode forward");
-  Tensor dx = ctx.alloc(x_.shape(), x_.dtype());
+  Tensor dx = ctx.alloc_as(x_);
   ctx.ops().batchnorm_backward(ctx, x_, params_[0]->value, save_mean_, save_invstd_, dy, y_, dx,
                                params_[0]->grad, params_[1]->grad);
   x_ = y_ = save_mean_ = save_invstd_ = Tensor();
@@ -157,14 +158,14 @@ Tensor BatchNorm2d::backward(DeviceContext& ctx, const Tensor& dy) {
 // ---- ReLU, pooling, flatten, dropout --------------------------------------------------------
 
 Tensor ReLU::forward(DeviceContext& ctx, const Tensor& x) {
-  Tensor y = ctx.alloc(x.shape(), x.dtype());
+  Tensor y = ctx.alloc_as(x);
   ctx.ops().relu_forward(ctx, x, y);
   if (training_) y_ = y;
   return y;
 }
 
 Tensor ReLU::gradient(DeviceContext& ctx, const Tensor& y, const Tensor& dy) {
-  Tensor dx = ctx.alloc(dy.shape(), y.dtype());  // x's gradient: x's dtype, which is y's
+  Tensor dx = ctx.alloc_as(y);  // x's gradient: x's shape, dtype and layout, which are y's
   ctx.ops().relu_backward(ctx, y, dy, dx);
   return dx;
 }
@@ -190,7 +191,7 @@ Shape MaxPool2d::output_shape(const Shape& in) const {
 }
 
 Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
-  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype());
+  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype(), x.channels_last());
   ctx.ops().maxpool2d_forward(ctx, x, y, p_);
   if (training_) x_ = x, y_ = y;
   return y;
@@ -198,7 +199,7 @@ Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
 
 Tensor MaxPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "MaxPool2d backward without a training-mode forward");
-  Tensor dx = ctx.alloc(x_.shape(), x_.dtype());
+  Tensor dx = ctx.alloc_as(x_);
   ctx.ops().maxpool2d_backward(ctx, x_, y_, dy, dx, p_);
   x_ = y_ = Tensor();
   return dx;
@@ -214,13 +215,14 @@ Shape AdaptiveAvgPool2d::output_shape(const Shape& in) const {
 Tensor AdaptiveAvgPool2d::forward(DeviceContext& ctx, const Tensor& x) {
   in_shape_ = x.shape();
   in_dtype_ = x.dtype();
-  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype());
+  in_channels_last_ = x.channels_last();
+  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype(), x.channels_last());
   ctx.ops().adaptive_avgpool2d_forward(ctx, x, y);
   return y;
 }
 
 Tensor AdaptiveAvgPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
-  Tensor dx = ctx.alloc(in_shape_, in_dtype_);
+  Tensor dx = ctx.alloc(in_shape_, in_dtype_, in_channels_last_);
   ctx.ops().adaptive_avgpool2d_backward(ctx, dy, dx);
   return dx;
 }
@@ -230,12 +232,22 @@ Shape Flatten::output_shape(const Shape& in) const {
   return {in[0], in[0] ? shape_numel(in) / in[0] : 0};
 }
 
-Tensor Flatten::forward(DeviceContext&, const Tensor& x) {
+Tensor Flatten::forward(DeviceContext& ctx, const Tensor& x) {
   in_shape_ = x.shape();
-  return x.reshape(output_shape(x.shape()));
+  in_channels_last_ = x.channels_last() && !x.layout_free();
+  if (!in_channels_last_) return x.reshape(output_shape(x.shape()));
+  Tensor nchw = ctx.alloc(x.shape(), x.dtype());
+  ctx.ops().copy(ctx, nchw, x);
+  return nchw.reshape(output_shape(x.shape()));
 }
 
-Tensor Flatten::backward(DeviceContext&, const Tensor& dy) { return dy.reshape(in_shape_); }
+Tensor Flatten::backward(DeviceContext& ctx, const Tensor& dy) {
+  const Tensor g = dy.reshape(in_shape_);
+  if (!in_channels_last_) return g;
+  Tensor dx = ctx.alloc(in_shape_, dy.dtype(), true);
+  ctx.ops().copy(ctx, dx, g);
+  return dx;
+}
 
 Dropout::Dropout(float p, uint64_t seed) : p_(p), seed_(seed) {
   REPLICA_CHECK(p >= 0.f && p < 1.f, "Dropout probability must be in [0, 1), got {}", p);
@@ -250,15 +262,15 @@ Tensor Dropout::forward(DeviceContext& ctx, const Tensor& x) {
   // captured step's mask again. So a step with dropout is not captured (it runs eagerly).
   REPLICA_CHECK(!ctx.capturing(), "dropout draws a new mask every step: a step with dropout "
                 "cannot be captured");
-  Tensor y = ctx.alloc(x.shape(), x.dtype());
-  mask_ = ctx.alloc(x.shape());
+  Tensor y = ctx.alloc_as(x);
+  mask_ = ctx.alloc(x.shape(), DType::F32, x.channels_last());
   ctx.ops().dropout_forward(ctx, x, y, mask_, p_, seed_ * 0x100000001B3ull + calls_++);
   return y;
 }
 
 Tensor Dropout::backward(DeviceContext& ctx, const Tensor& dy) {
   if (!mask_.defined()) return dy;
-  Tensor dx = ctx.alloc(dy.shape(), dy.dtype());
+  Tensor dx = ctx.alloc_as(dy);
   ctx.ops().mul(ctx, dy, mask_, dx);
   mask_ = Tensor();
   return dx;

@@ -106,11 +106,14 @@ class AdaptiveAvgPool2d : public Module {
 
  private:
   int64_t oh_, ow_;
-  Shape in_shape_;
+  Shape in_shape_;  // the input's shape, dtype and layout, for dx (its memory is not kept)
   DType in_dtype_ = DType::F32;
+  bool in_channels_last_ = false;
 };
 
-// [N, ...] -> [N, prod(...)]: a view, no copy.
+// [N, ...] -> [N, prod(...)]: a view, no copy; of a channels_last input (engine/tensor.h), an
+// NCHW copy first, so that the features are in PyTorch's order (and the gradient goes back
+// into the input's layout).
 class Flatten : public Module {
  public:
   std::string type() const override { return "Flatten"; }
@@ -120,6 +123,7 @@ class Flatten : public Module {
 
  private:
   Shape in_shape_;
+  bool in_channels_last_ = false;
 };
 
 // Inverted dropout in training mode, identity in eval. The mask is a pure function of

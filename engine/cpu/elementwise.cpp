@@ -28,10 +28,42 @@ void CpuBackend::fill(DeviceContext&, Tensor& t, float value) {
                       [&](int64_t b, int64_t e) { std::fill(p + b, p + e, value); });
 }
 
+namespace {
+
+// src into dst, one NCHW and the other channels_last (copy_relayouts), converting the dtype as
+// copy does: element (n, c, p) is at (n * C + c) * HW + p in NCHW, (n * HW + p) * C + c in NHWC.
+void copy_relayout(Tensor& dst, const Tensor& src) {
+  if (dst.dtype() != src.dtype()) copy_narrows(dst, src);  // refuses any other pair
+  const int64_t N = src.dim(0), C = src.dim(1), HW = src.dim(2) * src.dim(3);
+  const bool to_nhwc = dst.channels_last();
+  with_storage(src.dtype(), [&](auto in) {
+    with_storage(dst.dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      const In* s = elements<In>(src);
+      Out* d = elements<Out>(dst);
+      cpu::parallel_range(N, 1, [&](int64_t b, int64_t e) {
+        for (int64_t n = b; n < e; ++n)
+          for (int64_t c = 0; c < C; ++c)
+            for (int64_t p = 0; p < HW; ++p) {
+              const int64_t nchw = (n * C + c) * HW + p, nhwc = (n * HW + p) * C + c;
+              d[to_nhwc ? nhwc : nchw] = narrow<Out>(widen(s[to_nhwc ? nchw : nhwc]));
+            }
+      });
+    });
+  });
+}
+
+}  // namespace
+
 void CpuBackend::copy(DeviceContext&, Tensor& dst, const Tensor& src) {
   cpu::expect_host(dst, "copy destination");
   cpu::expect_host(src, "copy source");
   cpu::expect_same_numel(dst, src, "copy");
+  if (copy_relayouts(dst, src)) {
+    copy_relayout(dst, src);
+    return;
+  }
   if (dst.dtype() != src.dtype()) {  // F32 <-> BF16: a conversion (backend_ops.inc)
     cpu::convert(dst, src);
     return;

@@ -7,7 +7,9 @@
 // round an operand to the same bf16 number. A convolution with ctx.channels_last() has its
 // copies laid out NHWC (weights KRSC) in the same pass, fp32 or bf16: a tiled transpose, read
 // and written a row of 32 elements at a time. The copies live in one scratch block per call,
-// which the ProductIo holds until the op has enqueued its last use.
+// which the ProductIo holds until the op has enqueued its last use. A tensor that is already
+// what the product reads or writes (a BF16 activation; a channels_last one, engine/tensor.h, of
+// an NHWC convolution) is used where it is: no copy, and its result written in place.
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/index_math.h"
 
@@ -129,55 +131,44 @@ void with_tiles(const Planes& d, F&& launch) {
     launch(TileDividers<cuda::WideDivmod>{cuda::WideDivmod(pt), cuda::WideDivmod(ct)});
 }
 
-// t (F32 or BF16) into dst, NHWC when nhwc.
-template <class Out>
-void stage(const Tensor& t, Out* dst, bool nhwc, cudaStream_t stream) {
-  const Planes d = planes_of(t);
-  with_storage(t.dtype(), [&](auto tag) {
-    using In = decltype(tag);
-    const In* src = elements<In>(t);
-    if (nhwc && transposes(d)) {
-      with_tiles(d, [&](auto tiles) {
-        stage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(src, dst, d,
-                                                                                tiles);
-      });
-    } else {
-      cuda::convert_async(src, dst, t.numel(), stream);
-    }
-  });
-  REPLICA_LAUNCH_CHECK();
-}
-
-// A staged result into `out` (F32 or BF16, NCHW), added onto it where accumulate.
-template <class In>
-void unstage(const In* src, Tensor& out, bool nhwc, bool accumulate, cudaStream_t stream) {
-  const Planes d = planes_of(out);
-  with_storage(out.dtype(), [&](auto tag) {
-    using Out = decltype(tag);
-    Out* dst = elements<Out>(out);
-    if (nhwc && transposes(d)) {
-      with_tiles(d, [&](auto tiles) {
-        unstage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(
-            src, dst, d, tiles, accumulate);
-      });
-    } else {
-      unstage_flat_kernel<<<cuda::grid_for(out.numel()), cuda::kThreads, 0, stream>>>(
-          src, dst, out.numel(), accumulate);
-    }
-  });
+// d's elements from src, laid out NHWC where from_nhwc, into dst, laid out NHWC where to_nhwc,
+// converted from In to Out (F32 or BF16) and added onto dst where accumulate: a flat pass where
+// the layouts agree (or lay d out alike), else a tiled transpose.
+template <class In, class Out>
+void move_elements(const In* src, bool from_nhwc, Out* dst, bool to_nhwc, const Planes& d,
+                   bool accumulate, cudaStream_t stream) {
+  const int64_t n = d.n * d.c * d.hw;
+  if (n == 0) return;
+  if (from_nhwc == to_nhwc || !transposes(d)) {
+    unstage_flat_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(src, dst, n,
+                                                                          accumulate);
+  } else if (to_nhwc) {
+    // No product adds an NCHW result into a channels_last tensor (conv.cu keeps them apart).
+    REPLICA_CHECK(!accumulate, "adding an NCHW result into a channels_last tensor");
+    with_tiles(d, [&](auto tiles) {
+      stage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(src, dst, d,
+                                                                              tiles);
+    });
+  } else {
+    with_tiles(d, [&](auto tiles) {
+      unstage_nhwc_kernel<<<tile_blocks(d), dim3(kTile, kTileRows), 0, stream>>>(
+          src, dst, d, tiles, accumulate);
+    });
+  }
   REPLICA_LAUNCH_CHECK();
 }
 
 // Hands out consecutive staged arrays (bf16 or fp32 elements, 256-byte aligned) of one scratch
-// block; floats(n) is what one takes, copy_floats(t) what staging operand t takes.
+// block; floats(n) is what one takes, copy_floats(t) what tensor t takes as an operand or a
+// result. A tensor already stored and laid out as the product reads and writes (bf16 storage,
+// a channels_last activation of an NHWC convolution) is used where it is and takes nothing.
 class Carve {
  public:
   Carve(bool bf16, bool nhwc) : bf16_(bf16), nhwc_(nhwc) {}
   int64_t floats(int64_t n) const { return ((bf16_ ? (n + 1) / 2 : n) + 63) / 64 * 64; }
-  // A BF16 operand (bf16 storage) is already what a bf16 product reads: unless it must be
-  // transposed, it is used where it is and takes nothing.
   bool in_place(const Tensor& t) const {
-    return bf16_ && t.dtype() == DType::BF16 && !(nhwc_ && transposes(planes_of(t)));
+    return t.dtype() == (bf16_ ? DType::BF16 : DType::F32) &&
+           (t.channels_last() == nhwc_ || !transposes(planes_of(t)));
   }
   int64_t copy_floats(const Tensor& t) const { return in_place(t) ? 0 : floats(t.numel()); }
   void start(float* base) { next_ = base; }
@@ -189,11 +180,19 @@ class Carve {
   const void* staged(const Tensor& t, cudaStream_t stream) {
     if (in_place(t)) return t.raw();
     void* out = take(t.numel());
-    if (t.numel() == 0) return out;
-    if (bf16_) stage(t, static_cast<uint16_t*>(out), nhwc_, stream);
-    else stage(t, static_cast<float*>(out), nhwc_, stream);
+    with_storage(t.dtype(), [&](auto in) {
+      const auto* src = elements<decltype(in)>(t);
+      if (bf16_)
+        move_elements(src, t.channels_last(), static_cast<uint16_t*>(out), nhwc_, planes_of(t),
+                      false, stream);
+      else
+        move_elements(src, t.channels_last(), static_cast<float*>(out), nhwc_, planes_of(t),
+                      false, stream);
+    });
     return out;
   }
+  // Where a result for `t` is written: t itself, or a staged array finish() brings into it.
+  void* result(Tensor& t) { return in_place(t) ? t.raw() : take(t.numel()); }
 
  private:
   bool bf16_, nhwc_;
@@ -212,11 +211,29 @@ template void cuda::convert_async(const float*, uint16_t*, int64_t, cudaStream_t
 template void cuda::convert_async(const uint16_t*, float*, int64_t, cudaStream_t);
 template void cuda::convert_async(const uint16_t*, uint16_t*, int64_t, cudaStream_t);
 
+void cuda::copy_relayout(Tensor& dst, const Tensor& src, cudaStream_t stream) {
+  if (dst.dtype() != src.dtype()) copy_narrows(dst, src);  // refuses any other pair
+  with_storage(src.dtype(), [&](auto in) {
+    with_storage(dst.dtype(), [&](auto out) {
+      move_elements(elements<decltype(in)>(src), src.channels_last(),
+                    elements<decltype(out)>(dst), dst.channels_last(), planes_of(dst), false,
+                    stream);
+    });
+  });
+}
+
 void ProductIo::finish(const void* result, Tensor& out, bool accumulate,
                        cudaStream_t stream) const {
-  if (!staged() || out.numel() == 0) return;
-  if (bf16) unstage(static_cast<const uint16_t*>(result), out, nhwc, accumulate, stream);
-  else unstage(static_cast<const float*>(result), out, nhwc, accumulate, stream);
+  if (result == out.raw() || out.numel() == 0) return;  // written in place
+  with_storage(out.dtype(), [&](auto tag) {
+    auto* dst = elements<decltype(tag)>(out);
+    if (bf16)
+      move_elements(static_cast<const uint16_t*>(result), nhwc, dst, out.channels_last(),
+                    planes_of(out), accumulate, stream);
+    else
+      move_elements(static_cast<const float*>(result), nhwc, dst, out.channels_last(),
+                    planes_of(out), accumulate, stream);
+  });
 }
 
 ProductIo CudaBackend::forward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -227,17 +244,17 @@ ProductIo CudaBackend::forward_io(DeviceContext& ctx, const Tensor& x, const Ten
   if (!io.staged()) return io;
   const cudaStream_t stream = cuda_state(ctx).stream;
   Carve carve(io.bf16, io.nhwc);
-  io.held = scratch(ctx, carve.copy_floats(x) + carve.floats(w.numel()) +
-                            carve.floats(y.numel()));
+  io.held = scratch(ctx, carve.copy_floats(x) + carve.copy_floats(w) + carve.copy_floats(y));
   carve.start(io.held.f32());
   io.x = carve.staged(x, stream);
   io.w = carve.staged(w, stream);
-  io.y = carve.take(y.numel());
+  io.y = carve.result(y);
   return io;
 }
 
 ProductIo CudaBackend::backward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                                   const Tensor& dy, Tensor* dx, Tensor* dw, bool nhwc) {
+                                   const Tensor& dy, Tensor* dx, Tensor* dw, bool nhwc,
+                                   bool dx_adds) {
   const bool bf16 = ctx.precision() == Precision::Bf16;  // BF16 tensors only then, as forward
   ProductIo io{bf16, nhwc, bf16 ? x.raw() : x.f32(), w.f32(), bf16 ? dy.raw() : dy.f32()};
   io.dx = dx ? (bf16 ? dx->raw() : dx->f32()) : nullptr;
@@ -246,18 +263,24 @@ ProductIo CudaBackend::backward_io(DeviceContext& ctx, const Tensor& x, const Te
   const cudaStream_t stream = cuda_state(ctx).stream;
   // dx = f(w, dy) wants w and its result, dw = g(x, dy) x and its result.
   Carve carve(io.bf16, io.nhwc);
-  const int64_t for_dx = carve.floats(w.numel()) + carve.floats(x.numel());
-  const int64_t for_dw = carve.copy_floats(x) + carve.floats(w.numel());
-  io.held = scratch(ctx, carve.copy_floats(dy) + (dx ? for_dx : 0) + (dw ? for_dw : 0));
+  // A bf16 dx that the call adds onto is staged all the same and added as it is brought back:
+  // the graph API's bf16 plans are built for beta 0, and cuDNN's legacy bf16 backward, where a
+  // missing plan would send it, chooses an engine again at every call (README).
+  const bool dx_staged = dx && io.bf16 && dx_adds;
+  const int64_t for_dx =
+      dx ? carve.copy_floats(w) + (dx_staged ? carve.floats(dx->numel()) : carve.copy_floats(*dx))
+         : 0;
+  const int64_t for_dw = dw ? carve.copy_floats(x) + carve.copy_floats(*dw) : 0;
+  io.held = scratch(ctx, carve.copy_floats(dy) + for_dx + for_dw);
   carve.start(io.held.f32());
   io.dy = carve.staged(dy, stream);
   if (dx) {
     io.w = carve.staged(w, stream);
-    io.dx = carve.take(x.numel());
+    io.dx = dx_staged ? carve.take(dx->numel()) : carve.result(*dx);
   }
   if (dw) {
     io.x = carve.staged(x, stream);
-    io.dw = carve.take(w.numel());
+    io.dw = carve.result(*dw);
   }
   return io;
 }

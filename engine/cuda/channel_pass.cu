@@ -75,10 +75,82 @@ __global__ void channel_partials_kernel(const T* __restrict__ x, const T* __rest
   }
 }
 
+// The same sums where a channel's values are every C-th (hw = 1: [N, C], or an NHWC tensor seen
+// as [N*H*W, C]): there the kernel above would read a value per 2-4 bytes of a 32-byte sector.
+// Block (s, t) takes rows [s * per, (s + 1) * per) of channels [32 t, 32 t + 32): a warp reads a
+// row's 32 channels side by side, its 8 warps every 8th row, kUnroll rows in flight each; then
+// each channel's 8 warp sums are added in warp order.
+constexpr int kRowWarps = 8;
+
+template <ChannelSum kWhat, class T>
+__global__ void row_partials_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                    const T* __restrict__ relu_y, const float* mean,
+                                    const float* invstd, ChannelDims d, int S, int64_t per,
+                                    double* part_a, double* part_b) {
+  constexpr bool kGrad = kWhat == ChannelSum::GradMoments;
+  __shared__ double sh_a[kRowWarps][32], sh_b[kRowWarps][32];
+  const int64_t s = blockIdx.x % S, c = int64_t(blockIdx.x / S) * 32 + threadIdx.x;
+  const int64_t r0 = s * per, r1 = r0 + per < d.n ? r0 + per : d.n;
+  double a = 0, b = 0;
+  if (c < d.c) {
+    double pivot = 0, is = 1;
+    if constexpr (kWhat == ChannelSum::Moments) pivot = widen(x[c]);
+    if constexpr (kGrad) {
+      pivot = mean[c];
+      is = invstd[c];
+    }
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kUnroll * kRowWarps) {
+      float xv[kUnroll], gv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ru = r + u * kRowWarps;
+        if (ru < r1) {
+          const int64_t i = ru * d.c + c;
+          xv[u] = widen(x[i]);
+          if constexpr (kGrad)
+            gv[u] = masked_grad(widen(dy[i]), relu_y ? widen(relu_y[i]) : 1.f, relu_y);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (r + u * kRowWarps >= r1) break;
+        if constexpr (kWhat == ChannelSum::Values) {
+          a += xv[u];
+        } else if constexpr (kWhat == ChannelSum::Moments) {
+          const double v = xv[u] - pivot;
+          a += v;
+          b += v * v;
+        } else {
+          a += gv[u];
+          b += gv[u] * (xv[u] - pivot) * is;
+        }
+      }
+    }
+  }
+  sh_a[threadIdx.y][threadIdx.x] = a;
+  sh_b[threadIdx.y][threadIdx.x] = b;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= d.c) return;
+  for (int w = 1; w < kRowWarps; ++w) {
+    a += sh_a[w][threadIdx.x];
+    b += sh_b[w][threadIdx.x];
+  }
+  part_a[c * S + s] = a;
+  if constexpr (kWhat != ChannelSum::Values) part_b[c * S + s] = b;
+}
+
 template <ChannelSum kWhat, class T>
 void launch_partials(const ChannelDims& d, int S, const T* x, const T* dy, const T* relu_y,
                      const float* mean, const float* invstd, double* part_a, double* part_b,
                      cudaStream_t stream) {
+  if (d.hw == 1) {
+    const int64_t per = (d.n + S - 1) / S;
+    const unsigned blocks = unsigned(S * ((d.c + 31) / 32));
+    row_partials_kernel<kWhat, T><<<blocks, dim3(32, kRowWarps), 0, stream>>>(
+        x, dy, relu_y, mean, invstd, d, S, per, part_a, part_b);
+    REPLICA_LAUNCH_CHECK();
+    return;
+  }
   const unsigned blocks = unsigned(d.c * S);
   const int64_t per = (d.m() + S - 1) / S;
   if (fast_index(d.numel())) {
@@ -122,8 +194,12 @@ __global__ void channel_affine_kernel(const T* x, T* y, const float* scale, cons
 }  // namespace
 
 int channel_slices(const ChannelDims& d, const char* op) {
-  const int64_t s = (d.m() + 4095) / 4096;
-  const int S = int(s < 1 ? 1 : (s > 128 ? 128 : s));
+  // Rows of channels side by side (hw = 1) are read 32 channels to a block: slices of 512 rows,
+  // up to 1024 of them, give a channel-poor NHWC tensor (64 channels) blocks enough to fill
+  // the GPU.
+  const int64_t per = d.hw == 1 ? 512 : 4096, cap = d.hw == 1 ? 1024 : 128;
+  const int64_t s = (d.m() + per - 1) / per;
+  const int S = int(s < 1 ? 1 : (s > cap ? cap : s));
   REPLICA_CHECK(d.c * S <= INT32_MAX, "{}: {} channels are too many for one launch", op, d.c);
   return S;
 }

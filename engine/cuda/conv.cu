@@ -9,14 +9,17 @@
 // In bf16 (Precision::Bf16) the descriptors hold bf16 data with fp32 compute: F32 operands are
 // rounded into bf16 scratch copies (BF16 activations are read as they are, unless transposed),
 // results brought into the F32 or BF16 output tensors (bf16.cu). With
-// ctx.channels_last() (bf16's default) those copies, fp32 or bf16, are NHWC and so are the
-// descriptors (filters KRSC): the layout cuDNN's tensor-core kernels are written for. Only for
-// convolutions whose input and output channels are multiples of 8, the shapes those kernels
-// take; the others (a first layer's 1 or 3 channels) stay NCHW, where every shape has run.
+// ctx.channels_last() (bf16's default) the descriptors are NHWC (filters KRSC): the layout
+// cuDNN's tensor-core kernels are written for. Only for convolutions whose input and output
+// channels are multiples of 8, the shapes those kernels take (DeviceContext::nhwc_convolution);
+// the others (a first layer's 1 or 3 channels) stay NCHW, where every shape has run. Such a
+// convolution's output is a channels_last tensor (engine/tensor.h), written where it is, and so
+// is its input where the layer before wrote one: only NCHW operands are copied into NHWC.
 // With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias
 // forward/backward are own kernels (the bias gradient is a fixed-order per-channel reduction,
 // so it is deterministic in every mode).
 #include <algorithm>
+#include <initializer_list>
 #include <vector>
 
 #include "engine/cuda/channel_pass.h"
@@ -36,9 +39,28 @@ int as_int(int64_t v, const char* what) {
 // out NHWC, results brought back.
 constexpr const char* kCopiesPart = "operand copies (bf16, NHWC)";
 
-// Whether a convolution of C input and K output channels runs on NHWC copies (see the top).
+// Whether a convolution of C input and K output channels runs NHWC (see the top): the rule by
+// which Conv2d lays its output out channels_last (DeviceContext::nhwc_convolution), so such a
+// convolution reads and writes its channels_last activations where they are.
 bool conv_nhwc(const DeviceContext& ctx, int64_t C, int64_t K) {
-  return ctx.channels_last() && C % 8 == 0 && K % 8 == 0;
+  return ctx.nhwc_convolution(C, K);
+}
+
+// A convolution that runs NCHW takes no channels_last tensor: by the rule above none reaches
+// one from Conv2d, whose NCHW convolutions (1 or 3 input channels) read the data's images.
+void expect_nchw(bool nhwc, std::initializer_list<const Tensor*> ts, const char* op) {
+  if (nhwc) return;
+  for (const Tensor* t : ts)
+    REPLICA_CHECK(!t->defined() || !t->channels_last() || t->layout_free(),
+                  "{}: a channels_last tensor {} for a convolution that runs NCHW (its "
+                  "channels are not multiples of 8)", op, shape_str(t->shape()));
+}
+
+// A bias's per-channel view of y or dy (channel_pass.h): [N, K, P*Q], or channels_last
+// [N*P*Q, K, 1], where a channel's values are every K-th.
+cuda::ChannelDims bias_dims(const Tensor& t) {
+  const int64_t N = t.dim(0), K = t.dim(1), PQ = t.dim(2) * t.dim(3);
+  return t.channels_last() ? cuda::ChannelDims{N * PQ, K, 1} : cuda::ChannelDims{N, K, PQ};
 }
 
 // Destroys the descriptors a plan has (any may still be null).
@@ -239,13 +261,14 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
     REPLICA_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.bytes(), s.stream));
   } else {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
+    expect_nchw(plan.spec.nhwc, {&x, &y}, op);
     const ProductIo io =
         op_part(ctx, kCopiesPart, [&] { return forward_io(ctx, x, w, y, plan.spec.nhwc); });
     op_part(ctx, "cuDNN forward",
             [&] { run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f); });
     op_part(ctx, kCopiesPart, [&] { io.finish(io.y, y, false, s.stream); });
   }
-  if (b.defined() && y.numel() > 0) cuda::add_channel_bias({N, K, P * Q}, y, b, s.stream);
+  if (b.defined() && y.numel() > 0) cuda::add_channel_bias(bias_dims(y), y, b, s.stream);
 }
 
 void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -275,22 +298,23 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
       REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
     return;
   }
-  const cuda::ChannelDims bias{N, K, P * Q};
+  const cuda::ChannelDims bias = bias_dims(dy);
   const int bias_slices = db.defined() ? cuda::channel_slices(bias, op) : 0;  // before launches
   CudaState& s = cuda_state(ctx);
   const bool have_channels = x.dim(1) > 0;
   const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
   const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
   ConvPlan* const wanted = want_dx || want_dw ? &conv_plan(ctx, x, w, p) : nullptr;
+  if (wanted) expect_nchw(wanted->spec.nhwc, {&x, &dy, &dx}, op);
   const ProductIo io = op_part(ctx, kCopiesPart, [&] {
     return backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr, want_dw ? &dw : nullptr,
-                       wanted && wanted->spec.nhwc);
+                       wanted && wanted->spec.nhwc, add_to_dx);
   });
 
   if (want_dx) {
     op_part(ctx, "cuDNN backward data", [&] {
       run_conv(ctx, *wanted, ConvDirection::BackwardData, {io.dx, io.w, io.dy},
-               io.beta(add_to_dx));
+               io.beta(add_to_dx, io.dx, dx));
     });
     op_part(ctx, kCopiesPart, [&] { io.finish(io.dx, dx, add_to_dx, s.stream); });
   } else if (dx.defined() && dx.numel() > 0 && !add_to_dx) {
@@ -300,7 +324,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     // dw accumulates; staged, the call writes its own part, added by finish()
     op_part(ctx, "cuDNN backward filter", [&] {
       run_conv(ctx, *wanted, ConvDirection::BackwardFilter, {io.x, io.dw, io.dy},
-               io.beta(true));
+               io.beta(true, io.dw, dw));
     });
     op_part(ctx, kCopiesPart, [&] { io.finish(io.dw, dw, true, s.stream); });
   }

@@ -44,6 +44,27 @@ bool CudaBackend::takes_bf16(OpId op) const {
   }
 }
 
+Backend::Layouts CudaBackend::layouts(OpId op) const {
+  switch (op) {
+    case OpId::copy:
+    case OpId::conv2d_forward:
+    case OpId::conv2d_backward:
+      return Layouts::Any;
+    case OpId::fill:
+    case OpId::add:
+    case OpId::scale:
+    case OpId::mul:
+    case OpId::relu_forward:
+    case OpId::relu_backward:
+    case OpId::batchnorm_forward_train:
+    case OpId::batchnorm_forward_eval:
+    case OpId::batchnorm_backward:
+      return Layouts::Uniform;
+    default:
+      return Layouts::None;
+  }
+}
+
 namespace cuda {
 
 template <class T>

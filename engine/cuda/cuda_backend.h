@@ -125,6 +125,10 @@ void with_width(bool vec4, F&& launch) {
 // flat copies (bf16.cu).
 template <class In, class Out>
 void convert_async(const In* src, Out* dst, int64_t n, cudaStream_t stream);
+// dst <- src, one NCHW and the other channels_last, both on this device (copy_relayouts,
+// engine/ops.h): the tiled transposes that stage a convolution's operands (bf16.cu), converting
+// F32 <-> BF16 where the dtypes differ.
+void copy_relayout(Tensor& dst, const Tensor& src, cudaStream_t stream);
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
 template <class T>
@@ -175,10 +179,12 @@ struct ConvPlan {
   ConvGraphSlot graphs[3][2];
 };
 
-// What a product (a convolution, a linear layer) reads and writes in one direction: the fp32
-// tensors themselves, or staged copies in the backend's scratch: its operands rounded to bf16
+// What a product (a convolution, a linear layer) reads and writes in one direction: the tensors
+// themselves, or staged copies in the backend's scratch: its operands rounded to bf16
 // (Precision::Bf16) and/or laid out NHWC (a convolution with ctx.channels_last()), its results
-// in the same form, brought back into the fp32 NCHW tensors by finish() (bf16.cu).
+// in the same form, brought back into their tensors by finish() (bf16.cu). A tensor already
+// stored and laid out as the product takes it (a BF16 activation; a channels_last one of an
+// NHWC convolution, engine/tensor.h) is read or written where it is.
 struct ProductIo {
   bool bf16 = false;  // staged as bf16 (else fp32)
   bool nhwc = false;  // staged as NHWC, weights KRSC (else as the tensors are)
@@ -189,11 +195,15 @@ struct ProductIo {
   void* y = nullptr;   // forward
   void* dx = nullptr;  // backward: overwritten, or added onto dx (InputGrad::Accumulate)
   void* dw = nullptr;  // backward: added onto dw
-  // The beta of the library call writing a result that `adds` onto its tensor: 1 on the tensor
-  // itself; staged, the call writes its own part (0) and finish() adds it.
-  float beta(bool adds) const { return adds && !staged() ? 1.f : 0.f; }
+  // The beta of the library call writing `result` for `out` when it `adds` onto it: 1 where the
+  // result is written in `out` itself; staged, the call writes its own part (0) and finish()
+  // adds it.
+  float beta(bool adds, const void* result, const Tensor& out) const {
+    return adds && result == out.raw() ? 1.f : 0.f;
+  }
   Tensor held;  // the scratch the staged copies live in (undefined when nothing is staged)
-  // Brings a staged result into `out` (accumulate: out += it); a no-op when nothing is staged.
+  // Brings a staged result into `out` (accumulate: out += it), converting its dtype and layout;
+  // a no-op for a result written in `out` itself.
   void finish(const void* result, Tensor& out, bool accumulate, cudaStream_t stream) const;
 };
 
@@ -215,6 +225,10 @@ class CudaBackend final : public Backend {
   // (engine/bf16_storage.h): copying BF16 to F32 and back around each would cost more than the
   // op. The others (the loss, add, scale, dropout, mul, gather_rows) get F32 copies.
   bool takes_bf16(OpId op) const override;
+  // channels_last tensors (engine/tensor.h): copy and the convolutions take any layout,
+  // BatchNorm and the flat elementwise ops one shared by all their 4-D tensors; the rest (pooling,
+  // dropout) are given NCHW copies.
+  Layouts layouts(OpId op) const override;
 
  private:
   // Per-shape convolution plans (conv.cu). Descriptors are destroyed with the backend.
@@ -241,8 +255,9 @@ class CudaBackend final : public Backend {
   // a convolution's, staged NHWC.
   ProductIo forward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w, Tensor& y,
                        bool nhwc = false);
+  // `dx_adds`: the call adds its dx onto what dx holds (InputGrad::Accumulate).
   ProductIo backward_io(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                        Tensor* dx, Tensor* dw, bool nhwc = false);
+                        Tensor* dx, Tensor* dw, bool nhwc = false, bool dx_adds = false);
 
   // Device memory for one op's kernels: scratch (F32 elements, 512-byte aligned) and cuDNN's
   // workspace (bytes; undefined for none), taken from the device's allocator for that op alone,

@@ -110,8 +110,8 @@ void CudaBackend::linear_backward(DeviceContext& ctx, const Tensor& x, const Ten
     io.finish(io.dx, dx, false, s.stream);
   }
   if (want_dw) {  // fp32: dw accumulates (beta 1); bf16: this call's part, added after
-    gemm(s, io.bf16, CUBLAS_OP_N, CUBLAS_OP_T, in, out, N, io.x, in, io.dy, out, io.beta(true),
-         io.dw, in);
+    gemm(s, io.bf16, CUBLAS_OP_N, CUBLAS_OP_T, in, out, N, io.x, in, io.dy, out,
+         io.beta(true, io.dw, dw), io.dw, in);
     io.finish(io.dw, dw, true, s.stream);
   }
   if (db.defined() && N > 0 && out > 0)

@@ -119,6 +119,12 @@ void CudaBackend::copy(DeviceContext& ctx, Tensor& dst, const Tensor& src) {
                 shape_str(dst.shape()), shape_str(src.shape()));
   REPLICA_CHECK(dst.on_cuda() || src.on_cuda(),
                 "copy: neither side is GPU memory (use the CPU backend for host copies)");
+  if (copy_relayouts(dst, src)) {  // NCHW <-> channels_last on this device
+    cuda::expect_device(ctx, dst, "copy", "destination of a layout conversion");
+    cuda::expect_device(ctx, src, "copy", "source of a layout conversion");
+    cuda::copy_relayout(dst, src, cuda_state(ctx).stream);
+    return;
+  }
   if (dst.dtype() != src.dtype()) {  // F32 <-> BF16 on this device: a conversion
     const bool narrows = copy_narrows(dst, src);
     cuda::expect_device(ctx, dst, "copy", "destination of a conversion");

@@ -17,7 +17,8 @@
 // The sums and the output pass are the shared per-channel passes of channel_pass.h (which says
 // how they keep the memory busy); the dx pass is here, flat in the same way. Activations may be
 // BF16 (bf16 storage, engine/bf16_storage.h): read widened, computed as for F32, stored
-// rounded, so BatchNorm moves half the bytes; statistics and parameters stay F32.
+// rounded, so BatchNorm moves half the bytes; statistics and parameters stay F32. Or
+// channels_last (engine/tensor.h): the same passes over [N*H*W, C] rows (bn_dims).
 #include "engine/cuda/channel_pass.h"
 
 namespace replica {
@@ -27,11 +28,14 @@ namespace {
 using cuda::ChannelDims;
 using cuda::ChannelSum;
 
+// x's channels: [N, C, HW], or for a channels_last x (engine/tensor.h; the op's other 4-D
+// tensors share its layout, Backend::layouts) [N*HW, C, 1], its channels side by side in rows.
 ChannelDims bn_dims(const Tensor& x, const char* op) {
   REPLICA_CHECK(x.ndim() >= 2 && x.ndim() <= 4,
                 "{}: x {} must be [N, C], [N, C, L] or [N, C, H, W]", op, shape_str(x.shape()));
   int64_t hw = 1;
   for (int i = 2; i < x.ndim(); ++i) hw *= x.dim(i);
+  if (x.channels_last()) return {x.dim(0) * hw, x.dim(1), 1};
   return {x.dim(0), x.dim(1), hw};
 }
 

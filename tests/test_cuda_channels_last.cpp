@@ -1,0 +1,248 @@
+// channels_last activations on the GPU (engine/tensor.h): copies between layouts give the CPU's
+// bits; BatchNorm, ReLU and add read and write NHWC tensors themselves and give NCHW's results;
+// convolutions read and write them where they are; ResNets trained with them follow NCHW within
+// rounding noise. tests/test_channels_last.cpp proves the layers' plumbing on CPU devices.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dp_reference.h"
+#include "engine/context.h"
+#include "engine/error.h"
+#include "engine/op_profile.h"
+#include "engine/ops.h"
+#include "gpu_skip.h"
+#include "parallel/engines/train_engine.h"
+
+using namespace replica;
+
+namespace {
+
+const Device kGpu{DeviceType::CUDA, 0, 0};
+const Device kCpu{DeviceType::CPU, 0, 0};
+
+DeviceContext& host() {
+  static DeviceContext ctx(kCpu, ContextOptions{1});
+  return ctx;
+}
+
+std::vector<float> draws(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// `vals` (NCHW order) as a tensor of ctx: `dtype` (BF16: rounded), NHWC where channels_last.
+Tensor make(DeviceContext& ctx, const Shape& shape, DType dtype, bool channels_last,
+            const std::vector<float>& vals) {
+  Tensor f = host().alloc(shape);
+  std::copy(vals.begin(), vals.end(), f.f32());
+  Tensor h = Tensor::empty(host_allocator(), shape, dtype, channels_last);
+  host().ops().copy(host(), h, f);  // the CPU's conversion: dtype and layout
+  Tensor d = ctx.alloc(shape, dtype, channels_last);
+  ctx.ops().copy(ctx, d, h);
+  return d;
+}
+
+// t's values in NCHW order, as floats.
+std::vector<float> values(DeviceContext& ctx, const Tensor& t) {
+  Tensor h =
+      Tensor::empty(host_allocator(), t.shape(), t.dtype(), t.ndim() == 4 && t.channels_last());
+  ctx.ops().copy(ctx, h, t);
+  ctx.synchronize();
+  Tensor f = host().alloc(t.shape());
+  host().ops().copy(host(), f, h);
+  return std::vector<float>(f.f32(), f.f32() + f.numel());
+}
+
+ContextOptions options(Precision precision, bool channels_last) {
+  ContextOptions o{0, true, precision};
+  o.channels_last = channels_last;
+  return o;
+}
+
+bool have_bf16() { return test::have_tensor_cores("bf16 cases"); }
+
+}  // namespace
+
+TEST_CASE("copy between layouts on the GPU gives the CPU's bits (F32, BF16, partial tiles)") {
+  if (!test::have_gpu()) return;
+  DeviceContext gpu(kGpu, options(Precision::Fp32, false));
+  for (const Shape& shape : {Shape{3, 40, 7, 9}, Shape{2, 64, 1, 1}, Shape{2, 1, 5, 5},
+                             Shape{2, 96, 33, 35}}) {
+    CAPTURE(shape_str(shape));
+    const auto v = draws(shape_numel(shape), 3);
+    const Tensor nchw = make(gpu, shape, DType::F32, false, v);
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      Tensor nhwc = gpu.alloc(shape, dtype, true);
+      gpu.ops().copy(gpu, nhwc, nchw);  // the GPU's transposes
+      const Tensor expected = make(gpu, shape, dtype, true, v);  // the CPU's
+      CHECK(values(gpu, nhwc) == values(gpu, expected));
+      Tensor back = gpu.alloc(shape);
+      gpu.ops().copy(gpu, back, nhwc);
+      CHECK(values(gpu, back) == values(gpu, make(gpu, shape, dtype, false, v)));
+    }
+  }
+}
+
+TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's results") {
+  if (!test::have_gpu()) return;
+  for (const Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    if (precision == Precision::Bf16 && !have_bf16()) continue;
+    const DType dt = precision == Precision::Bf16 ? DType::BF16 : DType::F32;
+    const double tol = dt == DType::BF16 ? 2e-3 : 1e-5;  // BF16: a few roundings flip
+    DeviceContext gpu(kGpu, options(precision, true));
+    for (const Shape& shape : {Shape{4, 64, 9, 9}, Shape{3, 40, 5, 7}, Shape{8, 256, 14, 14}}) {
+      CAPTURE(shape_str(shape));
+      CAPTURE(precision_name(precision));
+      const int64_t C = shape[1];
+      const auto xv = draws(shape_numel(shape), 1), rv = draws(shape_numel(shape), 2);
+      const auto gv = draws(shape_numel(shape), 4);
+      struct Run {
+        std::vector<float> y, mean, invstd, running, dx, dgamma, dbeta, eval, relu_dx, sum;
+      };
+      auto run = [&](bool cl) {
+        Run r;
+        OpProfile profile;  // channels_last: no op may run on NCHW copies (no parts)
+        if (cl) gpu.set_op_profile(&profile);
+        const Tensor x = make(gpu, shape, dt, cl, xv), res = make(gpu, shape, dt, cl, rv);
+        const Tensor dy = make(gpu, shape, dt, cl, gv);
+        Tensor gamma = make(gpu, {C}, DType::F32, false, draws(C, 5));
+        Tensor beta = make(gpu, {C}, DType::F32, false, draws(C, 6));
+        Tensor rm = gpu.alloc({C}), rvar = gpu.alloc({C}), mean = gpu.alloc({C});
+        Tensor invstd = gpu.alloc({C}), dgamma = gpu.alloc({C}), dbeta = gpu.alloc({C});
+        gpu.ops().fill(gpu, rm, 0.f);
+        gpu.ops().fill(gpu, rvar, 1.f);
+        gpu.ops().fill(gpu, dgamma, 0.f);
+        gpu.ops().fill(gpu, dbeta, 0.f);
+        Tensor y = gpu.alloc_as(x), dx = gpu.alloc_as(x), eval = gpu.alloc_as(x);
+        gpu.ops().batchnorm_forward_train(gpu, x, gamma, beta, rm, rvar, 0.1f, 1e-5f, y, mean,
+                                          invstd, res, true);
+        gpu.ops().batchnorm_backward(gpu, x, gamma, mean, invstd, dy, y, dx, dgamma, dbeta);
+        gpu.ops().batchnorm_forward_eval(gpu, x, gamma, beta, rm, rvar, 1e-5f, eval, Tensor(),
+                                         false);
+        Tensor relu_dx = gpu.alloc_as(x), sum = make(gpu, shape, dt, cl, rv);
+        gpu.ops().relu_backward(gpu, y, dy, relu_dx);
+        gpu.ops().add(gpu, sum, x, 0.5f);
+        gpu.set_op_profile(nullptr);
+        CHECK(profile.parts().empty());
+        r.y = values(gpu, y), r.mean = values(gpu, mean), r.invstd = values(gpu, invstd);
+        r.running = values(gpu, rvar), r.dx = values(gpu, dx), r.dgamma = values(gpu, dgamma);
+        r.dbeta = values(gpu, dbeta), r.eval = values(gpu, eval);
+        r.relu_dx = values(gpu, relu_dx), r.sum = values(gpu, sum);
+        return r;
+      };
+      const Run a = run(false), b = run(true);
+      CHECK(test::relative_l2(a.y, b.y) < tol);
+      CHECK(test::relative_l2(a.mean, b.mean) < 1e-5);
+      CHECK(test::relative_l2(a.invstd, b.invstd) < 1e-5);
+      CHECK(test::relative_l2(a.running, b.running) < 1e-5);
+      CHECK(test::relative_l2(a.dx, b.dx) < tol);
+      CHECK(test::relative_l2(a.dgamma, b.dgamma) < 1e-4);
+      CHECK(test::relative_l2(a.dbeta, b.dbeta) < 1e-4);
+      CHECK(test::relative_l2(a.eval, b.eval) < tol);
+      CHECK(test::relative_l2(a.relu_dx, b.relu_dx) < tol);
+      CHECK(a.sum == b.sum);  // add is flat: the same sums, element by element
+    }
+  }
+}
+
+TEST_CASE("convolutions read and write channels_last tensors where they are: NCHW's results") {
+  if (!test::have_gpu()) return;
+  struct Case {
+    Shape x, w;
+    Conv2dParams p;
+    bool bias;
+  };
+  const Case cases[] = {{{4, 16, 13, 11}, {40, 16, 3, 3}, {1, 1}, true},
+                        {{2, 64, 14, 14}, {128, 64, 1, 1}, {2, 0}, false},
+                        {{3, 72, 7, 7}, {64, 72, 3, 3}, {1, 1}, false}};
+  for (const Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    if (precision == Precision::Bf16 && !have_bf16()) continue;
+    const DType dt = precision == Precision::Bf16 ? DType::BF16 : DType::F32;
+    const double tol = dt == DType::BF16 ? 2e-3 : 1e-5;
+    DeviceContext nchw(kGpu, options(precision, false)), nhwc(kGpu, options(precision, true));
+    for (const Case& c : cases) {
+      CAPTURE(shape_str(c.x));
+      CAPTURE(precision_name(precision));
+      const int64_t K = c.w[0];
+      const Shape ys{c.x[0], K, window_out(c.x[2], int(c.w[2]), c.p.stride, c.p.padding),
+                     window_out(c.x[3], int(c.w[2]), c.p.stride, c.p.padding)};
+      const auto xv = draws(shape_numel(c.x), 7), wv = draws(shape_numel(c.w), 8);
+      const auto bv = draws(K, 9), gv = draws(shape_numel(ys), 10);
+      const auto sv = draws(shape_numel(c.x), 11);
+      auto run = [&](DeviceContext& ctx, bool cl) {
+        const Tensor x = make(ctx, c.x, dt, cl, xv), w = make(ctx, c.w, DType::F32, false, wv);
+        const Tensor b = c.bias ? make(ctx, {K}, DType::F32, false, bv) : Tensor();
+        Tensor y = ctx.alloc(ys, dt, cl);
+        ctx.ops().conv2d_forward(ctx, x, w, b, y, c.p);
+        const Tensor dy = make(ctx, ys, dt, cl, gv);
+        Tensor dx = ctx.alloc_as(x), dw = make(ctx, c.w, DType::F32, false, wv);
+        Tensor db = c.bias ? make(ctx, {K}, DType::F32, false, bv) : Tensor();
+        ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, c.p, InputGrad::Overwrite);
+        Tensor sum = make(ctx, c.x, dt, cl, sv);  // a residual block's dx, added onto
+        Tensor no_dw, no_db;
+        ctx.ops().conv2d_backward(ctx, x, w, dy, sum, no_dw, no_db, c.p, InputGrad::Accumulate);
+        std::vector<std::vector<float>> out = {values(ctx, y), values(ctx, dx), values(ctx, dw),
+                                               values(ctx, sum)};
+        if (c.bias) out.push_back(values(ctx, db));
+        return out;
+      };
+      const auto a = run(nchw, false), b = run(nhwc, true);
+      for (size_t k = 0; k < a.size(); ++k) {
+        CAPTURE(k);  // y, dx, dw, dx added onto, db
+        CHECK(test::relative_l2(a[k], b[k]) < tol);
+      }
+    }
+  }
+  // A channels_last input to a convolution that runs NCHW (3 channels) is refused, not misread.
+  DeviceContext nhwc(kGpu, options(Precision::Fp32, true));
+  const Tensor x = make(nhwc, {2, 3, 8, 8}, DType::F32, true, draws(384, 1));
+  const Tensor w = make(nhwc, {8, 3, 3, 3}, DType::F32, false, draws(216, 2));
+  Tensor y = nhwc.alloc({2, 8, 6, 6});
+  CHECK_THROWS_AS(nhwc.ops().conv2d_forward(nhwc, x, w, Tensor(), y, Conv2dParams{1, 0}), Error);
+}
+
+// One SGD step of a ResNet with channels_last activations against the same step in NCHW, both
+// on the GPU: the convolutions' algorithms differ between layouts, so the update is held to
+// what rounding-sized noise on the input does (as tests/test_cuda_precision.cpp's TF32 case):
+// within 5x of it. A tensor read in the wrong layout changes the update by O(1).
+TEST_CASE("ResNets trained with channels_last activations on the GPU follow NCHW") {
+  if (!test::have_gpu()) return;
+  struct Case {
+    std::string model;
+    Shape shape;
+    Precision precision;
+    float noise;
+  };
+  for (const Case& c : {Case{"resnet18", {1, 28, 28}, Precision::Fp32, 1.f / (1 << 20)},
+                        Case{"resnet18", {1, 28, 28}, Precision::Bf16, 1.f / 512},
+                        Case{"resnet50", {3, 32, 32}, Precision::Bf16, 1.f / 512}}) {
+    if (c.precision == Precision::Bf16 && !have_bf16()) continue;
+    CAPTURE(c.model);
+    CAPTURE(precision_name(c.precision));
+    EngineOptions o = test::sgd_options(c.model, c.shape);
+    o.precision = c.precision;
+    auto nchw = make_single_device_engine(kGpu, o);
+    auto noisy = make_single_device_engine(kGpu, o);
+    o.channels_last = true;
+    auto nhwc = make_single_device_engine(kGpu, o);
+    const std::vector<float> before = test::params_of(*nchw);
+    const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
+    nchw->train_step(batch);
+    nhwc->train_step(batch);
+    noisy->train_step(test::perturbed(batch, c.noise, 1));
+    CHECK(std::fabs(nchw->last_loss() - nhwc->last_loss()) <= 1e-2 * nchw->last_loss());
+    const double drift = test::update_drift(*nchw, *nhwc, before);
+    const double noise_drift = test::update_drift(*nchw, *noisy, before);
+    MESSAGE(c.model << " " << precision_name(c.precision) << ": update, relative L2 against "
+                    "NCHW's: channels_last " << drift << ", NCHW with input noise "
+                    << noise_drift);
+    CHECK(drift <= 5 * noise_drift + 1e-6);
+  }
+}
