@@ -221,6 +221,30 @@ inline Batch perturbed(const Batch& b, float rel, uint32_t seed) {
   return p;
 }
 
+// One SGD step of `ref`, `other` and `noisy` (ref's set-up) from the same parameters on `batch`,
+// noisy's pixels scaled by (1 + u), |u| <= noise: how far other's update is from ref's, beside
+// how far that rounding-sized noise alone moves it (update_drift), losses and drifts printed
+// under `what`. For models where any change of rounding flips routes (ResNets at 28x28: max
+// pools, BatchNorms over few values), so that only a bar set by the model's own noise holds.
+struct NoiseDrift {
+  double drift, noise_drift;
+};
+inline NoiseDrift step_against_noise(TrainEngine& ref, TrainEngine& other, TrainEngine& noisy,
+                                     const Batch& batch, float noise, const std::string& what) {
+  const std::vector<float> before = params_of(ref);
+  ref.train_step(batch);
+  other.train_step(batch);
+  noisy.train_step(perturbed(batch, noise, 1));
+  MESSAGE(what << " loss: reference " << ref.last_loss() << ", compared " << other.last_loss()
+               << ", reference on noisy input " << noisy.last_loss());
+  CHECK(std::fabs(ref.last_loss() - other.last_loss()) <= 1e-2 * ref.last_loss());
+  const NoiseDrift d{update_drift(ref, other, before), update_drift(ref, noisy, before)};
+  MESSAGE(what << ": update, relative L2 against the reference's: compared " << d.drift
+               << ", input noise of " << noise << " " << d.noise_drift);
+  CHECK(d.noise_drift > 0);  // the noise reached the update: the bar is not zero
+  return d;
+}
+
 // The CNN (sgd_options) trained `steps` steps on `device` in fp32 and in `precision` side by
 // side (train_in_lockstep, each step's losses printed); returns update_drift of `precision`
 // against fp32.

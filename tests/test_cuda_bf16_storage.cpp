@@ -315,20 +315,10 @@ TEST_CASE("ResNet-18 in bf16: the GPU's SGD step is the CPU's, within rounding n
   auto cpu = make_single_device_engine(kCpu, o);
   auto noisy = make_single_device_engine(kCpu, o);
   auto gpu = make_single_device_engine(kGpu, o);
-  const std::vector<float> before = test::params_of(*cpu);
   const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
-  cpu->train_step(batch);
-  gpu->train_step(batch);
-  noisy->train_step(test::perturbed(batch, 1.f / 512, 1));
-  MESSAGE("resnet18 bf16 loss: CPU " << cpu->last_loss() << ", GPU " << gpu->last_loss()
-                                     << ", CPU with noisy input " << noisy->last_loss());
-  CHECK(std::fabs(cpu->last_loss() - gpu->last_loss()) <= 1e-2 * cpu->last_loss());
-  const double drift = test::update_drift(*cpu, *gpu, before);
-  const double noise_drift = test::update_drift(*cpu, *noisy, before);
-  MESSAGE("resnet18 bf16: update, relative L2 against the CPU's: GPU " << drift
-          << ", CPU with +-2^-9 input noise " << noise_drift);
-  CHECK(noise_drift > 0);  // the noise reached the update: the bar is not zero
-  CHECK(drift < 5 * noise_drift);
+  const test::NoiseDrift d =
+      test::step_against_noise(*cpu, *gpu, *noisy, batch, 1.f / 512, "resnet18 bf16, CPU vs GPU");
+  CHECK(d.drift < 5 * d.noise_drift);
 }
 
 TEST_CASE("bf16 halves what a forward keeps on the GPU, and a step's peak follows") {

@@ -232,17 +232,10 @@ TEST_CASE("ResNets trained with channels_last activations on the GPU follow NCHW
     auto noisy = make_single_device_engine(kGpu, o);
     o.channels_last = true;
     auto nhwc = make_single_device_engine(kGpu, o);
-    const std::vector<float> before = test::params_of(*nchw);
     const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
-    nchw->train_step(batch);
-    nhwc->train_step(batch);
-    noisy->train_step(test::perturbed(batch, c.noise, 1));
-    CHECK(std::fabs(nchw->last_loss() - nhwc->last_loss()) <= 1e-2 * nchw->last_loss());
-    const double drift = test::update_drift(*nchw, *nhwc, before);
-    const double noise_drift = test::update_drift(*nchw, *noisy, before);
-    MESSAGE(c.model << " " << precision_name(c.precision) << ": update, relative L2 against "
-                    "NCHW's: channels_last " << drift << ", NCHW with input noise "
-                    << noise_drift);
-    CHECK(drift <= 5 * noise_drift + 1e-6);
+    const test::NoiseDrift d = test::step_against_noise(
+        *nchw, *nhwc, *noisy, batch, c.noise,
+        c.model + " " + precision_name(c.precision) + ", NCHW vs channels_last");
+    CHECK(d.drift <= 5 * d.noise_drift);
   }
 }

@@ -213,20 +213,11 @@ TEST_CASE("tf32 training follows fp32: ResNet-18 one SGD step, against rounding 
   auto noisy = make_single_device_engine(kGpu, o);
   o.precision = Precision::Tf32;
   auto tf32 = make_single_device_engine(kGpu, o);
-  const std::vector<float> before = test::params_of(*fp32);
   const Batch batch = test::make_batches(o.input_shape, 8, 1, 6).at(0);
-  fp32->train_step(batch);
-  tf32->train_step(batch);
-  noisy->train_step(test::perturbed(batch, 1.f / 2048, 1));
-  MESSAGE("resnet18 loss: fp32 " << fp32->last_loss() << ", tf32 " << tf32->last_loss()
-                                  << ", fp32 with noisy input " << noisy->last_loss());
-  CHECK(std::fabs(fp32->last_loss() - tf32->last_loss()) <= 1e-2 * fp32->last_loss());
-  const double drift = test::update_drift(*fp32, *tf32, before);
-  const double noise_drift = test::update_drift(*fp32, *noisy, before);
-  MESSAGE("resnet18: update, relative L2 against fp32: tf32 " << drift
-          << ", fp32 with +-2^-11 input noise " << noise_drift);
-  CHECK(drift < 5 * noise_drift);
-  CHECK(drift < 0.5);
+  const test::NoiseDrift d =
+      test::step_against_noise(*fp32, *tf32, *noisy, batch, 1.f / 2048, "resnet18 fp32 vs tf32");
+  CHECK(d.drift < 5 * d.noise_drift);
+  CHECK(d.drift < 0.5);
 }
 
 TEST_CASE("bf16 GEMMs and convolutions: the CPU's bf16 numbers, forward and backward") {

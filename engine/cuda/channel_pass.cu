@@ -16,6 +16,23 @@ namespace {
 
 constexpr int kUnroll = 4;  // loads each thread issues before it adds
 
+// Adds one value (x, and g its gradient for GradMoments) to a thread's sums a and b, as
+// ChannelSum says (channel_pass.h); pivot and is: the channel's K, or mean and invstd.
+template <ChannelSum kWhat>
+__device__ __forceinline__ void add_value(float x, float g, double pivot, double is, double& a,
+                                          double& b) {
+  if constexpr (kWhat == ChannelSum::Values) {
+    a += x;
+  } else if constexpr (kWhat == ChannelSum::Moments) {
+    const double v = x - pivot;
+    a += v;
+    b += v * v;
+  } else {
+    a += g;
+    b += g * (x - pivot) * is;
+  }
+}
+
 // Block (c, s) of slices S: the sums over slice s of channel c's values, taken in n, then
 // position order (channel_pass.h says which sums). Each thread reads kUnroll values a block's
 // width apart, then adds them in that order.
@@ -39,7 +56,7 @@ __global__ void channel_partials_kernel(const T* __restrict__ x, const T* __rest
   const Index C = Index(d.c), hw = Index(d.hw), step = Index(blockDim.x);
   double a = 0, b = 0;
   for (Index j = j0 + threadIdx.x; j < j1; j += kUnroll * step) {
-    float xv[kUnroll], gv[kUnroll];
+    float xv[kUnroll], gv[kUnroll] = {};
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const Index ju = j + u * step;
@@ -55,16 +72,7 @@ __global__ void channel_partials_kernel(const T* __restrict__ x, const T* __rest
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (j + u * step >= j1) break;
-      if constexpr (kWhat == ChannelSum::Values) {
-        a += xv[u];
-      } else if constexpr (kWhat == ChannelSum::Moments) {
-        const double v = xv[u] - pivot;
-        a += v;
-        b += v * v;
-      } else {
-        a += gv[u];
-        b += gv[u] * (xv[u] - pivot) * is;
-      }
+      add_value<kWhat>(xv[u], gv[u], pivot, is, a, b);
     }
   }
   a = block_sum(a, sh);
@@ -100,7 +108,7 @@ __global__ void row_partials_kernel(const T* __restrict__ x, const T* __restrict
       is = invstd[c];
     }
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kUnroll * kRowWarps) {
-      float xv[kUnroll], gv[kUnroll];
+      float xv[kUnroll], gv[kUnroll] = {};
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ru = r + u * kRowWarps;
@@ -114,16 +122,7 @@ __global__ void row_partials_kernel(const T* __restrict__ x, const T* __restrict
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (r + u * kRowWarps >= r1) break;
-        if constexpr (kWhat == ChannelSum::Values) {
-          a += xv[u];
-        } else if constexpr (kWhat == ChannelSum::Moments) {
-          const double v = xv[u] - pivot;
-          a += v;
-          b += v * v;
-        } else {
-          a += gv[u];
-          b += gv[u] * (xv[u] - pivot) * is;
-        }
+        add_value<kWhat>(xv[u], gv[u], pivot, is, a, b);
       }
     }
   }
