@@ -25,14 +25,20 @@ template <class T>
 bool is_nhwc(const T&) {
   return false;
 }
-bool is_nchw(const Tensor& t) { return t.defined() && t.ndim() == 4 && !is_nhwc(t); }
+// A tensor of an op's operands that is laid out NCHW-wise (its elements in NCHW's order):
+// any of two or more dimensions but a channels_last one (1-D ones are per-channel parameters).
+bool is_nchw(const Tensor& t) { return t.defined() && t.ndim() >= 2 && !is_nhwc(t); }
 template <class T>
 bool is_nchw(const T&) {
   return false;
 }
 
 // What an op profile calls the copies (OpProfile's parts): the conversions and those back.
-constexpr const char* kCopiesPart = "copies for its kernel (F32, NCHW)";
+const char* copies_part(bool wide, bool nchw) {
+  return wide && nchw ? "F32 NCHW copies of BF16 channels_last tensors"
+         : wide       ? "F32 copies of BF16 tensors"
+                      : "NCHW copies of channels_last tensors";
+}
 
 // One call's copies of its tensors in the form its kernel takes (F32 for BF16 ones where
 // `wide`, NCHW for channels_last ones where `nchw`), and the outputs their results go back
@@ -100,10 +106,11 @@ struct Dispatch {
     }
     if (wide) ++copied_calls;
     Converted converted(inner, ctx, wide, nchw);
-    auto passed = op_part(ctx, kCopiesPart,
-                          [&] { return std::forward_as_tuple(converted.pass(args)...); });
+    const char* part = copies_part(wide, nchw);
+    auto passed =
+        op_part(ctx, part, [&] { return std::forward_as_tuple(converted.pass(args)...); });
     std::apply([&](auto&... a) { call(ctx, a...); }, passed);
-    op_part(ctx, kCopiesPart, [&] { converted.copy_back(); });
+    op_part(ctx, part, [&] { converted.copy_back(); });
   }
 };
 template <class Call>

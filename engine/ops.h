@@ -87,8 +87,9 @@ class Backend {
   virtual bool takes_bf16(OpId op) const { return op == OpId::copy || op == OpId::fill; }
   // Which channels_last tensors (engine/tensor.h) `op` takes as they are. None: the layer every
   // context puts around its backend gives it NCHW copies of them and copies its results back
-  // (engine/bf16_storage.h). Uniform: taken where every 4-D tensor of the call has one layout
-  // (the flat kernels: an element's neighbours do not matter), else NCHW copies. Any: each
+  // (engine/bf16_storage.h). Uniform: taken where every tensor of the call of two or more
+  // dimensions has one layout (the flat kernels: an element's neighbours do not matter), else
+  // NCHW copies. Any: each
   // tensor as it is laid out (copy, which converts layouts; convolutions, which stage each
   // operand as their kernels need it). copy must be Any on every backend.
   enum class Layouts { None, Uniform, Any };

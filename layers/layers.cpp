@@ -191,7 +191,11 @@ Shape MaxPool2d::output_shape(const Shape& in) const {
 }
 
 Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
-  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype(), x.channels_last());
+  // channels_last where the convolutions after it read it so (channels a multiple of 8): a
+  // ResNet's stem pools its NCHW output into the NHWC its first block reads, one transpose
+  // here instead of copies in each of the block's first convolutions and its shortcut.
+  const bool channels_last = x.channels_last() || ctx.nhwc_convolution(x.dim(1), x.dim(1));
+  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype(), channels_last);
   ctx.ops().maxpool2d_forward(ctx, x, y, p_);
   if (training_) x_ = x, y_ = y;
   return y;

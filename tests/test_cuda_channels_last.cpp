@@ -106,11 +106,12 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
       struct Run {
         std::vector<float> y, mean, invstd, running, dx, dgamma, dbeta, eval, relu_dx, sum;
       };
-      auto run = [&](bool cl) {
+      // cl: every tensor channels_last; res_cl: the residual's layout (mixed: NCHW copies).
+      auto run = [&](bool cl, bool res_cl) {
         Run r;
-        OpProfile profile;  // channels_last: no op may run on NCHW copies (no parts)
-        if (cl) gpu.set_op_profile(&profile);
-        const Tensor x = make(gpu, shape, dt, cl, xv), res = make(gpu, shape, dt, cl, rv);
+        OpProfile profile;  // all channels_last: no op may run on NCHW copies
+        gpu.set_op_profile(&profile);
+        const Tensor x = make(gpu, shape, dt, cl, xv), res = make(gpu, shape, dt, res_cl, rv);
         const Tensor dy = make(gpu, shape, dt, cl, gv);
         Tensor gamma = make(gpu, {C}, DType::F32, false, draws(C, 5));
         Tensor beta = make(gpu, {C}, DType::F32, false, draws(C, 6));
@@ -130,14 +131,22 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
         gpu.ops().relu_backward(gpu, y, dy, relu_dx);
         gpu.ops().add(gpu, sum, x, 0.5f);
         gpu.set_op_profile(nullptr);
-        CHECK(profile.parts().empty());
+        if (cl && res_cl) {
+          for (const auto& [key, parts] : profile.parts()) {
+            CAPTURE(key);
+            CHECK(parts.count("NCHW copies of channels_last tensors") == 0);
+            CHECK(parts.count("F32 NCHW copies of BF16 channels_last tensors") == 0);
+          }
+        }
         r.y = values(gpu, y), r.mean = values(gpu, mean), r.invstd = values(gpu, invstd);
         r.running = values(gpu, rvar), r.dx = values(gpu, dx), r.dgamma = values(gpu, dgamma);
         r.dbeta = values(gpu, dbeta), r.eval = values(gpu, eval);
         r.relu_dx = values(gpu, relu_dx), r.sum = values(gpu, sum);
         return r;
       };
-      const Run a = run(false), b = run(true);
+      const Run a = run(false, false), b = run(true, true), mixed = run(true, false);
+      CHECK(test::relative_l2(a.y, mixed.y) < tol);
+      CHECK(test::relative_l2(a.dx, mixed.dx) < tol);
       CHECK(test::relative_l2(a.y, b.y) < tol);
       CHECK(test::relative_l2(a.mean, b.mean) < 1e-5);
       CHECK(test::relative_l2(a.invstd, b.invstd) < 1e-5);
@@ -193,19 +202,35 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
         if (c.bias) out.push_back(values(ctx, db));
         return out;
       };
-      const auto a = run(nchw, false), b = run(nhwc, true);
+      // NCHW; channels_last tensors where they are; NCHW tensors staged into NHWC (a first
+      // block's input, the residual sum added onto an NCHW tensor).
+      const auto a = run(nchw, false), b = run(nhwc, true), staged = run(nhwc, false);
       for (size_t k = 0; k < a.size(); ++k) {
         CAPTURE(k);  // y, dx, dw, dx added onto, db
         CHECK(test::relative_l2(a[k], b[k]) < tol);
+        CHECK(test::relative_l2(a[k], staged[k]) < tol);
       }
     }
   }
-  // A channels_last input to a convolution that runs NCHW (3 channels) is refused, not misread.
+  // channels_last tensors for a convolution that runs NCHW (3 input channels): NCHW copies,
+  // the NCHW results.
+  DeviceContext nchw(kGpu, options(Precision::Fp32, false));
   DeviceContext nhwc(kGpu, options(Precision::Fp32, true));
-  const Tensor x = make(nhwc, {2, 3, 8, 8}, DType::F32, true, draws(384, 1));
-  const Tensor w = make(nhwc, {8, 3, 3, 3}, DType::F32, false, draws(216, 2));
-  Tensor y = nhwc.alloc({2, 8, 6, 6});
-  CHECK_THROWS_AS(nhwc.ops().conv2d_forward(nhwc, x, w, Tensor(), y, Conv2dParams{1, 0}), Error);
+  const auto xv = draws(384, 1), wv = draws(216, 2), gv = draws(576, 3);
+  auto run = [&](DeviceContext& ctx, bool cl) {
+    const Tensor x = make(ctx, {2, 3, 8, 8}, DType::F32, cl, xv);
+    const Tensor w = make(ctx, {8, 3, 3, 3}, DType::F32, false, wv);
+    Tensor y = ctx.alloc({2, 8, 6, 6}, DType::F32, cl);
+    ctx.ops().conv2d_forward(ctx, x, w, Tensor(), y, Conv2dParams{1, 0});
+    const Tensor dy = make(ctx, {2, 8, 6, 6}, DType::F32, cl, gv);
+    Tensor dx = ctx.alloc_as(x), dw = ctx.alloc({8, 3, 3, 3}), no_db;
+    ctx.ops().fill(ctx, dw, 0.f);
+    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, no_db, Conv2dParams{1, 0},
+                              InputGrad::Overwrite);
+    return std::vector<std::vector<float>>{values(ctx, y), values(ctx, dx), values(ctx, dw)};
+  };
+  const auto a = run(nchw, false), b = run(nhwc, true);
+  for (size_t k = 0; k < a.size(); ++k) CHECK(test::relative_l2(a[k], b[k]) < 1e-5);
 }
 
 // One SGD step of a ResNet with channels_last activations against the same step in NCHW, both
@@ -220,7 +245,7 @@ TEST_CASE("ResNets trained with channels_last activations on the GPU follow NCHW
     Precision precision;
     float noise;
   };
-  for (const Case& c : {Case{"resnet18", {1, 28, 28}, Precision::Fp32, 1.f / (1 << 20)},
+  for (const Case& c : {Case{"resnet18", {1, 28, 28}, Precision::Fp32, 1.f / (1 << 16)},
                         Case{"resnet18", {1, 28, 28}, Precision::Bf16, 1.f / 512},
                         Case{"resnet50", {3, 32, 32}, Precision::Bf16, 1.f / 512}}) {
     if (c.precision == Precision::Bf16 && !have_bf16()) continue;

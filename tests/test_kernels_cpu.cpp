@@ -716,7 +716,7 @@ TEST_CASE("an op's parts are timed under its key (the bf16 layer's copies); none
   const auto parts = profile.parts();
   REQUIRE(parts.count("relu_backward") == 1);
   CHECK(parts.count("add") == 0);
-  const OpStats copies = parts.at("relu_backward").at("copies for its kernel (F32, NCHW)");
+  const OpStats copies = parts.at("relu_backward").at("F32 copies of BF16 tensors");
   CHECK(copies.calls == 2);  // the widening before the op, the rounding back after it
   CHECK(copies.seconds > 0);
   CHECK(copies.seconds <= profile.ops().at("relu_backward").seconds);

@@ -19,7 +19,6 @@
 // forward/backward are own kernels (the bias gradient is a fixed-order per-channel reduction,
 // so it is deterministic in every mode).
 #include <algorithm>
-#include <initializer_list>
 #include <vector>
 
 #include "engine/cuda/channel_pass.h"
@@ -46,14 +45,17 @@ bool conv_nhwc(const DeviceContext& ctx, int64_t C, int64_t K) {
   return ctx.nhwc_convolution(C, K);
 }
 
-// A convolution that runs NCHW takes no channels_last tensor: by the rule above none reaches
-// one from Conv2d, whose NCHW convolutions (1 or 3 input channels) read the data's images.
-void expect_nchw(bool nhwc, std::initializer_list<const Tensor*> ts, const char* op) {
-  if (nhwc) return;
-  for (const Tensor* t : ts)
-    REPLICA_CHECK(!t->defined() || !t->channels_last() || t->layout_free(),
-                  "{}: a channels_last tensor {} for a convolution that runs NCHW (its "
-                  "channels are not multiples of 8)", op, shape_str(t->shape()));
+// A channels_last tensor that NCHW would lay out otherwise (engine/tensor.h).
+bool nhwc_tensor(const Tensor& t) { return t.defined() && t.channels_last() && !t.layout_free(); }
+
+// t as NCHW: itself, or an NCHW copy of a channels_last t. For a convolution that runs NCHW
+// given channels_last tensors: Conv2d gives none (a convolution whose channels are not
+// multiples of 8 reads and writes NCHW), but an op takes what it is given.
+Tensor nchw_of(DeviceContext& ctx, const Tensor& t) {
+  if (!nhwc_tensor(t)) return t;
+  Tensor out = ctx.alloc(t.shape(), t.dtype());
+  cuda::copy_relayout(out, t, cuda_state(ctx).stream);
+  return out;
 }
 
 // A bias's per-channel view of y or dy (channel_pass.h): [N, K, P*Q], or channels_last
@@ -257,11 +259,16 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
   }
   if (y.numel() == 0) return;
   CudaState& s = cuda_state(ctx);
+  if ((nhwc_tensor(x) || nhwc_tensor(y)) && !conv_nhwc(ctx, x.dim(1), K)) {
+    Tensor yn = nhwc_tensor(y) ? ctx.alloc(y.shape(), y.dtype()) : y;
+    conv2d_forward(ctx, nchw_of(ctx, x), w, b, yn, p);
+    if (nhwc_tensor(y)) cuda::copy_relayout(y, yn, s.stream);
+    return;
+  }
   if (x.dim(1) == 0) {  // no input channels: the sum is empty
     REPLICA_CUDA_CHECK(cudaMemsetAsync(y.raw(), 0, y.bytes(), s.stream));
   } else {
     ConvPlan& plan = conv_plan(ctx, x, w, p);
-    expect_nchw(plan.spec.nhwc, {&x, &y}, op);
     const ProductIo io =
         op_part(ctx, kCopiesPart, [&] { return forward_io(ctx, x, w, y, plan.spec.nhwc); });
     op_part(ctx, "cuDNN forward",
@@ -293,6 +300,14 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     cuda::expect_numel(db, K, op, "db");
   }
   const bool add_to_dx = dx_mode == InputGrad::Accumulate;
+  if ((nhwc_tensor(x) || nhwc_tensor(dy) || nhwc_tensor(dx)) && !conv_nhwc(ctx, x.dim(1), K)) {
+    Tensor dxn = !nhwc_tensor(dx) ? dx
+                 : add_to_dx      ? nchw_of(ctx, dx)
+                                  : ctx.alloc(dx.shape(), dx.dtype());
+    conv2d_backward(ctx, nchw_of(ctx, x), w, nchw_of(ctx, dy), dxn, dw, db, p, dx_mode);
+    if (nhwc_tensor(dx)) cuda::copy_relayout(dx, dxn, cuda_state(ctx).stream);
+    return;
+  }
   if (N == 0 || K == 0) {  // nothing flows back; dx (overwritten) is all zero
     if (dx.defined() && dx.numel() > 0 && !add_to_dx)
       REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
@@ -305,7 +320,6 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   const bool want_dx = dx.defined() && dx.numel() > 0 && have_channels;
   const bool want_dw = dw.defined() && dw.numel() > 0 && have_channels;
   ConvPlan* const wanted = want_dx || want_dw ? &conv_plan(ctx, x, w, p) : nullptr;
-  if (wanted) expect_nchw(wanted->spec.nhwc, {&x, &dy, &dx}, op);
   const ProductIo io = op_part(ctx, kCopiesPart, [&] {
     return backward_io(ctx, x, w, dy, want_dx ? &dx : nullptr, want_dw ? &dw : nullptr,
                        wanted && wanted->spec.nhwc, add_to_dx);
