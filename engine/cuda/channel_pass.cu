@@ -175,14 +175,14 @@ __global__ void channel_affine_kernel(const T* x, T* y, const float* scale, cons
                                       const T* residual, ChannelIndex<Div> at, bool relu) {
   using Index = typename Div::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
-    const Index c = at.channel(g * kVec);
-    const float sc = scale ? scale[c] : 1.f, sh = shift[c];
+    const Index c0 = at.channel(g * kVec);
     Pack<kVec> v, r;
     v.load(x, g);
     if (residual) r.load(residual, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      float o = v.v[k] * sc + sh;
+      const Index c = at.channel_of(c0, k);
+      float o = v.v[k] * (scale ? scale[c] : 1.f) + shift[c];
       if (residual) o = o + r.v[k];
       v.v[k] = relu ? (o > 0.f ? o : 0.f) : o;
     }

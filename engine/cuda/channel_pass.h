@@ -84,15 +84,22 @@ void add_channel_bias(const ChannelDims& d, Tensor& y, const Tensor& b, cudaStre
 void accumulate_bias_grad(const ChannelDims& d, int S, const Tensor& dy, const Tensor& scratch,
                           Tensor& db, cudaStream_t stream);
 
-// Where the flat passes find an element's channel: i = (n * C + c) * HW + p.
+// Where the flat passes find an element's channel: i = (n * C + c) * HW + p. A group of kVec
+// elements (REPLICA_CHANNEL_GROUPS) shares its first element's channel where HW is a multiple
+// of kVec; in rows (HW = 1: [N, C], a channels_last tensor's [N*H*W, C]) with C a multiple of
+// kVec, its elements are channels side by side: element e of a group is in channel(first) + e.
 template <class Div>
 struct ChannelIndex {
   using Index = typename Div::Index;
   Div by_hw, by_c;
   Index numel;
+  bool rows;  // HW = 1
   __device__ __forceinline__ Index channel(Index i) const {
     const Index plane = by_hw.div(i);
     return plane - by_c.div(plane) * by_c.divisor();
+  }
+  __device__ __forceinline__ Index channel_of(Index first_channel, int e) const {
+    return rows ? first_channel + Index(e) : first_channel;
   }
 };
 
@@ -103,16 +110,18 @@ struct ChannelIndex {
 
 // Calls launch(index, width) for a flat pass over d's elements: the FastDivmod index where
 // every index is below 2^31 (else WideDivmod), and width 4 (float4 loads and stores) where
-// HW is a multiple of 4 and every pointer the pass touches is 16-byte aligned (else 1).
+// HW is a multiple of 4, or HW is 1 and C a multiple of 4 (ChannelIndex::channel_of), and every
+// pointer the pass touches is 16-byte aligned (else 1).
 template <class F>
 void with_channel_index(const ChannelDims& d, std::initializer_list<const void*> pointers,
                         F&& launch) {
-  const bool vec4 = d.hw % 4 == 0 && aligned16(pointers);
+  const bool rows = d.hw == 1;
+  const bool vec4 = (rows ? d.c % 4 == 0 : d.hw % 4 == 0) && aligned16(pointers);
   const auto run = [&](auto at) { with_width(vec4, [&](auto width) { launch(at, width); }); };
   if (fast_index(d.numel()))
-    run(ChannelIndex<FastDivmod>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel())});
+    run(ChannelIndex<FastDivmod>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel()), rows});
   else
-    run(ChannelIndex<WideDivmod>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel())});
+    run(ChannelIndex<WideDivmod>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel()), rows});
 }
 
 // The gradient reaching a BatchNorm: dy, or with a fused ReLU dy where its output is > 0.

@@ -107,15 +107,16 @@ __global__ void bn_dx_kernel(const T* x, const T* dy, const T* relu_y, const flo
                              double m, T* dx) {
   using Index = typename Div::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
-    const Index c = at.channel(g * kVec);
-    const double mu = mean[c], is = invstd[c];
-    const double s_g = sums[3 * c], s_g_xhat = sums[3 * c + 1], k = sums[3 * c + 2];
+    const Index c0 = at.channel(g * kVec);
     cuda::Pack<kVec> xv, gv, rv;
     xv.load(x, g);
     gv.load(dy, g);
     if (relu_y) rv.load(relu_y, g);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
+      const Index c = at.channel_of(c0, e);
+      const double mu = mean[c], is = invstd[c];
+      const double s_g = sums[3 * c], s_g_xhat = sums[3 * c + 1], k = sums[3 * c + 2];
       const double xhat = (xv.v[e] - mu) * is;
       const float grad = cuda::masked_grad(gv.v[e], relu_y ? rv.v[e] : 1.f, relu_y);
       gv.v[e] = float(k * (m * double(grad) - s_g - xhat * s_g_xhat));
