@@ -191,20 +191,28 @@ Shape MaxPool2d::output_shape(const Shape& in) const {
 }
 
 Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
-  // channels_last where the convolutions after it read it so (channels a multiple of 8): a
-  // ResNet's stem pools its NCHW output into the NHWC its first block reads, one transpose
-  // here instead of copies in each of the block's first convolutions and its shortcut.
-  const bool channels_last = x.channels_last() || ctx.nhwc_convolution(x.dim(1), x.dim(1));
-  Tensor y = ctx.alloc(output_shape(x.shape()), x.dtype(), channels_last);
+  const Shape os = output_shape(x.shape());
+  Tensor y = ctx.alloc(os, x.dtype(), x.channels_last());
   ctx.ops().maxpool2d_forward(ctx, x, y, p_);
   if (training_) x_ = x, y_ = y;
-  return y;
+  // An NCHW input whose channels the convolutions after it read NHWC (a ResNet's stem): the
+  // pooled output is handed on channels_last, one transpose here instead of copies in each of
+  // the first block's convolutions and its shortcut.
+  if (x.channels_last() || !ctx.nhwc_convolution(x.dim(1), x.dim(1))) return y;
+  Tensor nhwc = ctx.alloc(os, x.dtype(), true);
+  ctx.ops().copy(ctx, nhwc, y);
+  return nhwc;
 }
 
 Tensor MaxPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "MaxPool2d backward without a training-mode forward");
+  Tensor g = dy;  // the gradient of the output as forward handed it on, in y_'s layout
+  if (dy.channels_last() != y_.channels_last() && !dy.layout_free()) {
+    g = ctx.alloc(dy.shape(), dy.dtype(), y_.channels_last());
+    ctx.ops().copy(ctx, g, dy);
+  }
   Tensor dx = ctx.alloc_as(x_);
-  ctx.ops().maxpool2d_backward(ctx, x_, y_, dy, dx, p_);
+  ctx.ops().maxpool2d_backward(ctx, x_, y_, g, dx, p_);
   x_ = y_ = Tensor();
   return dx;
 }

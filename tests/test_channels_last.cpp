@@ -82,6 +82,29 @@ TEST_CASE("layers keep the layout: a convolution's NHWC output flows on; Flatten
   CHECK(wide.forward(ctx, x).channels_last());  // 8 -> 16 channels: NHWC
   CHECK_FALSE(narrow.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());  // 3 in: NCHW
 
+  // A max-pool of 8 NCHW channels hands its output on NHWC (the convolutions after it read
+  // that); its gradient comes back in the input's layout, with NCHW's values.
+  Model pool(ModelSpec{"pool", {}, 8}, std::make_unique<MaxPool2d>(3, 2, 1));
+  pool.materialize(ctx, 3);
+  pool.set_training(true);
+  const Tensor pooled = pool.forward(ctx, x);
+  CHECK(pooled.channels_last());
+  Tensor pooled_nchw = ctx.alloc(pooled.shape());
+  ctx.ops().copy(ctx, pooled_nchw, pooled);
+  const Tensor dpool = pool.backward(ctx, pooled);
+  CHECK_FALSE(dpool.channels_last());
+  DeviceContext plain(kCpu, ContextOptions{1});
+  Model reference(ModelSpec{"pool", {}, 8}, std::make_unique<MaxPool2d>(3, 2, 1));
+  reference.materialize(plain, 3);
+  reference.set_training(true);
+  const Tensor ref_pooled = reference.forward(plain, x);
+  CHECK_FALSE(ref_pooled.channels_last());
+  const Tensor ref_dx = reference.backward(plain, ref_pooled);
+  CHECK(std::vector<float>(pooled_nchw.f32(), pooled_nchw.f32() + pooled_nchw.numel()) ==
+        std::vector<float>(ref_pooled.f32(), ref_pooled.f32() + ref_pooled.numel()));
+  CHECK(std::vector<float>(dpool.f32(), dpool.f32() + dpool.numel()) ==
+        std::vector<float>(ref_dx.f32(), ref_dx.f32() + ref_dx.numel()));
+
   // Flatten of an NHWC tensor: the features in NCHW's order; its gradient goes back NHWC.
   Tensor nhwc = ctx.alloc({2, 8, 5, 5}, DType::F32, true);
   ctx.ops().copy(ctx, nhwc, x);

@@ -157,6 +157,12 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
       CHECK(test::relative_l2(a.eval, b.eval) < tol);
       CHECK(test::relative_l2(a.relu_dx, b.relu_dx) < tol);
       CHECK(a.sum == b.sum);  // add is flat: the same sums, element by element
+      // A 2-D operand of as many elements beside a channels_last one is in NCHW's order: add
+      // must not pair its elements with the NHWC ones position by position.
+      Tensor nhwc = make(gpu, shape, dt, true, rv);
+      const Tensor flat = make(gpu, {shape[0], shape_numel(shape) / shape[0]}, dt, false, xv);
+      gpu.ops().add(gpu, nhwc, flat, 0.5f);
+      CHECK(values(gpu, nhwc) == a.sum);
     }
   }
 }
@@ -213,24 +219,36 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
     }
   }
   // channels_last tensors for a convolution that runs NCHW (3 input channels): NCHW copies,
-  // the NCHW results.
-  DeviceContext nchw(kGpu, options(Precision::Fp32, false));
-  DeviceContext nhwc(kGpu, options(Precision::Fp32, true));
-  const auto xv = draws(384, 1), wv = draws(216, 2), gv = draws(576, 3);
-  auto run = [&](DeviceContext& ctx, bool cl) {
-    const Tensor x = make(ctx, {2, 3, 8, 8}, DType::F32, cl, xv);
-    const Tensor w = make(ctx, {8, 3, 3, 3}, DType::F32, false, wv);
-    Tensor y = ctx.alloc({2, 8, 6, 6}, DType::F32, cl);
-    ctx.ops().conv2d_forward(ctx, x, w, Tensor(), y, Conv2dParams{1, 0});
-    const Tensor dy = make(ctx, {2, 8, 6, 6}, DType::F32, cl, gv);
-    Tensor dx = ctx.alloc_as(x), dw = ctx.alloc({8, 3, 3, 3}), no_db;
-    ctx.ops().fill(ctx, dw, 0.f);
-    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, no_db, Conv2dParams{1, 0},
-                              InputGrad::Overwrite);
-    return std::vector<std::vector<float>>{values(ctx, y), values(ctx, dx), values(ctx, dw)};
-  };
-  const auto a = run(nchw, false), b = run(nhwc, true);
-  for (size_t k = 0; k < a.size(); ++k) CHECK(test::relative_l2(a[k], b[k]) < 1e-5);
+  // the NCHW results; with a bias, and its dx added onto (the fallback's trickiest branch).
+  for (const Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    if (precision == Precision::Bf16 && !have_bf16()) continue;
+    CAPTURE(precision_name(precision));
+    const DType dt = precision == Precision::Bf16 ? DType::BF16 : DType::F32;
+    DeviceContext nchw(kGpu, options(precision, false));
+    DeviceContext nhwc(kGpu, options(precision, true));
+    const auto xv = draws(384, 1), wv = draws(216, 2), gv = draws(576, 3), bv = draws(8, 4);
+    auto run = [&](DeviceContext& ctx, bool cl) {
+      const Tensor x = make(ctx, {2, 3, 8, 8}, dt, cl, xv);
+      const Tensor w = make(ctx, {8, 3, 3, 3}, DType::F32, false, wv);
+      const Tensor b = make(ctx, {8}, DType::F32, false, bv);
+      Tensor y = ctx.alloc({2, 8, 6, 6}, dt, cl);
+      ctx.ops().conv2d_forward(ctx, x, w, b, y, Conv2dParams{1, 0});
+      const Tensor dy = make(ctx, {2, 8, 6, 6}, dt, cl, gv);
+      Tensor dx = make(ctx, {2, 3, 8, 8}, dt, cl, xv), dw = ctx.alloc({8, 3, 3, 3});
+      Tensor db = ctx.alloc({8});
+      ctx.ops().fill(ctx, dw, 0.f);
+      ctx.ops().fill(ctx, db, 0.f);
+      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, Conv2dParams{1, 0},
+                                InputGrad::Accumulate);
+      return std::vector<std::vector<float>>{values(ctx, y), values(ctx, dx), values(ctx, dw),
+                                             values(ctx, db)};
+    };
+    const auto a = run(nchw, false), b = run(nhwc, true);
+    for (size_t k = 0; k < a.size(); ++k) {
+      CAPTURE(k);  // y, dx added onto, dw, db
+      CHECK(test::relative_l2(a[k], b[k]) < (dt == DType::BF16 ? 2e-3 : 1e-5));
+    }
+  }
 }
 
 // One SGD step of a ResNet with channels_last activations against the same step in NCHW, both

@@ -6,7 +6,8 @@
 // a 64-bit division per value where planes are small (7x7), and output blocks of one plane
 // that left 80% of their threads idle at 7x7. Here every thread of the sums has four loads in
 // flight before it adds, indices are split with FastDivmod (engine/cuda/index_math.h), and the
-// affine pass is flat, a float4 per thread where a plane is a whole number of float4s.
+// affine pass is flat, a float4 per thread where a plane is a whole number of float4s (or, in
+// rows of channels side by side, a row is).
 #include "engine/cuda/channel_pass.h"
 
 namespace replica {
@@ -170,10 +171,10 @@ __global__ void channel_accumulate_kernel(const double* part, int S, int64_t C, 
   }
 }
 
-template <class Div, int kVec, class T>
+template <class At, int kVec, class T>
 __global__ void channel_affine_kernel(const T* x, T* y, const float* scale, const float* shift,
-                                      const T* residual, ChannelIndex<Div> at, bool relu) {
-  using Index = typename Div::Index;
+                                      const T* residual, At at, bool relu) {
+  using Index = typename At::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
     const Index c0 = at.channel(g * kVec);
     Pack<kVec> v, r;
@@ -227,9 +228,9 @@ template <class T>
 void channel_affine(const ChannelDims& d, const T* x, T* y, const float* scale,
                     const float* shift, const T* residual, bool relu, cudaStream_t stream) {
   with_channel_index(d, {x, y, residual}, [&](auto at, auto width) {
-    using Div = std::decay_t<decltype(at.by_hw)>;
     constexpr int kVec = decltype(width)::value;
-    channel_affine_kernel<Div, kVec, T><<<grid_for(d.numel() / kVec), kThreads, 0, stream>>>(
+    channel_affine_kernel<decltype(at), kVec, T>
+        <<<grid_for(d.numel() / kVec), kThreads, 0, stream>>>(
         x, y, scale, shift, residual, at, relu);
   });
   REPLICA_LAUNCH_CHECK();

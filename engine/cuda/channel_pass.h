@@ -5,7 +5,8 @@
 //   adds a channel's slices in order (in a per-channel kernel). The order is fixed by the shape,
 //   so a run reproduces to the bit.
 // - channel_affine, the flat pass y = x * scale[c] + shift[c] (then a ReLU), float4s per thread
-//   where HW is a multiple of 4 and the buffers are 16-byte aligned.
+//   where HW is a multiple of 4 (or HW is 1 and C a multiple of 4) and the buffers are 16-byte
+//   aligned.
 // A block of one channel alone, as the bias gradients had, reads with a few KB in flight: on an
 // H200 that is a few GB/s per channel, and a 64-channel layer used half the SMs.
 // Included by the CUDA backend's .cu files only.
@@ -88,22 +89,23 @@ void accumulate_bias_grad(const ChannelDims& d, int S, const Tensor& dy, const T
 // elements (REPLICA_CHANNEL_GROUPS) shares its first element's channel where HW is a multiple
 // of kVec; in rows (HW = 1: [N, C], a channels_last tensor's [N*H*W, C]) with C a multiple of
 // kVec, its elements are channels side by side: element e of a group is in channel(first) + e.
-template <class Div>
+template <class Div, bool kRows>
 struct ChannelIndex {
   using Index = typename Div::Index;
   Div by_hw, by_c;
   Index numel;
-  bool rows;  // HW = 1
   __device__ __forceinline__ Index channel(Index i) const {
     const Index plane = by_hw.div(i);
     return plane - by_c.div(plane) * by_c.divisor();
   }
   __device__ __forceinline__ Index channel_of(Index first_channel, int e) const {
-    return rows ? first_channel + Index(e) : first_channel;
+    if constexpr (kRows) return first_channel + Index(e);
+    return first_channel;
   }
 };
 
-// The grid-stride loop of a flat pass over groups of kVec elements, which share a channel.
+// The grid-stride loop of a flat pass over groups of kVec elements (ChannelIndex::channel_of
+// says each one's channel).
 #define REPLICA_CHANNEL_GROUPS(g, at)                                                     \
   for (Index g = Index(blockIdx.x) * blockDim.x + threadIdx.x; g < (at).numel / kVec;    \
        g += Index(gridDim.x) * blockDim.x)
@@ -118,10 +120,17 @@ void with_channel_index(const ChannelDims& d, std::initializer_list<const void*>
   const bool rows = d.hw == 1;
   const bool vec4 = (rows ? d.c % 4 == 0 : d.hw % 4 == 0) && aligned16(pointers);
   const auto run = [&](auto at) { with_width(vec4, [&](auto width) { launch(at, width); }); };
-  if (fast_index(d.numel()))
-    run(ChannelIndex<FastDivmod>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel()), rows});
+  const auto in_rows = [&](auto kind) {
+    constexpr bool kRows = decltype(kind)::value;
+    if (fast_index(d.numel()))
+      run(ChannelIndex<FastDivmod, kRows>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel())});
+    else
+      run(ChannelIndex<WideDivmod, kRows>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel())});
+  };
+  if (rows)
+    in_rows(std::true_type());
   else
-    run(ChannelIndex<WideDivmod>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel()), rows});
+    in_rows(std::false_type());
 }
 
 // The gradient reaching a BatchNorm: dy, or with a fused ReLU dy where its output is > 0.

@@ -36,7 +36,7 @@ int as_int(int64_t v, const char* what) {
 
 // What an op profile calls the staging (OpProfile's parts): operands rounded to bf16 and/or laid
 // out NHWC, results brought back.
-constexpr const char* kCopiesPart = "operand copies (bf16, NHWC)";
+constexpr const char* kCopiesPart = "operand copies (bf16, layout)";
 
 // Whether a convolution of C input and K output channels runs NHWC (see the top): the rule by
 // which Conv2d lays its output out channels_last (DeviceContext::nhwc_convolution), so such a
@@ -261,8 +261,10 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
   CudaState& s = cuda_state(ctx);
   if ((nhwc_tensor(x) || nhwc_tensor(y)) && !conv_nhwc(ctx, x.dim(1), K)) {
     Tensor yn = nhwc_tensor(y) ? ctx.alloc(y.shape(), y.dtype()) : y;
-    conv2d_forward(ctx, nchw_of(ctx, x), w, b, yn, p);
-    if (nhwc_tensor(y)) cuda::copy_relayout(y, yn, s.stream);
+    const Tensor xn = op_part(ctx, kCopiesPart, [&] { return nchw_of(ctx, x); });
+    conv2d_forward(ctx, xn, w, b, yn, p);
+    if (nhwc_tensor(y))
+      op_part(ctx, kCopiesPart, [&] { cuda::copy_relayout(y, yn, s.stream); });
     return;
   }
   if (x.dim(1) == 0) {  // no input channels: the sum is empty
@@ -301,11 +303,17 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   }
   const bool add_to_dx = dx_mode == InputGrad::Accumulate;
   if ((nhwc_tensor(x) || nhwc_tensor(dy) || nhwc_tensor(dx)) && !conv_nhwc(ctx, x.dim(1), K)) {
-    Tensor dxn = !nhwc_tensor(dx) ? dx
-                 : add_to_dx      ? nchw_of(ctx, dx)
-                                  : ctx.alloc(dx.shape(), dx.dtype());
-    conv2d_backward(ctx, nchw_of(ctx, x), w, nchw_of(ctx, dy), dxn, dw, db, p, dx_mode);
-    if (nhwc_tensor(dx)) cuda::copy_relayout(dx, dxn, cuda_state(ctx).stream);
+    Tensor dxn, xn, dyn;
+    op_part(ctx, kCopiesPart, [&] {
+      dxn = !nhwc_tensor(dx) ? dx
+            : add_to_dx      ? nchw_of(ctx, dx)
+                             : ctx.alloc(dx.shape(), dx.dtype());
+      xn = nchw_of(ctx, x);
+      dyn = nchw_of(ctx, dy);
+    });
+    conv2d_backward(ctx, xn, w, dyn, dxn, dw, db, p, dx_mode);
+    if (nhwc_tensor(dx))
+      op_part(ctx, kCopiesPart, [&] { cuda::copy_relayout(dx, dxn, cuda_state(ctx).stream); });
     return;
   }
   if (N == 0 || K == 0) {  // nothing flows back; dx (overwritten) is all zero

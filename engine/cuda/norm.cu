@@ -101,11 +101,10 @@ __global__ void bn_grad_sums_kernel(const double* part_a, const double* part_b, 
 }
 
 // dx = k * (m * g - sum(g) - xhat * sum(g * xhat)), in double as the CPU's.
-template <class Div, int kVec, class T>
+template <class At, int kVec, class T>
 __global__ void bn_dx_kernel(const T* x, const T* dy, const T* relu_y, const float* mean,
-                             const float* invstd, const double* sums, cuda::ChannelIndex<Div> at,
-                             double m, T* dx) {
-  using Index = typename Div::Index;
+                             const float* invstd, const double* sums, At at, double m, T* dx) {
+  using Index = typename At::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
     const Index c0 = at.channel(g * kVec);
     cuda::Pack<kVec> xv, gv, rv;
@@ -268,9 +267,8 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
     if (!dx.defined()) return;
     T* dxp = elements<T>(dx);
     cuda::with_channel_index(d, {xp, dyp, mask, dxp}, [&](auto at, auto width) {
-      using Div = std::decay_t<decltype(at.by_hw)>;
       constexpr int kVec = decltype(width)::value;
-      bn_dx_kernel<Div, kVec, T>
+      bn_dx_kernel<decltype(at), kVec, T>
           <<<cuda::grid_for(d.numel() / kVec), cuda::kThreads, 0, stream>>>(
               xp, dyp, mask, mean, is, w.sums, at, double(d.m()), dxp);
     });
