@@ -20,7 +20,7 @@ bool is_bf16(const T&) {
   return false;  // the context, numbers, window parameters
 }
 // A tensor whose memory is NHWC and differs from NCHW's (engine/tensor.h), or one that is not.
-bool is_nhwc(const Tensor& t) { return t.defined() && t.channels_last() && !t.layout_free(); }
+bool is_nhwc(const Tensor& t) { return t.nhwc_memory(); }
 template <class T>
 bool is_nhwc(const T&) {
   return false;

@@ -56,6 +56,8 @@ class Tensor {
   bool channels_last() const { return channels_last_; }
   // Whether NCHW and NHWC lay this shape out alike (one channel, or one position per plane).
   bool layout_free() const;
+  // A defined channels_last tensor whose memory NCHW would lay out otherwise.
+  bool nhwc_memory() const { return defined() && channels_last_ && !layout_free(); }
 
   void* raw() const;
   float* f32() const;

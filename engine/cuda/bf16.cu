@@ -222,6 +222,12 @@ void cuda::copy_relayout(Tensor& dst, const Tensor& src, cudaStream_t stream) {
   });
 }
 
+Tensor cuda::nchw_copy(DeviceContext& ctx, const Tensor& t) {
+  Tensor out = ctx.alloc(t.shape(), t.dtype());
+  copy_relayout(out, t, cuda_state(ctx).stream);
+  return out;
+}
+
 void ProductIo::finish(const void* result, Tensor& out, bool accumulate,
                        cudaStream_t stream) const {
   if (result == out.raw() || out.numel() == 0) return;  // written in place

@@ -45,17 +45,12 @@ bool conv_nhwc(const DeviceContext& ctx, int64_t C, int64_t K) {
   return ctx.nhwc_convolution(C, K);
 }
 
-// A channels_last tensor that NCHW would lay out otherwise (engine/tensor.h).
-bool nhwc_tensor(const Tensor& t) { return t.defined() && t.channels_last() && !t.layout_free(); }
-
-// t as NCHW: itself, or an NCHW copy of a channels_last t. For a convolution that runs NCHW
-// given channels_last tensors: Conv2d gives none (a convolution whose channels are not
-// multiples of 8 reads and writes NCHW), but an op takes what it is given.
+// For a convolution that runs NCHW given channels_last tensors: Conv2d gives none (a
+// convolution whose channels are not multiples of 8 reads and writes NCHW), but an op takes
+// what it is given, through NCHW copies of them.
+bool nhwc_tensor(const Tensor& t) { return t.nhwc_memory(); }
 Tensor nchw_of(DeviceContext& ctx, const Tensor& t) {
-  if (!nhwc_tensor(t)) return t;
-  Tensor out = ctx.alloc(t.shape(), t.dtype());
-  cuda::copy_relayout(out, t, cuda_state(ctx).stream);
-  return out;
+  return t.nhwc_memory() ? cuda::nchw_copy(ctx, t) : t;
 }
 
 // A bias's per-channel view of y or dy (channel_pass.h): [N, K, P*Q], or channels_last

@@ -129,6 +129,8 @@ void convert_async(const In* src, Out* dst, int64_t n, cudaStream_t stream);
 // engine/ops.h): the tiled transposes that stage a convolution's operands (bf16.cu), converting
 // F32 <-> BF16 where the dtypes differ.
 void copy_relayout(Tensor& dst, const Tensor& src, cudaStream_t stream);
+// An NCHW copy of the channels_last tensor t, from ctx's allocator, on its stream.
+Tensor nchw_copy(DeviceContext& ctx, const Tensor& t);
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
 template <class T>
