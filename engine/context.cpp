@@ -43,12 +43,13 @@ void release_cpu_threads(int n) {
   g_threads_held -= size_t(n);
 }
 
-}  // namespace
-
-static bool channels_last_on_cpu() {
+// Tests lay CPU activations out NHWC (tests/test_channels_last.cpp).
+bool channels_last_on_cpu() {
   const char* v = std::getenv("REPLICA_CHANNELS_LAST_ON_CPU");
   return v && std::string(v) == "1";
 }
+
+}  // namespace
 
 DeviceContext::DeviceContext(Device device, ContextOptions options)
     : device_(device), options_(options) {

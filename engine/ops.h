@@ -89,9 +89,9 @@ class Backend {
   // context puts around its backend gives it NCHW copies of them and copies its results back
   // (engine/bf16_storage.h). Uniform: taken where every tensor of the call of two or more
   // dimensions has one layout (the flat kernels: an element's neighbours do not matter), else
-  // NCHW copies. Any: each
-  // tensor as it is laid out (copy, which converts layouts; convolutions, which stage each
-  // operand as their kernels need it). copy must be Any on every backend.
+  // NCHW copies. Any: each tensor as it is laid out (copy, which converts layouts;
+  // convolutions, which stage each operand as their kernels need it). copy must be Any on every
+  // backend.
   enum class Layouts { None, Uniform, Any };
   virtual Layouts layouts(OpId op) const {
     return op == OpId::copy ? Layouts::Any : Layouts::None;
@@ -192,14 +192,13 @@ void with_storage(DType dtype, F&& f) {
     f(float());
 }
 
-// Whether a copy converts layouts (one side channels_last, engine/tensor.h, where that lays
-// the shape out differently), checked alike by every backend: then both are one 4-D shape, of
-// F32 or BF16 elements.
+// Whether a copy converts layouts (one side's memory NHWC, engine/tensor.h, the other's not),
+// checked alike by every backend: then both are one 4-D shape, of F32 or BF16 elements (either
+// way round: the conversion converts the dtype too).
 inline bool copy_relayouts(const Tensor& dst, const Tensor& src) {
-  if (dst.channels_last() == src.channels_last() || (dst.layout_free() && src.layout_free()))
-    return false;
-  REPLICA_CHECK(dst.shape() == src.shape() && dst.dtype() != DType::I32 &&
-                    src.dtype() != DType::I32,
+  if (dst.nhwc_memory() == src.nhwc_memory()) return false;
+  const auto float_type = [](DType t) { return t == DType::F32 || t == DType::BF16; };
+  REPLICA_CHECK(dst.shape() == src.shape() && float_type(dst.dtype()) && float_type(src.dtype()),
                 "copy: {} {} into {} {} across layouts (NCHW <-> channels_last)",
                 dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()),
                 shape_str(dst.shape()));

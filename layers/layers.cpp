@@ -9,6 +9,15 @@ namespace replica {
 
 namespace {
 float default_bound(int64_t fan_in) { return fan_in > 0 ? 1.f / std::sqrt(float(fan_in)) : 0.f; }
+
+// t laid out channels_last or NCHW (engine/tensor.h): t itself where its memory already is, else
+// a copy (the backend's copy converts).
+Tensor laid_out(DeviceContext& ctx, const Tensor& t, bool channels_last) {
+  if (t.nhwc_memory() == (channels_last && !t.layout_free())) return t;
+  Tensor out = ctx.alloc(t.shape(), t.dtype(), channels_last);
+  ctx.ops().copy(ctx, out, t);
+  return out;
+}
 }  // namespace
 
 // ---- Linear ---------------------------------------------------------------------------------
@@ -198,19 +207,13 @@ Tensor MaxPool2d::forward(DeviceContext& ctx, const Tensor& x) {
   // An NCHW input whose channels the convolutions after it read NHWC (a ResNet's stem): the
   // pooled output is handed on channels_last, one transpose here instead of copies in each of
   // the first block's convolutions and its shortcut.
-  if (x.channels_last() || !ctx.nhwc_convolution(x.dim(1), x.dim(1))) return y;
-  Tensor nhwc = ctx.alloc(os, x.dtype(), true);
-  ctx.ops().copy(ctx, nhwc, y);
-  return nhwc;
+  return laid_out(ctx, y, x.channels_last() || ctx.nhwc_convolution(x.dim(1), x.dim(1)));
 }
 
 Tensor MaxPool2d::backward(DeviceContext& ctx, const Tensor& dy) {
   REPLICA_CHECK(x_.defined(), "MaxPool2d backward without a training-mode forward");
-  Tensor g = dy;  // the gradient of the output as forward handed it on, in y_'s layout
-  if (dy.channels_last() != y_.channels_last() && !dy.layout_free()) {
-    g = ctx.alloc(dy.shape(), dy.dtype(), y_.channels_last());
-    ctx.ops().copy(ctx, g, dy);
-  }
+  // The gradient of the output as forward handed it on, in y_'s layout.
+  const Tensor g = laid_out(ctx, dy, y_.channels_last());
   Tensor dx = ctx.alloc_as(x_);
   ctx.ops().maxpool2d_backward(ctx, x_, y_, g, dx, p_);
   x_ = y_ = Tensor();
@@ -246,19 +249,12 @@ Shape Flatten::output_shape(const Shape& in) const {
 
 Tensor Flatten::forward(DeviceContext& ctx, const Tensor& x) {
   in_shape_ = x.shape();
-  in_channels_last_ = x.channels_last() && !x.layout_free();
-  if (!in_channels_last_) return x.reshape(output_shape(x.shape()));
-  Tensor nchw = ctx.alloc(x.shape(), x.dtype());
-  ctx.ops().copy(ctx, nchw, x);
-  return nchw.reshape(output_shape(x.shape()));
+  in_channels_last_ = x.nhwc_memory();
+  return laid_out(ctx, x, false).reshape(output_shape(x.shape()));
 }
 
 Tensor Flatten::backward(DeviceContext& ctx, const Tensor& dy) {
-  const Tensor g = dy.reshape(in_shape_);
-  if (!in_channels_last_) return g;
-  Tensor dx = ctx.alloc(in_shape_, dy.dtype(), true);
-  ctx.ops().copy(ctx, dx, g);
-  return dx;
+  return laid_out(ctx, dy.reshape(in_shape_), in_channels_last_);
 }
 
 Dropout::Dropout(float p, uint64_t seed) : p_(p), seed_(seed) {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "device_tensors.h"
 #include "dp_reference.h"
 #include "engine/bf16_storage.h"
 #include "engine/context.h"
@@ -63,21 +64,12 @@ std::vector<std::vector<std::vector<float>>> on_each(const std::vector<DeviceCon
                                                      const std::vector<Arg>& inputs,
                                                      const std::vector<Arg>& outputs,
                                                      const Op& op) {
-  DeviceContext host(kCpu);
   auto make = [&](DeviceContext& ctx, const Arg& a, uint32_t seed) {
-    Tensor h = host.alloc(a.shape);
     std::mt19937 rng(seed);
     std::normal_distribution<float> dist(0.f, 1.f);
-    for (int64_t i = 0; i < h.numel(); ++i) h.f32()[i] = dist(rng);
-    Tensor hd = h;
-    if (a.dtype == DType::BF16) {
-      hd = host.alloc(a.shape, DType::BF16);
-      host.ops().copy(host, hd, h);
-    }
-    if (!ctx.is_cuda()) return hd;
-    Tensor d = ctx.alloc(a.shape, a.dtype);
-    ctx.ops().copy(ctx, d, hd);
-    return d;
+    std::vector<float> values(static_cast<size_t>(shape_numel(a.shape)));
+    for (float& v : values) v = dist(rng);
+    return test::put(ctx, a.shape, values, a.dtype);
   };
   std::vector<std::vector<std::vector<float>>> out(outputs.size());
   for (DeviceContext* ctx : ctxs) {
@@ -90,14 +82,7 @@ std::vector<std::vector<std::vector<float>>> on_each(const std::vector<DeviceCon
       INFO("an op the CUDA backend takes BF16 for ran on F32 copies of its tensors");
       CHECK(calls_on_f32_copies(ctx->ops()) == copied);
     }
-    for (size_t i = 0; i < res.size(); ++i) {
-      Tensor h = Tensor::empty(host_allocator(), res[i].shape(), res[i].dtype());
-      ctx->ops().copy(*ctx, h, res[i]);
-      ctx->synchronize();
-      Tensor f = host.alloc(h.shape());
-      host.ops().copy(host, f, h);
-      out[i].emplace_back(f.f32(), f.f32() + f.numel());
-    }
+    for (size_t i = 0; i < res.size(); ++i) out[i].push_back(test::get(*ctx, res[i]));
   }
   return out;
 }

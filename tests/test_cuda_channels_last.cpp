@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "device_tensors.h"
 #include "dp_reference.h"
 #include "engine/context.h"
 #include "engine/error.h"
@@ -19,15 +20,12 @@
 
 using namespace replica;
 
+using test::get;
+using test::put;
+
 namespace {
 
 const Device kGpu{DeviceType::CUDA, 0, 0};
-const Device kCpu{DeviceType::CPU, 0, 0};
-
-DeviceContext& host() {
-  static DeviceContext ctx(kCpu, ContextOptions{1});
-  return ctx;
-}
 
 std::vector<float> draws(int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -35,29 +33,6 @@ std::vector<float> draws(int64_t n, uint32_t seed) {
   std::vector<float> v(static_cast<size_t>(n));
   for (float& x : v) x = dist(rng);
   return v;
-}
-
-// `vals` (NCHW order) as a tensor of ctx: `dtype` (BF16: rounded), NHWC where channels_last.
-Tensor make(DeviceContext& ctx, const Shape& shape, DType dtype, bool channels_last,
-            const std::vector<float>& vals) {
-  Tensor f = host().alloc(shape);
-  std::copy(vals.begin(), vals.end(), f.f32());
-  Tensor h = Tensor::empty(host_allocator(), shape, dtype, channels_last);
-  host().ops().copy(host(), h, f);  // the CPU's conversion: dtype and layout
-  Tensor d = ctx.alloc(shape, dtype, channels_last);
-  ctx.ops().copy(ctx, d, h);
-  return d;
-}
-
-// t's values in NCHW order, as floats.
-std::vector<float> values(DeviceContext& ctx, const Tensor& t) {
-  Tensor h =
-      Tensor::empty(host_allocator(), t.shape(), t.dtype(), t.ndim() == 4 && t.channels_last());
-  ctx.ops().copy(ctx, h, t);
-  ctx.synchronize();
-  Tensor f = host().alloc(t.shape());
-  host().ops().copy(host(), f, h);
-  return std::vector<float>(f.f32(), f.f32() + f.numel());
 }
 
 ContextOptions options(Precision precision, bool channels_last) {
@@ -77,15 +52,15 @@ TEST_CASE("copy between layouts on the GPU gives the CPU's bits (F32, BF16, part
                              Shape{2, 96, 33, 35}}) {
     CAPTURE(shape_str(shape));
     const auto v = draws(shape_numel(shape), 3);
-    const Tensor nchw = make(gpu, shape, DType::F32, false, v);
+    const Tensor nchw = put(gpu, shape, v);
     for (DType dtype : {DType::F32, DType::BF16}) {
       Tensor nhwc = gpu.alloc(shape, dtype, true);
       gpu.ops().copy(gpu, nhwc, nchw);  // the GPU's transposes
-      const Tensor expected = make(gpu, shape, dtype, true, v);  // the CPU's
-      CHECK(values(gpu, nhwc) == values(gpu, expected));
+      const Tensor expected = put(gpu, shape, v, dtype, true);  // the CPU's
+      CHECK(get(gpu, nhwc) == get(gpu, expected));
       Tensor back = gpu.alloc(shape);
       gpu.ops().copy(gpu, back, nhwc);
-      CHECK(values(gpu, back) == values(gpu, make(gpu, shape, dtype, false, v)));
+      CHECK(get(gpu, back) == get(gpu, put(gpu, shape, v, dtype, false)));
     }
   }
 }
@@ -111,10 +86,10 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
         Run r;
         OpProfile profile;  // all channels_last: no op may run on NCHW copies
         gpu.set_op_profile(&profile);
-        const Tensor x = make(gpu, shape, dt, cl, xv), res = make(gpu, shape, dt, res_cl, rv);
-        const Tensor dy = make(gpu, shape, dt, cl, gv);
-        Tensor gamma = make(gpu, {C}, DType::F32, false, draws(C, 5));
-        Tensor beta = make(gpu, {C}, DType::F32, false, draws(C, 6));
+        const Tensor x = put(gpu, shape, xv, dt, cl), res = put(gpu, shape, rv, dt, res_cl);
+        const Tensor dy = put(gpu, shape, gv, dt, cl);
+        Tensor gamma = put(gpu, {C}, draws(C, 5));
+        Tensor beta = put(gpu, {C}, draws(C, 6));
         Tensor rm = gpu.alloc({C}), rvar = gpu.alloc({C}), mean = gpu.alloc({C});
         Tensor invstd = gpu.alloc({C}), dgamma = gpu.alloc({C}), dbeta = gpu.alloc({C});
         gpu.ops().fill(gpu, rm, 0.f);
@@ -127,7 +102,7 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
         gpu.ops().batchnorm_backward(gpu, x, gamma, mean, invstd, dy, y, dx, dgamma, dbeta);
         gpu.ops().batchnorm_forward_eval(gpu, x, gamma, beta, rm, rvar, 1e-5f, eval, Tensor(),
                                          false);
-        Tensor relu_dx = gpu.alloc_as(x), sum = make(gpu, shape, dt, cl, rv);
+        Tensor relu_dx = gpu.alloc_as(x), sum = put(gpu, shape, rv, dt, cl);
         gpu.ops().relu_backward(gpu, y, dy, relu_dx);
         gpu.ops().add(gpu, sum, x, 0.5f);
         gpu.set_op_profile(nullptr);
@@ -138,10 +113,10 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
             CHECK(parts.count("F32 NCHW copies of BF16 channels_last tensors") == 0);
           }
         }
-        r.y = values(gpu, y), r.mean = values(gpu, mean), r.invstd = values(gpu, invstd);
-        r.running = values(gpu, rvar), r.dx = values(gpu, dx), r.dgamma = values(gpu, dgamma);
-        r.dbeta = values(gpu, dbeta), r.eval = values(gpu, eval);
-        r.relu_dx = values(gpu, relu_dx), r.sum = values(gpu, sum);
+        r.y = get(gpu, y), r.mean = get(gpu, mean), r.invstd = get(gpu, invstd);
+        r.running = get(gpu, rvar), r.dx = get(gpu, dx), r.dgamma = get(gpu, dgamma);
+        r.dbeta = get(gpu, dbeta), r.eval = get(gpu, eval);
+        r.relu_dx = get(gpu, relu_dx), r.sum = get(gpu, sum);
         return r;
       };
       const Run a = run(false, false), b = run(true, true), mixed = run(true, false);
@@ -159,10 +134,10 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
       CHECK(a.sum == b.sum);  // add is flat: the same sums, element by element
       // A 2-D operand of as many elements beside a channels_last one is in NCHW's order: add
       // must not pair its elements with the NHWC ones position by position.
-      Tensor nhwc = make(gpu, shape, dt, true, rv);
-      const Tensor flat = make(gpu, {shape[0], shape_numel(shape) / shape[0]}, dt, false, xv);
+      Tensor nhwc = put(gpu, shape, rv, dt, true);
+      const Tensor flat = put(gpu, {shape[0], shape_numel(shape) / shape[0]}, xv, dt, false);
       gpu.ops().add(gpu, nhwc, flat, 0.5f);
-      CHECK(values(gpu, nhwc) == a.sum);
+      CHECK(get(gpu, nhwc) == a.sum);
     }
   }
 }
@@ -192,20 +167,20 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
       const auto bv = draws(K, 9), gv = draws(shape_numel(ys), 10);
       const auto sv = draws(shape_numel(c.x), 11);
       auto run = [&](DeviceContext& ctx, bool cl) {
-        const Tensor x = make(ctx, c.x, dt, cl, xv), w = make(ctx, c.w, DType::F32, false, wv);
-        const Tensor b = c.bias ? make(ctx, {K}, DType::F32, false, bv) : Tensor();
+        const Tensor x = put(ctx, c.x, xv, dt, cl), w = put(ctx, c.w, wv);
+        const Tensor b = c.bias ? put(ctx, {K}, bv) : Tensor();
         Tensor y = ctx.alloc(ys, dt, cl);
         ctx.ops().conv2d_forward(ctx, x, w, b, y, c.p);
-        const Tensor dy = make(ctx, ys, dt, cl, gv);
-        Tensor dx = ctx.alloc_as(x), dw = make(ctx, c.w, DType::F32, false, wv);
-        Tensor db = c.bias ? make(ctx, {K}, DType::F32, false, bv) : Tensor();
+        const Tensor dy = put(ctx, ys, gv, dt, cl);
+        Tensor dx = ctx.alloc_as(x), dw = put(ctx, c.w, wv);
+        Tensor db = c.bias ? put(ctx, {K}, bv) : Tensor();
         ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, c.p, InputGrad::Overwrite);
-        Tensor sum = make(ctx, c.x, dt, cl, sv);  // a residual block's dx, added onto
+        Tensor sum = put(ctx, c.x, sv, dt, cl);  // a residual block's dx, added onto
         Tensor no_dw, no_db;
         ctx.ops().conv2d_backward(ctx, x, w, dy, sum, no_dw, no_db, c.p, InputGrad::Accumulate);
-        std::vector<std::vector<float>> out = {values(ctx, y), values(ctx, dx), values(ctx, dw),
-                                               values(ctx, sum)};
-        if (c.bias) out.push_back(values(ctx, db));
+        std::vector<std::vector<float>> out = {get(ctx, y), get(ctx, dx), get(ctx, dw),
+                                               get(ctx, sum)};
+        if (c.bias) out.push_back(get(ctx, db));
         return out;
       };
       // NCHW; channels_last tensors where they are; NCHW tensors staged into NHWC (a first
@@ -228,20 +203,20 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
     DeviceContext nhwc(kGpu, options(precision, true));
     const auto xv = draws(384, 1), wv = draws(216, 2), gv = draws(576, 3), bv = draws(8, 4);
     auto run = [&](DeviceContext& ctx, bool cl) {
-      const Tensor x = make(ctx, {2, 3, 8, 8}, dt, cl, xv);
-      const Tensor w = make(ctx, {8, 3, 3, 3}, DType::F32, false, wv);
-      const Tensor b = make(ctx, {8}, DType::F32, false, bv);
+      const Tensor x = put(ctx, {2, 3, 8, 8}, xv, dt, cl);
+      const Tensor w = put(ctx, {8, 3, 3, 3}, wv);
+      const Tensor b = put(ctx, {8}, bv);
       Tensor y = ctx.alloc({2, 8, 6, 6}, dt, cl);
       ctx.ops().conv2d_forward(ctx, x, w, b, y, Conv2dParams{1, 0});
-      const Tensor dy = make(ctx, {2, 8, 6, 6}, dt, cl, gv);
-      Tensor dx = make(ctx, {2, 3, 8, 8}, dt, cl, xv), dw = ctx.alloc({8, 3, 3, 3});
+      const Tensor dy = put(ctx, {2, 8, 6, 6}, gv, dt, cl);
+      Tensor dx = put(ctx, {2, 3, 8, 8}, xv, dt, cl), dw = ctx.alloc({8, 3, 3, 3});
       Tensor db = ctx.alloc({8});
       ctx.ops().fill(ctx, dw, 0.f);
       ctx.ops().fill(ctx, db, 0.f);
       ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, Conv2dParams{1, 0},
                                 InputGrad::Accumulate);
-      return std::vector<std::vector<float>>{values(ctx, y), values(ctx, dx), values(ctx, dw),
-                                             values(ctx, db)};
+      return std::vector<std::vector<float>>{get(ctx, y), get(ctx, dx), get(ctx, dw),
+                                             get(ctx, db)};
     };
     const auto a = run(nchw, false), b = run(nhwc, true);
     for (size_t k = 0; k < a.size(); ++k) {

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "device_tensors.h"
 #include "dp_reference.h"
 #include "env_guard.h"
 #include "engine/context.h"
@@ -64,20 +65,6 @@ struct Trio {
     return o;
   }
 
-  Tensor put(DeviceContext& ctx, const std::vector<float>& values, const Shape& shape) {
-    Tensor h = cpu.alloc(shape);
-    std::copy(values.begin(), values.end(), h.f32());
-    if (!ctx.is_cuda()) return h;
-    Tensor d = ctx.alloc(shape);
-    ctx.ops().copy(ctx, d, h);
-    return d;
-  }
-  std::vector<float> get(DeviceContext& ctx, const Tensor& t) {
-    Tensor h = Tensor::empty(host_allocator(), t.shape());
-    ctx.ops().copy(ctx, h, t);
-    ctx.synchronize();
-    return std::vector<float>(h.f32(), h.f32() + h.numel());
-  }
 };
 
 // Runs `op(ctx, inputs..., outputs...)` on each context of `ctxs`; returns each output's values
@@ -91,12 +78,12 @@ std::vector<std::vector<std::vector<float>>> on_all(Trio& t, const std::vector<S
   for (DeviceContext* ctx : ctxs) {
     std::vector<Tensor> in, res;
     for (size_t i = 0; i < inputs.size(); ++i)
-      in.push_back(t.put(*ctx, random_values(inputs[i], 100 + uint32_t(i)), inputs[i]));
+      in.push_back(test::put(*ctx, inputs[i], random_values(inputs[i], 100 + uint32_t(i))));
     for (size_t i = 0; i < outputs.size(); ++i)
-      res.push_back(t.put(*ctx, std::vector<float>(size_t(shape_numel(outputs[i])), 0.f),
-                          outputs[i]));
+      res.push_back(
+          test::put(*ctx, outputs[i], std::vector<float>(size_t(shape_numel(outputs[i])), 0.f)));
     op(*ctx, in, res);
-    for (size_t i = 0; i < outputs.size(); ++i) out[i].push_back(t.get(*ctx, res[i]));
+    for (size_t i = 0; i < outputs.size(); ++i) out[i].push_back(test::get(*ctx, res[i]));
   }
   return out;
 }

@@ -33,7 +33,6 @@ namespace {
 // src into dst, one NCHW and the other channels_last (copy_relayouts), converting the dtype as
 // copy does: element (n, c, p) is at (n * C + c) * HW + p in NCHW, (n * HW + p) * C + c in NHWC.
 void copy_relayout(Tensor& dst, const Tensor& src) {
-  if (dst.dtype() != src.dtype()) copy_narrows(dst, src);  // refuses any other pair
   const int64_t N = src.dim(0), C = src.dim(1), HW = src.dim(2) * src.dim(3);
   const bool to_nhwc = dst.channels_last();
   with_storage(src.dtype(), [&](auto in) {

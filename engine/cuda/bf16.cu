@@ -166,9 +166,9 @@ class Carve {
  public:
   Carve(bool bf16, bool nhwc) : bf16_(bf16), nhwc_(nhwc) {}
   int64_t floats(int64_t n) const { return ((bf16_ ? (n + 1) / 2 : n) + 63) / 64 * 64; }
+  DType dtype() const { return bf16_ ? DType::BF16 : DType::F32; }  // the staged arrays'
   bool in_place(const Tensor& t) const {
-    return t.dtype() == (bf16_ ? DType::BF16 : DType::F32) &&
-           (t.channels_last() == nhwc_ || !transposes(planes_of(t)));
+    return t.dtype() == dtype() && (t.channels_last() == nhwc_ || !transposes(planes_of(t)));
   }
   int64_t copy_floats(const Tensor& t) const { return in_place(t) ? 0 : floats(t.numel()); }
   void start(float* base) { next_ = base; }
@@ -181,13 +181,10 @@ class Carve {
     if (in_place(t)) return t.raw();
     void* out = take(t.numel());
     with_storage(t.dtype(), [&](auto in) {
-      const auto* src = elements<decltype(in)>(t);
-      if (bf16_)
-        move_elements(src, t.channels_last(), static_cast<uint16_t*>(out), nhwc_, planes_of(t),
-                      false, stream);
-      else
-        move_elements(src, t.channels_last(), static_cast<float*>(out), nhwc_, planes_of(t),
-                      false, stream);
+      with_storage(dtype(), [&](auto st) {
+        move_elements(elements<decltype(in)>(t), t.channels_last(),
+                      static_cast<decltype(st)*>(out), nhwc_, planes_of(t), false, stream);
+      });
     });
     return out;
   }
@@ -212,7 +209,6 @@ template void cuda::convert_async(const uint16_t*, float*, int64_t, cudaStream_t
 template void cuda::convert_async(const uint16_t*, uint16_t*, int64_t, cudaStream_t);
 
 void cuda::copy_relayout(Tensor& dst, const Tensor& src, cudaStream_t stream) {
-  if (dst.dtype() != src.dtype()) copy_narrows(dst, src);  // refuses any other pair
   with_storage(src.dtype(), [&](auto in) {
     with_storage(dst.dtype(), [&](auto out) {
       move_elements(elements<decltype(in)>(src), src.channels_last(),
@@ -231,14 +227,11 @@ Tensor cuda::nchw_copy(DeviceContext& ctx, const Tensor& t) {
 void ProductIo::finish(const void* result, Tensor& out, bool accumulate,
                        cudaStream_t stream) const {
   if (result == out.raw() || out.numel() == 0) return;  // written in place
-  with_storage(out.dtype(), [&](auto tag) {
-    auto* dst = elements<decltype(tag)>(out);
-    if (bf16)
-      move_elements(static_cast<const uint16_t*>(result), nhwc, dst, out.channels_last(),
-                    planes_of(out), accumulate, stream);
-    else
-      move_elements(static_cast<const float*>(result), nhwc, dst, out.channels_last(),
-                    planes_of(out), accumulate, stream);
+  with_storage(bf16 ? DType::BF16 : DType::F32, [&](auto st) {
+    with_storage(out.dtype(), [&](auto tag) {
+      move_elements(static_cast<const decltype(st)*>(result), nhwc, elements<decltype(tag)>(out),
+                    out.channels_last(), planes_of(out), accumulate, stream);
+    });
   });
 }
 
@@ -270,8 +263,8 @@ ProductIo CudaBackend::backward_io(DeviceContext& ctx, const Tensor& x, const Te
   // dx = f(w, dy) wants w and its result, dw = g(x, dy) x and its result.
   Carve carve(io.bf16, io.nhwc);
   // A bf16 dx that the call adds onto is staged all the same and added as it is brought back:
-  // the graph API's bf16 plans are built for beta 0, and cuDNN's legacy bf16 backward, where a
-  // missing plan would send it, chooses an engine again at every call (README).
+  // cuDNN's bf16 engines for beta 1 have not run on a GPU here, and a shape without one would
+  // fall to the legacy calls, whose bf16 backward chooses an engine again at every call (README).
   const bool dx_staged = dx && io.bf16 && dx_adds;
   const int64_t for_dx =
       dx ? carve.copy_floats(w) + (dx_staged ? carve.floats(dx->numel()) : carve.copy_floats(*dx))

@@ -26,6 +26,15 @@ struct ChannelDims {
   int64_t numel() const { return n * c * hw; }
 };
 
+// The channels of t ([N, C, ...], at least 2-D): [N, C, the product of the rest], or for a
+// channels_last t (engine/tensor.h) [N*H*W, C, 1], its channels side by side in rows.
+inline ChannelDims channel_dims(const Tensor& t) {
+  int64_t hw = 1;
+  for (int i = 2; i < t.ndim(); ++i) hw *= t.dim(i);
+  if (t.channels_last()) return {t.dim(0) * hw, t.dim(1), 1};
+  return {t.dim(0), t.dim(1), hw};
+}
+
 // Slices per channel for channel_partials: about 4096 values each (four rounds of four loads
 // per thread), at most 128; where hw = 1 (a channel's values every C-th: [N, C], or NHWC
 // seen as [N*H*W, C]), 512 rows each, at most 1024, read 32 channels to a block. Fixed by

@@ -38,26 +38,11 @@ int as_int(int64_t v, const char* what) {
 // out NHWC, results brought back.
 constexpr const char* kCopiesPart = "operand copies (bf16, layout)";
 
-// Whether a convolution of C input and K output channels runs NHWC (see the top): the rule by
-// which Conv2d lays its output out channels_last (DeviceContext::nhwc_convolution), so such a
-// convolution reads and writes its channels_last activations where they are.
-bool conv_nhwc(const DeviceContext& ctx, int64_t C, int64_t K) {
-  return ctx.nhwc_convolution(C, K);
-}
-
 // For a convolution that runs NCHW given channels_last tensors: Conv2d gives none (a
 // convolution whose channels are not multiples of 8 reads and writes NCHW), but an op takes
 // what it is given, through NCHW copies of them.
-bool nhwc_tensor(const Tensor& t) { return t.nhwc_memory(); }
 Tensor nchw_of(DeviceContext& ctx, const Tensor& t) {
   return t.nhwc_memory() ? cuda::nchw_copy(ctx, t) : t;
-}
-
-// A bias's per-channel view of y or dy (channel_pass.h): [N, K, P*Q], or channels_last
-// [N*P*Q, K, 1], where a channel's values are every K-th.
-cuda::ChannelDims bias_dims(const Tensor& t) {
-  const int64_t N = t.dim(0), K = t.dim(1), PQ = t.dim(2) * t.dim(3);
-  return t.channels_last() ? cuda::ChannelDims{N * PQ, K, 1} : cuda::ChannelDims{N, K, PQ};
 }
 
 // Destroys the descriptors a plan has (any may still be null).
@@ -98,7 +83,7 @@ ConvPlan& CudaBackend::conv_plan(DeviceContext& ctx, const Tensor& x, const Tens
                                  const Conv2dParams& p) {
   const int64_t N = x.dim(0), C = x.dim(1), H = x.dim(2), W = x.dim(3);
   const int64_t K = w.dim(0), R = w.dim(2);
-  const bool bf16 = ctx.precision() == Precision::Bf16, nhwc = conv_nhwc(ctx, C, K);
+  const bool bf16 = ctx.precision() == Precision::Bf16, nhwc = ctx.nhwc_convolution(C, K);
   const cudnnDataType_t data = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
   const cudnnTensorFormat_t format = nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
   ConvKey key{N, C, H, W, K, R, p.stride, p.padding, bf16, nhwc};
@@ -254,11 +239,11 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
   }
   if (y.numel() == 0) return;
   CudaState& s = cuda_state(ctx);
-  if ((nhwc_tensor(x) || nhwc_tensor(y)) && !conv_nhwc(ctx, x.dim(1), K)) {
-    Tensor yn = nhwc_tensor(y) ? ctx.alloc(y.shape(), y.dtype()) : y;
+  if ((x.nhwc_memory() || y.nhwc_memory()) && !ctx.nhwc_convolution(x.dim(1), K)) {
+    Tensor yn = y.nhwc_memory() ? ctx.alloc(y.shape(), y.dtype()) : y;
     const Tensor xn = op_part(ctx, kCopiesPart, [&] { return nchw_of(ctx, x); });
     conv2d_forward(ctx, xn, w, b, yn, p);
-    if (nhwc_tensor(y))
+    if (y.nhwc_memory())
       op_part(ctx, kCopiesPart, [&] { cuda::copy_relayout(y, yn, s.stream); });
     return;
   }
@@ -272,7 +257,8 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
             [&] { run_conv(ctx, plan, ConvDirection::Forward, {io.x, io.w, io.y}, 0.f); });
     op_part(ctx, kCopiesPart, [&] { io.finish(io.y, y, false, s.stream); });
   }
-  if (b.defined() && y.numel() > 0) cuda::add_channel_bias(bias_dims(y), y, b, s.stream);
+  if (b.defined() && y.numel() > 0)
+    cuda::add_channel_bias(cuda::channel_dims(y), y, b, s.stream);
 }
 
 void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -297,17 +283,18 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     cuda::expect_numel(db, K, op, "db");
   }
   const bool add_to_dx = dx_mode == InputGrad::Accumulate;
-  if ((nhwc_tensor(x) || nhwc_tensor(dy) || nhwc_tensor(dx)) && !conv_nhwc(ctx, x.dim(1), K)) {
+  if ((x.nhwc_memory() || dy.nhwc_memory() || dx.nhwc_memory()) &&
+      !ctx.nhwc_convolution(x.dim(1), K)) {
     Tensor dxn, xn, dyn;
     op_part(ctx, kCopiesPart, [&] {
-      dxn = !nhwc_tensor(dx) ? dx
+      dxn = !dx.nhwc_memory() ? dx
             : add_to_dx      ? nchw_of(ctx, dx)
                              : ctx.alloc(dx.shape(), dx.dtype());
       xn = nchw_of(ctx, x);
       dyn = nchw_of(ctx, dy);
     });
     conv2d_backward(ctx, xn, w, dyn, dxn, dw, db, p, dx_mode);
-    if (nhwc_tensor(dx))
+    if (dx.nhwc_memory())
       op_part(ctx, kCopiesPart, [&] { cuda::copy_relayout(dx, dxn, cuda_state(ctx).stream); });
     return;
   }
@@ -316,7 +303,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
       REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
     return;
   }
-  const cuda::ChannelDims bias = bias_dims(dy);
+  const cuda::ChannelDims bias = cuda::channel_dims(dy);
   const int bias_slices = db.defined() ? cuda::channel_slices(bias, op) : 0;  // before launches
   CudaState& s = cuda_state(ctx);
   const bool have_channels = x.dim(1) > 0;

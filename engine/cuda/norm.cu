@@ -28,15 +28,12 @@ namespace {
 using cuda::ChannelDims;
 using cuda::ChannelSum;
 
-// x's channels: [N, C, HW], or for a channels_last x (engine/tensor.h; the op's other 4-D
-// tensors share its layout, Backend::layouts) [N*HW, C, 1], its channels side by side in rows.
+// x's channels (channel_dims: rows for a channels_last x, whose op's other 4-D tensors share
+// its layout, Backend::layouts).
 ChannelDims bn_dims(const Tensor& x, const char* op) {
   REPLICA_CHECK(x.ndim() >= 2 && x.ndim() <= 4,
                 "{}: x {} must be [N, C], [N, C, L] or [N, C, H, W]", op, shape_str(x.shape()));
-  int64_t hw = 1;
-  for (int i = 2; i < x.ndim(); ++i) hw *= x.dim(i);
-  if (x.channels_last()) return {x.dim(0) * hw, x.dim(1), 1};
-  return {x.dim(0), x.dim(1), hw};
+  return cuda::channel_dims(x);
 }
 
 struct TrainOut {
