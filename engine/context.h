@@ -67,9 +67,11 @@ inline const char* memory_format_name(bool channels_last) {
 //           heuristics or, with cudnn_benchmark, its Find;
 //   Graph   cuDNN's graph API: each direction of each convolution shape built once into an
 //           execution plan and kept; an error where cuDNN offers no engine for one;
-//   Auto    Graph for bf16 data, where cuDNN 9's legacy calls choose and build an engine again
-//           at every backward call (10.7 ms a call for ResNet-50 on an H100), with Legacy for a
-//           convolution the graph API has no engine for; Legacy otherwise.
+//   Auto    Graph, with Legacy for a convolution the graph API has no engine for. For bf16
+//           data cuDNN 9's legacy calls choose and build an engine again at every backward call
+//           (10.7 ms a call for ResNet-50 on an H100); in fp32 their *_v7 heuristics picked
+//           engines that ran the seed recipe's ResNet-101 convolutions in 79 ms a step against
+//           the graph API's 40 (H200, 2026-11-27), and ResNet-50's at the same speed.
 // REPLICA_CUDNN_API=auto|graph|legacy in the environment sets it for CUDA contexts left at Auto
 // (ranks inherit it from the launcher), so one build can measure both interfaces.
 enum class ConvApi { Auto, Legacy, Graph };

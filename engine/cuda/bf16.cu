@@ -24,11 +24,20 @@ __global__ void convert_kernel(const In* src, Out* dst, int64_t n) {
     dst[i] = narrow<Out>(widen(src[i]));
 }
 
-template <class In, class Out>
-__global__ void unstage_flat_kernel(const In* src, Out* dst, int64_t n, bool accumulate) {
-  REPLICA_GRID_STRIDE(i, n) {
-    const float v = widen(src[i]);
-    dst[i] = narrow<Out>(accumulate ? widen(dst[i]) + v : v);
+// Groups of kVec elements (cuda::Pack: four at a time where the arrays allow, so that a BF16
+// copy moves 8 bytes a load rather than 2).
+template <int kVec, class In, class Out>
+__global__ void unstage_flat_kernel(const In* src, Out* dst, int64_t groups, bool accumulate) {
+  REPLICA_GRID_STRIDE(g, groups) {
+    cuda::Pack<kVec> v;
+    v.load(src, g);
+    if (accumulate) {
+      cuda::Pack<kVec> o;
+      o.load(dst, g);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v.v[e] = o.v[e] + v.v[e];
+    }
+    v.store(dst, g);
   }
 }
 
@@ -140,8 +149,11 @@ void move_elements(const In* src, bool from_nhwc, Out* dst, bool to_nhwc, const 
   const int64_t n = d.n * d.c * d.hw;
   if (n == 0) return;
   if (from_nhwc == to_nhwc || !transposes(d)) {
-    unstage_flat_kernel<<<cuda::grid_for(n), cuda::kThreads, 0, stream>>>(src, dst, n,
-                                                                          accumulate);
+    cuda::with_width(n % 4 == 0 && cuda::aligned16({src, dst}), [&](auto width) {
+      constexpr int kVec = decltype(width)::value;
+      unstage_flat_kernel<kVec><<<cuda::grid_for(n / kVec), cuda::kThreads, 0, stream>>>(
+          src, dst, n / kVec, accumulate);
+    });
   } else if (to_nhwc) {
     // No product adds an NCHW result into a channels_last tensor (conv.cu keeps them apart).
     REPLICA_CHECK(!accumulate, "adding an NCHW result into a channels_last tensor");

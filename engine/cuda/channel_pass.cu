@@ -164,10 +164,10 @@ void launch_partials(const ChannelDims& d, int S, const T* x, const T* dy, const
 }
 
 __global__ void channel_accumulate_kernel(const double* part, int S, int64_t C, float* out) {
-  REPLICA_GRID_STRIDE(c, C) {
+  REPLICA_CHANNEL_WARPS(c, C) {
     double sum, unused;
     channel_sums(part, nullptr, S, c, &sum, &unused);
-    out[c] += float(sum);
+    if (threadIdx.x % 32 == 0) out[c] += float(sum);
   }
 }
 
@@ -220,7 +220,7 @@ void channel_sum_accumulate(const ChannelDims& d, int S, const T* x, float* scra
   double* part = reinterpret_cast<double*>(scratch);
   launch_partials<ChannelSum::Values, T>(d, S, x, nullptr, nullptr, nullptr, nullptr, part,
                                          nullptr, stream);
-  channel_accumulate_kernel<<<grid_for(d.c), kThreads, 0, stream>>>(part, S, d.c, out);
+  channel_accumulate_kernel<<<grid_for(d.c * 32), kThreads, 0, stream>>>(part, S, d.c, out);
   REPLICA_LAUNCH_CHECK();
 }
 

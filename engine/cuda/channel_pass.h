@@ -60,16 +60,30 @@ void channel_partials(ChannelSum what, const ChannelDims& d, int S, const T* x, 
                       const T* relu_y, const float* mean, const float* invstd, double* part_a,
                       double* part_b, cudaStream_t stream);
 
-// Channel c's slices added in order (from a per-channel kernel).
+// Channel c's slices added up by the warp that calls it (every lane, with the same c): lane l
+// adds slices l, l + 32, ... in order, then the lanes' sums meet in a fixed butterfly, after
+// which every lane holds the same bits (a + b is b + a). One thread per channel had walked up to
+// 1,024 slices, each add waiting on its load, twice per BatchNorm step.
 __device__ __forceinline__ void channel_sums(const double* part_a, const double* part_b, int S,
                                              int64_t c, double* a, double* b) {
-  *a = 0;
-  *b = 0;
-  for (int s = 0; s < S; ++s) {
-    *a += part_a[c * S + s];
-    if (part_b) *b += part_b[c * S + s];
+  double sa = 0, sb = 0;
+  for (int s = threadIdx.x % 32; s < S; s += 32) {
+    sa += part_a[c * S + s];
+    if (part_b) sb += part_b[c * S + s];
   }
+  for (int lanes = 16; lanes > 0; lanes /= 2) {
+    sa += __shfl_xor_sync(0xffffffffu, sa, lanes);
+    sb += __shfl_xor_sync(0xffffffffu, sb, lanes);
+  }
+  *a = sa;
+  *b = sb;
 }
+
+// The grid-stride loop of a per-channel kernel that calls channel_sums: a warp per channel c
+// (launched with grid_for(C * 32) blocks of a multiple of 32 threads); lane 0 writes.
+#define REPLICA_CHANNEL_WARPS(c, C)                                                       \
+  for (int64_t c = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; c < (C);        \
+       c += int64_t(gridDim.x) * blockDim.x / 32)
 
 // Floats of scratch channel_sum_accumulate takes for d and its S slices (a double each).
 inline int64_t channel_sum_scratch(const ChannelDims& d, int S) { return 2 * d.c * S; }

@@ -52,7 +52,7 @@ void CudaBackend::leave_conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirec
 const ConvGraph* CudaBackend::conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir,
                                          float beta, const ConvBuffers& buffers) {
   const ConvApi api = ctx.conv_api();
-  if (api == ConvApi::Legacy || (api == ConvApi::Auto && !plan.spec.bf16)) return nullptr;
+  if (api == ConvApi::Legacy) return nullptr;
   ConvGraphSlot& slot = graph_slot(plan, dir, beta);
   if (!slot.tried) {
     ConvGraphSpec spec = plan.spec;

@@ -48,9 +48,10 @@ __global__ void bn_train_stats_kernel(const T* x, const double* part_a, const do
                                       int S, ChannelDims d, const float* gamma, const float* beta,
                                       float momentum, float eps, TrainOut out, float* scale,
                                       float* shift) {
-  REPLICA_GRID_STRIDE(c, d.c) {
+  REPLICA_CHANNEL_WARPS(c, d.c) {
     double sum, sq;
     cuda::channel_sums(part_a, part_b, S, c, &sum, &sq);
+    if (threadIdx.x % 32 != 0) continue;
     const double m = double(d.m()), shifted = sum / m, mu = widen(x[c * d.hw]) + shifted;
     const double var = fmax(sq / m - shifted * shifted, 0.0);
     const double invstd = 1.0 / sqrt(var + eps);
@@ -86,9 +87,10 @@ __global__ void bn_eval_coeffs_kernel(const float* running_mean, const float* ru
 __global__ void bn_grad_sums_kernel(const double* part_a, const double* part_b, int S,
                                     ChannelDims d, const float* gamma, const float* invstd,
                                     float* dgamma, float* dbeta, double* sums) {
-  REPLICA_GRID_STRIDE(c, d.c) {
+  REPLICA_CHANNEL_WARPS(c, d.c) {
     double s_g, s_g_xhat;
     cuda::channel_sums(part_a, part_b, S, c, &s_g, &s_g_xhat);
+    if (threadIdx.x % 32 != 0) continue;
     if (dgamma) dgamma[c] += float(s_g_xhat);
     if (dbeta) dbeta[c] += float(s_g);
     sums[3 * c] = s_g;
@@ -192,7 +194,7 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
     const T* xp = elements<T>(x);
     cuda::channel_partials<T>(ChannelSum::Moments, d, S, xp, nullptr, nullptr, nullptr, nullptr,
                               w.part_a, w.part_b, stream);
-    bn_train_stats_kernel<T><<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
+    bn_train_stats_kernel<T><<<cuda::grid_for(d.c * 32), cuda::kThreads, 0, stream>>>(
         xp, w.part_a, w.part_b, S, d, elements<float>(gamma), elements<float>(beta), momentum,
         eps, out, w.scale, w.shift);
     REPLICA_LAUNCH_CHECK();
@@ -257,7 +259,7 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
     const T *xp = elements<T>(x), *dyp = elements<T>(dy), *mask = elements<T>(relu_y);
     cuda::channel_partials<T>(ChannelSum::GradMoments, d, S, xp, dyp, mask, mean, is, w.part_a,
                               w.part_b, stream);
-    bn_grad_sums_kernel<<<cuda::grid_for(d.c), cuda::kThreads, 0, stream>>>(
+    bn_grad_sums_kernel<<<cuda::grid_for(d.c * 32), cuda::kThreads, 0, stream>>>(
         w.part_a, w.part_b, S, d, elements<float>(gamma), is, elements<float>(dgamma),
         elements<float>(dbeta), w.sums);
     REPLICA_LAUNCH_CHECK();
