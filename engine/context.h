@@ -52,8 +52,9 @@ Precision resolve_precision(const std::string& flag, const std::vector<Device>& 
 //                  for bf16, and results transposed back: cuDNN's tensor-core kernels are
 //                  written for NHWC (on an H100, ResNet-50's bf16 NCHW convolutions took 4.4x
 //                  TF32's time, algorithms timed).
-// Only convolutions whose channel counts are multiples of 8 (the shapes those kernels take);
-// everything else stays NCHW. "auto": channels_last in bf16 on CUDA devices, else nchw.
+// Only convolutions whose channel counts are multiples of 8 (the shapes those kernels take),
+// and a first layer's 1-7 input channels padded to 8 (engine/cuda/conv_padded.cu); everything
+// else stays NCHW. "auto": channels_last in bf16 on CUDA devices, else nchw.
 // UsageError for another word, or channels_last on CPU devices (they have no cuDNN).
 bool resolve_channels_last(const std::string& flag, Precision precision,
                            const std::vector<Device>& devices);
@@ -123,7 +124,8 @@ class DeviceContext {
   bool channels_last() const { return options_.channels_last; }
   // Whether a convolution of C input and K output channels runs NHWC here, and so writes a
   // channels_last output (engine/tensor.h): with channels_last, where both are multiples of 8,
-  // the shapes cuDNN's tensor-core kernels take (a first layer's 1 or 3 channels stay NCHW).
+  // the shapes cuDNN's tensor-core kernels take. A first layer's 1 or 3 channels give an NCHW
+  // output, though on CUDA the convolution runs NHWC on operands padded to 8 channels.
   bool nhwc_convolution(int64_t C, int64_t K) const {
     return options_.channels_last && C % 8 == 0 && K % 8 == 0;
   }

@@ -193,35 +193,52 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
       }
     }
   }
-  // channels_last tensors for a convolution that runs NCHW (3 input channels): NCHW copies,
-  // the NCHW results; with a bias, and its dx added onto (the fallback's trickiest branch).
+  // A first layer's few input channels (3, or the seed recipe's 1) in a channels_last context:
+  // run NHWC on operands padded with zero channels to 8 (engine/cuda/conv_padded.cu); 12
+  // channels into 20, which cuDNN's NHWC kernels do not take, run NCHW on NCHW copies. Given
+  // NCHW tensors (a ResNet's stem) or channels_last ones; with a bias, dx overwritten and dx
+  // added onto. NCHW's results (the padding's gradients dropped).
+  struct Few {
+    Shape x, w;
+    Conv2dParams p;
+  };
+  const Few few[] = {{{2, 3, 8, 8}, {8, 3, 3, 3}, {1, 0}},
+                     {{3, 1, 9, 9}, {16, 1, 3, 3}, {2, 1}},
+                     {{2, 12, 8, 8}, {20, 12, 3, 3}, {1, 1}}};
   for (const Precision precision : {Precision::Fp32, Precision::Bf16}) {
     if (precision == Precision::Bf16 && !have_bf16()) continue;
     CAPTURE(precision_name(precision));
     const DType dt = precision == Precision::Bf16 ? DType::BF16 : DType::F32;
     DeviceContext nchw(kGpu, options(precision, false));
     DeviceContext nhwc(kGpu, options(precision, true));
-    const auto xv = draws(384, 1), wv = draws(216, 2), gv = draws(576, 3), bv = draws(8, 4);
-    auto run = [&](DeviceContext& ctx, bool cl) {
-      const Tensor x = put(ctx, {2, 3, 8, 8}, xv, dt, cl);
-      const Tensor w = put(ctx, {8, 3, 3, 3}, wv);
-      const Tensor b = put(ctx, {8}, bv);
-      Tensor y = ctx.alloc({2, 8, 6, 6}, dt, cl);
-      ctx.ops().conv2d_forward(ctx, x, w, b, y, Conv2dParams{1, 0});
-      const Tensor dy = put(ctx, {2, 8, 6, 6}, gv, dt, cl);
-      Tensor dx = put(ctx, {2, 3, 8, 8}, xv, dt, cl), dw = ctx.alloc({8, 3, 3, 3});
-      Tensor db = ctx.alloc({8});
-      ctx.ops().fill(ctx, dw, 0.f);
-      ctx.ops().fill(ctx, db, 0.f);
-      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, Conv2dParams{1, 0},
-                                InputGrad::Accumulate);
-      return std::vector<std::vector<float>>{get(ctx, y), get(ctx, dx), get(ctx, dw),
-                                             get(ctx, db)};
-    };
-    const auto a = run(nchw, false), b = run(nhwc, true);
-    for (size_t k = 0; k < a.size(); ++k) {
-      CAPTURE(k);  // y, dx added onto, dw, db
-      CHECK(test::relative_l2(a[k], b[k]) < (dt == DType::BF16 ? 2e-3 : 1e-5));
+    for (const Few& c : few) {
+      CAPTURE(shape_str(c.x));
+      const int64_t K = c.w[0];
+      const Shape ys{c.x[0], K, window_out(c.x[2], int(c.w[2]), c.p.stride, c.p.padding),
+                     window_out(c.x[3], int(c.w[2]), c.p.stride, c.p.padding)};
+      const auto xv = draws(shape_numel(c.x), 1), wv = draws(shape_numel(c.w), 2);
+      const auto gv = draws(shape_numel(ys), 3), bv = draws(K, 4);
+      const auto sv = draws(shape_numel(c.x), 5);
+      auto run = [&](DeviceContext& ctx, bool cl) {
+        const Tensor x = put(ctx, c.x, xv, dt, cl), w = put(ctx, c.w, wv);
+        const Tensor b = put(ctx, {K}, bv);
+        Tensor y = ctx.alloc(ys, dt, cl);
+        ctx.ops().conv2d_forward(ctx, x, w, b, y, c.p);
+        const Tensor dy = put(ctx, ys, gv, dt, cl);
+        Tensor dx = ctx.alloc_as(x), dw = put(ctx, c.w, wv), db = put(ctx, {K}, bv);
+        ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, c.p, InputGrad::Overwrite);
+        Tensor sum = put(ctx, c.x, sv, dt, cl), no_dw, no_db;
+        ctx.ops().conv2d_backward(ctx, x, w, dy, sum, no_dw, no_db, c.p, InputGrad::Accumulate);
+        return std::vector<std::vector<float>>{get(ctx, y), get(ctx, dx), get(ctx, dw),
+                                               get(ctx, db), get(ctx, sum)};
+      };
+      const auto a = run(nchw, false), stem = run(nhwc, false), b = run(nhwc, true);
+      for (size_t k = 0; k < a.size(); ++k) {
+        CAPTURE(k);  // y, dx, dw (added onto), db (added onto), dx added onto
+        const double tol = dt == DType::BF16 ? 2e-3 : 1e-5;
+        CHECK(test::relative_l2(a[k], stem[k]) < tol);
+        CHECK(test::relative_l2(a[k], b[k]) < tol);
+      }
     }
   }
 }

@@ -312,7 +312,8 @@ struct ConvRun {
 
 // Shapes that cover tiled transposes with partial tiles (channels and positions not multiples
 // of 32) and with several tiles each way, a 1x1 kernel and a 1x1 output (where NHWC and NCHW
-// lay out alike and the copy is flat), and 3 input channels (a first layer's, left NCHW).
+// lay out alike and the copy is flat), and 3 input channels (a first layer's, padded to 8:
+// engine/cuda/conv_padded.cu).
 const ConvRun kLayoutCases[] = {{{5, 16, 17, 19}, {40, 16, 3, 3}, {1, 1}},
                                 {{3, 48, 9, 9}, {72, 48, 1, 1}, {2, 0}},
                                 {{6, 72, 3, 3}, {40, 72, 3, 3}, {1, 0}},
@@ -366,7 +367,8 @@ TEST_CASE("channels_last convolutions: NCHW's results from NHWC copies, fp32 and
 // the CPU's bf16 bits exactly in every direction; the legacy calls' dx of the 3-channel case
 // was 9.9e-4 off them in both layouts (a second rounding inside cuDNN's legacy engine, about
 // 40% of bf16's own error), so the legacy dx is held to 2e-3 only: one more reason the graph
-// API runs bf16 by default.
+// API runs bf16 by default. (Since then an NHWC context runs that case on 8 padded channels,
+// engine/cuda/conv_padded.cu.)
 TEST_CASE("cuDNN graph API convolutions: the CPU's numbers in fp32, tf32 and bf16, both layouts") {
   if (!test::have_gpu()) return;
   auto options = [](Precision p, ConvApi api, bool nhwc, bool timed) {

@@ -12,7 +12,8 @@
 // ctx.channels_last() (bf16's default) the descriptors are NHWC (filters KRSC): the layout
 // cuDNN's tensor-core kernels are written for. Only for convolutions whose input and output
 // channels are multiples of 8, the shapes those kernels take (DeviceContext::nhwc_convolution);
-// the others (a first layer's 1 or 3 channels) stay NCHW, where every shape has run. Such a
+// a first layer's 1-7 input channels are padded to 8 for them (conv_padded.cu), and the few
+// other shapes stay NCHW, where every shape has run. Such a
 // convolution's output is a channels_last tensor (engine/tensor.h), written where it is, and so
 // is its input where the layer before wrote one: only NCHW operands are copied into NHWC.
 // With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias
@@ -29,14 +30,12 @@ namespace replica {
 
 namespace {
 
+using cuda::kCopiesPart;
+
 int as_int(int64_t v, const char* what) {
   REPLICA_CHECK(v >= 0 && v <= INT32_MAX, "conv2d: {} = {} is out of cuDNN's range", what, v);
   return static_cast<int>(v);
 }
-
-// What an op profile calls the staging (OpProfile's parts): operands rounded to bf16 and/or laid
-// out NHWC, results brought back.
-constexpr const char* kCopiesPart = "operand copies (bf16, layout)";
 
 // For a convolution that runs NCHW given channels_last tensors: Conv2d gives none (a
 // convolution whose channels are not multiples of 8 reads and writes NCHW), but an op takes
@@ -239,6 +238,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
   }
   if (y.numel() == 0) return;
   CudaState& s = cuda_state(ctx);
+  if (padded_conv2d_forward(ctx, x, w, b, y, p)) return;  // a first layer's few channels
   if ((x.nhwc_memory() || y.nhwc_memory()) && !ctx.nhwc_convolution(x.dim(1), K)) {
     Tensor yn = y.nhwc_memory() ? ctx.alloc(y.shape(), y.dtype()) : y;
     const Tensor xn = op_part(ctx, kCopiesPart, [&] { return nchw_of(ctx, x); });
@@ -283,6 +283,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
     cuda::expect_numel(db, K, op, "db");
   }
   const bool add_to_dx = dx_mode == InputGrad::Accumulate;
+  if (padded_conv2d_backward(ctx, x, w, dy, dx, dw, db, p, dx_mode)) return;
   if ((x.nhwc_memory() || dy.nhwc_memory() || dx.nhwc_memory()) &&
       !ctx.nhwc_convolution(x.dim(1), K)) {
     Tensor dxn, xn, dyn;

@@ -132,6 +132,10 @@ void copy_relayout(Tensor& dst, const Tensor& src, cudaStream_t stream);
 // An NCHW copy of the channels_last tensor t, from ctx's allocator, on its stream.
 Tensor nchw_copy(DeviceContext& ctx, const Tensor& t);
 
+// What an op profile calls a convolution's staging (OpProfile's parts): operands rounded to
+// bf16, laid out NHWC or padded with zero channels, results brought back.
+inline constexpr const char* kCopiesPart = "operand copies (bf16, layout)";
+
 // p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
 template <class T>
 void fill_async(T* p, int64_t n, T v, cudaStream_t stream);
@@ -251,6 +255,14 @@ class CudaBackend final : public Backend {
   void leave_conv_graph(DeviceContext& ctx, ConvPlan& plan, ConvDirection dir, float beta,
                         const std::string& why);
   void destroy_conv_plans() noexcept;
+  // A convolution of a first layer's few input channels (1 to 7; K a multiple of 8) in a
+  // channels_last context, run on operands padded with zero channels to 8 (conv_padded.cu):
+  // false, having done nothing, for any other convolution.
+  bool padded_conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                             const Tensor& b, Tensor& y, const Conv2dParams& p);
+  bool padded_conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                              const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
+                              const Conv2dParams& p, InputGrad dx_mode);
   std::map<ConvKey, ConvPlan> conv_plans_;
 
   // A product's operands and results (bf16.cu); backward: dx, dw null when not wanted. `nhwc`:
