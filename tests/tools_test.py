@@ -3,7 +3,9 @@
 - how tools/replica_vs_pytorch.py alternates the engines over --rounds, pairs their runs into
   ratios and writes the table (the programs it calls replaced by a recorder, run_one);
 - how tools/gpu_clocks.py samples and sums up the GPU's clocks (nvidia-smi replaced by a script
-  that answers as an older driver does: the new name of the reasons field refused).
+  that answers as an older driver does: the new name of the reasons field refused);
+- which kernels tools/ncu_step.py counts as one step, from a made-up Nsight Compute CSV;
+- how tools/gpu_steps.sh spends a budget: steps cut at their limit, the last listed as not run.
 
     python3 tests/tools_test.py        # ctest: tools_py (label unit)
 """
@@ -228,6 +230,69 @@ class DocTest(unittest.TestCase):
         code, out = self.run_docs(text.replace("```output\ntwo 2", "```output\nthree 3"), have=True)
         self.assertEqual(code, 1, out)
         self.assertIn("changed shape", out)
+
+
+NCU_CSV = """==PROF== Connected to process 1 (replica-bench)
+"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"
+"0","warm_up_kernel(float*)","gpu__time_duration.sum","us","900"
+"1","adam_kernel(float*)","gpu__time_duration.sum","us","5"
+"2","conv(float*)","gpu__time_duration.sum","us","7"
+"3","bn_dx<4>(float*)","gpu__time_duration.sum","us","3"
+"4","bn_dx<4>(float*)","gpu__time_duration.sum","us","1"
+"5","adam_kernel(float*)","gpu__time_duration.sum","us","5"
+"6","conv(float*)","gpu__time_duration.sum","us","2"
+"7","bn_dx<4>(float*)","gpu__time_duration.sum","us","2,000"
+"8","adam_kernel(float*)","gpu__time_duration.sum","us","4"
+"""
+
+
+class NcuStep(unittest.TestCase):
+    def run_tool(self, text, *args):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "run.csv")
+            with open(path, "w") as f:
+                f.write(text)
+            return subprocess.run([sys.executable, os.path.join(REPO, "tools", "ncu_step.py"),
+                                   path] + list(args), capture_output=True, text=True)
+
+    def test_the_last_whole_step_by_kernel_name(self):
+        r = self.run_tool(NCU_CSV)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        lines = r.stdout.splitlines()
+        # kernels 6..8: the step between the last two optimizer kernels, the second included;
+        # "2,000" us is ncu's thousands separator; names lose their argument lists
+        self.assertEqual(lines[0], "3 kernels, 2.006 ms of device time in one step")
+        self.assertRegex(lines[2], r"^\s+2\.000\s+99\.7%\s+1  bn_dx<4>$")
+        self.assertRegex(lines[3], r"^\s+0\.004\s+0\.2%\s+1  adam_kernel$")
+        self.assertNotIn("warm_up_kernel", r.stdout)
+
+    def test_fewer_than_two_steps_is_an_error_that_says_so(self):
+        r = self.run_tool(NCU_CSV, "--step-marker", "sgd")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("fewer than two 'sgd' kernels", r.stderr)
+        r = self.run_tool(NCU_CSV.replace('"us"', '"weeks"'))
+        self.assertIn("unknown time unit 'weeks'", r.stderr)
+
+
+class GpuSteps(unittest.TestCase):
+    def test_steps_run_within_the_budget_and_say_what_found_no_time(self):
+        with tempfile.TemporaryDirectory() as out:
+            script = ("BUDGET=9; OUT=%s; source %s calls\n"
+                      "step ok 6 echo hello\nstep failing 6 false\nstep cut 6 sleep 30\n"
+                      "step late 6 true\ngpu_steps_pack\n"
+                      % (out, os.path.join(REPO, "tools", "gpu_steps.sh")))
+            r = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            subprocess.run(["tar", "-xzf", os.path.join(out, "calls.tgz"), "-C", out], check=True)
+            with open(os.path.join(out, "calls", "summary.txt")) as f:
+                summary = f.read().splitlines()
+            with open(os.path.join(out, "calls", "ok.log")) as f:
+                self.assertEqual(f.read(), "hello\n")
+        self.assertEqual(summary[0], "ok rc=0 0s")
+        self.assertEqual(summary[1], "failing rc=1 0s")
+        # cut at its own 6 s limit (timeout's 124); the budget then has 3 s left: not run
+        self.assertRegex(summary[2], r"^cut rc=124 [67]s$")
+        self.assertEqual(summary[3], "NOT RUN late (no time)")
 
 
 class CompareTransforms(unittest.TestCase):
