@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device_tensors.h"
@@ -220,6 +221,8 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
       const auto gv = draws(shape_numel(ys), 3), bv = draws(K, 4);
       const auto sv = draws(shape_numel(c.x), 5);
       auto run = [&](DeviceContext& ctx, bool cl) {
+        OpProfile profile;  // which way each convolution ran: padded, or NCHW on copies
+        ctx.set_op_profile(&profile);
         const Tensor x = put(ctx, c.x, xv, dt, cl), w = put(ctx, c.w, wv);
         const Tensor b = put(ctx, {K}, bv);
         Tensor y = ctx.alloc(ys, dt, cl);
@@ -229,6 +232,21 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
         ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, c.p, InputGrad::Overwrite);
         Tensor sum = put(ctx, c.x, sv, dt, cl), no_dw, no_db;
         ctx.ops().conv2d_backward(ctx, x, w, dy, sum, no_dw, no_db, c.p, InputGrad::Accumulate);
+        ctx.set_op_profile(nullptr);
+        // Padded exactly where the channels are few and the context channels_last: each pass
+        // of each call times its padding (the NCHW fallback gives the same numbers).
+        const bool pads = ctx.channels_last() && c.x[1] < 8;
+        const auto parts = profile.parts();
+        // forward: one padding; backward, called twice: its operands, then its gradients back
+        for (const auto& [op, calls] : {std::pair<std::string, int64_t>{"conv2d_forward", 1},
+                                        {"conv2d_backward", 4}}) {
+          CAPTURE(op);
+          const auto it = parts.find(op);
+          const bool timed =
+              it != parts.end() && it->second.count("operand copies (channels padded to 8)");
+          CHECK(timed == pads);
+          if (timed) CHECK(it->second.at("operand copies (channels padded to 8)").calls == calls);
+        }
         return std::vector<std::vector<float>>{get(ctx, y), get(ctx, dx), get(ctx, dw),
                                                get(ctx, db), get(ctx, sum)};
       };

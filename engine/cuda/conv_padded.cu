@@ -65,7 +65,7 @@ bool CudaBackend::padded_conv2d_forward(DeviceContext& ctx, const Tensor& x, con
                                         const Tensor& b, Tensor& y, const Conv2dParams& p) {
   if (x.numel() == 0 || !pads_channels(ctx, x.dim(1), w.dim(0))) return false;
   Tensor xp, wp;
-  op_part(ctx, cuda::kCopiesPart, [&] {
+  op_part(ctx, cuda::kPaddingPart, [&] {
     xp = padded_channels(ctx, x);
     wp = padded_channels(ctx, w);
   });
@@ -79,7 +79,7 @@ bool CudaBackend::padded_conv2d_backward(DeviceContext& ctx, const Tensor& x, co
   if (x.numel() == 0 || !pads_channels(ctx, x.dim(1), w.dim(0))) return false;
   const bool want_dx = dx.defined() && dx.numel() > 0;
   Tensor xp, wp, dxp, dwp;
-  op_part(ctx, cuda::kCopiesPart, [&] {
+  op_part(ctx, cuda::kPaddingPart, [&] {
     xp = padded_channels(ctx, x);
     wp = padded_channels(ctx, w);
     // dw, and a dx added onto, bring their sums so far; the padding's gradients are dropped.
@@ -89,7 +89,7 @@ bool CudaBackend::padded_conv2d_backward(DeviceContext& ctx, const Tensor& x, co
                                              : ctx.alloc(xp.shape(), dx.dtype());
   });
   conv2d_backward(ctx, xp, wp, dy, dxp, dwp, db, p, dx_mode);
-  op_part(ctx, cuda::kCopiesPart, [&] {
+  op_part(ctx, cuda::kPaddingPart, [&] {
     if (dw.defined()) unpad_channels(ctx, dw, dwp);
     if (want_dx) unpad_channels(ctx, dx, dxp);
   });

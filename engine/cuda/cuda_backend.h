@@ -133,8 +133,10 @@ void copy_relayout(Tensor& dst, const Tensor& src, cudaStream_t stream);
 Tensor nchw_copy(DeviceContext& ctx, const Tensor& t);
 
 // What an op profile calls a convolution's staging (OpProfile's parts): operands rounded to
-// bf16, laid out NHWC or padded with zero channels, results brought back.
+// bf16 and/or laid out NHWC, results brought back; and a first layer's operands padded with
+// zero channels to 8 and its gradients brought back without them (conv_padded.cu).
 inline constexpr const char* kCopiesPart = "operand copies (bf16, layout)";
+inline constexpr const char* kPaddingPart = "operand copies (channels padded to 8)";
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
 template <class T>
