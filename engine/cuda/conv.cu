@@ -13,9 +13,9 @@
 // cuDNN's tensor-core kernels are written for. Only for convolutions whose input and output
 // channels are multiples of 8, the shapes those kernels take (DeviceContext::nhwc_convolution);
 // a first layer's 1-7 input channels are padded to 8 for them (conv_padded.cu), and the few
-// other shapes stay NCHW, where every shape has run. Such a
-// convolution's output is a channels_last tensor (engine/tensor.h), written where it is, and so
-// is its input where the layer before wrote one: only NCHW operands are copied into NHWC.
+// other shapes stay NCHW, where every shape has run. An NHWC convolution's output is a
+// channels_last tensor (engine/tensor.h), written where it is, and so is its input where the
+// layer before wrote one: only NCHW operands are copied into NHWC.
 // With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias
 // forward/backward are own kernels (the bias gradient is a fixed-order per-channel reduction,
 // so it is deterministic in every mode).
