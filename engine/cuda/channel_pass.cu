@@ -86,57 +86,126 @@ __global__ void channel_partials_kernel(const T* __restrict__ x, const T* __rest
 
 // The same sums where a channel's values are every C-th (hw = 1: [N, C], or an NHWC tensor seen
 // as [N*H*W, C]): there the kernel above would read a value per 2-4 bytes of a 32-byte sector.
-// Block (s, t) takes rows [s * per, (s + 1) * per) of channels [32 t, 32 t + 32): a warp reads a
-// row's 32 channels side by side, its 8 warps every 8th row, kUnroll rows in flight each; then
-// each channel's 8 warp sums are added in warp order.
+// Block (s, t) takes rows [s * per, (s + 1) * per) of channels [32 kPer t, 32 kPer (t + 1)): a
+// warp reads a row's 32 kPer channels side by side, kPer adjacent ones a thread in one load, its
+// 8 warps every 8th row, kUnroll rows in flight each; then each channel's 8 warp sums are added
+// in warp order. A channel's values meet in the same order whatever kPer is: kPer only widens
+// the loads (one channel a thread moved 64 bytes a warp load in BF16, half a cache line).
 constexpr int kRowWarps = 8;
 
-template <ChannelSum kWhat, class T>
+// v = the kPer values at p[i], p[i + 1], ... in one load (i a multiple of kPer, p 16-byte
+// aligned), widened.
+template <int kPer, class T>
+__device__ __forceinline__ void load_adjacent(const T* p, int64_t i, float (&v)[kPer]) {
+  if constexpr (kPer == 1) {
+    v[0] = widen(p[i]);
+  } else if constexpr (std::is_same_v<T, float>) {
+    if constexpr (kPer == 2) {
+      const float2 f = *reinterpret_cast<const float2*>(p + i);
+      v[0] = f.x, v[1] = f.y;
+    } else {
+      const float4 f = *reinterpret_cast<const float4*>(p + i);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
+  } else {
+    if constexpr (kPer == 2) {
+      const uint32_t u = *reinterpret_cast<const uint32_t*>(p + i);  // element 0 in the low half
+      v[0] = widen(uint16_t(u)), v[1] = widen(uint16_t(u >> 16));
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(p + i);
+      v[0] = widen(uint16_t(u.x)), v[1] = widen(uint16_t(u.x >> 16));
+      v[2] = widen(uint16_t(u.y)), v[3] = widen(uint16_t(u.y >> 16));
+    }
+  }
+}
+
+template <ChannelSum kWhat, int kPer, class T>
 __global__ void row_partials_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                     const T* __restrict__ relu_y, const float* mean,
                                     const float* invstd, ChannelDims d, int S, int64_t per,
                                     double* part_a, double* part_b) {
   constexpr bool kGrad = kWhat == ChannelSum::GradMoments;
-  __shared__ double sh_a[kRowWarps][32], sh_b[kRowWarps][32];
-  const int64_t s = blockIdx.x % S, c = int64_t(blockIdx.x / S) * 32 + threadIdx.x;
+  constexpr int kWidth = 32 * kPer;  // channels a block reads
+  __shared__ double sh_a[kRowWarps][kWidth], sh_b[kRowWarps][kWidth];
+  const int64_t s = blockIdx.x % S;
+  const int64_t c0 = int64_t(blockIdx.x / S) * kWidth + threadIdx.x * kPer;  // C % kPer == 0
   const int64_t r0 = s * per, r1 = r0 + per < d.n ? r0 + per : d.n;
-  double a = 0, b = 0;
-  if (c < d.c) {
-    double pivot = 0, is = 1;
-    if constexpr (kWhat == ChannelSum::Moments) pivot = widen(x[c]);
-    if constexpr (kGrad) {
-      pivot = mean[c];
-      is = invstd[c];
+  double a[kPer] = {}, b[kPer] = {};
+  if (c0 < d.c) {
+    double pivot[kPer], is[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      pivot[k] = 0, is[k] = 1;
+      if constexpr (kWhat == ChannelSum::Moments) pivot[k] = widen(x[c0 + k]);
+      if constexpr (kGrad) pivot[k] = mean[c0 + k], is[k] = invstd[c0 + k];
     }
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kUnroll * kRowWarps) {
-      float xv[kUnroll], gv[kUnroll] = {};
+      float xv[kUnroll][kPer], gv[kUnroll][kPer] = {};
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ru = r + u * kRowWarps;
         if (ru < r1) {
-          const int64_t i = ru * d.c + c;
-          xv[u] = widen(x[i]);
-          if constexpr (kGrad)
-            gv[u] = masked_grad(widen(dy[i]), relu_y ? widen(relu_y[i]) : 1.f, relu_y);
+          const int64_t i = ru * d.c + c0;
+          load_adjacent<kPer>(x, i, xv[u]);
+          if constexpr (kGrad) {
+            float g[kPer], mask[kPer];
+            load_adjacent<kPer>(dy, i, g);
+            if (relu_y) load_adjacent<kPer>(relu_y, i, mask);
+#pragma unroll
+            for (int k = 0; k < kPer; ++k)
+              gv[u][k] = masked_grad(g[k], relu_y ? mask[k] : 1.f, relu_y);
+          }
         }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (r + u * kRowWarps >= r1) break;
-        add_value<kWhat>(xv[u], gv[u], pivot, is, a, b);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k)
+          add_value<kWhat>(xv[u][k], gv[u][k], pivot[k], is[k], a[k], b[k]);
       }
     }
   }
-  sh_a[threadIdx.y][threadIdx.x] = a;
-  sh_b[threadIdx.y][threadIdx.x] = b;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= d.c) return;
-  for (int w = 1; w < kRowWarps; ++w) {
-    a += sh_a[w][threadIdx.x];
-    b += sh_b[w][threadIdx.x];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    sh_a[threadIdx.y][threadIdx.x * kPer + k] = a[k];
+    sh_b[threadIdx.y][threadIdx.x * kPer + k] = b[k];
   }
-  part_a[c * S + s] = a;
-  if constexpr (kWhat != ChannelSum::Values) part_b[c * S + s] = b;
+  __syncthreads();
+  if (threadIdx.y != 0 || c0 >= d.c) return;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    for (int w = 1; w < kRowWarps; ++w) {
+      a[k] += sh_a[w][threadIdx.x * kPer + k];
+      b[k] += sh_b[w][threadIdx.x * kPer + k];
+    }
+    part_a[(c0 + k) * S + s] = a[k];
+    if constexpr (kWhat != ChannelSum::Values) part_b[(c0 + k) * S + s] = b[k];
+  }
+}
+
+// Rows of d (hw = 1) with kPer channels a thread: 4 where a block's 128 channels are all there,
+// 2 where 64 are, and the buffers are 16-byte aligned; else 1.
+template <ChannelSum kWhat, class T>
+void launch_row_partials(const ChannelDims& d, int S, const T* x, const T* dy, const T* relu_y,
+                         const float* mean, const float* invstd, double* part_a,
+                         double* part_b, cudaStream_t stream) {
+  const int64_t per = (d.n + S - 1) / S;
+  const bool aligned = aligned16({x, dy, relu_y});
+  const int k_per = !aligned ? 1 : d.c % 128 == 0 ? 4 : d.c % 64 == 0 ? 2 : 1;
+  const auto launch = [&](auto width) {
+    constexpr int kPer = decltype(width)::value;
+    const unsigned blocks = unsigned(S * ((d.c + 32 * kPer - 1) / (32 * kPer)));
+    row_partials_kernel<kWhat, kPer, T><<<blocks, dim3(32, kRowWarps), 0, stream>>>(
+        x, dy, relu_y, mean, invstd, d, S, per, part_a, part_b);
+  };
+  if (k_per == 4)
+    launch(std::integral_constant<int, 4>());
+  else if (k_per == 2)
+    launch(std::integral_constant<int, 2>());
+  else
+    launch(std::integral_constant<int, 1>());
+  REPLICA_LAUNCH_CHECK();
 }
 
 template <ChannelSum kWhat, class T>
@@ -144,11 +213,7 @@ void launch_partials(const ChannelDims& d, int S, const T* x, const T* dy, const
                      const float* mean, const float* invstd, double* part_a, double* part_b,
                      cudaStream_t stream) {
   if (d.hw == 1) {
-    const int64_t per = (d.n + S - 1) / S;
-    const unsigned blocks = unsigned(S * ((d.c + 31) / 32));
-    row_partials_kernel<kWhat, T><<<blocks, dim3(32, kRowWarps), 0, stream>>>(
-        x, dy, relu_y, mean, invstd, d, S, per, part_a, part_b);
-    REPLICA_LAUNCH_CHECK();
+    launch_row_partials<kWhat, T>(d, S, x, dy, relu_y, mean, invstd, part_a, part_b, stream);
     return;
   }
   const unsigned blocks = unsigned(d.c * S);

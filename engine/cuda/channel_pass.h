@@ -37,7 +37,7 @@ inline ChannelDims channel_dims(const Tensor& t) {
 
 // Slices per channel for channel_partials: about 4096 values each (four rounds of four loads
 // per thread), at most 128; where hw = 1 (a channel's values every C-th: [N, C], or NHWC
-// seen as [N*H*W, C]), 512 rows each, at most 1024, read 32 channels to a block. Fixed by
+// seen as [N*H*W, C]), 512 rows each, at most 1024, read 32 to 128 channels to a block. Fixed by
 // the shape alone: the sums' order, and so their bits, do not depend on the GPU. Throws if
 // C * slices is too many blocks for one launch (checked before any launch, so a refused shape
 // changes nothing).
