@@ -6,16 +6,16 @@
 // a 64-bit division per value where planes are small (7x7), and output blocks of one plane
 // that left 80% of their threads idle at 7x7. Here every thread of the sums has four loads in
 // flight before it adds, indices are split with FastDivmod (engine/cuda/index_math.h), and the
-// affine pass is flat, a float4 per thread where a plane is a whole number of float4s (or, in
-// rows of channels side by side, a row is).
+// affine pass is flat, a float4 per thread where a plane is a whole number of float4s. Rows of
+// channels side by side (NHWC) have row passes: a thread keeps to 1, 2 or 4 adjacent channels
+// down a slice of rows, so a warp's load is a whole row's run of channels and a channel's own
+// values (its scale and shift, its pivot) are read once per thread.
 #include "engine/cuda/channel_pass.h"
 
 namespace replica {
 namespace cuda {
 
 namespace {
-
-constexpr int kUnroll = 4;  // loads each thread issues before it adds
 
 // Adds one value (x, and g its gradient for GradMoments) to a thread's sums a and b, as
 // ChannelSum says (channel_pass.h); pivot and is: the channel's K, or mean and invstd.
@@ -86,50 +86,19 @@ __global__ void channel_partials_kernel(const T* __restrict__ x, const T* __rest
 
 // The same sums where a channel's values are every C-th (hw = 1: [N, C], or an NHWC tensor seen
 // as [N*H*W, C]): there the kernel above would read a value per 2-4 bytes of a 32-byte sector.
-// Block (s, t) takes rows [s * per, (s + 1) * per) of channels [32 kPer t, 32 kPer (t + 1)): a
-// warp reads a row's 32 kPer channels side by side, kPer adjacent ones a thread in one load, its
-// 8 warps every 8th row, kUnroll rows in flight each; then each channel's 8 warp sums are added
-// in warp order. A channel's values meet in the same order whatever kPer is: kPer only widens
-// the loads (one channel a thread moved 64 bytes a warp load in BF16, half a cache line).
-constexpr int kRowWarps = 8;
-
-// v = the kPer values at p[i], p[i + 1], ... in one load (i a multiple of kPer, p 16-byte
-// aligned), widened.
-template <int kPer, class T>
-__device__ __forceinline__ void load_adjacent(const T* p, int64_t i, float (&v)[kPer]) {
-  if constexpr (kPer == 1) {
-    v[0] = widen(p[i]);
-  } else if constexpr (std::is_same_v<T, float>) {
-    if constexpr (kPer == 2) {
-      const float2 f = *reinterpret_cast<const float2*>(p + i);
-      v[0] = f.x, v[1] = f.y;
-    } else {
-      const float4 f = *reinterpret_cast<const float4*>(p + i);
-      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-    }
-  } else {
-    if constexpr (kPer == 2) {
-      const uint32_t u = *reinterpret_cast<const uint32_t*>(p + i);  // element 0 in the low half
-      v[0] = widen(uint16_t(u)), v[1] = widen(uint16_t(u >> 16));
-    } else {
-      const uint2 u = *reinterpret_cast<const uint2*>(p + i);
-      v[0] = widen(uint16_t(u.x)), v[1] = widen(uint16_t(u.x >> 16));
-      v[2] = widen(uint16_t(u.y)), v[3] = widen(uint16_t(u.y >> 16));
-    }
-  }
-}
-
+// A block reads a slice of rows of 32 kPer channels (RowSlice, channel_pass.h); then each
+// channel's 8 warp sums are added in warp order. A channel's values meet in the same order
+// whatever kPer is: kPer only widens the loads (one channel a thread moved 64 bytes a warp
+// load in BF16, half a cache line).
 template <ChannelSum kWhat, int kPer, class T>
 __global__ void row_partials_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                     const T* __restrict__ relu_y, const float* mean,
                                     const float* invstd, ChannelDims d, int S, int64_t per,
                                     double* part_a, double* part_b) {
   constexpr bool kGrad = kWhat == ChannelSum::GradMoments;
-  constexpr int kWidth = 32 * kPer;  // channels a block reads
-  __shared__ double sh_a[kRowWarps][kWidth], sh_b[kRowWarps][kWidth];
-  const int64_t s = blockIdx.x % S;
-  const int64_t c0 = int64_t(blockIdx.x / S) * kWidth + threadIdx.x * kPer;  // C % kPer == 0
-  const int64_t r0 = s * per, r1 = r0 + per < d.n ? r0 + per : d.n;
+  __shared__ double sh_a[kRowWarps][32 * kPer], sh_b[kRowWarps][32 * kPer];
+  const RowSlice<kPer> rows(d, S, per);
+  const int64_t c0 = rows.c0;
   double a[kPer] = {}, b[kPer] = {};
   if (c0 < d.c) {
     double pivot[kPer], is[kPer];
@@ -139,12 +108,12 @@ __global__ void row_partials_kernel(const T* __restrict__ x, const T* __restrict
       if constexpr (kWhat == ChannelSum::Moments) pivot[k] = widen(x[c0 + k]);
       if constexpr (kGrad) pivot[k] = mean[c0 + k], is[k] = invstd[c0 + k];
     }
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kUnroll * kRowWarps) {
+    for (int64_t r = rows.first(); r < rows.r1; r += rows.kStep) {
       float xv[kUnroll][kPer], gv[kUnroll][kPer] = {};
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ru = r + u * kRowWarps;
-        if (ru < r1) {
+        if (ru < rows.r1) {
           const int64_t i = ru * d.c + c0;
           load_adjacent<kPer>(x, i, xv[u]);
           if constexpr (kGrad) {
@@ -159,7 +128,7 @@ __global__ void row_partials_kernel(const T* __restrict__ x, const T* __restrict
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (r + u * kRowWarps >= r1) break;
+        if (r + u * kRowWarps >= rows.r1) break;
 #pragma unroll
         for (int k = 0; k < kPer; ++k)
           add_value<kWhat>(xv[u][k], gv[u][k], pivot[k], is[k], a[k], b[k]);
@@ -179,33 +148,9 @@ __global__ void row_partials_kernel(const T* __restrict__ x, const T* __restrict
       a[k] += sh_a[w][threadIdx.x * kPer + k];
       b[k] += sh_b[w][threadIdx.x * kPer + k];
     }
-    part_a[(c0 + k) * S + s] = a[k];
-    if constexpr (kWhat != ChannelSum::Values) part_b[(c0 + k) * S + s] = b[k];
+    part_a[(c0 + k) * S + rows.s] = a[k];
+    if constexpr (kWhat != ChannelSum::Values) part_b[(c0 + k) * S + rows.s] = b[k];
   }
-}
-
-// Rows of d (hw = 1) with kPer channels a thread: 4 where a block's 128 channels are all there,
-// 2 where 64 are, and the buffers are 16-byte aligned; else 1.
-template <ChannelSum kWhat, class T>
-void launch_row_partials(const ChannelDims& d, int S, const T* x, const T* dy, const T* relu_y,
-                         const float* mean, const float* invstd, double* part_a,
-                         double* part_b, cudaStream_t stream) {
-  const int64_t per = (d.n + S - 1) / S;
-  const bool aligned = aligned16({x, dy, relu_y});
-  const int k_per = !aligned ? 1 : d.c % 128 == 0 ? 4 : d.c % 64 == 0 ? 2 : 1;
-  const auto launch = [&](auto width) {
-    constexpr int kPer = decltype(width)::value;
-    const unsigned blocks = unsigned(S * ((d.c + 32 * kPer - 1) / (32 * kPer)));
-    row_partials_kernel<kWhat, kPer, T><<<blocks, dim3(32, kRowWarps), 0, stream>>>(
-        x, dy, relu_y, mean, invstd, d, S, per, part_a, part_b);
-  };
-  if (k_per == 4)
-    launch(std::integral_constant<int, 4>());
-  else if (k_per == 2)
-    launch(std::integral_constant<int, 2>());
-  else
-    launch(std::integral_constant<int, 1>());
-  REPLICA_LAUNCH_CHECK();
 }
 
 template <ChannelSum kWhat, class T>
@@ -213,7 +158,12 @@ void launch_partials(const ChannelDims& d, int S, const T* x, const T* dy, const
                      const float* mean, const float* invstd, double* part_a, double* part_b,
                      cudaStream_t stream) {
   if (d.hw == 1) {
-    launch_row_partials<kWhat, T>(d, S, x, dy, relu_y, mean, invstd, part_a, part_b, stream);
+    with_row_blocks(d, S, {x, dy, relu_y}, [&](auto width, unsigned blocks, int64_t per) {
+      row_partials_kernel<kWhat, decltype(width)::value, T>
+          <<<blocks, dim3(32, kRowWarps), 0, stream>>>(x, dy, relu_y, mean, invstd, d, S, per,
+                                                       part_a, part_b);
+    });
+    REPLICA_LAUNCH_CHECK();
     return;
   }
   const unsigned blocks = unsigned(d.c * S);
@@ -241,18 +191,56 @@ __global__ void channel_affine_kernel(const T* x, T* y, const float* scale, cons
                                       const T* residual, At at, bool relu) {
   using Index = typename At::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
-    const Index c0 = at.channel(g * kVec);
+    const Index c = at.channel(g * kVec);
+    const float a = scale ? scale[c] : 1.f, b = shift[c];
     Pack<kVec> v, r;
     v.load(x, g);
     if (residual) r.load(residual, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const Index c = at.channel_of(c0, k);
-      float o = v.v[k] * (scale ? scale[c] : 1.f) + shift[c];
+      float o = v.v[k] * a + b;
       if (residual) o = o + r.v[k];
       v.v[k] = relu ? (o > 0.f ? o : 0.f) : o;
     }
     v.store(y, g);
+  }
+}
+
+// The same pass over rows of channels (hw = 1), a row pass: each thread reads its channels'
+// scale and shift once, where the flat pass read them for every element.
+template <int kPer, class T>
+__global__ void channel_affine_rows_kernel(const T* x, T* y, const float* scale,
+                                           const float* shift, const T* residual, ChannelDims d,
+                                           int S, int64_t per, bool relu) {
+  const RowSlice<kPer> rows(d, S, per);
+  if (rows.c0 >= d.c) return;
+  float a[kPer], b[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    a[k] = scale ? scale[rows.c0 + k] : 1.f;
+    b[k] = shift[rows.c0 + k];
+  }
+  for (int64_t r = rows.first(); r < rows.r1; r += rows.kStep) {
+    float v[kUnroll][kPer], res[kUnroll][kPer];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t ru = r + u * kRowWarps;
+      if (ru >= rows.r1) break;
+      load_adjacent<kPer>(x, ru * d.c + rows.c0, v[u]);
+      if (residual) load_adjacent<kPer>(residual, ru * d.c + rows.c0, res[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t ru = r + u * kRowWarps;
+      if (ru >= rows.r1) break;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        float o = v[u][k] * a[k] + b[k];
+        if (residual) o = o + res[u][k];
+        v[u][k] = relu ? (o > 0.f ? o : 0.f) : o;
+      }
+      store_adjacent<kPer>(y, ru * d.c + rows.c0, v[u]);
+    }
   }
 }
 
@@ -292,6 +280,16 @@ void channel_sum_accumulate(const ChannelDims& d, int S, const T* x, float* scra
 template <class T>
 void channel_affine(const ChannelDims& d, const T* x, T* y, const float* scale,
                     const float* shift, const T* residual, bool relu, cudaStream_t stream) {
+  if (d.hw == 1) {
+    const int S = channel_slices(d, "channel_affine");
+    with_row_blocks(d, S, {x, y, residual}, [&](auto width, unsigned blocks, int64_t per) {
+      channel_affine_rows_kernel<decltype(width)::value, T>
+          <<<blocks, dim3(32, kRowWarps), 0, stream>>>(x, y, scale, shift, residual, d, S, per,
+                                                       relu);
+    });
+    REPLICA_LAUNCH_CHECK();
+    return;
+  }
   with_channel_index(d, {x, y, residual}, [&](auto at, auto width) {
     constexpr int kVec = decltype(width)::value;
     channel_affine_kernel<decltype(at), kVec, T>

@@ -4,9 +4,9 @@
 //   channel_partials writes a double per (channel, slice of ~4096 values), and channel_sums
 //   adds a channel's slices in order (in a per-channel kernel). The order is fixed by the shape,
 //   so a run reproduces to the bit.
-// - channel_affine, the flat pass y = x * scale[c] + shift[c] (then a ReLU), float4s per thread
-//   where HW is a multiple of 4 (or HW is 1 and C a multiple of 4) and the buffers are 16-byte
-//   aligned.
+// - channel_affine, y = x * scale[c] + shift[c] (then a ReLU): a flat pass over planes, float4s
+//   per thread where HW is a multiple of 4 and the buffers are 16-byte aligned; over rows of
+//   channels side by side (HW = 1, NHWC) a row pass, each thread on its own few channels.
 // A block of one channel alone, as the bias gradients had, reads with a few KB in flight: on an
 // H200 that is a few GB/s per channel, and a 64-channel layer used half the SMs.
 // Included by the CUDA backend's .cu files only.
@@ -108,11 +108,92 @@ void add_channel_bias(const ChannelDims& d, Tensor& y, const Tensor& b, cudaStre
 void accumulate_bias_grad(const ChannelDims& d, int S, const Tensor& dy, const Tensor& scratch,
                           Tensor& db, cudaStream_t stream);
 
-// Where the flat passes find an element's channel: i = (n * C + c) * HW + p. A group of kVec
-// elements (REPLICA_CHANNEL_GROUPS) shares its first element's channel where HW is a multiple
-// of kVec; in rows (HW = 1: [N, C], a channels_last tensor's [N*H*W, C]) with C a multiple of
-// kVec, its elements are channels side by side: element e of a group is in channel(first) + e.
-template <class Div, bool kRows>
+// The row passes (hw = 1: [N, C], an NHWC tensor seen as [N*H*W, C]): block (s, t) of S
+// slices takes rows [s * per, (s + 1) * per) of channels [32 kPer t, 32 kPer (t + 1)), launched
+// as dim3(32, kRowWarps) threads: a warp reads a row's 32 kPer channels side by side, kPer
+// adjacent ones a thread in one load (load_adjacent), its kRowWarps warps every kRowWarps-th
+// row, kUnroll rows in flight each. A thread keeps to its kPer channels, so what it needs of
+// them is read once, not once a value.
+constexpr int kUnroll = 4;  // loads each thread issues before it uses them
+constexpr int kRowWarps = 8;
+
+template <int kPer>
+struct RowSlice {
+  static constexpr int64_t kStep = int64_t(kUnroll) * kRowWarps;  // rows a round covers
+  int64_t s, c0, r0, r1;  // the block's slice, the thread's first channel, the slice's rows
+  __device__ RowSlice(const ChannelDims& d, int S, int64_t per)
+      : s(blockIdx.x % S), c0(int64_t(blockIdx.x / S) * 32 * kPer + threadIdx.x * kPer),
+        r0(s * per), r1(r0 + per < d.n ? r0 + per : d.n) {}
+  __device__ int64_t first() const { return r0 + threadIdx.y; }  // the thread's first row
+};
+
+// v = the kPer values at p[i], p[i + 1], ... in one load (i a multiple of kPer, p 16-byte
+// aligned), widened; store_adjacent writes them back (rounded where T is BF16).
+template <int kPer, class T>
+__device__ __forceinline__ void load_adjacent(const T* p, int64_t i, float (&v)[kPer]) {
+  if constexpr (kPer == 1) {
+    v[0] = widen(p[i]);
+  } else if constexpr (std::is_same_v<T, float>) {
+    if constexpr (kPer == 2) {
+      const float2 f = *reinterpret_cast<const float2*>(p + i);
+      v[0] = f.x, v[1] = f.y;
+    } else {
+      const float4 f = *reinterpret_cast<const float4*>(p + i);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
+  } else if constexpr (kPer == 2) {
+    const uint32_t u = *reinterpret_cast<const uint32_t*>(p + i);  // element 0 in the low half
+    v[0] = widen(uint16_t(u)), v[1] = widen(uint16_t(u >> 16));
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(p + i);
+    v[0] = widen(uint16_t(u.x)), v[1] = widen(uint16_t(u.x >> 16));
+    v[2] = widen(uint16_t(u.y)), v[3] = widen(uint16_t(u.y >> 16));
+  }
+}
+
+template <int kPer, class T>
+__device__ __forceinline__ void store_adjacent(T* p, int64_t i, const float (&v)[kPer]) {
+  if constexpr (kPer == 1) {
+    p[i] = narrow<T>(v[0]);
+  } else if constexpr (std::is_same_v<T, float>) {
+    if constexpr (kPer == 2)
+      *reinterpret_cast<float2*>(p + i) = make_float2(v[0], v[1]);
+    else
+      *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    const auto bits = [&](int k) { return uint32_t(narrow<uint16_t>(v[k])); };
+    if constexpr (kPer == 2)
+      *reinterpret_cast<uint32_t*>(p + i) = bits(0) | (bits(1) << 16);
+    else
+      *reinterpret_cast<uint2*>(p + i) = make_uint2(bits(0) | (bits(1) << 16),
+                                                    bits(2) | (bits(3) << 16));
+  }
+}
+
+// Calls launch(width, blocks, per) for a row pass over d (hw = 1) in S slices: width a
+// std::integral_constant kPer, 4 where a block's 128 channels are all there, 2 where 64 are, and
+// every pointer is 16-byte aligned, else 1; blocks and per (rows a slice) as RowSlice reads them.
+template <class F>
+void with_row_blocks(const ChannelDims& d, int S, std::initializer_list<const void*> pointers,
+                     F&& launch) {
+  const int64_t per = (d.n + S - 1) / S;
+  const bool aligned = aligned16(pointers);
+  const auto run = [&](auto width) {
+    constexpr int kPer = decltype(width)::value;
+    launch(width, unsigned(S * ((d.c + 32 * kPer - 1) / (32 * kPer))), per);
+  };
+  if (aligned && d.c % 128 == 0)
+    run(std::integral_constant<int, 4>());
+  else if (aligned && d.c % 64 == 0)
+    run(std::integral_constant<int, 2>());
+  else
+    run(std::integral_constant<int, 1>());
+}
+
+// Where the flat passes over planes (HW > 1; rows of channels go to the row passes above) find
+// an element's channel: i = (n * C + c) * HW + p. A group of kVec elements
+// (REPLICA_CHANNEL_GROUPS) shares its first element's channel, HW being a multiple of kVec.
+template <class Div>
 struct ChannelIndex {
   using Index = typename Div::Index;
   Div by_hw, by_c;
@@ -121,39 +202,26 @@ struct ChannelIndex {
     const Index plane = by_hw.div(i);
     return plane - by_c.div(plane) * by_c.divisor();
   }
-  __device__ __forceinline__ Index channel_of(Index first_channel, int e) const {
-    if constexpr (kRows) return first_channel + Index(e);
-    return first_channel;
-  }
 };
 
-// The grid-stride loop of a flat pass over groups of kVec elements (ChannelIndex::channel_of
-// says each one's channel).
+// The grid-stride loop of a flat pass over groups of kVec elements of one channel each.
 #define REPLICA_CHANNEL_GROUPS(g, at)                                                     \
   for (Index g = Index(blockIdx.x) * blockDim.x + threadIdx.x; g < (at).numel / kVec;    \
        g += Index(gridDim.x) * blockDim.x)
 
-// Calls launch(index, width) for a flat pass over d's elements: the FastDivmod index where
-// every index is below 2^31 (else WideDivmod), and width 4 (float4 loads and stores) where
-// HW is a multiple of 4, or HW is 1 and C a multiple of 4 (ChannelIndex::channel_of), and every
-// pointer the pass touches is 16-byte aligned (else 1).
+// Calls launch(index, width) for a flat pass over the elements of d (HW > 1): the FastDivmod
+// index where every index is below 2^31 (else WideDivmod), and width 4 (float4 loads and
+// stores) where HW is a multiple of 4 and every pointer the pass touches is 16-byte aligned
+// (else 1).
 template <class F>
 void with_channel_index(const ChannelDims& d, std::initializer_list<const void*> pointers,
                         F&& launch) {
-  const bool rows = d.hw == 1;
-  const bool vec4 = (rows ? d.c % 4 == 0 : d.hw % 4 == 0) && aligned16(pointers);
+  const bool vec4 = d.hw % 4 == 0 && aligned16(pointers);
   const auto run = [&](auto at) { with_width(vec4, [&](auto width) { launch(at, width); }); };
-  const auto in_rows = [&](auto kind) {
-    constexpr bool kRows = decltype(kind)::value;
-    if (fast_index(d.numel()))
-      run(ChannelIndex<FastDivmod, kRows>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel())});
-    else
-      run(ChannelIndex<WideDivmod, kRows>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel())});
-  };
-  if (rows)
-    in_rows(std::true_type());
+  if (fast_index(d.numel()))
+    run(ChannelIndex<FastDivmod>{FastDivmod(d.hw), FastDivmod(d.c), uint32_t(d.numel())});
   else
-    in_rows(std::false_type());
+    run(ChannelIndex<WideDivmod>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel())});
 }
 
 // The gradient reaching a BatchNorm: dy, or with a fused ReLU dy where its output is > 0.
