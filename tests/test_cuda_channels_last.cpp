@@ -73,9 +73,19 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
     const DType dt = precision == Precision::Bf16 ? DType::BF16 : DType::F32;
     const double tol = dt == DType::BF16 ? 2e-3 : 1e-5;  // BF16: a few roundings flip
     DeviceContext gpu(kGpu, options(precision, true));
-    for (const Shape& shape : {Shape{4, 64, 9, 9}, Shape{3, 40, 5, 7}, Shape{8, 256, 14, 14}}) {
+    // 64, 40 and 256 channels: 2, 1 and 4 channels a thread in the row passes; 847 rows end
+    // their last slice early. fused: a residual and a ReLU in the output pass and the ReLU's
+    // mask in backward (a residual block's), or none of them in training and both in eval.
+    std::vector<std::pair<Shape, bool>> cases;
+    for (const Shape& shape : {Shape{4, 64, 9, 9}, Shape{3, 40, 5, 7}, Shape{8, 256, 14, 14},
+                               Shape{7, 128, 11, 11}})
+      for (const bool fused : {true, false}) cases.emplace_back(shape, fused);
+    for (const auto& one : cases) {
+      const Shape& shape = one.first;
+      const bool fused = one.second;
       CAPTURE(shape_str(shape));
       CAPTURE(precision_name(precision));
+      CAPTURE(fused);
       const int64_t C = shape[1];
       const auto xv = draws(shape_numel(shape), 1), rv = draws(shape_numel(shape), 2);
       const auto gv = draws(shape_numel(shape), 4);
@@ -98,11 +108,13 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
         gpu.ops().fill(gpu, dgamma, 0.f);
         gpu.ops().fill(gpu, dbeta, 0.f);
         Tensor y = gpu.alloc_as(x), dx = gpu.alloc_as(x), eval = gpu.alloc_as(x);
+        const Tensor none;
         gpu.ops().batchnorm_forward_train(gpu, x, gamma, beta, rm, rvar, 0.1f, 1e-5f, y, mean,
-                                          invstd, res, true);
-        gpu.ops().batchnorm_backward(gpu, x, gamma, mean, invstd, dy, y, dx, dgamma, dbeta);
-        gpu.ops().batchnorm_forward_eval(gpu, x, gamma, beta, rm, rvar, 1e-5f, eval, Tensor(),
-                                         false);
+                                          invstd, fused ? res : none, fused);
+        gpu.ops().batchnorm_backward(gpu, x, gamma, mean, invstd, dy, fused ? y : none, dx,
+                                     dgamma, dbeta);
+        gpu.ops().batchnorm_forward_eval(gpu, x, gamma, beta, rm, rvar, 1e-5f, eval,
+                                         fused ? none : res, !fused);
         Tensor relu_dx = gpu.alloc_as(x), sum = put(gpu, shape, rv, dt, cl);
         gpu.ops().relu_backward(gpu, y, dy, relu_dx);
         gpu.ops().add(gpu, sum, x, 0.5f);

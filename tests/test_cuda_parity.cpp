@@ -481,6 +481,12 @@ TEST_CASE("cuda parity: batchnorm train, backward and eval") {
     batchnorm_case({3, 4, 5, 7}, relu, false, true);
     batchnorm_case({16, 3, 40, 40}, relu, true, true);
     batchnorm_case({4, 8, 2, 2}, relu, false, true, true);  // only the residual off alignment
+    // Channels side by side in rows ([N, C], [N, C, 1, 1]: the row passes): 4 and 2 channels a
+    // thread, last slices cut short, the one-channel path off alignment, and a residual.
+    batchnorm_case({600, 128}, relu);
+    batchnorm_case({70, 64, 1, 1}, relu);
+    batchnorm_case({600, 128}, relu, true);
+    batchnorm_case({40, 128, 1, 1}, relu, false, true);
   }
   // The 64-bit index path, which real shapes take only past 2^31 values.
   const test::WideIndexPath wide;

@@ -158,10 +158,10 @@ void launch_partials(const ChannelDims& d, int S, const T* x, const T* dy, const
                      const float* mean, const float* invstd, double* part_a, double* part_b,
                      cudaStream_t stream) {
   if (d.hw == 1) {
-    with_row_blocks(d, S, {x, dy, relu_y}, [&](auto width, unsigned blocks, int64_t per) {
+    with_row_blocks(d, S, {x, dy, relu_y}, [&](auto width, const RowGrid& g) {
       row_partials_kernel<kWhat, decltype(width)::value, T>
-          <<<blocks, dim3(32, kRowWarps), 0, stream>>>(x, dy, relu_y, mean, invstd, d, S, per,
-                                                       part_a, part_b);
+          <<<g.blocks, dim3(32, kRowWarps), 0, stream>>>(x, dy, relu_y, mean, invstd, d, g.S,
+                                                         g.per, part_a, part_b);
     });
     REPLICA_LAUNCH_CHECK();
     return;
@@ -247,9 +247,9 @@ __global__ void channel_affine_rows_kernel(const T* x, T* y, const float* scale,
 }  // namespace
 
 int channel_slices(const ChannelDims& d, const char* op) {
-  // Rows of channels side by side (hw = 1) are read 32 channels to a block: slices of 512 rows,
-  // up to 1024 of them, give a channel-poor NHWC tensor (64 channels) blocks enough to fill
-  // the GPU.
+  // Rows of channels side by side (hw = 1) are read 32 to 128 channels a block: slices of 512
+  // rows, up to 1024 of them, give a channel-poor NHWC tensor (64 channels) blocks enough to
+  // fill the GPU.
   const int64_t per = d.hw == 1 ? 512 : 4096, cap = d.hw == 1 ? 1024 : 128;
   const int64_t s = (d.m() + per - 1) / per;
   const int S = int(s < 1 ? 1 : (s > cap ? cap : s));
@@ -281,11 +281,10 @@ template <class T>
 void channel_affine(const ChannelDims& d, const T* x, T* y, const float* scale,
                     const float* shift, const T* residual, bool relu, cudaStream_t stream) {
   if (d.hw == 1) {
-    const int S = channel_slices(d, "channel_affine");
-    with_row_blocks(d, S, {x, y, residual}, [&](auto width, unsigned blocks, int64_t per) {
+    with_row_blocks(d, 0, {x, y, residual}, [&](auto width, const RowGrid& g) {
       channel_affine_rows_kernel<decltype(width)::value, T>
-          <<<blocks, dim3(32, kRowWarps), 0, stream>>>(x, y, scale, shift, residual, d, S, per,
-                                                       relu);
+          <<<g.blocks, dim3(32, kRowWarps), 0, stream>>>(x, y, scale, shift, residual, d, g.S,
+                                                         g.per, relu);
     });
     REPLICA_LAUNCH_CHECK();
     return;

@@ -11,6 +11,7 @@
 // H200 that is a few GB/s per channel, and a 64-channel layer used half the SMs.
 // Included by the CUDA backend's .cu files only.
 #pragma once
+#include <algorithm>
 #include <initializer_list>
 #include <type_traits>
 
@@ -170,17 +171,32 @@ __device__ __forceinline__ void store_adjacent(T* p, int64_t i, const float (&v)
   }
 }
 
-// Calls launch(width, blocks, per) for a row pass over d (hw = 1) in S slices: width a
-// std::integral_constant kPer, 4 where a block's 128 channels are all there, 2 where 64 are, and
-// every pointer is 16-byte aligned, else 1; blocks and per (rows a slice) as RowSlice reads them.
+// A row pass's launch: blocks of dim3(32, kRowWarps), S slices of `per` rows (RowSlice).
+struct RowGrid {
+  unsigned blocks;
+  int S;
+  int64_t per;
+};
+
+// Calls launch(width, grid) for a row pass over d (hw = 1): width a std::integral_constant
+// kPer, 4 where a block's 128 channels are all there, 2 where 64 are, and every pointer is
+// 16-byte aligned, else 1. S: the sums' slices (channel_slices: their order fixes the bits), or
+// 0 for a pass whose elements are each on their own (dx, affine), which gets slices enough for
+// about 2048 blocks, each of at least one round of rows: few rows of many channels (ResNet's
+// last stage at a small batch) would otherwise leave most SMs without a block.
 template <class F>
 void with_row_blocks(const ChannelDims& d, int S, std::initializer_list<const void*> pointers,
                      F&& launch) {
-  const int64_t per = (d.n + S - 1) / S;
   const bool aligned = aligned16(pointers);
   const auto run = [&](auto width) {
     constexpr int kPer = decltype(width)::value;
-    launch(width, unsigned(S * ((d.c + 32 * kPer - 1) / (32 * kPer))), per);
+    const int64_t channel_blocks = (d.c + 32 * kPer - 1) / (32 * kPer);
+    int64_t s = S;
+    if (s <= 0) {
+      const int64_t rounds = (d.n + RowSlice<kPer>::kStep - 1) / RowSlice<kPer>::kStep;
+      s = std::max<int64_t>(1, std::min(rounds, (2048 + channel_blocks - 1) / channel_blocks));
+    }
+    launch(width, RowGrid{unsigned(s * channel_blocks), int(s), (d.n + s - 1) / s});
   };
   if (aligned && d.c % 128 == 0)
     run(std::integral_constant<int, 4>());

@@ -315,11 +315,10 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
     if (!dx.defined()) return;
     T* dxp = elements<T>(dx);
     if (d.hw == 1) {
-      cuda::with_row_blocks(d, S, {xp, dyp, mask, dxp}, [&](auto width, unsigned blocks,
-                                                             int64_t per) {
+      cuda::with_row_blocks(d, 0, {xp, dyp, mask, dxp}, [&](auto width, const cuda::RowGrid& g) {
         bn_dx_rows_kernel<decltype(width)::value, T>
-            <<<blocks, dim3(32, cuda::kRowWarps), 0, stream>>>(xp, dyp, mask, mean, is, w.sums,
-                                                               d, S, per, dxp);
+            <<<g.blocks, dim3(32, cuda::kRowWarps), 0, stream>>>(xp, dyp, mask, mean, is, w.sums,
+                                                                 d, g.S, g.per, dxp);
       });
       REPLICA_LAUNCH_CHECK();
       return;
