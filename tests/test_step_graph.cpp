@@ -173,7 +173,7 @@ TEST_CASE("DP on one device captures the single-device step, with prefetched bat
   o.cuda_graphs = true;
   o.threads_per_device = 1;
   auto dp = make_dp_engine({kCpu}, o, DpOptions{});
-  test::train_prefetching(*dp, test::make_batches({3, 16, 16}, 4, 4, 9), 1);
+  test::train_prefetching(*dp, test::make_batches({3, 16, 16}, 4, 4, 9));
   CHECK(dp->captured_step()->replays() == 2);
 }
 

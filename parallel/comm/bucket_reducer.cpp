@@ -14,7 +14,12 @@ BucketReducer::BucketReducer(const std::vector<Model*>& replicas, size_t first_b
       wait_phase_(wait_phase),
       replica_done_(std::move(replica_done)),
       comm_(std::move(collective)) {
-  for (Model* m : replicas) bucket_of_.push_back(bucket_of_param(m->params(), buckets_));
+  // Param* -> its bucket, per replica (grad hooks report parameters by pointer).
+  for (Model* m : replicas) {
+    auto& of = bucket_of_.emplace_back();
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      for (int p : buckets_[b].params) of[m->params()[p]] = int(b);
+  }
   remaining_.assign(replicas.size(), std::vector<int>(buckets_.size(), 0));
   ready_replicas_.assign(buckets_.size(), 0);
 }

@@ -28,12 +28,4 @@ std::vector<Bucket> make_buckets(const std::vector<Param*>& params, size_t first
   return buckets;
 }
 
-std::unordered_map<const Param*, int> bucket_of_param(const std::vector<Param*>& params,
-                                                      const std::vector<Bucket>& buckets) {
-  std::unordered_map<const Param*, int> out;
-  for (size_t b = 0; b < buckets.size(); ++b)
-    for (int p : buckets[b].params) out[params[p]] = static_cast<int>(b);
-  return out;
-}
-
 }  // namespace replica

@@ -5,7 +5,6 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-#include <unordered_map>
 #include <vector>
 
 #include "layers/module.h"
@@ -20,10 +19,5 @@ struct Bucket {
 
 std::vector<Bucket> make_buckets(const std::vector<Param*>& params, size_t first_cap_bytes,
                                  size_t cap_bytes);
-
-// Param* -> the index of the bucket holding it (grad hooks report parameters by pointer).
-// `params` is the list the buckets were made from, or a replica's list in the same order.
-std::unordered_map<const Param*, int> bucket_of_param(const std::vector<Param*>& params,
-                                                      const std::vector<Bucket>& buckets);
 
 }  // namespace replica

@@ -83,7 +83,7 @@ class GlooGroup final : public ProcessGroup {
     }
   }
 
-  std::string backend() const override { return "gloo"; }
+  std::string describe() const override { return "gloo"; }
 
   void allreduce_sum(DeviceContext& ctx, Tensor& t, int slot) override {
     if (t.numel() == 0) return;

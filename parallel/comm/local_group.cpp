@@ -16,7 +16,7 @@ namespace replica {
 ReduceStrategy parse_reduce_strategy(const std::string& name) {
   if (name == "root") return ReduceStrategy::ToRoot;
   if (name == "tree") return ReduceStrategy::Tree;
-  throw UsageError(fmt::format("unknown reduction '{}' (root, tree)", name));
+  throw UsageError(fmt::format("unknown --reduce '{}' (root, tree)", name));
 }
 
 namespace {

@@ -63,7 +63,6 @@ class NcclGroup final : public ProcessGroup {
 
   ~NcclGroup() override { release(); }
 
-  std::string backend() const override { return "nccl"; }
   std::string describe() const override {
     if (!shared_gpu_) return "nccl";
     return fmt::format("nccl over sockets, {} ranks on {} GPU{} (a correctness mode: no "

@@ -39,9 +39,8 @@ std::string rank_list(std::vector<int> ranks) {
   return out;
 }
 
-PeerMonitor::PeerMonitor(std::unique_ptr<Store> store, int rank, int world,
-                         std::chrono::milliseconds interval)
-    : store_(std::move(store)), rank_(rank), world_(world), interval_(interval) {
+PeerMonitor::PeerMonitor(std::unique_ptr<Store> store, int rank, int world)
+    : store_(std::move(store)), rank_(rank), world_(world) {
   thread_ = std::thread([this] { beat_loop(); });
 }
 

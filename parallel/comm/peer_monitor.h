@@ -37,11 +37,8 @@ class PeerFailure : public Error {
 
 class PeerMonitor {
  public:
-  static constexpr std::chrono::milliseconds kInterval{250};
-
   // `store` is a connection of the monitor's own (Store::connect_again()).
-  PeerMonitor(std::unique_ptr<Store> store, int rank, int world,
-              std::chrono::milliseconds interval = kInterval);
+  PeerMonitor(std::unique_ptr<Store> store, int rank, int world);
   ~PeerMonitor();
   PeerMonitor(const PeerMonitor&) = delete;
   PeerMonitor& operator=(const PeerMonitor&) = delete;
@@ -66,7 +63,7 @@ class PeerMonitor {
 
   std::unique_ptr<Store> store_;
   const int rank_, world_;
-  const std::chrono::milliseconds interval_;
+  static constexpr std::chrono::milliseconds interval_{250};
   std::atomic<int64_t> entered_{0};
   std::atomic<const char*> last_{"none"};
   int64_t beats_ = 0;

@@ -16,7 +16,7 @@ namespace {
 class SingleProcessGroup final : public ProcessGroup {
  public:
   SingleProcessGroup() : ProcessGroup(GroupOptions{}, nullptr) {}
-  std::string backend() const override { return "none"; }
+  std::string describe() const override { return "none"; }
   void allreduce_sum(DeviceContext&, Tensor&, int) override {}
   void broadcast(DeviceContext&, Tensor&, int) override {}
   void barrier() override {}

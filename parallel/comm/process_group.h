@@ -37,10 +37,9 @@ struct GroupOptions {
 class ProcessGroup {
  public:
   virtual ~ProcessGroup();
-  virtual std::string backend() const = 0;  // "gloo", "nccl", "none"
-  // The backend and how it runs, for output and reports: "nccl", "gloo", "nccl over sockets,
-  // 2 ranks share one GPU (correctness mode, not a speed measurement)".
-  virtual std::string describe() const { return backend(); }
+  // The backend and how it runs, for output and reports: "nccl", "gloo", "none" (one rank),
+  // "nccl over sockets, 2 ranks share one GPU (correctness mode, not a speed measurement)".
+  virtual std::string describe() const = 0;
   // True when ranks share a GPU: then the group's timings measure no real interconnect.
   virtual bool shared_gpu() const { return false; }
   int rank() const { return rank_; }

@@ -19,22 +19,16 @@ namespace replica {
 
 namespace {
 
-class DdpEngine final : public TrainEngine {
+class DdpEngine final : public OneDeviceEngine {
  public:
   DdpEngine(std::unique_ptr<DeviceContext> ctx, std::unique_ptr<ProcessGroup> group,
             const EngineOptions& o, const DdpOptions& d)
-      : owned_ctx_(std::move(ctx)),
-        ctx_(*owned_ctx_),
+      : OneDeviceEngine(std::move(ctx),
+                        fmt::format("rank{} {}", group->rank(), ctx->device().str()), o),
         group_(std::move(group)),
-        track_(fmt::format("rank{} {}", group_->rank(), ctx_.device().str())),
-        step_(ctx_, o.optimizer),
-        prefetcher_({&ctx_}, o.prefetch_on_cpu),
         check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),
         accumulate_(d.accumulate) {
     REPLICA_USAGE_CHECK(d.accumulate >= 1, "--accumulate must be at least 1, got {}", d.accumulate);
-    ctx_.activate();
-    model_ = make_model(o.model, o.input_shape, o.num_classes);
-    ctx_.run([&] { model_->materialize(ctx_, o.seed); });
     // Buckets of gradients all-reduced during backward (nothing to do for one rank).
     if (group_->size() > 1) {
       reducer_ = std::make_unique<BucketReducer>(
@@ -57,8 +51,6 @@ class DdpEngine final : public TrainEngine {
   std::string mode() const override { return "ddp"; }
   std::string comm_description() const override { return group_->describe(); }
   bool shares_gpu() const override { return group_->shared_gpu(); }
-  std::vector<Device> devices() const override { return {ctx_.device()}; }
-  std::vector<DeviceContext*> contexts() override { return {&ctx_}; }
   int rank() const override { return group_->rank(); }
   int world_size() const override { return group_->size(); }
 
@@ -133,15 +125,9 @@ class DdpEngine final : public TrainEngine {
     ctx_.run([&] { group_->synchronize(ctx_); });
     prefetcher_.stage(ctx_, next, 0, next.size(), BatchParts::Both, track_);
   }
-  bool prefetches() const override { return prefetcher_.active(); }
-
   float last_loss() override {
     ctx_.run([&] { group_->synchronize(ctx_); });  // a failed collective surfaces here
     return step_.read_loss(ctx_);
-  }
-
-  void eval_batch(const Batch& batch, EvalSums& sums) override {
-    evaluate_batch(ctx_, *model_, step_.criterion, batch, 0, batch.size(), sums);
   }
 
   // Sums each rank's evaluation totals, so every rank reports the same metrics.
@@ -171,18 +157,13 @@ class DdpEngine final : public TrainEngine {
     return all;
   }
 
-  void set_training(bool training) override { model_->set_training(training); }
   void synchronize() override {
     ctx_.run([&] {
       group_->synchronize(ctx_);
       ctx_.synchronize();
     });
   }
-  Model& model() override { return *model_; }
-  DeviceContext& primary() override { return ctx_; }
-  Optimizer& optimizer() override { return *step_.optimizer; }
   void state_loaded() override { sync_from_rank0(); }
-  double forward_macs_per_sample() const override { return step_.macs_per_sample; }
   void finish() override {
     ctx_.run([&] { group_->leave(ctx_); });
   }
@@ -248,15 +229,9 @@ class DdpEngine final : public TrainEngine {
     });
   }
 
-  // Destroyed in reverse: the reducer (its thread calls the group), the model, the group (NCCL
-  // finalizes on the context's device), the context last.
-  std::unique_ptr<DeviceContext> owned_ctx_;
-  DeviceContext& ctx_;
+  // Destroyed in reverse: the reducer (its thread calls the group), the group (NCCL finalizes
+  // on the context's device), then the base's model and, last, the context.
   std::unique_ptr<ProcessGroup> group_;
-  std::string track_;
-  PrimaryStep step_;
-  BatchPrefetcher prefetcher_;
-  std::unique_ptr<Model> model_;
   std::unique_ptr<BucketReducer> reducer_;
   bool check_sync_;
   int accumulate_;

@@ -25,9 +25,7 @@ class DataParallelEngine final : public TrainEngine {
  public:
   DataParallelEngine(const std::vector<Device>& devices, const EngineOptions& o,
                      const DpOptions& dp)
-      : pool_(static_cast<int>(devices.size())),
-        one_step_(devices.size() == 1 && o.cuda_graphs),
-        captured_(one_step_) {
+      : pool_(static_cast<int>(devices.size())) {
     const int n = static_cast<int>(devices.size());
     const int threads =
         o.threads_per_device > 0 ? o.threads_per_device : std::max(1, cpu_cores() / n);
@@ -39,12 +37,11 @@ class DataParallelEngine final : public TrainEngine {
       r.track = devices[i].str();
       r.model = make_model(o.model, o.input_shape, o.num_classes);
       r.ctx->run([&] { r.model->materialize(*r.ctx, o.seed); });
-      if (!one_step_)
-        r.model->set_grad_hook([this, i](const std::vector<Param*>& ready) {
-          reducer_->on_ready(i, ready);
-        });
+      r.model->set_grad_hook([this, i](const std::vector<Param*>& ready) {
+        reducer_->on_ready(i, ready);
+      });
     });
-    if (!one_step_) build_reduction(dp);
+    build_reduction(dp);
     step_.emplace(primary(), o.optimizer);
     prefetcher_ = std::make_unique<BatchPrefetcher>(contexts(), o.prefetch_on_cpu);
   }
@@ -84,7 +81,6 @@ class DataParallelEngine final : public TrainEngine {
   void train_step(const Batch& batch) override {
     const int64_t total = batch.size();
     REPLICA_CHECK(total > 0, "empty batch");
-    if (one_step_) return captured_train_step(batch);
     const int n = static_cast<int>(replicas_.size());
     const auto chunks = scatter_chunks(total, n);
     int active = 0;
@@ -154,7 +150,6 @@ class DataParallelEngine final : public TrainEngine {
   Optimizer& optimizer() override { return *step_->optimizer; }
   void state_loaded() override { broadcast(); }
   double forward_macs_per_sample() const override { return step_->macs_per_sample; }
-  const CapturedStep* captured_step() const override { return one_step_ ? &captured_ : nullptr; }
   // Gradient bytes moved to device 0 in one step.
   int64_t comm_bytes_per_step() const override {
     return int64_t(last_active_ - 1) * replicas_[0].model->num_params() * int64_t(sizeof(float));
@@ -168,31 +163,6 @@ class DataParallelEngine final : public TrainEngine {
     Tensor x, logits;
     std::unique_ptr<StreamEvent> forward_done = std::make_unique<StreamEvent>();
   };
-
-  // One device with CUDA Graphs: nothing to scatter, gather or reduce, so the step is the
-  // single-device one (as DataParallel runs the module itself for one device), on this thread,
-  // captured once. The images and labels are taken as prefetch() staged them.
-  void captured_train_step(const Batch& batch) {
-    Replica& r = replicas_[0];
-    DeviceContext& c0 = *r.ctx;
-    c0.run([&] {
-      Tensor x, y;
-      {
-        TraceSpan span(r.track, batch.resident ? "batch_gather" : "h2d", &c0);
-        if (batch.resident) {  // gathered on the device: the indices cross once for both
-          DeviceBatch both = batch_rows(c0, batch, 0, batch.size(), BatchParts::Both);
-          x = both.images;
-          y = both.labels;
-        } else {  // as prefetch() staged them: the images and the labels apart
-          x = batch_rows(c0, batch, 0, batch.size(), BatchParts::Images).images;
-          y = batch_rows(c0, batch, 0, batch.size(), BatchParts::Labels).labels;
-        }
-      }
-      one_device_step(c0, *r.model, *step_, captured_, x, y, r.track);
-    });
-    last_active_ = 1;
-    step_->note_forward(r.model->last_forward_macs(), batch.size());
-  }
 
   // Scatter + forward: each worker copies its own chunk of the host batch and runs forward.
   void scatter_forward(const Batch& batch, const std::vector<Chunk>& chunks, int active) {
@@ -278,7 +248,7 @@ class DataParallelEngine final : public TrainEngine {
 
   // Parameters and buffers of replica 0 to every other replica.
   void broadcast() {
-    if (replicas_.size() < 2) return;  // one device: no copies (nor a group, when captured)
+    if (replicas_.size() < 2) return;  // one device: no copies
     std::vector<std::vector<Tensor>> sets;
     for (auto& r : replicas_) sets.push_back({r.model->flat_params(), r.model->flat_buffers()});
     group_->broadcast(sets);
@@ -291,8 +261,6 @@ class DataParallelEngine final : public TrainEngine {
   std::unique_ptr<BucketReducer> reducer_;
   std::optional<PrimaryStep> step_;  // on device 0, made once the replicas are
   std::unique_ptr<BatchPrefetcher> prefetcher_;  // likewise
-  const bool one_step_;     // one device, steps captured: captured_train_step
-  CapturedStep captured_;
   StreamEvent loss_done_;
   int last_active_ = 1;
 };
@@ -306,6 +274,10 @@ std::unique_ptr<TrainEngine> make_dp_engine(const std::vector<Device>& devices,
     REPLICA_USAGE_CHECK(d.type == devices[0].type,
                         "DP devices must all be CPU or all CUDA (got {} and {})",
                         devices[0].str(), d.str());
+  // One device with CUDA Graphs: nothing to scatter, gather or reduce, so the step is the
+  // single-device one (as DataParallel runs the module itself for one device), captured once.
+  if (devices.size() == 1 && options.cuda_graphs)
+    return make_single_device_engine(devices[0], options, "dp");
   return std::make_unique<DataParallelEngine>(devices, options, dp);
 }
 

@@ -14,23 +14,24 @@ Tensor batch_to_device(DeviceContext& ctx, const Tensor& host) {
   return t;
 }
 
-Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& part) {
-  Tensor t = batch_to_device(ctx, part);
-  batch.copies->add(ctx);
-  return t;
-}
-
 DeviceBatch batch_rows(DeviceContext& ctx, const Batch& batch, int64_t begin, int64_t end,
                        BatchParts parts) {
   if (auto staged = batch.staged->take(ctx, begin, end, parts)) return std::move(*staged);
   const bool images = parts != BatchParts::Labels, labels = parts != BatchParts::Images;
+  // Rows of a part on ctx's device; on a GPU the batch then knows the copy may still be reading
+  // its pinned buffer (Batch::copies).
+  auto rows_of = [&](const Tensor& part) {
+    Tensor t = batch_to_device(ctx, part.slice_rows(begin, end));
+    batch.copies->add(ctx);
+    return t;
+  };
   DeviceBatch out;
   if (!batch.resident) {
-    if (images) out.images = batch_to_device(ctx, batch, batch.images.slice_rows(begin, end));
-    if (labels) out.labels = batch_to_device(ctx, batch, batch.labels.slice_rows(begin, end));
+    if (images) out.images = rows_of(batch.images);
+    if (labels) out.labels = rows_of(batch.labels);
     return out;
   }
-  const Tensor rows = batch_to_device(ctx, batch, batch.indices.slice_rows(begin, end));
+  const Tensor rows = rows_of(batch.indices);
   if (images) out.images = batch.resident->images(ctx, rows);
   if (labels) out.labels = batch.resident->labels(ctx, rows);
   return out;
@@ -112,38 +113,12 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
   });
 }
 
-namespace {
-
-// The device work of one_device_step: what a captured step records.
-Tensor local_step(DeviceContext& ctx, Model& model, PrimaryStep& step, const Tensor& x,
-                  const Tensor& y, const std::string& track) {
-  Tensor loss;
-  {
-    TraceSpan span(track, "forward", &ctx);
-    model.zero_grad(ctx);
-    Tensor logits = model.forward(ctx, x);
-    loss = step.criterion.forward(ctx, logits, y);
-  }
-  {
-    TraceSpan span(track, "backward", &ctx);
-    Tensor dlogits = step.criterion.backward(ctx);
-    model.backward(ctx, dlogits);
-  }
-  {
-    TraceSpan span(track, "step", &ctx);
-    step.optimizer->apply_step(ctx, model.flat_params(), model.flat_grads());
-  }
-  return loss;
-}
-
-}  // namespace
-
-void one_device_step(DeviceContext& ctx, Model& model, PrimaryStep& step, CapturedStep& captured,
-                     const Tensor& x, const Tensor& y, const std::string& track) {
-  step.optimizer->prepare_step(ctx, model.flat_params().numel());
-  step.loss = captured.run(ctx, x, y, [&](const Tensor& xs, const Tensor& ys) {
-    return local_step(ctx, model, step, xs, ys, track);
-  });
+OneDeviceEngine::OneDeviceEngine(std::unique_ptr<DeviceContext>&& ctx, std::string track,
+                                 const EngineOptions& o)
+    : owned_ctx_(std::move(ctx)), ctx_(*owned_ctx_), track_(std::move(track)),
+      step_(ctx_, o.optimizer), prefetcher_({&ctx_}, o.prefetch_on_cpu),
+      model_(make_model(o.model, o.input_shape, o.num_classes)) {
+  ctx_.run([&] { model_->materialize(ctx_, o.seed); });
 }
 
 PrimaryStep::PrimaryStep(DeviceContext& ctx, const OptimizerOptions& optimizer_options)

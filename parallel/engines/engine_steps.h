@@ -5,16 +5,12 @@
 #include "layers/loss.h"
 #include "layers/model.h"
 #include "layers/optimizer.h"
-#include "parallel/engines/captured_step.h"
 #include "parallel/engines/train_engine.h"  // EvalSums
 
 namespace replica {
 
 // Host batches are used in place on CPU devices (zero copy) and copied on the stream for CUDA.
 Tensor batch_to_device(DeviceContext& ctx, const Tensor& host);
-// A part of `batch` (its images, labels or indices, or rows of them) on ctx's device; on a GPU
-// the batch then knows the copy may still be reading its pinned buffer (Batch::copies).
-Tensor batch_to_device(DeviceContext& ctx, const Batch& batch, const Tensor& part);
 
 // Rows [begin, end) of the batch on ctx's device, images (F32) and/or labels (I32; the other
 // part stays undefined): the copy a BatchPrefetcher staged for exactly these rows, else copied
@@ -63,15 +59,6 @@ class BatchPrefetcher {
 void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterion,
                     const Batch& batch, int64_t begin, int64_t end, EvalSums& sums);
 
-// One optimizer step of `model` on one device over images x and labels y: the optimizer's
-// prepare_step on the host, then gradients zeroed, forward, loss, backward and the update
-// (apply_step), traced as "forward", "backward" and "step" on `track`, run eagerly or replayed
-// by `captured` (parallel/engines/captured_step.h). step.loss is then the step's mean loss.
-// The single-device engine's step, and DP's on one device with CUDA Graphs.
-struct PrimaryStep;
-void one_device_step(DeviceContext& ctx, Model& model, PrimaryStep& step, CapturedStep& captured,
-                     const Tensor& x, const Tensor& y, const std::string& track);
-
 // The step on an engine's primary device (DP: device 0; DDP: this rank's): its optimizer and
 // criterion, the last step's mean loss (a device tensor: reading it is a host sync), and the
 // forward's multiply-adds per sample, taken from the first step.
@@ -88,6 +75,33 @@ struct PrimaryStep {
   CrossEntropyLoss criterion;
   Tensor loss;
   double macs_per_sample = 0;
+};
+
+// What an engine of one replica on one device shares (the single-device engine, a DDP rank):
+// its context, the model built on it from the options' seed, the step and the prefetcher.
+class OneDeviceEngine : public TrainEngine {
+ public:
+  std::vector<Device> devices() const override { return {ctx_.device()}; }
+  std::vector<DeviceContext*> contexts() override { return {&ctx_}; }
+  bool prefetches() const override { return prefetcher_.active(); }
+  void eval_batch(const Batch& batch, EvalSums& sums) override {
+    evaluate_batch(ctx_, *model_, step_.criterion, batch, 0, batch.size(), sums);
+  }
+  void set_training(bool training) override { model_->set_training(training); }
+  Model& model() override { return *model_; }
+  DeviceContext& primary() override { return ctx_; }
+  Optimizer& optimizer() override { return *step_.optimizer; }
+  double forward_macs_per_sample() const override { return step_.macs_per_sample; }
+
+ protected:
+  OneDeviceEngine(std::unique_ptr<DeviceContext>&& ctx, std::string track, const EngineOptions& o);
+
+  std::unique_ptr<DeviceContext> owned_ctx_;  // destroyed last: the members below use it
+  DeviceContext& ctx_;
+  std::string track_;
+  PrimaryStep step_;
+  BatchPrefetcher prefetcher_;
+  std::unique_ptr<Model> model_;
 };
 
 }  // namespace replica

@@ -142,7 +142,9 @@ class TrainEngine {
   }
 };
 
+// `mode` is what mode() says: DP on one device with cuda_graphs is this engine (dp_engine.cpp).
 std::unique_ptr<TrainEngine> make_single_device_engine(const Device& device,
-                                                       const EngineOptions& options);
+                                                       const EngineOptions& options,
+                                                       const std::string& mode = "single");
 
 }  // namespace replica

@@ -24,30 +24,26 @@ std::string meta(const Checkpoint& c, const std::string& key, const std::string&
   return it->second;
 }
 
-// A count in the metadata (a step, an epoch, a batch size, a seed): decimal digits that fit,
-// at least `least`.
-uint64_t meta_count(const Checkpoint& c, const std::string& key, const std::string& path,
-                    uint64_t least = 0) {
+// A number in the metadata, decimal digits that fit, in [least, most]; `what` names it in the
+// error ("a count", "a number in [0, 1]").
+template <class T>
+T meta_number(const Checkpoint& c, const std::string& key, const std::string& path, T least,
+              T most, const std::string& what) {
   const std::string text = meta(c, key, path);
-  uint64_t v = 0;
+  T v{};
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   REPLICA_USAGE_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size() &&
-                          v >= least && v <= uint64_t(INT64_MAX),
-                      "{}: corrupt checkpoint: metadata '{}' is '{}', not a count{}", path, key,
-                      text, least ? fmt::format(" of at least {}", least) : "");
+                          v >= least && v <= most,
+                      "{}: corrupt checkpoint: metadata '{}' is '{}', not {}", path, key, text,
+                      what);
   return v;
 }
 
-// A fraction in the metadata (an accuracy): a decimal number in [0, 1].
-double meta_fraction(const Checkpoint& c, const std::string& key, const std::string& path) {
-  const std::string text = meta(c, key, path);
-  double v = -1;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  REPLICA_USAGE_CHECK(!text.empty() && ec == std::errc() && end == text.data() + text.size() &&
-                          v >= 0 && v <= 1,
-                      "{}: corrupt checkpoint: metadata '{}' is '{}', not a number in [0, 1]",
-                      path, key, text);
-  return v;
+// A count (a step, an epoch, a batch size, a seed), at least `least`.
+uint64_t meta_count(const Checkpoint& c, const std::string& key, const std::string& path,
+                    uint64_t least = 0) {
+  return meta_number<uint64_t>(c, key, path, least, uint64_t(INT64_MAX),
+                               least ? fmt::format("a count of at least {}", least) : "a count");
 }
 
 // The primary replica's parameters and buffers as host tensors (names prefixed as given) and the
@@ -153,7 +149,7 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
   pos.global_step = int64_t(meta_count(c, "step", path));
   if (c.metadata.count("best_epoch")) {  // absent: no epoch evaluated (or an older checkpoint)
     pos.best_epoch = int64_t(meta_count(c, "best_epoch", path, 1));
-    pos.best_accuracy = meta_fraction(c, "best_accuracy", path);
+    pos.best_accuracy = meta_number(c, "best_accuracy", path, 0.0, 1.0, "a number in [0, 1]");
   }
   const int64_t optimizer_steps = int64_t(meta_count(c, "optimizer_steps", path));
   ctx.run([&] {

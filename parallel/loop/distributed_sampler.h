@@ -54,11 +54,9 @@ class DistributedSampler {
   // Selects the epoch whose order indices() returns (PyTorch: call it before every epoch, or
   // every epoch repeats the epoch-0 split). Any value is accepted; the default is 0.
   void set_epoch(int64_t epoch) { epoch_ = epoch; }
-  int64_t epoch() const { return epoch_; }
 
   int64_t num_samples() const { return num_samples_; }  // per rank: len(indices())
   int64_t total_size() const { return total_size_; }    // num_samples() * num_replicas
-  const SamplerOptions& options() const { return opt_; }
 
   // This rank's indices for the current epoch: num_samples() values in [0, N).
   std::vector<int64_t> indices() const;

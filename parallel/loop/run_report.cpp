@@ -10,7 +10,6 @@
 #include "engine/trace.h"
 #include "parallel/engines/captured_step.h"
 #include "parallel/loop/checkpointing.h"
-#include "parallel/loop/run_summary.h"
 
 namespace replica {
 

@@ -53,11 +53,11 @@ void StopRequest::uninstall() {
 int StopRequest::signal() { return g_signal; }
 
 bool StopAgreement::after_step(TrainEngine& engine, int64_t steps_run) {
-  if (engine.world_size() <= 1) return StopRequest::requested();
+  if (engine.world_size() <= 1) return StopRequest::signal() != 0;
   if (steps_run == 1) t_first_ = Tracer::now_us();
   const bool calibrate = steps_run == kCalibrationSteps;
   if (!calibrate && steps_run % every_ != 0) return false;
-  std::vector<double> v = {StopRequest::requested() ? 1.0 : 0.0, 0.0};
+  std::vector<double> v = {StopRequest::signal() ? 1.0 : 0.0, 0.0};
   if (calibrate && engine.rank() == 0) {
     const double step_s = (Tracer::now_us() - t_first_) / 1e6 / double(kCalibrationSteps - 1);
     v[1] = double(std::clamp<int64_t>(int64_t(std::ceil(kStopCheckSeconds / step_s)), 1, 1000));

@@ -18,7 +18,6 @@ class StopRequest {
   static void uninstall();
   // The signal that asked to stop, or 0.
   static int signal();
-  static bool requested() { return signal() != 0; }
 };
 
 // Whether to stop after this step: this process got SIGINT/SIGTERM, or (DDP) any rank did.

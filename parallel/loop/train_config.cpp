@@ -9,6 +9,7 @@
 #include "layers/model.h"
 #include "layers/optimizer.h"
 #include "parallel/engines/captured_step.h"
+#include "parallel/comm/local_group.h"
 #include "parallel/comm/process_group.h"
 #include "parallel/rendezvous/rendezvous.h"
 #include "parallel/loop/trainer.h"
@@ -102,8 +103,7 @@ void validate(const TrainConfig& c) {
                           (c.engine.optimizer.momentum == 0 && !c.engine.optimizer.nesterov),
                       "--momentum and --nesterov are SGD's; this run uses --optimizer {}",
                       c.engine.optimizer.name);
-  REPLICA_USAGE_CHECK(c.reduce == "root" || c.reduce == "tree",
-                      "unknown --reduce '{}' (root, tree)", c.reduce);
+  parse_reduce_strategy(c.reduce);  // validates the name
   REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
                       "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
   const std::vector<Device> devices = resolve_devices(c);

@@ -10,7 +10,6 @@
 #include "engine/trace.h"
 #include "parallel/comm/rank_agreement.h"
 #include "parallel/loop/run_summary.h"
-#include "parallel/loop/stop_request.h"
 
 namespace replica {
 
@@ -56,14 +55,8 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config), lr_schedule_(c_.lr
 
   // Which training samples this process reads: the DistributedSampler's share (DDP). With one
   // process the share is the whole epoch order, epoch_order(n, seed, epoch, shuffle).
-  SamplerOptions so;
-  so.dataset_size = train_->size();
-  so.num_replicas = world_;
-  so.rank = engine_->rank();
-  so.shuffle = c_.shuffle;
-  so.seed = c_.engine.seed;
-  so.drop_last = c_.drop_last;
-  sampler_ = std::make_unique<DistributedSampler>(so);
+  sampler_ = std::make_unique<DistributedSampler>(SamplerOptions{
+      train_->size(), world_, engine_->rank(), c_.shuffle, c_.engine.seed, c_.drop_last});
   // An engine that copies batches a step ahead (TrainEngine::prefetch) holds one batch more:
   // a buffer more keeps the loader two batches ahead of it.
   look_ahead_ = engine_->prefetches() && !resident_;

@@ -29,11 +29,8 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   }
   if (c.mode == "dp") {
     if (c.batch_per_device > 0) c.batch_size = c.batch_per_device * int64_t(devices.size());
-    DpOptions dp;
-    dp.strategy = parse_reduce_strategy(c.reduce);
-    dp.bucket_bytes = bucket_bytes;
-    dp.first_bucket_bytes = first_bucket_bytes;
-    return make_dp_engine(devices, c.engine, dp);
+    return make_dp_engine(devices, c.engine,
+                          {parse_reduce_strategy(c.reduce), first_bucket_bytes, bucket_bytes});
   }
   Rendezvous rv = rendezvous_env_ranks();
   const std::chrono::milliseconds timeout = timeout_from_seconds(c.timeout_s, "--timeout");
@@ -52,11 +49,8 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
       parse_comm_backend(c.backend != "auto" ? c.backend : own_gpu ? "nccl" : "gloo");
   if (devices[0].is_cpu() && c.engine.threads_per_device == 0)
     c.engine.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
-  DdpOptions ddp;
-  ddp.accumulate = c.accumulate;
-  ddp.bucket_bytes = bucket_bytes;
-  ddp.first_bucket_bytes = first_bucket_bytes;
-  return make_ddp_engine(devices[0], group_options(rv, backend, timeout), c.engine, ddp);
+  return make_ddp_engine(devices[0], group_options(rv, backend, timeout), c.engine,
+                         {first_bucket_bytes, bucket_bytes, c.accumulate});
 }
 
 namespace {

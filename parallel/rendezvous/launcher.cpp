@@ -64,7 +64,7 @@ void signal_groups(const std::vector<Child>& children, int sig, bool running_onl
 
 // Forks and execs one rank in its own process group; the exec error (if any) comes back
 // through a close-on-exec pipe.
-Child start_rank(const LaunchOptions& o, const std::string& program, int local, pid_t launcher,
+void start_rank(const LaunchOptions& o, const std::string& program, int local, pid_t launcher,
                  bool tty_stdin, const sigset_t& old_mask, const std::string& error_dir,
                  std::vector<Child>& children) {
   Child c;
@@ -125,7 +125,6 @@ Child start_rank(const LaunchOptions& o, const std::string& program, int local, 
     for (auto& k : children) waitpid(k.pid, nullptr, 0);
     throw UsageError(fmt::format("cannot run '{}': {}", program, std::strerror(exec_err)));
   }
-  return c;
 }
 
 // The executable for `program`: as given when it holds a '/', else searched in PATH.

@@ -55,7 +55,6 @@ class Store {
   // directory can then serve the next run. A TCP store ends with its server instead.
   virtual void remove_keys() {}
 
-  std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
  protected:

@@ -38,26 +38,21 @@ struct Frame {
   std::vector<std::string> fields;
 };
 
-inline void put_u32(std::string& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+inline std::string put_le(uint64_t v, int bytes) {
+  std::string s(size_t(bytes), '\0');
+  for (int i = 0; i < bytes; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
 }
 inline uint64_t get_le(const char* p, int bytes) {
   uint64_t v = 0;
   for (int i = 0; i < bytes; ++i) v |= uint64_t(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
-inline std::string u64_field(uint64_t v) {
-  std::string s(8, '\0');
-  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((v >> (8 * i)) & 0xff);
-  return s;
-}
+inline std::string u64_field(uint64_t v) { return put_le(v, 8); }
 inline std::string encode(const Frame& f) {
   std::string out(1, static_cast<char>(f.code));
-  put_u32(out, static_cast<uint32_t>(f.fields.size()));
-  for (const auto& field : f.fields) {
-    put_u32(out, static_cast<uint32_t>(field.size()));
-    out += field;
-  }
+  out += put_le(f.fields.size(), 4);
+  for (const auto& field : f.fields) out += put_le(field.size(), 4) + field;
   return out;
 }
 
