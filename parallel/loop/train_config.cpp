@@ -1,4 +1,5 @@
-// Validating and describing a TrainConfig, and the devices it resolves to (parallel/loop/trainer.h).
+// Validating and describing a TrainConfig, and the devices it resolves to
+// (parallel/loop/trainer.h).
 #include <string>
 
 #include <fmt/format.h>
@@ -34,7 +35,8 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"epochs", c.epochs},
           {"max_steps", c.max_steps},
           // The global batch, once known (with --batch-per-device, after devices are counted).
-          {"batch_size", c.batch_per_device > 0 ? nlohmann::json(nullptr) : nlohmann::json(c.batch_size)},
+          {"batch_size",
+           c.batch_per_device > 0 ? nlohmann::json(nullptr) : nlohmann::json(c.batch_size)},
           {"batch_per_device", c.batch_per_device},
           {"optimizer", o.name},
           {"lr", decimal(o.lr)},
