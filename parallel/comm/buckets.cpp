@@ -1,7 +1,5 @@
 #include "parallel/comm/buckets.h"
 
-#include <algorithm>
-
 namespace replica {
 
 std::vector<Bucket> make_buckets(const std::vector<Param*>& params, size_t first_cap_bytes,
