@@ -186,6 +186,14 @@ __global__ void channel_accumulate_kernel(const double* part, int S, int64_t C, 
   }
 }
 
+// One element of channel_affine: v * a + b, plus r where there is a residual, then the ReLU.
+__device__ __forceinline__ float affine_value(float v, float a, float b, bool residual, float r,
+                                              bool relu) {
+  float o = v * a + b;
+  if (residual) o = o + r;
+  return relu ? (o > 0.f ? o : 0.f) : o;
+}
+
 template <class At, int kVec, class T>
 __global__ void channel_affine_kernel(const T* x, T* y, const float* scale, const float* shift,
                                       const T* residual, At at, bool relu) {
@@ -197,11 +205,8 @@ __global__ void channel_affine_kernel(const T* x, T* y, const float* scale, cons
     v.load(x, g);
     if (residual) r.load(residual, g);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      float o = v.v[k] * a + b;
-      if (residual) o = o + r.v[k];
-      v.v[k] = relu ? (o > 0.f ? o : 0.f) : o;
-    }
+    for (int k = 0; k < kVec; ++k)
+      v.v[k] = affine_value(v.v[k], a, b, residual, residual ? r.v[k] : 0.f, relu);
     v.store(y, g);
   }
 }
@@ -234,11 +239,8 @@ __global__ void channel_affine_rows_kernel(const T* x, T* y, const float* scale,
       const int64_t ru = r + u * kRowWarps;
       if (ru >= rows.r1) break;
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        float o = v[u][k] * a[k] + b[k];
-        if (residual) o = o + res[u][k];
-        v[u][k] = relu ? (o > 0.f ? o : 0.f) : o;
-      }
+      for (int k = 0; k < kPer; ++k)
+        v[u][k] = affine_value(v[u][k], a[k], b[k], residual, residual ? res[u][k] : 0.f, relu);
       store_adjacent<kPer>(y, ru * d.c + rows.c0, v[u]);
     }
   }

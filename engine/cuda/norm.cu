@@ -101,28 +101,37 @@ __global__ void bn_grad_sums_kernel(const double* part_a, const double* part_b, 
   }
 }
 
-// dx = k * (m * g - sum(g) - xhat * sum(g * xhat)), in double as the CPU's; sums as
-// bn_grad_sums_kernel writes them for C channels.
+// One channel's part of dx = k * (m * g - sum(g) - xhat * sum(g * xhat)), in double as the
+// CPU's: its statistics and sums (as bn_grad_sums_kernel writes them for C channels), read
+// once per group or per thread, and the formula both dx passes apply.
+struct BnDxChannel {
+  double mu, is, s_g, s_g_xhat, k;
+  __device__ static BnDxChannel of(const float* mean, const float* invstd, const double* sums,
+                                   int64_t C, int64_t c) {
+    return {mean[c], invstd[c], sums[c], sums[C + c], sums[2 * C + c]};
+  }
+  // dx of one element: x, its incoming gradient dy and (masked) the BatchNorm's output.
+  __device__ float dx(float x, float dy, float relu_y, bool masked, double m) const {
+    const double xhat = (x - mu) * is;
+    const float grad = cuda::masked_grad(dy, relu_y, masked);
+    return float(k * (m * double(grad) - s_g - xhat * s_g_xhat));
+  }
+};
+
 template <class At, int kVec, class T>
 __global__ void bn_dx_kernel(const T* x, const T* dy, const T* relu_y, const float* mean,
                              const float* invstd, const double* sums, int64_t C, At at, double m,
                              T* dx) {
   using Index = typename At::Index;
-  const double *sum_g = sums, *sum_g_xhat = sums + C, *coeff = sums + 2 * C;
   REPLICA_CHANNEL_GROUPS(g, at) {
-    const Index c = at.channel(g * kVec);
-    const double mu = mean[c], is = invstd[c];
-    const double s_g = sum_g[c], s_g_xhat = sum_g_xhat[c], k = coeff[c];
+    const BnDxChannel ch = BnDxChannel::of(mean, invstd, sums, C, at.channel(g * kVec));
     cuda::Pack<kVec> xv, gv, rv;
     xv.load(x, g);
     gv.load(dy, g);
     if (relu_y) rv.load(relu_y, g);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      const double xhat = (xv.v[e] - mu) * is;
-      const float grad = cuda::masked_grad(gv.v[e], relu_y ? rv.v[e] : 1.f, relu_y);
-      gv.v[e] = float(k * (m * double(grad) - s_g - xhat * s_g_xhat));
-    }
+    for (int e = 0; e < kVec; ++e)
+      gv.v[e] = ch.dx(xv.v[e], gv.v[e], relu_y ? rv.v[e] : 1.f, relu_y, m);
     gv.store(dx, g);
   }
 }
@@ -138,13 +147,9 @@ __global__ void bn_dx_rows_kernel(const T* x, const T* dy, const T* relu_y, cons
   const cuda::RowSlice<kPer> rows(d, S, per);
   if (rows.c0 >= d.c) return;
   const double m = double(d.m());
-  double mu[kPer], is[kPer], s_g[kPer], s_g_xhat[kPer], k[kPer];
+  BnDxChannel ch[kPer];
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const int64_t c = rows.c0 + e;
-    mu[e] = mean[c], is[e] = invstd[c];
-    s_g[e] = sums[c], s_g_xhat[e] = sums[d.c + c], k[e] = sums[2 * d.c + c];
-  }
+  for (int e = 0; e < kPer; ++e) ch[e] = BnDxChannel::of(mean, invstd, sums, d.c, rows.c0 + e);
   for (int64_t r = rows.first(); r < rows.r1; r += rows.kStep) {
     float xv[cuda::kUnroll][kPer], gv[cuda::kUnroll][kPer], rv[cuda::kUnroll][kPer];
 #pragma unroll
@@ -162,11 +167,8 @@ __global__ void bn_dx_rows_kernel(const T* x, const T* dy, const T* relu_y, cons
       if (ru >= rows.r1) break;
       float out[kPer];
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        const double xhat = (xv[u][e] - mu[e]) * is[e];
-        const float grad = cuda::masked_grad(gv[u][e], relu_y ? rv[u][e] : 1.f, relu_y);
-        out[e] = float(k[e] * (m * double(grad) - s_g[e] - xhat * s_g_xhat[e]));
-      }
+      for (int e = 0; e < kPer; ++e)
+        out[e] = ch[e].dx(xv[u][e], gv[u][e], relu_y ? rv[u][e] : 1.f, relu_y, m);
       cuda::store_adjacent<kPer>(dx, ru * d.c + rows.c0, out);
     }
   }
