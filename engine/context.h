@@ -124,10 +124,11 @@ class DeviceContext {
   bool channels_last() const { return options_.channels_last; }
   // Whether a convolution of C input and K output channels runs NHWC here, and so writes a
   // channels_last output (engine/tensor.h): with channels_last, where both are multiples of 8,
-  // the shapes cuDNN's tensor-core kernels take. A first layer's 1 or 3 channels give an NCHW
-  // output, though on CUDA the convolution runs NHWC on operands padded to 8 channels.
+  // the shapes cuDNN's tensor-core kernels take, or where a first layer's 1-7 channels are
+  // padded to 8 for them (engine/cuda/conv_padded.cu). A ResNet's stem then hands its output on
+  // NHWC: its BatchNorm and max-pool read it there, and neither pass has a transpose.
   bool nhwc_convolution(int64_t C, int64_t K) const {
-    return options_.channels_last && C % 8 == 0 && K % 8 == 0;
+    return options_.channels_last && (C % 8 == 0 || C < 8) && K % 8 == 0;
   }
   ConvApi conv_api() const { return options_.conv_api; }
   CudaState* cuda() const { return cuda_.get(); }

@@ -75,12 +75,16 @@ TEST_CASE("layers keep the layout: a convolution's NHWC output flows on; Flatten
   const ChannelsLastOnCpu on;
   DeviceContext ctx(kCpu, ContextOptions{1, false, Precision::Fp32, false, true});
   Model wide(ModelSpec{"wide", {}, 16}, std::make_unique<Conv2d>(8, 16, 3, 1, 1, false));
-  Model narrow(ModelSpec{"narrow", {}, 8}, std::make_unique<Conv2d>(3, 8, 3, 1, 1, false));
+  Model stem(ModelSpec{"stem", {}, 8}, std::make_unique<Conv2d>(3, 8, 3, 1, 1, false));
+  Model odd(ModelSpec{"odd", {}, 12}, std::make_unique<Conv2d>(8, 12, 3, 1, 1, false));
   wide.materialize(ctx, 1);
-  narrow.materialize(ctx, 2);
+  stem.materialize(ctx, 2);
+  odd.materialize(ctx, 4);
   const Tensor x = counting(ctx, {2, 8, 5, 5});
   CHECK(wide.forward(ctx, x).channels_last());  // 8 -> 16 channels: NHWC
-  CHECK_FALSE(narrow.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());  // 3 in: NCHW
+  // 3 in (padded to 8 on a GPU): NHWC too; 12 out, which cuDNN's NHWC kernels refuse: NCHW
+  CHECK(stem.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());
+  CHECK_FALSE(odd.forward(ctx, x).channels_last());
 
   // A max-pool of 8 NCHW channels hands its output on NHWC (the convolutions after it read
   // that); its gradient comes back in the input's layout, with NCHW's values.

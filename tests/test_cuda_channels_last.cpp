@@ -5,6 +5,8 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -16,6 +18,7 @@
 #include "engine/error.h"
 #include "engine/op_profile.h"
 #include "engine/ops.h"
+#include "env_guard.h"
 #include "gpu_skip.h"
 #include "parallel/engines/train_engine.h"
 
@@ -43,6 +46,11 @@ ContextOptions options(Precision precision, bool channels_last) {
 }
 
 bool have_bf16() { return test::have_tensor_cores("bf16 cases"); }
+
+// The bits of each value (a NaN equals a NaN of the same bits; -0 differs from 0).
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
 
 }  // namespace
 
@@ -151,6 +159,60 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
       const Tensor flat = put(gpu, {shape[0], shape_numel(shape) / shape[0]}, xv, dt, false);
       gpu.ops().add(gpu, nhwc, flat, 0.5f);
       CHECK(get(gpu, nhwc) == a.sum);
+    }
+  }
+}
+
+TEST_CASE("max pooling takes channels_last tensors itself: NCHW's bits") {
+  if (!test::have_gpu()) return;
+  struct Case {
+    Shape x;
+    Pool2dParams p;
+  };
+  // 64 channels: four a thread; 6: one; ResNet's 3x3 stride-2 pool, non-overlapping windows,
+  // stride 1 (four covering windows a position), an output of one pixel.
+  const Case cases[] = {{{4, 64, 17, 15}, {3, 2, 1}}, {{3, 6, 9, 9}, {3, 2, 1}},
+                        {{2, 64, 8, 8}, {2, 2, 0}},   {{2, 12, 7, 9}, {3, 1, 1}},
+                        {{2, 8, 3, 3}, {3, 2, 0}}};
+  for (const bool wide : {false, true}) {
+    std::optional<test::WideIndexPath> wide_path;  // the 64-bit index path too
+    if (wide) wide_path.emplace();
+    for (const Precision precision : {Precision::Fp32, Precision::Bf16}) {
+      if (precision == Precision::Bf16 && !have_bf16()) continue;
+      const DType dt = precision == Precision::Bf16 ? DType::BF16 : DType::F32;
+      DeviceContext gpu(kGpu, options(precision, true));
+      for (const Case& c : cases) {
+        CAPTURE(shape_str(c.x));
+        CAPTURE(c.p.kernel);
+        CAPTURE(c.p.stride);
+        CAPTURE(precision_name(precision));
+        CAPTURE(wide);
+        const Shape ys{c.x[0], c.x[1], window_out(c.x[2], c.p.kernel, c.p.stride, c.p.padding),
+                       window_out(c.x[3], c.p.kernel, c.p.stride, c.p.padding)};
+        // Few distinct values (tied maxima: the first wins), and a NaN (it wins its windows).
+        auto xv = draws(shape_numel(c.x), 12);
+        for (float& v : xv) v = std::round(v);
+        xv[5] = std::nanf("");
+        const auto gv = draws(shape_numel(ys), 13);
+        auto run = [&](bool cl) {
+          OpProfile profile;
+          gpu.set_op_profile(&profile);
+          const Tensor x = put(gpu, c.x, xv, dt, cl), dy = put(gpu, ys, gv, dt, cl);
+          Tensor y = gpu.alloc(ys, dt, cl), dx = gpu.alloc_as(x);
+          gpu.ops().maxpool2d_forward(gpu, x, y, c.p);
+          gpu.ops().maxpool2d_backward(gpu, x, y, dy, dx, c.p);
+          gpu.set_op_profile(nullptr);
+          if (cl)
+            for (const auto& [key, parts] : profile.parts()) {
+              CAPTURE(key);
+              CHECK(parts.count("NCHW copies of channels_last tensors") == 0);
+            }
+          return std::make_pair(get(gpu, y), get(gpu, dx));
+        };
+        const auto a = run(false), b = run(true);
+        CHECK(same_bits(a.first, b.first));
+        CHECK(same_bits(a.second, b.second));
+      }
     }
   }
 }

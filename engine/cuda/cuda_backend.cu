@@ -59,6 +59,8 @@ Backend::Layouts CudaBackend::layouts(OpId op) const {
     case OpId::batchnorm_forward_train:
     case OpId::batchnorm_forward_eval:
     case OpId::batchnorm_backward:
+    case OpId::maxpool2d_forward:
+    case OpId::maxpool2d_backward:
       return Layouts::Uniform;
     default:
       return Layouts::None;

@@ -2,8 +2,9 @@
 // kernels for batch norm, elementwise work, pooling, losses and fused optimiser updates.
 // Every op enqueues on the context's stream and never synchronises with the host. Member
 // definitions are split by what they compute, in files named as the CPU backend's
-// (engine/cpu/): elementwise.cu, dense.cu, conv.cu, norm.cu, pool.cu, loss_optim.cu; shared
-// checks and scratch memory in cuda_backend.cu.
+// (engine/cpu/): elementwise.cu, dense.cu, conv.cu, norm.cu, pool.cu (max pooling; adaptive
+// pooling beside it in adaptive_pool.cu), loss_optim.cu; shared checks and scratch memory in
+// cuda_backend.cu.
 #pragma once
 #include <cstdint>
 #include <initializer_list>
