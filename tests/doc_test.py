@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 FENCE = re.compile(r"^```(.*)$")
 NUMBER = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
@@ -343,10 +344,12 @@ def main():
                     last_run = (None, "", b.where())
                     continue
                 cwd = cwd or scratch_dir(repo)
+                started = time.monotonic()
                 rc, out = run_block(b, cwd, bindir)
                 ran += 1
                 status = "ok" if rc == 0 else ("TIMEOUT" if rc is None else f"exit {rc}")
-                print(f"RUN  {b.where()}: {status}", flush=True)
+                print(f"RUN  {b.where()}: {status} ({time.monotonic() - started:.1f} s)",
+                      flush=True)
                 if rc != 0:
                     failures.append(f"{b.where()}: {status}\n--- output ---\n{out[-3000:]}")
                     last_run = (None, out, b.where())
