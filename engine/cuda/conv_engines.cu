@@ -157,7 +157,10 @@ float time_plan(cudnnHandle_t handle, const BackendDesc& plan, size_t ws,
 
 // The engine configurations worth trying, in order, and what the rules refused: mode A's
 // precompiled engines, then its run-time compiled ones (about a second each to build, per shape
-// and direction), then the fallback list's, in the same two groups.
+// and direction), then the fallback list's, in the same two groups. With
+// REPLICA_CUDNN_HEURISTIC_ORDER=1 each list keeps the heuristics' own order, run-time compiled
+// engines where they rank (as PyTorch takes them): an experiment, for the shapes whose best
+// ranked engine is compiled (REPLICA_CUDNN_LOG=1 says which kind each plan is).
 struct Candidates {
   std::vector<BackendDesc> configs;  // every configuration listed
   std::vector<const BackendDesc*> ordered;  // the acceptable ones, in the order they are tried
@@ -176,11 +179,16 @@ Candidates candidates_of(const BackendDesc& graph, const ConvGraphSpec& spec,
     c.configs.push_back(std::move(d));
   std::vector<Notes> notes;
   for (const BackendDesc& d : c.configs) notes.push_back(notes_of(d));
+  static const bool heuristic_order = [] {
+    const char* v = std::getenv("REPLICA_CUDNN_HEURISTIC_ORDER");
+    return v && std::string(v) == "1";
+  }();
   for (const size_t first : {size_t(0), c.listed_a}) {
     const size_t last = first == 0 ? c.listed_a : c.configs.size();
     for (const bool compiled : {false, true})
       for (size_t i = first; i < last; ++i) {
-        if (notes[i].runtime_compiled != compiled) continue;
+        // In the heuristics' order: every configuration in the first round, none in the second.
+        if (heuristic_order ? compiled : notes[i].runtime_compiled != compiled) continue;
         if (const char* why = refusal(notes[i], spec, rules)) {
           ++c.refused[why];
           continue;
