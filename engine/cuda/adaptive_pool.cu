@@ -10,11 +10,6 @@ namespace replica {
 
 namespace {
 
-using cuda::pool_dims;
-using cuda::PoolDims;
-using cuda::PoolIndex;
-using cuda::with_pool_launch;
-
 // PyTorch's adaptive windows along one axis of `in` inputs and by_out.divisor() outputs:
 // [floor(o*In/Out), ceil((o+1)*In/Out)).
 template <class Div>
@@ -28,7 +23,8 @@ __device__ __forceinline__ int64_t adaptive_end(int64_t o, int64_t in, const Div
 }
 
 template <class Div, class T>
-__global__ void adaptive_avgpool_forward_kernel(const T* x, T* y, PoolDims d, PoolIndex<Div> at) {
+__global__ void adaptive_avgpool_forward_kernel(const T* x, T* y, cuda::PoolDims d,
+                                                cuda::PoolIndex<Div> at) {
   using Index = typename Div::Index;
   const int64_t total = d.planes * d.P * d.Q;
   REPLICA_GRID_STRIDE(o, total) {
@@ -65,8 +61,8 @@ __device__ __forceinline__ void adaptive_covering(int64_t i, const Div& by_in, c
 }
 
 template <class Div, class T>
-__global__ void adaptive_avgpool_backward_kernel(const T* dy, T* dx, PoolDims d,
-                                                 PoolIndex<Div> at) {
+__global__ void adaptive_avgpool_backward_kernel(const T* dy, T* dx, cuda::PoolDims d,
+                                                 cuda::PoolIndex<Div> at) {
   using Index = typename Div::Index;
   const int64_t total = d.planes * d.H * d.W;
   REPLICA_GRID_STRIDE(i, total) {
@@ -94,11 +90,11 @@ void CudaBackend::adaptive_avgpool2d_forward(DeviceContext& ctx, const Tensor& x
   const char* op = "adaptive_avgpool2d_forward";
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, y, op, "y");
-  const PoolDims d = pool_dims(x, y, op);
+  const cuda::PoolDims d = cuda::pool_dims(x, y, op);
   const int64_t total = d.planes * d.P * d.Q;
   if (total == 0) return;
   REPLICA_CHECK(d.H >= 1 && d.W >= 1, "{}: empty input plane {}", op, shape_str(x.shape()));
-  with_pool_launch(op, {&x, &y}, d, 1, 0, 1, [&](auto tag, auto at) {
+  cuda::with_pool_launch(op, {&x, &y}, d, 1, 0, 1, [&](auto tag, auto at) {
     using T = decltype(tag);
     adaptive_avgpool_forward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
                                       cuda_state(ctx).stream>>>(elements<T>(x), elements<T>(y),
@@ -111,14 +107,14 @@ void CudaBackend::adaptive_avgpool2d_backward(DeviceContext& ctx, const Tensor& 
   const char* op = "adaptive_avgpool2d_backward";
   cuda::expect_device(ctx, dy, op, "dy");
   cuda::expect_device(ctx, dx, op, "dx");
-  const PoolDims d = pool_dims(dx, dy, op);
+  const cuda::PoolDims d = cuda::pool_dims(dx, dy, op);
   const int64_t total = d.planes * d.H * d.W;
   if (total == 0) return;
   if (d.P == 0 || d.Q == 0) {  // no outputs: no gradient
     REPLICA_CUDA_CHECK(cudaMemsetAsync(dx.raw(), 0, dx.bytes(), cuda_state(ctx).stream));
     return;
   }
-  with_pool_launch(op, {&dy, &dx}, d, 1, 0, 1, [&](auto tag, auto at) {
+  cuda::with_pool_launch(op, {&dy, &dx}, d, 1, 0, 1, [&](auto tag, auto at) {
     using T = decltype(tag);
     adaptive_avgpool_backward_kernel<<<cuda::grid_for(total), cuda::kThreads, 0,
                                        cuda_state(ctx).stream>>>(elements<T>(dy),

@@ -20,11 +20,6 @@ namespace replica {
 
 namespace {
 
-using cuda::pool_dims;
-using cuda::PoolDims;
-using cuda::PoolIndex;
-using cuda::with_pool_launch;
-
 // Where a max-pooling thread's kVec elements lie: their plane's first element in the input
 // and in the output (y, the winners, dy), and the step between a plane's neighbouring
 // positions. NCHW: a plane n*C + c, its positions 1 apart, one element a thread. NHWC: image n's
@@ -34,9 +29,10 @@ struct PlaneOffsets {
 };
 
 template <bool kNhwc, int kVec, class Div>
-__device__ __forceinline__ PlaneOffsets locate(typename Div::Index i, const PoolIndex<Div>& at,
+__device__ __forceinline__ PlaneOffsets locate(typename Div::Index i,
+                                               const cuda::PoolIndex<Div>& at,
                                                const Div& by_rows, const Div& by_cols,
-                                               const PoolDims& d, int* row, int* col) {
+                                               const cuda::PoolDims& d, int* row, int* col) {
   using Index = typename Div::Index;
   Index group = 0, r, c, plane;
   if constexpr (kNhwc) i = cuda::split(at.by_groups, i, &group);
@@ -57,7 +53,7 @@ __device__ __forceinline__ PlaneOffsets locate(typename Div::Index i, const Pool
 // as the CPU backend. `plane` is the planes' first element, `step` apart from one position to
 // the next.
 template <int kVec, class T>
-__device__ __forceinline__ void window_argmax(const T* plane, int64_t step, const PoolDims& d,
+__device__ __forceinline__ void window_argmax(const T* plane, int64_t step, const cuda::PoolDims& d,
                                               int kernel, int stride, int padding, int oy, int ox,
                                               int (&best)[kVec], cuda::Pack<kVec>& best_v) {
   const int H = int(d.H), W = int(d.W);
@@ -85,8 +81,9 @@ __device__ __forceinline__ void window_argmax(const T* plane, int64_t step, cons
 // elements (F32 or BF16, widen in engine/ops.h): a BF16 winner stays itself (a NaN quieted, as
 // the CPU's round trip through fp32 does). A thread per kVec windows (NHWC: adjacent channels).
 template <bool kNhwc, int kVec, class Div, class T>
-__global__ void maxpool_windows_kernel(const T* x, T* y, int* winner, PoolDims d,
-                                       PoolIndex<Div> at, int kernel, int stride, int padding) {
+__global__ void maxpool_windows_kernel(const T* x, T* y, int* winner, cuda::PoolDims d,
+                                       cuda::PoolIndex<Div> at, int kernel, int stride,
+                                       int padding) {
   using Index = typename Div::Index;
   const int64_t total = d.planes * d.P * d.Q / kVec;
   REPLICA_GRID_STRIDE(t, total) {
@@ -118,8 +115,8 @@ __device__ __forceinline__ void covering_windows(int64_t i, int kernel, const Di
 // dx at each input position: the sum of dy over the windows it won, in ascending window order
 // (the CPU's), a thread per kVec elements; dy is read only where a window was won.
 template <bool kNhwc, int kVec, class Div, class T>
-__global__ void maxpool_backward_kernel(const int* winner, const T* dy, T* dx, PoolDims d,
-                                        PoolIndex<Div> at, int kernel, int padding) {
+__global__ void maxpool_backward_kernel(const int* winner, const T* dy, T* dx, cuda::PoolDims d,
+                                        cuda::PoolIndex<Div> at, int kernel, int padding) {
   using Index = typename Div::Index;
   const int64_t total = d.planes * d.H * d.W / kVec;
   REPLICA_GRID_STRIDE(t, total) {
@@ -191,14 +188,14 @@ void CudaBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor&
   const char* op = "maxpool2d_forward";
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, y, op, "y");
-  const PoolDims d = pool_dims(x, y, op);
+  const cuda::PoolDims d = cuda::pool_dims(x, y, op);
   check_maxpool(x, y, p, op);
   if (d.planes * d.P * d.Q == 0) return;
   const cudaStream_t stream = cuda_state(ctx).stream;
   with_maxpool_layout(op, {&x, &y}, {x.raw(), y.raw()}, [&](auto nhwc, auto width, int64_t g) {
     constexpr int kVec = decltype(width)::value;
     const int64_t threads = d.planes * d.P * d.Q / kVec;
-    with_pool_launch(op, {&x, &y}, d, p.stride, p.padding, g, [&](auto tag, auto at) {
+    cuda::with_pool_launch(op, {&x, &y}, d, p.stride, p.padding, g, [&](auto tag, auto at) {
       using T = decltype(tag);
       maxpool_windows_kernel<decltype(nhwc)::value, kVec>
           <<<cuda::grid_for(threads), cuda::kThreads, 0, stream>>>(
@@ -214,7 +211,7 @@ void CudaBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const 
   cuda::expect_device(ctx, x, op, "x");
   cuda::expect_device(ctx, dy, op, "dy");
   cuda::expect_device(ctx, dx, op, "dx");
-  const PoolDims d = pool_dims(x, dy, op);
+  const cuda::PoolDims d = cuda::pool_dims(x, dy, op);
   check_maxpool(x, dy, p, op);
   if (y.defined()) cuda::expect_shape(y, dy.shape(), op, "y");
   cuda::expect_shape(dx, x.shape(), op, "dx");
@@ -229,7 +226,7 @@ void CudaBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const 
                       [&](auto nhwc, auto width, int64_t g) {
     constexpr bool kNhwc = decltype(nhwc)::value;
     constexpr int kVec = decltype(width)::value;
-    with_pool_launch(op, {&x, &dy, &dx}, d, p.stride, p.padding, g, [&](auto tag, auto at) {
+    cuda::with_pool_launch(op, {&x, &dy, &dx}, d, p.stride, p.padding, g, [&](auto tag, auto at) {
       using T = decltype(tag);
       if (windows > 0) {
         maxpool_windows_kernel<kNhwc, kVec>
