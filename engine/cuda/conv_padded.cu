@@ -6,11 +6,16 @@
 // seed recipe's 1) had stayed NCHW, and on NCHW bf16 cuDNN's filter gradient for the stem of
 // ResNet-50 at batch 256 took 11.3 ms and its forward 2.4, 21% of a 66.6 ms step (H200,
 // bench/results/2026-11-27-h200-nhwc.md). PyTorch's cuDNN pads such an input to NHWC itself.
-// Here the operands are padded before the convolution sees them: x and w gain zero channels up
-// to 8 (each image's C planes followed by 8 - C zero planes: a 2-D copy and a 2-D memset), the
-// convolution runs on those, and the gradients come back without the padding. A zero channel
-// adds exact zeros to every sum, so the results are the unpadded convolution's up to the order
-// of its sums.
+// Here the operands are padded before the convolution sees them: x becomes NHWC with zero
+// channels after its own up to 8, in the convolution's data type (bf16 in --precision bf16), in
+// one pass that the convolution then reads where it is; w (and a gradient added onto) gains
+// zero planes (a 2-D copy and a 2-D memset) and is staged as any filter bank. The convolution
+// runs on those, and the gradients come back without the padding. A zero channel adds exact
+// zeros to every sum, so the results are the unpadded convolution's up to the order of its
+// sums. Padding x in NCHW first and letting the convolution stage it had moved 1.2 GB a pass at
+// ResNet-50's batch 256 (x, its fp32 8-channel copy, the bf16 NHWC one); one pass moves 0.36.
+#include <algorithm>
+
 #include "engine/cuda/cuda_backend.h"
 #include "engine/op_profile.h"
 
@@ -32,7 +37,49 @@ bool pads_channels(const DeviceContext& ctx, int64_t C, int64_t K) {
   return ctx.channels_last() && C > 0 && C < kPadded && K > 0 && K % kPadded == 0;
 }
 
-// t (activations, or weights and their gradients: [K, C, R, S]) as NCHW with zero channels
+// x's own channels then zeros, NHWC, a thread per pixel (its kPadded channels stored at once:
+// 16 or 32 bytes). Images along the grid's y: no division by the plane. The values are x's,
+// rounded where Out is BF16 as the convolution's staging rounds them.
+template <class In, class Out>
+__global__ void pad_nhwc_kernel(const In* x, Out* out, int64_t images, int64_t hw, int C,
+                                bool x_nhwc) {
+  for (int64_t n = blockIdx.y; n < images; n += gridDim.y)
+    for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < hw;
+         s += int64_t(gridDim.x) * blockDim.x) {
+      union {
+        Out v[kPadded];
+        uint4 raw[kPadded * sizeof(Out) / 16];
+      } pixel;
+      for (int c = 0; c < kPadded; ++c)
+        pixel.v[c] = narrow<Out>(c >= C  ? 0.f
+                                 : x_nhwc ? widen(x[(n * hw + s) * C + c])
+                                          : widen(x[(n * C + c) * hw + s]));
+      uint4* to = reinterpret_cast<uint4*>(out + (n * hw + s) * kPadded);
+      for (size_t k = 0; k < sizeof(pixel.raw) / 16; ++k) to[k] = pixel.raw[k];
+    }
+}
+
+// x as the padded convolution reads it (pad_nhwc_kernel), from ctx's allocator on its stream.
+Tensor padded_input(DeviceContext& ctx, const Tensor& x) {
+  const DType dtype = ctx.precision() == Precision::Bf16 ? DType::BF16 : x.dtype();
+  Shape shape = x.shape();
+  shape[1] = kPadded;
+  Tensor out = ctx.alloc(shape, dtype, true);
+  const int64_t images = x.dim(0), hw = x.dim(2) * x.dim(3);
+  const dim3 grid(unsigned(std::min<int64_t>((hw + cuda::kThreads - 1) / cuda::kThreads, 4096)),
+                  unsigned(std::min<int64_t>(images, 65535)));
+  with_storage(x.dtype(), [&](auto in) {
+    with_storage(dtype, [&](auto to) {
+      pad_nhwc_kernel<<<grid, cuda::kThreads, 0, cuda_state(ctx).stream>>>(
+          elements<decltype(in)>(x), elements<decltype(to)>(out), images, hw, int(x.dim(1)),
+          x.nhwc_memory());
+    });
+  });
+  REPLICA_LAUNCH_CHECK();
+  return out;
+}
+
+// t (weights and their gradients: [K, C, R, S], or an input gradient) as NCHW with zero channels
 // after its own, up to 8, from ctx's allocator on its stream.
 Tensor padded_channels(DeviceContext& ctx, const Tensor& t) {
   const cudaStream_t stream = cuda_state(ctx).stream;
@@ -66,7 +113,7 @@ bool CudaBackend::padded_conv2d_forward(DeviceContext& ctx, const Tensor& x, con
   if (x.numel() == 0 || !pads_channels(ctx, x.dim(1), w.dim(0))) return false;
   Tensor xp, wp;
   op_part(ctx, cuda::kPaddingPart, [&] {
-    xp = padded_channels(ctx, x);
+    xp = padded_input(ctx, x);
     wp = padded_channels(ctx, w);
   });
   conv2d_forward(ctx, xp, wp, b, y, p);
@@ -80,7 +127,7 @@ bool CudaBackend::padded_conv2d_backward(DeviceContext& ctx, const Tensor& x, co
   const bool want_dx = dx.defined() && dx.numel() > 0;
   Tensor xp, wp, dxp, dwp;
   op_part(ctx, cuda::kPaddingPart, [&] {
-    xp = padded_channels(ctx, x);
+    xp = padded_input(ctx, x);
     wp = padded_channels(ctx, w);
     // dw, and a dx added onto, bring their sums so far; the padding's gradients are dropped.
     if (dw.defined()) dwp = padded_channels(ctx, dw);
