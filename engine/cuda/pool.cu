@@ -157,31 +157,35 @@ void check_maxpool(const Tensor& x, const Tensor& y, const Pool2dParams& p, cons
                 "{}: a plane of {} is too large", op, shape_str(x.shape()));
 }
 
-// Calls launch(nhwc, width, groups) for max pooling over the layout its tensors share
+// Calls launch(nhwc, width, T(), index) for max pooling over the layout its tensors share
 // (engine/tensor.h; Backend::Layouts::Uniform: the layer around the backend gives NCHW copies
 // where they differ): nhwc a std::bool_constant, NHWC where any is laid out so (one whose
 // layout is NCHW's too fits either); width 4 (four adjacent channels a thread, in one load)
-// where NHWC's C is a multiple of 4 and every pointer is 16-byte aligned, else 1; groups the
-// channel groups of a pixel. Over NHWC a warp reads 32 or 128 adjacent channels of a position;
-// over NCHW, a row's neighbours.
+// where NHWC's C is a multiple of 4 and every pointer is 16-byte aligned, else 1; T and the
+// dividers as cuda::with_pool_launch gives them, with C / width channel groups to a pixel. Over
+// NHWC a warp reads 32 or 128 adjacent channels of a position; over NCHW, a row's neighbours.
 template <class F>
-void with_maxpool_layout(const char* op, std::initializer_list<const Tensor*> tensors,
-                         std::initializer_list<const void*> pointers, F&& launch) {
+void with_maxpool_launch(const char* op, std::initializer_list<const Tensor*> tensors,
+                         std::initializer_list<const void*> pointers, const cuda::PoolDims& d,
+                         const Pool2dParams& p, F&& launch) {
   bool nhwc = false;
   for (const Tensor* t : tensors) nhwc |= t->nhwc_memory();
   for (const Tensor* t : tensors)
     REPLICA_CHECK(!t->defined() || t->nhwc_memory() == nhwc || t->layout_free(),
                   "{}: its tensors are in different memory layouts (NCHW and channels_last)", op);
-  const int64_t C = (*tensors.begin())->dim(1);
+  const auto run = [&](auto layout, auto width) {
+    const int64_t groups = decltype(layout)::value ? d.C / decltype(width)::value : 1;
+    cuda::with_pool_launch(op, tensors, d, p.stride, p.padding, groups,
+                           [&](auto tag, auto at) { launch(layout, width, tag, at); });
+  };
   if (!nhwc)
-    launch(std::false_type(), std::integral_constant<int, 1>(), int64_t(1));
+    run(std::false_type(), std::integral_constant<int, 1>());
   else
-    cuda::with_width(C % 4 == 0 && cuda::aligned16(pointers), [&](auto width) {
-      launch(std::true_type(), width, C / decltype(width)::value);
-    });
+    cuda::with_width(d.C % 4 == 0 && cuda::aligned16(pointers),
+                     [&](auto width) { run(std::true_type(), width); });
 }
-}  // namespace
 
+}  // namespace
 
 void CudaBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& y,
                                     const Pool2dParams& p) {
@@ -192,15 +196,13 @@ void CudaBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor&
   check_maxpool(x, y, p, op);
   if (d.planes * d.P * d.Q == 0) return;
   const cudaStream_t stream = cuda_state(ctx).stream;
-  with_maxpool_layout(op, {&x, &y}, {x.raw(), y.raw()}, [&](auto nhwc, auto width, int64_t g) {
+  with_maxpool_launch(op, {&x, &y}, {x.raw(), y.raw()}, d, p,
+                      [&](auto nhwc, auto width, auto tag, auto at) {
+    using T = decltype(tag);
     constexpr int kVec = decltype(width)::value;
-    const int64_t threads = d.planes * d.P * d.Q / kVec;
-    cuda::with_pool_launch(op, {&x, &y}, d, p.stride, p.padding, g, [&](auto tag, auto at) {
-      using T = decltype(tag);
-      maxpool_windows_kernel<decltype(nhwc)::value, kVec>
-          <<<cuda::grid_for(threads), cuda::kThreads, 0, stream>>>(
-              elements<T>(x), elements<T>(y), nullptr, d, at, p.kernel, p.stride, p.padding);
-    });
+    maxpool_windows_kernel<decltype(nhwc)::value, kVec>
+        <<<cuda::grid_for(d.planes * d.P * d.Q / kVec), cuda::kThreads, 0, stream>>>(
+            elements<T>(x), elements<T>(y), nullptr, d, at, p.kernel, p.stride, p.padding);
   });
   REPLICA_LAUNCH_CHECK();
 }
@@ -222,24 +224,22 @@ void CudaBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const 
   const cudaStream_t stream = cuda_state(ctx).stream;
   const Tensor winners = scratch(ctx, windows);
   int* winner = reinterpret_cast<int*>(winners.f32());  // an int per float slot
-  with_maxpool_layout(op, {&x, &dy, &dx}, {x.raw(), dy.raw(), dx.raw(), winner},
-                      [&](auto nhwc, auto width, int64_t g) {
+  with_maxpool_launch(op, {&x, &dy, &dx}, {x.raw(), dy.raw(), dx.raw(), winner}, d, p,
+                      [&](auto nhwc, auto width, auto tag, auto at) {
+    using T = decltype(tag);
     constexpr bool kNhwc = decltype(nhwc)::value;
     constexpr int kVec = decltype(width)::value;
-    cuda::with_pool_launch(op, {&x, &dy, &dx}, d, p.stride, p.padding, g, [&](auto tag, auto at) {
-      using T = decltype(tag);
-      if (windows > 0) {
-        maxpool_windows_kernel<kNhwc, kVec>
-            <<<cuda::grid_for(windows / kVec), cuda::kThreads, 0, stream>>>(
-                elements<T>(x), static_cast<T*>(nullptr), winner, d, at, p.kernel, p.stride,
-                p.padding);
-        REPLICA_LAUNCH_CHECK();
-      }
-      maxpool_backward_kernel<kNhwc, kVec>
-          <<<cuda::grid_for(total / kVec), cuda::kThreads, 0, stream>>>(
-              winner, elements<T>(dy), elements<T>(dx), d, at, p.kernel, p.padding);
+    if (windows > 0) {
+      maxpool_windows_kernel<kNhwc, kVec>
+          <<<cuda::grid_for(windows / kVec), cuda::kThreads, 0, stream>>>(
+              elements<T>(x), static_cast<T*>(nullptr), winner, d, at, p.kernel, p.stride,
+              p.padding);
       REPLICA_LAUNCH_CHECK();
-    });
+    }
+    maxpool_backward_kernel<kNhwc, kVec>
+        <<<cuda::grid_for(total / kVec), cuda::kThreads, 0, stream>>>(
+            winner, elements<T>(dy), elements<T>(dx), d, at, p.kernel, p.padding);
+    REPLICA_LAUNCH_CHECK();
   });
 }
 

@@ -9,9 +9,9 @@
 #include "engine/output_files.h"
 #include "layers/model.h"
 #include "layers/optimizer.h"
-#include "parallel/engines/captured_step.h"
 #include "parallel/comm/local_group.h"
 #include "parallel/comm/process_group.h"
+#include "parallel/engines/captured_step.h"
 #include "parallel/rendezvous/rendezvous.h"
 #include "parallel/loop/trainer.h"
 

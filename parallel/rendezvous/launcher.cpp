@@ -62,11 +62,11 @@ void signal_groups(const std::vector<Child>& children, int sig, bool running_onl
     if (c.pid > 0 && (c.running || !running_only)) kill(-c.pid, sig);
 }
 
-// Forks and execs one rank in its own process group; the exec error (if any) comes back
-// through a close-on-exec pipe.
+// Forks and execs one rank in its own process group and adds it to `children`; the exec error
+// (if any) comes back through a close-on-exec pipe.
 void start_rank(const LaunchOptions& o, const std::string& program, int local, pid_t launcher,
-                 bool tty_stdin, const sigset_t& old_mask, const std::string& error_dir,
-                 std::vector<Child>& children) {
+                bool tty_stdin, const sigset_t& old_mask, const std::string& error_dir,
+                std::vector<Child>& children) {
   Child c;
   c.rank = o.node_rank * o.nproc_per_node + local;
   std::vector<std::string> env =
