@@ -26,8 +26,12 @@ bool is_nhwc(const T&) {
   return false;
 }
 // A tensor of an op's operands that is laid out NCHW-wise (its elements in NCHW's order):
-// any of two or more dimensions but a channels_last one (1-D ones are per-channel parameters).
-bool is_nchw(const Tensor& t) { return t.defined() && t.ndim() >= 2 && !is_nhwc(t); }
+// any of two or more dimensions but a channels_last one (1-D ones are per-channel parameters),
+// and but a 4-D one that both layouts lay out alike (layout_free: a max-pool's 1x1 output), which
+// fits a call in either layout. Other shapes (a flat [N, C*H*W]) keep NCHW's order.
+bool is_nchw(const Tensor& t) {
+  return t.defined() && t.ndim() >= 2 && !is_nhwc(t) && !(t.ndim() == 4 && t.layout_free());
+}
 template <class T>
 bool is_nchw(const T&) {
   return false;

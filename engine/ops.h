@@ -88,8 +88,8 @@ class Backend {
   // Which channels_last tensors (engine/tensor.h) `op` takes as they are. None: the layer every
   // context puts around its backend gives it NCHW copies of them and copies its results back
   // (engine/bf16_storage.h). Uniform: taken where every tensor of the call of two or more
-  // dimensions has one layout (the flat kernels: an element's neighbours do not matter), else
-  // NCHW copies. Any: each tensor as it is laid out (copy, which converts layouts;
+  // dimensions has one layout (the flat kernels: an element's neighbours do not matter; a 4-D
+  // tensor both layouts lay out alike fits either), else NCHW copies. Any: each tensor as it is laid out (copy, which converts layouts;
   // convolutions, which stage each operand as their kernels need it). copy must be Any on every
   // backend.
   enum class Layouts { None, Uniform, Any };

@@ -5,10 +5,12 @@
 // the bits of one trained NCHW: any tensor laid out one way and read the other would show.
 #include <doctest/doctest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "dp_reference.h"
+#include "engine/bf16_storage.h"
 #include "engine/context.h"
 #include "engine/error.h"
 #include "engine/ops.h"
@@ -33,6 +35,38 @@ Tensor counting(DeviceContext& ctx, const Shape& shape) {
 
 struct ChannelsLastOnCpu : test::ScopedEnv {
   ChannelsLastOnCpu() : ScopedEnv("REPLICA_CHANNELS_LAST_ON_CPU", "1") {}
+};
+
+// A backend whose max pooling takes one layout for all its tensors (Layouts::Uniform, as the
+// CUDA kernels do), recording which of a call's tensors reach it channels_last.
+class UniformMaxPool final : public Backend {
+ public:
+  UniformMaxPool() : inner_(make_cpu_backend()) {}
+  std::vector<bool> channels_last;  // the last call's tensors, in order
+
+#define REPLICA_OP(name, params, args) \
+  void name params override {          \
+    note args;                         \
+    inner_->name args;                 \
+  }
+#include "engine/backend_ops.inc"
+#undef REPLICA_OP
+
+  Layouts layouts(OpId op) const override {
+    return op == OpId::maxpool2d_forward ? Layouts::Uniform : inner_->layouts(op);
+  }
+
+ private:
+  template <class... A>
+  void note(DeviceContext&, const A&... a) {
+    channels_last.clear();
+    (note_one(a), ...);
+  }
+  void note_one(const Tensor& t) { channels_last.push_back(t.channels_last()); }
+  template <class T>
+  void note_one(const T&) {}
+
+  std::unique_ptr<Backend> inner_;
 };
 
 }  // namespace
@@ -156,6 +190,26 @@ TEST_CASE("ResNets trained with NHWC activations end in NCHW's bits (CPU: ops on
     CHECK(nhwc_loss == nchw_loss);
     CHECK(test::relative_l2(nchw, nhwc) == 0.0);
   }
+}
+
+TEST_CASE("a one-layout op takes a 4-D tensor that both layouts lay out alike as it is") {
+  const ChannelsLastOnCpu on;
+  DeviceContext ctx(kCpu, ContextOptions{1, false, Precision::Fp32, false, true});
+  auto recording = std::make_unique<UniformMaxPool>();
+  const UniformMaxPool& seen = *recording;
+  const std::unique_ptr<Backend> layer = make_bf16_storage_backend(std::move(recording));
+  const Tensor x = ctx.alloc({2, 8, 3, 3}, DType::F32, true);
+  // A 1x1 output is laid out alike either way: the call keeps x's layout, no copies.
+  Tensor pixel = ctx.alloc({2, 8, 1, 1}, DType::F32, true);
+  layer->maxpool2d_forward(ctx, x, pixel, Pool2dParams{3, 2, 0});
+  CHECK(seen.channels_last == std::vector<bool>{true, true});
+  Tensor nchw_pixel = ctx.alloc({2, 8, 1, 1});
+  layer->maxpool2d_forward(ctx, x, nchw_pixel, Pool2dParams{3, 2, 0});
+  CHECK(seen.channels_last == std::vector<bool>{true, false});
+  // A 2x2 NCHW output beside an NHWC input: both reach the kernel NCHW.
+  Tensor plane = ctx.alloc({2, 8, 2, 2});
+  layer->maxpool2d_forward(ctx, x, plane, Pool2dParams{2, 1, 0});
+  CHECK(seen.channels_last == std::vector<bool>{false, false});
 }
 
 TEST_CASE("channels_last on a CPU device is still refused outside the plumbing test") {
