@@ -463,6 +463,8 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool 
 
 TEST_CASE("cuda parity: batchnorm train, backward and eval") {
   if (!test::have_gpu()) return;
+  // Planes of at most 4096 values a channel ({3, 4, 5, 7}, {4, 8, 2, 2}, {3, 5, 12}) take a
+  // block per channel (norm_block.cu), larger ones the sliced passes (norm.cu).
   for (const bool relu : {false, true}) {
     batchnorm_case({3, 4, 5, 7}, relu);
     batchnorm_case({5, 6}, relu);  // BatchNorm1d-style [N, C]

@@ -17,67 +17,19 @@ namespace cuda {
 
 namespace {
 
-// Adds one value (x, and g its gradient for GradMoments) to a thread's sums a and b, as
-// ChannelSum says (channel_pass.h); pivot and is: the channel's K, or mean and invstd.
-template <ChannelSum kWhat>
-__device__ __forceinline__ void add_value(float x, float g, double pivot, double is, double& a,
-                                          double& b) {
-  if constexpr (kWhat == ChannelSum::Values) {
-    a += x;
-  } else if constexpr (kWhat == ChannelSum::Moments) {
-    const double v = x - pivot;
-    a += v;
-    b += v * v;
-  } else {
-    a += g;
-    b += g * (x - pivot) * is;
-  }
-}
-
-// Block (c, s) of slices S: the sums over slice s of channel c's values, taken in n, then
-// position order (channel_pass.h says which sums). Each thread reads kUnroll values a block's
-// width apart, then adds them in that order.
+// Block (c, s) of slices S: the sums over slice s of channel c's values (slice_sums).
 template <class Div, ChannelSum kWhat, class T>
 __global__ void channel_partials_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                         const T* __restrict__ relu_y, const float* mean,
                                         const float* invstd, ChannelDims d, Div by_hw, int S,
                                         int64_t per, double* part_a, double* part_b) {
   using Index = typename Div::Index;
-  constexpr bool kGrad = kWhat == ChannelSum::GradMoments;
   __shared__ double sh[kThreads];
   const int64_t c = blockIdx.x / S, s = blockIdx.x % S;
   const int64_t first = s * per;  // per: values per slice, ceil(m / S) (the host divides)
   const Index j0 = Index(first), j1 = Index(first + per < d.m() ? first + per : d.m());
-  double pivot = 0, is = 1;
-  if constexpr (kWhat == ChannelSum::Moments) pivot = widen(x[c * d.hw]);
-  if constexpr (kGrad) {
-    pivot = mean[c];
-    is = invstd[c];
-  }
-  const Index C = Index(d.c), hw = Index(d.hw), step = Index(blockDim.x);
-  double a = 0, b = 0;
-  for (Index j = j0 + threadIdx.x; j < j1; j += kUnroll * step) {
-    float xv[kUnroll], gv[kUnroll] = {};
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const Index ju = j + u * step;
-      if (ju < j1) {
-        Index p;
-        const Index n = split(by_hw, ju, &p);
-        const Index i = (n * C + Index(c)) * hw + p;
-        xv[u] = widen(x[i]);
-        if constexpr (kGrad)
-          gv[u] = masked_grad(widen(dy[i]), relu_y ? widen(relu_y[i]) : 1.f, relu_y);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (j + u * step >= j1) break;
-      add_value<kWhat>(xv[u], gv[u], pivot, is, a, b);
-    }
-  }
-  a = block_sum(a, sh);
-  if constexpr (kWhat != ChannelSum::Values) b = block_sum(b, sh);
+  double a, b;
+  slice_sums<kWhat>(x, dy, relu_y, mean, invstd, d, by_hw, c, j0, j1, sh, &a, &b);
   if (threadIdx.x == 0) {
     part_a[blockIdx.x] = a;
     if constexpr (kWhat != ChannelSum::Values) part_b[blockIdx.x] = b;
@@ -178,20 +130,26 @@ void launch_partials(const ChannelDims& d, int S, const T* x, const T* dy, const
   REPLICA_LAUNCH_CHECK();
 }
 
+// Where a channel's values are one slice of planes (S = 1, HW > 1): block c adds them up
+// (slice_sums, as channel_partials_kernel does) and adds the sum to out[c] itself, one launch
+// for the two of the sliced way, with the same bits.
+template <class Div, class T>
+__global__ void channel_sum_block_kernel(const T* __restrict__ x, ChannelDims d, Div by_hw,
+                                         float* out) {
+  using Index = typename Div::Index;
+  __shared__ double sh[kThreads];
+  double sum, unused;
+  slice_sums<ChannelSum::Values>(x, x, x, nullptr, nullptr, d, by_hw, blockIdx.x, Index(0),
+                                 Index(d.m()), sh, &sum, &unused);
+  if (threadIdx.x == 0) out[blockIdx.x] += float(sum);
+}
+
 __global__ void channel_accumulate_kernel(const double* part, int S, int64_t C, float* out) {
   REPLICA_CHANNEL_WARPS(c, C) {
     double sum, unused;
     channel_sums(part, nullptr, S, c, &sum, &unused);
     if (threadIdx.x % 32 == 0) out[c] += float(sum);
   }
-}
-
-// One element of channel_affine: v * a + b, plus r where there is a residual, then the ReLU.
-__device__ __forceinline__ float affine_value(float v, float a, float b, bool residual, float r,
-                                              bool relu) {
-  float o = v * a + b;
-  if (residual) o = o + r;
-  return relu ? (o > 0.f ? o : 0.f) : o;
 }
 
 template <class At, int kVec, class T>
@@ -272,6 +230,17 @@ void channel_partials(ChannelSum what, const ChannelDims& d, int S, const T* x, 
 template <class T>
 void channel_sum_accumulate(const ChannelDims& d, int S, const T* x, float* scratch, float* out,
                             cudaStream_t stream) {
+  if (S == 1 && d.hw > 1) {
+    const auto launch = [&](auto by_hw) {
+      channel_sum_block_kernel<<<unsigned(d.c), kThreads, 0, stream>>>(x, d, by_hw, out);
+    };
+    if (fast_index(d.numel()))
+      launch(FastDivmod(d.hw));
+    else
+      launch(WideDivmod(d.hw));
+    REPLICA_LAUNCH_CHECK();
+    return;
+  }
   double* part = reinterpret_cast<double*>(scratch);
   launch_partials<ChannelSum::Values, T>(d, S, x, nullptr, nullptr, nullptr, nullptr, part,
                                          nullptr, stream);

@@ -3,7 +3,9 @@
 // - sums per channel, in two steps so that every channel's values spread over many blocks:
 //   channel_partials writes a double per (channel, slice of ~4096 values), and channel_sums
 //   adds a channel's slices in order (in a per-channel kernel). The order is fixed by the shape,
-//   so a run reproduces to the bit.
+//   so a run reproduces to the bit. Where a channel is one slice (S = 1), a block per channel
+//   can finish the job itself after slice_sums (a bias gradient here, BatchNorm in
+//   norm_block.cu): the same sums, one launch instead of two or three.
 // - channel_affine, y = x * scale[c] + shift[c] (then a ReLU): a flat pass over planes, float4s
 //   per thread where HW is a multiple of 4 and the buffers are 16-byte aligned; over rows of
 //   channels side by side (HW = 1, NHWC) a row pass, each thread on its own few channels.
@@ -90,7 +92,8 @@ __device__ __forceinline__ void channel_sums(const double* part_a, const double*
 inline int64_t channel_sum_scratch(const ChannelDims& d, int S) { return 2 * d.c * S; }
 
 // out[c] += the sum of channel c of x (a bias gradient), S = channel_slices(d), on `scratch` of
-// channel_sum_scratch(d, S) floats.
+// channel_sum_scratch(d, S) floats (unused where S is 1 over planes: a block per channel then
+// adds its values up and adds them to out in one launch).
 template <class T>
 void channel_sum_accumulate(const ChannelDims& d, int S, const T* x, float* scratch, float* out,
                             cudaStream_t stream);
@@ -244,6 +247,76 @@ void with_channel_index(const ChannelDims& d, std::initializer_list<const void*>
 // Callers load both values unconditionally, so neither load waits on the other.
 __device__ __forceinline__ float masked_grad(float dy, float relu_y, bool masked) {
   return masked && !(relu_y > 0.f) ? 0.f : dy;
+}
+
+// Adds one value (x, and g its gradient for GradMoments) to a thread's sums a and b, as
+// ChannelSum says; pivot and is: the channel's K, or mean and invstd.
+template <ChannelSum kWhat>
+__device__ __forceinline__ void add_value(float x, float g, double pivot, double is, double& a,
+                                          double& b) {
+  if constexpr (kWhat == ChannelSum::Values) {
+    a += x;
+  } else if constexpr (kWhat == ChannelSum::Moments) {
+    const double v = x - pivot;
+    a += v;
+    b += v * v;
+  } else {
+    a += g;
+    b += g * (x - pivot) * is;
+  }
+}
+
+// The block's sums (ChannelSum) over values [j0, j1) of channel c of a [N, C, HW] tensor,
+// taken in n, then position order; every thread gets them (b: 0 for Values). Each thread reads
+// kUnroll values a block's width apart, then adds them in that order. sh: blockDim.x doubles
+// of shared memory (block_sum's). Called by every thread of the block.
+template <ChannelSum kWhat, class Div, class T>
+__device__ __forceinline__ void slice_sums(const T* x, const T* dy, const T* relu_y,
+                                           const float* mean, const float* invstd,
+                                           const ChannelDims& d, const Div& by_hw, int64_t c,
+                                           typename Div::Index j0, typename Div::Index j1,
+                                           double* sh, double* sum_a, double* sum_b) {
+  using Index = typename Div::Index;
+  constexpr bool kGrad = kWhat == ChannelSum::GradMoments;
+  double pivot = 0, is = 1;
+  if constexpr (kWhat == ChannelSum::Moments) pivot = widen(x[c * d.hw]);
+  if constexpr (kGrad) {
+    pivot = mean[c];
+    is = invstd[c];
+  }
+  const Index C = Index(d.c), hw = Index(d.hw), step = Index(blockDim.x);
+  double a = 0, b = 0;
+  for (Index j = j0 + threadIdx.x; j < j1; j += kUnroll * step) {
+    float xv[kUnroll], gv[kUnroll] = {};
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const Index ju = j + u * step;
+      if (ju < j1) {
+        Index p;
+        const Index n = split(by_hw, ju, &p);
+        const Index i = (n * C + Index(c)) * hw + p;
+        xv[u] = widen(x[i]);
+        if constexpr (kGrad)
+          gv[u] = masked_grad(widen(dy[i]), relu_y ? widen(relu_y[i]) : 1.f, relu_y);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j + u * step >= j1) break;
+      add_value<kWhat>(xv[u], gv[u], pivot, is, a, b);
+    }
+  }
+  *sum_a = block_sum(a, sh);
+  *sum_b = 0;
+  if constexpr (kWhat != ChannelSum::Values) *sum_b = block_sum(b, sh);
+}
+
+// One element of channel_affine: v * a + b, plus r where there is a residual, then the ReLU.
+__device__ __forceinline__ float affine_value(float v, float a, float b, bool residual, float r,
+                                              bool relu) {
+  float o = v * a + b;
+  if (residual) o = o + r;
+  return relu ? (o > 0.f ? o : 0.f) : o;
 }
 
 }  // namespace cuda

@@ -16,11 +16,13 @@
 //
 // The sums and the output pass are the shared per-channel passes of channel_pass.h (which says
 // how they keep the memory busy); the dx pass is here, flat in the same way, or a row pass
-// (channel_pass.h) where channels lie side by side in rows. Activations may be
+// (channel_pass.h) where channels lie side by side in rows. Where a channel's values fit one
+// slice, a block per channel does all three steps in one kernel (norm_block.cu); the formulas
+// both ways share are in norm_channel.h. Activations may be
 // BF16 (bf16 storage, engine/bf16_storage.h): read widened, computed as for F32, stored
 // rounded, so BatchNorm moves half the bytes; statistics and parameters stay F32. Or
 // channels_last (engine/tensor.h): the same passes over [N*H*W, C] rows (bn_dims).
-#include "engine/cuda/channel_pass.h"
+#include "engine/cuda/norm_channel.h"
 
 namespace replica {
 
@@ -37,13 +39,9 @@ ChannelDims bn_dims(const Tensor& x, const char* op) {
   return cuda::channel_dims(x);
 }
 
-struct TrainOut {
-  float *running_mean, *running_var, *save_mean, *save_invstd;  // null: not wanted (in pairs)
-};
+using cuda::TrainOut;
 
-// Per channel: mean, biased variance, 1/sqrt(var + eps); the running averages (unbiased
-// variance) and saved statistics where wanted; scale = gamma * invstd, shift = beta - mean *
-// scale for the output pass (gamma, beta null: 1, 0).
+// Per channel: the coefficients of the output pass, and the statistics (bn_train_coeffs).
 template <class T>
 __global__ void bn_train_stats_kernel(const T* x, const double* part_a, const double* part_b,
                                       int S, ChannelDims d, const float* gamma, const float* beta,
@@ -53,21 +51,10 @@ __global__ void bn_train_stats_kernel(const T* x, const double* part_a, const do
     double sum, sq;
     cuda::channel_sums(part_a, part_b, S, c, &sum, &sq);
     if (threadIdx.x % 32 != 0) continue;
-    const double m = double(d.m()), shifted = sum / m, mu = widen(x[c * d.hw]) + shifted;
-    const double var = fmax(sq / m - shifted * shifted, 0.0);
-    const double invstd = 1.0 / sqrt(var + eps);
-    if (out.save_mean) {
-      out.save_mean[c] = float(mu);
-      out.save_invstd[c] = float(invstd);
-    }
-    if (out.running_mean) {
-      out.running_mean[c] = float((1.0 - momentum) * out.running_mean[c] + momentum * mu);
-      const double unbiased = var * m / (m - 1);
-      out.running_var[c] = float((1.0 - momentum) * out.running_var[c] + momentum * unbiased);
-    }
-    const double g = gamma ? gamma[c] : 1.0, b = beta ? beta[c] : 0.0;
-    scale[c] = float(g * invstd);
-    shift[c] = float(b - mu * g * invstd);
+    const cuda::BnCoeffs k = cuda::bn_train_coeffs(widen(x[c * d.hw]), sum, sq, double(d.m()), c,
+                                                   gamma, beta, momentum, eps, out, true);
+    scale[c] = k.scale;
+    shift[c] = k.shift;
   }
 }
 
@@ -83,40 +70,31 @@ __global__ void bn_eval_coeffs_kernel(const float* running_mean, const float* ru
   }
 }
 
-// Backward per channel: dgamma += sum(g * xhat), dbeta += sum(g) (where wanted); for the dx
-// pass the two sums and k = gamma * invstd / m, each an array of C (sums, then k): a warp's
-// loads of one of them for channels side by side then use every byte of the lines they touch.
+// Backward per channel: dgamma and dbeta (bn_grad_channel); for the dx pass the two sums and
+// k, each an array of C (sums, then k): a warp's loads of one of them for channels side by side
+// then use every byte of the lines they touch.
 __global__ void bn_grad_sums_kernel(const double* part_a, const double* part_b, int S,
-                                    ChannelDims d, const float* gamma, const float* invstd,
-                                    float* dgamma, float* dbeta, double* sums) {
+                                    ChannelDims d, const float* gamma, const float* mean,
+                                    const float* invstd, float* dgamma, float* dbeta,
+                                    double* sums) {
   REPLICA_CHANNEL_WARPS(c, d.c) {
     double s_g, s_g_xhat;
     cuda::channel_sums(part_a, part_b, S, c, &s_g, &s_g_xhat);
     if (threadIdx.x % 32 != 0) continue;
-    if (dgamma) dgamma[c] += float(s_g_xhat);
-    if (dbeta) dbeta[c] += float(s_g);
-    sums[c] = s_g;
-    sums[d.c + c] = s_g_xhat;
-    sums[2 * d.c + c] = (gamma ? gamma[c] : 1.0) * double(invstd[c]) / double(d.m());
+    const cuda::BnDxChannel ch = cuda::bn_grad_channel(s_g, s_g_xhat, double(d.m()), c, gamma,
+                                                       mean, invstd, dgamma, dbeta, true);
+    sums[c] = ch.s_g;
+    sums[d.c + c] = ch.s_g_xhat;
+    sums[2 * d.c + c] = ch.k;
   }
 }
 
-// One channel's part of dx = k * (m * g - sum(g) - xhat * sum(g * xhat)), in double as the
-// CPU's: its statistics and sums (as bn_grad_sums_kernel writes them for C channels), read
-// once per group or per thread, and the formula both dx passes apply.
-struct BnDxChannel {
-  double mu, is, s_g, s_g_xhat, k;
-  __device__ static BnDxChannel of(const float* mean, const float* invstd, const double* sums,
-                                   int64_t C, int64_t c) {
-    return {mean[c], invstd[c], sums[c], sums[C + c], sums[2 * C + c]};
-  }
-  // dx of one element: x, its incoming gradient dy and (masked) the BatchNorm's output.
-  __device__ float dx(float x, float dy, float relu_y, bool masked, double m) const {
-    const double xhat = (x - mu) * is;
-    const float grad = cuda::masked_grad(dy, relu_y, masked);
-    return float(k * (m * double(grad) - s_g - xhat * s_g_xhat));
-  }
-};
+// Channel c's dx values as bn_grad_sums_kernel left them, for the dx passes.
+__device__ __forceinline__ cuda::BnDxChannel dx_channel(const float* mean, const float* invstd,
+                                                        const double* sums, int64_t C,
+                                                        int64_t c) {
+  return {mean[c], invstd[c], sums[c], sums[C + c], sums[2 * C + c]};
+}
 
 template <class At, int kVec, class T>
 __global__ void bn_dx_kernel(const T* x, const T* dy, const T* relu_y, const float* mean,
@@ -124,7 +102,7 @@ __global__ void bn_dx_kernel(const T* x, const T* dy, const T* relu_y, const flo
                              T* dx) {
   using Index = typename At::Index;
   REPLICA_CHANNEL_GROUPS(g, at) {
-    const BnDxChannel ch = BnDxChannel::of(mean, invstd, sums, C, at.channel(g * kVec));
+    const cuda::BnDxChannel ch = dx_channel(mean, invstd, sums, C, at.channel(g * kVec));
     cuda::Pack<kVec> xv, gv, rv;
     xv.load(x, g);
     gv.load(dy, g);
@@ -147,9 +125,9 @@ __global__ void bn_dx_rows_kernel(const T* x, const T* dy, const T* relu_y, cons
   const cuda::RowSlice<kPer> rows(d, S, per);
   if (rows.c0 >= d.c) return;
   const double m = double(d.m());
-  BnDxChannel ch[kPer];
+  cuda::BnDxChannel ch[kPer];
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) ch[e] = BnDxChannel::of(mean, invstd, sums, d.c, rows.c0 + e);
+  for (int e = 0; e < kPer; ++e) ch[e] = dx_channel(mean, invstd, sums, d.c, rows.c0 + e);
   for (int64_t r = rows.first(); r < rows.r1; r += rows.kStep) {
     float xv[cuda::kUnroll][kPer], gv[cuda::kUnroll][kPer], rv[cuda::kUnroll][kPer];
 #pragma unroll
@@ -237,12 +215,18 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
   const DType dt = cuda::activations_dtype(op, {&x, &y, &residual});
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int S = cuda::channel_slices(d, op);
-  BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
   const TrainOut out{elements<float>(running_mean), elements<float>(running_var),
                      elements<float>(save_mean), elements<float>(save_invstd)};
   with_storage(dt, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = elements<T>(x);
+    if (cuda::bn_one_block(d, S)) {
+      cuda::bn_forward_one_block<T>(d, xp, elements<T>(y), elements<T>(residual), relu,
+                                    elements<float>(gamma), elements<float>(beta), momentum, eps,
+                                    out, stream);
+      return;
+    }
+    BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
     cuda::channel_partials<T>(ChannelSum::Moments, d, S, xp, nullptr, nullptr, nullptr, nullptr,
                               w.part_a, w.part_b, stream);
     bn_train_stats_kernel<T><<<cuda::grid_for(d.c * 32), cuda::kThreads, 0, stream>>>(
@@ -303,19 +287,25 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
   const DType dt = cuda::activations_dtype(op, {&x, &dy, &relu_y, &dx});
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int S = cuda::channel_slices(d, op);
-  BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
   const float *mean = save_mean.f32(), *is = save_invstd.f32();
   with_storage(dt, [&](auto tag) {
     using T = decltype(tag);
     const T *xp = elements<T>(x), *dyp = elements<T>(dy), *mask = elements<T>(relu_y);
+    T* dxp = elements<T>(dx);
+    if (cuda::bn_one_block(d, S)) {
+      cuda::bn_backward_one_block<T>(d, xp, dyp, mask, elements<float>(gamma), mean, is,
+                                     elements<float>(dgamma), elements<float>(dbeta), dxp,
+                                     stream);
+      return;
+    }
+    BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
     cuda::channel_partials<T>(ChannelSum::GradMoments, d, S, xp, dyp, mask, mean, is, w.part_a,
                               w.part_b, stream);
     bn_grad_sums_kernel<<<cuda::grid_for(d.c * 32), cuda::kThreads, 0, stream>>>(
-        w.part_a, w.part_b, S, d, elements<float>(gamma), is, elements<float>(dgamma),
+        w.part_a, w.part_b, S, d, elements<float>(gamma), mean, is, elements<float>(dgamma),
         elements<float>(dbeta), w.sums);
     REPLICA_LAUNCH_CHECK();
-    if (!dx.defined()) return;
-    T* dxp = elements<T>(dx);
+    if (!dxp) return;
     if (d.hw == 1) {
       cuda::with_row_blocks(d, 0, {xp, dyp, mask, dxp}, [&](auto width, const cuda::RowGrid& g) {
         bn_dx_rows_kernel<decltype(width)::value, T>
