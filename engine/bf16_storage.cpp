@@ -1,5 +1,6 @@
 #include "engine/bf16_storage.h"
 
+#include <algorithm>
 #include <array>
 #include <deque>
 #include <tuple>
@@ -25,15 +26,23 @@ template <class T>
 bool is_nhwc(const T&) {
   return false;
 }
-// A tensor of an op's operands that is laid out NCHW-wise (its elements in NCHW's order):
-// any of two or more dimensions but a channels_last one (1-D ones are per-channel parameters),
-// and but a 4-D one that both layouts lay out alike (layout_free: a max-pool's 1x1 output), which
-// fits a call in either layout. Other shapes (a flat [N, C*H*W]) keep NCHW's order.
-bool is_nchw(const Tensor& t) {
-  return t.defined() && t.ndim() >= 2 && !is_nhwc(t) && !(t.ndim() == 4 && t.layout_free());
+// The channels of a call's channels_last tensors (0: none; they share one count).
+int64_t nhwc_channels(const Tensor& t) { return is_nhwc(t) ? t.dim(1) : 0; }
+template <class T>
+int64_t nhwc_channels(const T&) {
+  return 0;
+}
+// A tensor of an op's operands that is laid out NCHW-wise (its elements in NCHW's order) beside
+// channels_last tensors of C channels: any of two or more dimensions but a channels_last one
+// (1-D ones are per-channel parameters), and but a 4-D one of C channels that both layouts lay
+// out alike (layout_free: a max-pool's 1x1 output), which fits the call in either layout.
+// Other shapes ([N, C*H*W], flat or as [N, C*H*W, 1, 1]) keep NCHW's order.
+bool is_nchw(const Tensor& t, int64_t C) {
+  return t.defined() && t.ndim() >= 2 && !is_nhwc(t) &&
+         !(t.ndim() == 4 && t.layout_free() && t.dim(1) == C);
 }
 template <class T>
-bool is_nchw(const T&) {
+bool is_nchw(const T&, int64_t) {
   return false;
 }
 
@@ -101,7 +110,9 @@ struct Dispatch {
   void operator()(DeviceContext& ctx, Args&... args) {
     const bool wide = !takes_bf16 && (is_bf16(args) || ...);
     const bool any_nhwc = (is_nhwc(args) || ...);
-    const bool mixed = any_nhwc && (is_nchw(args) || ...);
+    int64_t channels = 0;
+    ((channels = std::max(channels, nhwc_channels(args))), ...);
+    const bool mixed = any_nhwc && (is_nchw(args, channels) || ...);
     const bool nchw = any_nhwc && (layouts == Backend::Layouts::None ||
                                    (layouts == Backend::Layouts::Uniform && mixed));
     if (!wide && !nchw) {

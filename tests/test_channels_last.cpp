@@ -37,23 +37,25 @@ struct ChannelsLastOnCpu : test::ScopedEnv {
   ChannelsLastOnCpu() : ScopedEnv("REPLICA_CHANNELS_LAST_ON_CPU", "1") {}
 };
 
-// A backend whose max pooling takes one layout for all its tensors (Layouts::Uniform, as the
-// CUDA kernels do), recording which of a call's tensors reach it channels_last.
+// A backend whose max pooling and add take one layout for all their tensors
+// (Layouts::Uniform, as the CUDA kernels do), recording which of a call's tensors reach it
+// channels_last.
 class UniformMaxPool final : public Backend {
  public:
   UniformMaxPool() : inner_(make_cpu_backend()) {}
-  std::vector<bool> channels_last;  // the last call's tensors, in order
+  std::vector<bool> channels_last;  // the last call's tensors, in order (copies not counted)
 
-#define REPLICA_OP(name, params, args) \
-  void name params override {          \
-    note args;                         \
-    inner_->name args;                 \
+#define REPLICA_OP(name, params, args)        \
+  void name params override {                 \
+    if (OpId::name != OpId::copy) note args;  \
+    inner_->name args;                        \
   }
 #include "engine/backend_ops.inc"
 #undef REPLICA_OP
 
   Layouts layouts(OpId op) const override {
-    return op == OpId::maxpool2d_forward ? Layouts::Uniform : inner_->layouts(op);
+    return op == OpId::maxpool2d_forward || op == OpId::add ? Layouts::Uniform
+                                                             : inner_->layouts(op);
   }
 
  private:
@@ -209,6 +211,12 @@ TEST_CASE("a one-layout op takes a 4-D tensor that both layouts lay out alike as
   // A 2x2 NCHW output beside an NHWC input: both reach the kernel NCHW.
   Tensor plane = ctx.alloc({2, 8, 2, 2});
   layer->maxpool2d_forward(ctx, x, plane, Pool2dParams{2, 1, 0});
+  CHECK(seen.channels_last == std::vector<bool>{false, false});
+  // [N, C*H*W, 1, 1] is laid out alike both ways too, but its elements are in NCHW's order of
+  // x's: an elementwise op beside x gets NCHW copies.
+  Tensor nhwc = ctx.alloc({2, 8, 3, 3}, DType::F32, true);
+  const Tensor flat = ctx.alloc({2, 72, 1, 1});
+  layer->add(ctx, nhwc, flat, 1.f);
   CHECK(seen.channels_last == std::vector<bool>{false, false});
 }
 

@@ -464,7 +464,11 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool 
 TEST_CASE("cuda parity: batchnorm train, backward and eval") {
   if (!test::have_gpu()) return;
   // Planes of at most 4096 values a channel ({3, 4, 5, 7}, {4, 8, 2, 2}, {3, 5, 12}) take a
-  // block per channel (norm_block.cu), larger ones the sliced passes (norm.cu).
+  // block per channel (norm_block.cu), larger ones the sliced passes (norm.cu). At the boundary:
+  // 4096 values in float4s (each thread's four groups a round), 3267 one at a time (four
+  // rounds), and 4160 (two slices).
+  for (const Shape& edge : {Shape{16, 8, 16, 16}, Shape{3, 4, 33, 33}, Shape{1, 2, 64, 65}})
+    batchnorm_case(edge, true);
   for (const bool relu : {false, true}) {
     batchnorm_case({3, 4, 5, 7}, relu);
     batchnorm_case({5, 6}, relu);  // BatchNorm1d-style [N, C]
