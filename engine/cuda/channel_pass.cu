@@ -130,7 +130,7 @@ void launch_partials(const ChannelDims& d, int S, const T* x, const T* dy, const
   REPLICA_LAUNCH_CHECK();
 }
 
-// Where a channel's values are one slice of planes (S = 1, HW > 1): block c adds them up
+// Where a channel's values are one slice of planes (one_block_channels): block c adds them up
 // (slice_sums, as channel_partials_kernel does) and adds the sum to out[c] itself, one launch
 // for the two of the sliced way, with the same bits.
 template <class Div, class T>
@@ -139,8 +139,9 @@ __global__ void channel_sum_block_kernel(const T* __restrict__ x, ChannelDims d,
   using Index = typename Div::Index;
   __shared__ double sh[kThreads];
   double sum, unused;
-  slice_sums<ChannelSum::Values>(x, x, x, nullptr, nullptr, d, by_hw, blockIdx.x, Index(0),
-                                 Index(d.m()), sh, &sum, &unused);
+  slice_sums<ChannelSum::Values>(x, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr),
+                                 nullptr, nullptr, d, by_hw, blockIdx.x, Index(0), Index(d.m()),
+                                 sh, &sum, &unused);
   if (threadIdx.x == 0) out[blockIdx.x] += float(sum);
 }
 
@@ -230,7 +231,7 @@ void channel_partials(ChannelSum what, const ChannelDims& d, int S, const T* x, 
 template <class T>
 void channel_sum_accumulate(const ChannelDims& d, int S, const T* x, float* scratch, float* out,
                             cudaStream_t stream) {
-  if (S == 1 && d.hw > 1) {
+  if (one_block_channels(d, S)) {
     const auto launch = [&](auto by_hw) {
       channel_sum_block_kernel<<<unsigned(d.c), kThreads, 0, stream>>>(x, d, by_hw, out);
     };

@@ -46,6 +46,12 @@ inline ChannelDims channel_dims(const Tensor& t) {
 // changes nothing).
 int channel_slices(const ChannelDims& d, const char* op);
 
+// Whether a block per channel takes a channel's values whole and finishes the channel itself
+// (a bias gradient here, BatchNorm in norm_block.cu): planes (HW > 1) whose channels are one
+// slice each (S = channel_slices(d) is 1). Rows of channels (HW = 1) keep the row passes, whose
+// output passes want more blocks than one per 32-128 channels.
+inline bool one_block_channels(const ChannelDims& d, int S) { return S == 1 && d.hw > 1; }
+
 // What channel_partials adds up per channel (a, b):
 // - Values: sum(x) alone (part_b is not written and may be null).
 // - Moments: sum(x - K), sum((x - K)^2), with K the channel's first value (a shift that keeps

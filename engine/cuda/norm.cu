@@ -220,7 +220,7 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
   with_storage(dt, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = elements<T>(x);
-    if (cuda::bn_one_block(d, S)) {
+    if (cuda::one_block_channels(d, S)) {
       cuda::bn_forward_one_block<T>(d, xp, elements<T>(y), elements<T>(residual), relu,
                                     elements<float>(gamma), elements<float>(beta), momentum, eps,
                                     out, stream);
@@ -292,7 +292,7 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
     using T = decltype(tag);
     const T *xp = elements<T>(x), *dyp = elements<T>(dy), *mask = elements<T>(relu_y);
     T* dxp = elements<T>(dx);
-    if (cuda::bn_one_block(d, S)) {
+    if (cuda::one_block_channels(d, S)) {
       cuda::bn_backward_one_block<T>(d, xp, dyp, mask, elements<float>(gamma), mean, is,
                                      elements<float>(dgamma), elements<float>(dbeta), dxp,
                                      stream);

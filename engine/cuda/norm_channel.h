@@ -75,19 +75,15 @@ __device__ inline BnDxChannel bn_grad_channel(double s_g, double s_g_xhat, doubl
   return {mean[c], invstd[c], s_g, s_g_xhat, k};
 }
 
-// Whether the one-block passes take d: planes (HW > 1) whose channels fit one slice each
-// (S = channel_slices(d) is 1). Rows of channels (HW = 1) keep the row passes.
-inline bool bn_one_block(const ChannelDims& d, int S) { return S == 1 && d.hw > 1; }
-
-// A training BatchNorm forward (batchnorm_forward_train's contract) of d (bn_one_block) in one
-// kernel: y = x * scale + shift (+ residual, then ReLU where relu), the statistics as
+// A training BatchNorm forward (batchnorm_forward_train's contract) of d (one_block_channels)
+// in one kernel: y = x * scale + shift (+ residual, then ReLU where relu), the statistics as
 // bn_train_coeffs writes them. x may be y.
 template <class T>
 void bn_forward_one_block(const ChannelDims& d, const T* x, T* y, const T* residual, bool relu,
                           const float* gamma, const float* beta, float momentum, float eps,
                           const TrainOut& out, cudaStream_t stream);
 
-// A BatchNorm backward (batchnorm_backward's contract) of d (bn_one_block) in one kernel:
+// A BatchNorm backward (batchnorm_backward's contract) of d (one_block_channels) in one kernel:
 // dgamma, dbeta added to where wanted, dx written where dx is not null. relu_y: the fused
 // ReLU's output, or null.
 template <class T>
