@@ -275,8 +275,9 @@ ProductIo CudaBackend::backward_io(DeviceContext& ctx, const Tensor& x, const Te
   // dx = f(w, dy) wants w and its result, dw = g(x, dy) x and its result.
   Carve carve(io.bf16, io.nhwc);
   // A bf16 dx that the call adds onto is staged all the same and added as it is brought back:
-  // cuDNN's bf16 engines for beta 1 have not run on a GPU here, and a shape without one would
-  // fall to the legacy calls, whose bf16 backward chooses an engine again at every call (README).
+  // the product's result is rounded to bf16, then the sum is, as PyTorch's autocast does (a bf16
+  // input gradient, then autograd's bf16 add) and as the CPU's bf16 does (cpu/conv.cpp). cuDNN's
+  // beta 1 would round once: other bits, and a second way to the same sum.
   const bool dx_staged = dx && io.bf16 && dx_adds;
   const int64_t for_dx =
       dx ? carve.copy_floats(w) + (dx_staged ? carve.floats(dx->numel()) : carve.copy_floats(*dx))

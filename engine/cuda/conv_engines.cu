@@ -212,11 +212,12 @@ void log_choice(const ConvGraphSpec& spec, const Candidates& c, const std::strin
   for (const auto& [why, count] : c.refused)
     refused += fmt::format("{}{} {}", refused.empty() ? "" : ", ", count, why);
   std::fprintf(stderr, "replica: cuDNN graph: conv2d %s [N=%lld C=%lld H=%lld W=%lld K=%lld "
-               "R=%lld stride %d padding %d] %s%s: %zu engine configurations listed (%zu by "
+               "R=%lld stride %d padding %d] %s%s%s: %zu engine configurations listed (%zu by "
                "mode A), %zu acceptable%s%s; %s\n",
                conv_direction_name(spec.direction), (long long)spec.N, (long long)spec.C,
                (long long)spec.H, (long long)spec.W, (long long)spec.K, (long long)spec.R,
                spec.stride, spec.padding, spec.bf16 ? "bf16" : "fp32", spec.nhwc ? " NHWC" : "",
+               spec.beta != 0.f ? " adding (beta 1)" : "",
                c.configs.size(), c.listed_a, c.ordered.size(), refused.empty() ? "" : ", refused: ",
                refused.c_str(), chosen.c_str());
 }
