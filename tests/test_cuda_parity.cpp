@@ -450,6 +450,27 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool 
   r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, mask_g, dx2.g, none, none);
   CHECK(gpu_values(r, y2.g) == gpu_values(r, y.g));
   CHECK(gpu_values(r, dx2.g) == gpu_values(r, dx.g));
+  // Where the shape takes a block per channel (norm_block.cu), the sliced passes
+  // (REPLICA_CUDA_SLICED_SUMS=1) give the same bits: the same sums in the same order, the same
+  // formulas (channel_pass.h, norm_channel.h). Elsewhere the switch changes nothing.
+  {
+    Pair dg = make_random(r, {C}, 48), db = make_random(r, {C}, 49);
+    Pair dg3 = make_random(r, {C}, 48), db3 = make_random(r, {C}, 49);
+    r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, mask_g, dx2.g, dg.g, db.g);
+    const test::ScopedEnv sliced("REPLICA_CUDA_SLICED_SUMS", "1");
+    Pair y3 = make_random(r, shape, 43), dx3 = make_random(r, shape, 44);
+    Pair sm3 = make_random(r, {C}, 45), si3 = make_random(r, {C}, 46);
+    r.g().batchnorm_forward_train(r.gpu, x.g, gamma.g, beta.g, none, none, momentum, eps, y3.g,
+                                  sm3.g, si3.g, res.g, relu);
+    r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, mask_g, dx3.g, dg3.g,
+                             db3.g);
+    CHECK_MESSAGE(gpu_values(r, y3.g) == gpu_values(r, y2.g), tag, " sliced y");
+    CHECK_MESSAGE(gpu_values(r, sm3.g) == gpu_values(r, sm2.g), tag, " sliced save_mean");
+    CHECK_MESSAGE(gpu_values(r, si3.g) == gpu_values(r, si2.g), tag, " sliced save_invstd");
+    CHECK_MESSAGE(gpu_values(r, dx3.g) == gpu_values(r, dx2.g), tag, " sliced dx");
+    CHECK_MESSAGE(gpu_values(r, dg3.g) == gpu_values(r, dg.g), tag, " sliced dgamma");
+    CHECK_MESSAGE(gpu_values(r, db3.g) == gpu_values(r, db.g), tag, " sliced dbeta");
+  }
   expect_close(r, dgamma, 1e-4, 1e-4, tag + " dgamma (+= twice)");
   expect_close(r, dbeta, 1e-4, 1e-4, tag + " dbeta (+= twice)");
 
@@ -464,7 +485,8 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool 
 TEST_CASE("cuda parity: batchnorm train, backward and eval") {
   if (!test::have_gpu()) return;
   // Planes of at most 4096 values a channel ({3, 4, 5, 7}, {4, 8, 2, 2}, {3, 5, 12}) take a
-  // block per channel (norm_block.cu), larger ones the sliced passes (norm.cu). At the boundary:
+  // block per channel (norm_block.cu), larger ones the sliced passes (norm.cu); each case holds
+  // the two ways to the same bits too. At the boundary:
   // 4096 values in float4s (each thread's four groups a round), 3267 one at a time (four
   // rounds), and 4160 (two slices).
   for (const Shape& edge : {Shape{16, 8, 16, 16}, Shape{3, 4, 33, 33}, Shape{1, 2, 64, 65}})

@@ -14,6 +14,7 @@
 // Included by the CUDA backend's .cu files only.
 #pragma once
 #include <algorithm>
+#include <cstdlib>
 #include <initializer_list>
 #include <type_traits>
 
@@ -49,8 +50,14 @@ int channel_slices(const ChannelDims& d, const char* op);
 // Whether a block per channel takes a channel's values whole and finishes the channel itself
 // (a bias gradient here, BatchNorm in norm_block.cu): planes (HW > 1) whose channels are one
 // slice each (S = channel_slices(d) is 1). Rows of channels (HW = 1) keep the row passes, whose
-// output passes want more blocks than one per 32-128 channels.
-inline bool one_block_channels(const ChannelDims& d, int S) { return S == 1 && d.hw > 1; }
+// output passes want more blocks than one per 32-128 channels. REPLICA_CUDA_SLICED_SUMS=1 in
+// the environment turns this way off, every channel then summed in slices as larger planes
+// are: the same bits (the parity tests hold them equal), to time the two ways in one run.
+inline bool one_block_channels(const ChannelDims& d, int S) {
+  if (S != 1 || d.hw <= 1) return false;
+  const char* sliced = std::getenv("REPLICA_CUDA_SLICED_SUMS");
+  return !(sliced && sliced[0] == '1');
+}
 
 // What channel_partials adds up per channel (a, b):
 // - Values: sum(x) alone (part_b is not written and may be null).
