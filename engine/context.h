@@ -3,6 +3,7 @@
 // backend's scratch and cuDNN's workspace come from the allocator). One context per device (per
 // logical/virtual device); used by one thread at a time.
 #pragma once
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -127,8 +128,14 @@ class DeviceContext {
   // the shapes cuDNN's tensor-core kernels take, or where a first layer's 1-7 channels are
   // padded to 8 for them (engine/cuda/conv_padded.cu). A ResNet's stem then hands its output on
   // NHWC: its BatchNorm and max-pool read it there, and neither pass has a transpose.
+  // REPLICA_PAD_CHANNELS=0 in the environment leaves those few channels unpadded and the layer
+  // NCHW, as it ran before the padding: to time the two ways in one run on a GPU.
   bool nhwc_convolution(int64_t C, int64_t K) const {
-    return options_.channels_last && (C % 8 == 0 || C < 8) && K % 8 == 0;
+    return options_.channels_last && K % 8 == 0 && (C % 8 == 0 || (C < 8 && pads_channels()));
+  }
+  static bool pads_channels() {
+    const char* v = std::getenv("REPLICA_PAD_CHANNELS");
+    return !(v && std::string(v) == "0");
   }
   ConvApi conv_api() const { return options_.conv_api; }
   CudaState* cuda() const { return cuda_.get(); }

@@ -121,6 +121,11 @@ TEST_CASE("layers keep the layout: a convolution's NHWC output flows on; Flatten
   // 3 in (padded to 8 on a GPU): NHWC too; 12 out, which cuDNN's NHWC kernels refuse: NCHW
   CHECK(stem.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());
   CHECK_FALSE(odd.forward(ctx, x).channels_last());
+  {
+    const test::ScopedEnv unpadded("REPLICA_PAD_CHANNELS", "0");  // 3 in, unpadded: NCHW
+    CHECK_FALSE(stem.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());
+    CHECK(wide.forward(ctx, x).channels_last());
+  }
 
   // A max-pool of 8 NCHW channels hands its output on NHWC (the convolutions after it read
   // that); its gradient comes back in the input's layout, with NCHW's values.
@@ -166,16 +171,21 @@ TEST_CASE("ResNets trained with NHWC activations end in NCHW's bits (CPU: ops on
     Shape shape;
     Precision precision;
     std::string devices;
+    const char* pad = "1";  // REPLICA_PAD_CHANNELS: "0" runs the stem NCHW (unpadded on a GPU)
   };
   // ResNet-18's basic blocks and ResNet-50's bottlenecks with their downsampling shortcuts;
-  // fp32 and bf16 (whose copies convert dtype and layout at once); one device and DP.
+  // fp32 and bf16 (whose copies convert dtype and layout at once); one device and DP; the stem
+  // NHWC (its few channels padded on a GPU) and NCHW.
   for (const Case& c : {Case{"resnet18", {1, 28, 28}, Precision::Fp32, "cpu"},
                         Case{"resnet18", {1, 28, 28}, Precision::Bf16, "cpu"},
                         Case{"resnet50", {3, 32, 32}, Precision::Bf16, "cpu"},
+                        Case{"resnet50", {3, 32, 32}, Precision::Bf16, "cpu", "0"},
                         Case{"resnet18", {1, 28, 28}, Precision::Fp32, "cpu*2"}}) {
     CAPTURE(c.model);
     CAPTURE(c.devices);
     CAPTURE(precision_name(c.precision));
+    CAPTURE(c.pad);
+    const test::ScopedEnv pad("REPLICA_PAD_CHANNELS", c.pad);
     EngineOptions o = test::sgd_options(c.model, c.shape);
     o.precision = c.precision;
     const auto batches = test::make_batches(o.input_shape, 4, 2, 5);

@@ -323,18 +323,27 @@ OPS_RUNS = [("fp32", "nchw", "legacy"), ("fp32", "nchw"), ("tf32", "nchw", "lega
 # First: ResNet-50 bf16 at batch 256, 0.49x PyTorch on an H200 (2026-11-27) with its
 # convolutions 74% of the step; their parts say how much of that is the NHWC/bf16 copies that
 # stage each convolution's operands, and how much cuDNN.
-OPS_GPU_CASES = [("resnet50", "3x224x224", 256, [("bf16", "channels_last")]),
+# Where a run names environment variables, it times a switch that turns one change off, in the
+# same call: REPLICA_PAD_CHANNELS=0 the stem's channels padded to 8 (engine/cuda/conv_padded.cu),
+# REPLICA_CUDA_SLICED_SUMS=1 BatchNorm's one-block passes (engine/cuda/norm_block.cu).
+OPS_GPU_CASES = [("resnet50", "3x224x224", 256,
+                  [("bf16", "channels_last"),
+                   ("bf16", "channels_last", {"REPLICA_PAD_CHANNELS": "0"})]),
                  ("resnet50", "3x224x224", 64, OPS_RUNS),
                  ("cnn", "1x28x28", 32, [("fp32", "nchw"), ("tf32", "nchw")]),
                  ("cnn", "1x28x28", 256, [("fp32", "nchw"), ("tf32", "nchw")]),
                  # the seed recipe's model: 0.94x PyTorch on 2026-11-25, 0.75x on 2026-11-27.
                  # Its fp32 step was 17 ms longer than its tf32 one (PyTorch's: 3 ms): fp32 on
                  # the legacy calls too (their heuristics' picks took twice the graph API's
-                 # time on an H200, 2026-11-27, which made the graph API the default), and with the residual sum in an add of its own, as before 357c5a4 moved it
-                 # into the convolution (cuDNN's beta 1) between the two measurements.
+                 # time on an H200, 2026-11-27, which made the graph API the default), with the
+                 # residual sum in an add of its own, as before 357c5a4 moved it into the
+                 # convolution (cuDNN's beta 1) between the two measurements, without the
+                 # one-block BatchNorm passes its 2x2 and 4x4 stages take, and on channels_last.
                  ("resnet101", "1x28x28", 256,
                   [("fp32", "nchw", "legacy"), ("fp32", "nchw"),
-                   ("fp32", "nchw", {"REPLICA_RESIDUAL_SUM": "add"}), ("tf32", "nchw")])]
+                   ("fp32", "nchw", {"REPLICA_RESIDUAL_SUM": "add"}),
+                   ("fp32", "nchw", {"REPLICA_CUDA_SLICED_SUMS": "1"}),
+                   ("fp32", "channels_last"), ("tf32", "nchw")])]
 OPS_CPU_CASES = [("resnet18", "3x32x32", 64, [("fp32", "nchw"), ("bf16", "nchw")])]
 
 
@@ -349,7 +358,9 @@ def ops_case(p, model, shape, batch, runs):
         env = api[0] if api and isinstance(api[0], dict) else (
             {"REPLICA_CUDNN_API": api[0]} if api else None)
         name = f"{model}-b{batch}-{precision}-{layout}" + (
-            "".join(f"-{v}" for v in env.values()) if env else "")
+            f"-{api[0]}" if api and not isinstance(api[0], dict) else
+            "".join(f"-{k.removeprefix('REPLICA_').lower()}={v}" for k, v in env.items())
+            if env else "")
         out_json = os.path.join(p.dir, name + ".jsonl")
         if os.path.exists(out_json):
             os.remove(out_json)  # --json appends

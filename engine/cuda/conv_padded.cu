@@ -33,8 +33,9 @@ void copy_rows(void* to, size_t to_pitch, const void* from, size_t from_pitch, s
                                        cudaMemcpyDeviceToDevice, stream));
 }
 
+// Where DeviceContext::nhwc_convolution runs a layer of few channels NHWC.
 bool pads_channels(const DeviceContext& ctx, int64_t C, int64_t K) {
-  return ctx.channels_last() && C > 0 && C < kPadded && K > 0 && K % kPadded == 0;
+  return C > 0 && C < kPadded && K > 0 && ctx.nhwc_convolution(C, K);
 }
 
 // x's own channels then zeros, NHWC, a thread per pixel (its kPadded channels stored at once:
