@@ -357,10 +357,10 @@ def ops_case(p, model, shape, batch, runs):
     for precision, layout, *api in runs:
         env = api[0] if api and isinstance(api[0], dict) else (
             {"REPLICA_CUDNN_API": api[0]} if api else None)
-        name = f"{model}-b{batch}-{precision}-{layout}" + (
-            f"-{api[0]}" if api and not isinstance(api[0], dict) else
-            "".join(f"-{k.removeprefix('REPLICA_').lower()}={v}" for k, v in env.items())
-            if env else "")
+        # Named by what the run sets: -legacy for the cuDNN API, -name=value for a switch.
+        name = f"{model}-b{batch}-{precision}-{layout}" + "".join(
+            f"-{v}" if k == "REPLICA_CUDNN_API" else f"-{k.removeprefix('REPLICA_').lower()}={v}"
+            for k, v in (env or {}).items())
         out_json = os.path.join(p.dir, name + ".jsonl")
         if os.path.exists(out_json):
             os.remove(out_json)  # --json appends
