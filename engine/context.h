@@ -13,6 +13,7 @@
 
 #include "engine/allocator.h"
 #include "engine/device.h"
+#include "engine/env_switch.h"
 #include "engine/tensor.h"
 
 namespace replica {
@@ -133,10 +134,7 @@ class DeviceContext {
   bool nhwc_convolution(int64_t C, int64_t K) const {
     return options_.channels_last && K % 8 == 0 && (C % 8 == 0 || (C < 8 && pads_channels()));
   }
-  static bool pads_channels() {
-    const char* v = std::getenv("REPLICA_PAD_CHANNELS");
-    return !(v && std::string(v) == "0");
-  }
+  static bool pads_channels() { return env_switch("REPLICA_PAD_CHANNELS", true); }
   ConvApi conv_api() const { return options_.conv_api; }
   CudaState* cuda() const { return cuda_.get(); }
 

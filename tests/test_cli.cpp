@@ -4,6 +4,7 @@
 
 #include "checkpoint_helpers.h"
 #include "cli_helpers.h"
+#include "env_guard.h"
 #include <sys/stat.h>
 
 #include <chrono>
@@ -16,6 +17,7 @@
 #include "engine/checkpoint.h"
 #include "engine/context.h"
 #include "engine/device.h"
+#include "engine/env_switch.h"
 #include "engine/error.h"
 
 using test::run;
@@ -138,6 +140,40 @@ TEST_CASE("bad flags and values are one-line errors") {
     CAPTURE(timeout);
     expect_clean_error(data + " --mode ddp --devices cpu*2 --timeout " + timeout,
                        "--timeout must be between 0.001 and 604800 seconds");
+  }
+}
+
+TEST_CASE("environment switches: 1 on, 0 off, unset or empty the default, another word an error") {
+  const char* name = "REPLICA_TEST_SWITCH";
+  const test::EnvGuard guard({name});
+  CHECK(env_switch(name, false) == false);
+  CHECK(env_switch(name, true) == true);
+  for (const bool unset : {false, true}) {
+    setenv(name, "", 1);
+    CHECK(env_switch(name, unset) == unset);
+    setenv(name, "1", 1);
+    CHECK(env_switch(name, unset));
+    setenv(name, "0", 1);
+    CHECK_FALSE(env_switch(name, unset));
+  }
+  for (const char* word : {"yes", "true", "off", "01", " 1"}) {
+    setenv(name, word, 1);
+    CHECK_THROWS_WITH_AS(env_switch(name, false),
+                         fmt::format("REPLICA_TEST_SWITCH='{}': expected 1 (on) or 0 (off)", word)
+                             .c_str(),
+                         UsageError);
+  }
+  // A mistyped switch stops replica-train with the one line, before it trains.
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  const std::string data = "--data " + tmp.str("data") + " --max-steps 1 --quiet";
+  const std::pair<const char*, const char*> switches[] = {
+      {"REPLICA_PREFETCH_ON_CPU", " --devices cpu*2"},
+      {"REPLICA_DDP_CHECK_SYNC", " --mode ddp"}};  // read by DDP's engine only
+  for (const auto& [switched, where_read] : switches) {
+    const test::ScopedEnv typo(switched, "on");
+    expect_clean_error(data + where_read,
+                       fmt::format("{}='on': expected 1 (on) or 0 (off)", switched));
   }
 }
 

@@ -20,6 +20,7 @@
 
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/index_math.h"
+#include "engine/env_switch.h"
 
 namespace replica {
 namespace cuda {
@@ -54,9 +55,7 @@ int channel_slices(const ChannelDims& d, const char* op);
 // the environment turns this way off, every channel then summed in slices as larger planes
 // are: the same bits (the parity tests hold them equal), to time the two ways in one run.
 inline bool one_block_channels(const ChannelDims& d, int S) {
-  if (S != 1 || d.hw <= 1) return false;
-  const char* sliced = std::getenv("REPLICA_CUDA_SLICED_SUMS");
-  return !(sliced && sliced[0] == '1');
+  return S == 1 && d.hw > 1 && !env_switch("REPLICA_CUDA_SLICED_SUMS", false);
 }
 
 // What channel_partials adds up per channel (a, b):

@@ -19,6 +19,7 @@
 #include <cstdlib>
 
 #include "engine/error.h"
+#include "engine/env_switch.h"
 #include "engine/host_device.h"
 
 namespace replica {
@@ -29,8 +30,7 @@ constexpr int64_t kFastIndexLimit = int64_t(1) << 31;
 
 // Whether a kernel whose divided numbers all stay below `largest` may use FastDivmod (host).
 inline bool fast_index(int64_t largest) {
-  const char* wide = std::getenv("REPLICA_CUDA_WIDE_INDEX");
-  return largest < kFastIndexLimit && !(wide && wide[0] == '1');
+  return largest < kFastIndexLimit && !env_switch("REPLICA_CUDA_WIDE_INDEX", false);
 }
 
 struct FastDivmod {

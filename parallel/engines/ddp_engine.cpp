@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "engine/error.h"
+#include "engine/env_switch.h"
 #include "engine/trace.h"
 #include "layers/loss.h"
 #include "parallel/comm/bucket_reducer.h"
@@ -26,7 +27,7 @@ class DdpEngine final : public OneDeviceEngine {
       : OneDeviceEngine(std::move(ctx),
                         fmt::format("rank{} {}", group->rank(), ctx->device().str()), o),
         group_(std::move(group)),
-        check_sync_(std::getenv("REPLICA_DDP_CHECK_SYNC") != nullptr),
+        check_sync_(env_switch("REPLICA_DDP_CHECK_SYNC", false)),
         accumulate_(d.accumulate) {
     REPLICA_USAGE_CHECK(d.accumulate >= 1, "--accumulate must be at least 1, got {}", d.accumulate);
     // Buckets of gradients all-reduced during backward (nothing to do for one rank).

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "engine/error.h"
+#include "engine/env_switch.h"
 #include "engine/trace.h"
 #include "parallel/engines/ddp_engine.h"
 #include "parallel/engines/dp_engine.h"
@@ -19,7 +20,7 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   c.engine.precision = resolve_precision(c.precision, devices);
   c.engine.channels_last = resolve_channels_last(c.memory_format, c.engine.precision, devices);
   // Tests: batches staged a step ahead on CPU devices too (EngineOptions::prefetch_on_cpu).
-  c.engine.prefetch_on_cpu = std::getenv("REPLICA_PREFETCH_ON_CPU") != nullptr;
+  c.engine.prefetch_on_cpu = env_switch("REPLICA_PREFETCH_ON_CPU", false);
   // Gradient buckets (DP and DDP): 1 MB first, so communication starts early, then the cap.
   const size_t bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
   const size_t first_bucket_bytes = std::min(bucket_bytes, size_t(1) << 20);
