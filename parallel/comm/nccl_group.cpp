@@ -12,9 +12,7 @@
 // communication thread launches it); the caller's stream waits for them only when it asks
 // (stream_wait), so bucket all-reduces overlap the rest of backward. With --trace each is timed
 // on that stream (StreamTimeline, track "rankR cuda:K nccl stream"), beside backward's kernels.
-//
-// Ranks that share one GPU (cuda:0*N) are each given an NCCL_HOSTID of their own, over the
-// socket transport (nccl_placement.h): NCCL otherwise refuses them ("Duplicate GPU detected").
+// Ranks that share one GPU: nccl_placement.h.
 #include <nccl.h>
 
 #include <atomic>
@@ -324,10 +322,6 @@ class NcclGroup final : public ProcessGroup {
   StreamTimeline timeline_;  // device-time spans of the collectives (--trace); under mutex_
 };
 
-}  // namespace
-
-namespace nccl {
-
 std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, DeviceContext& ctx,
                                          std::unique_ptr<PeerMonitor> monitor) {
   return std::make_unique<NcclGroup>(options, ctx, std::move(monitor));
@@ -339,11 +333,11 @@ std::string version() {
   return fmt::format("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100);
 }
 
-}  // namespace nccl
+}  // namespace
 }  // namespace replica
 
 extern "C" const void* replica_nccl_plugin(int abi) {
   using namespace replica;
-  static const NcclPluginApi api = {nccl::make_group, nccl::make_local, nccl::version};
+  static const NcclPluginApi api = {make_group, nccl::make_local, version};
   return abi == REPLICA_PLUGIN_ABI ? &api : nullptr;
 }

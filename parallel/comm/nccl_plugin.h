@@ -29,12 +29,9 @@ const NcclPluginApi* nccl_plugin(std::string* why = nullptr);
 // NCCL's version ("2.28.9"), or why there is none ("not built (...)").
 std::string nccl_version();
 
-// Defined inside the plugin; the rest of the project calls them through the table.
+// DP's group over distinct GPUs (local_nccl.cpp), put in the table by nccl_group.cpp.
 namespace nccl {
-std::unique_ptr<ProcessGroup> make_group(const GroupOptions& options, DeviceContext& ctx,
-                                         std::unique_ptr<PeerMonitor> monitor);
 std::unique_ptr<LocalGroup> make_local(const std::vector<DeviceContext*>& contexts, int slots);
-std::string version();
 }  // namespace nccl
 
 }  // namespace replica

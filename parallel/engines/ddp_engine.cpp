@@ -4,7 +4,6 @@
 // with the same running statistics in eval mode.
 #include "parallel/engines/ddp_engine.h"
 
-#include <cstdlib>
 #include <cstring>
 
 #include "engine/error.h"

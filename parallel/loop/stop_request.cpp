@@ -34,8 +34,9 @@ void on_signal(int sig) {
 
 }  // namespace
 
-void StopRequest::install() {
-  if (g_installed.exchange(true)) return;
+StopRequest::StopRequest(bool on) {
+  if (!on || g_installed.exchange(true)) return;
+  installed_ = true;
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
@@ -44,10 +45,11 @@ void StopRequest::install() {
   sigaction(SIGTERM, &sa, &g_old_term);
 }
 
-void StopRequest::uninstall() {
-  if (!g_installed.exchange(false)) return;
+StopRequest::~StopRequest() {
+  if (!installed_) return;
   sigaction(SIGINT, &g_old_int, nullptr);
   sigaction(SIGTERM, &g_old_term, nullptr);
+  g_installed = false;
 }
 
 int StopRequest::signal() { return g_signal; }

@@ -10,14 +10,19 @@ namespace replica {
 
 class TrainEngine;  // parallel/engines/train_engine.h
 
+// While one lives (and `on`), SIGINT and SIGTERM ask to stop; the handlers that were there
+// before come back however the scope ends.
 class StopRequest {
  public:
-  // Installs the handlers for SIGINT and SIGTERM (idempotent).
-  static void install();
-  // Restores the handlers that were there before install().
-  static void uninstall();
+  explicit StopRequest(bool on);
+  ~StopRequest();
+  StopRequest(const StopRequest&) = delete;
+  StopRequest& operator=(const StopRequest&) = delete;
   // The signal that asked to stop, or 0.
   static int signal();
+
+ private:
+  bool installed_ = false;
 };
 
 // Whether to stop after this step: this process got SIGINT/SIGTERM, or (DDP) any rank did.

@@ -3,7 +3,6 @@
 #include "parallel/loop/trainer.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "engine/error.h"
 #include "engine/env_switch.h"
@@ -54,21 +53,6 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
                          {first_bucket_bytes, bucket_bytes, c.accumulate});
 }
 
-namespace {
-
-// Restores the signal handlers however run_training ends.
-struct StopHandlers {
-  explicit StopHandlers(bool on) : on_(on) {
-    if (on_) StopRequest::install();
-  }
-  ~StopHandlers() {
-    if (on_) StopRequest::uninstall();
-  }
-  bool on_;
-};
-
-}  // namespace
-
 nlohmann::json run_training(const TrainConfig& config) {
   validate(config);
   Tracer& tracer = Tracer::global();
@@ -77,7 +61,7 @@ nlohmann::json run_training(const TrainConfig& config) {
   // Until the data is read and the engine built there is nothing to save, so a signal ends the
   // process at once (a rank waiting in the rendezvous used to sit out the whole --timeout).
   TrainLoop loop(config);
-  StopHandlers handlers(config.stop_on_signal);
+  const StopRequest handlers(config.stop_on_signal);
   return loop.run();
 }
 

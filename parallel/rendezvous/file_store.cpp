@@ -1,6 +1,4 @@
-// FileStore: the ranks share a directory (file://DIR), a file per key. Each value is written to a
-// temporary and renamed into place, so a reader sees a whole value or none; add() holds an flock
-// on a lock file per key. The temporaries are named per process and per write (a counter), as
+// FileStore (store.h). The temporaries are named per process and per write (a counter), as
 // several threads of one rank may set keys at once; engine/output_files' single-writer files do
 // not allow that.
 #include <fcntl.h>
@@ -142,14 +140,6 @@ std::vector<std::string> FileStore::wait_for(const std::vector<std::string>& key
     return missing.empty();
   });
   return missing;
-}
-
-bool FileStore::check(const std::vector<std::string>& keys) {
-  for (const auto& k : keys) {
-    check_key(k, "check");
-    if (access(path_for(k).c_str(), F_OK) != 0) return false;
-  }
-  return true;
 }
 
 int64_t FileStore::add(const std::string& key, int64_t delta) {

@@ -209,9 +209,8 @@ void connect_store(const std::string& method, Rendezvous& r, milliseconds timeou
   // through whichever address MASTER_ADDR names.
   auto server = std::make_unique<TcpStoreServer>(
       r.local_world_size == r.world_size ? host : std::string(), port);
-  auto client = std::make_shared<TcpStoreClient>(host, server->port(), timeout);
-  client->adopt_server(std::move(server));
-  r.store = client;
+  const int bound = server->port();
+  r.store = std::make_shared<TcpStoreClient>(host, bound, timeout, std::move(server));
 }
 
 // Join: each rank marks itself (rank/<r>) and counts in, then waits for every rank's mark (the

@@ -45,7 +45,9 @@ class Store {
   // Atomically adds delta to the counter at key (absent: 0) and returns the new value.
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   // True when every key is set (does not wait).
-  virtual bool check(const std::vector<std::string>& keys) = 0;
+  virtual bool check(const std::vector<std::string>& keys) {
+    return wait_for(keys, std::chrono::milliseconds(0)).empty();
+  }
   // Where the store lives, for messages: "127.0.0.1:29500", "file:///tmp/x".
   virtual std::string describe() const = 0;
   // A new connection to the same store with its own timeout, for a thread that must not queue
@@ -103,11 +105,12 @@ class TcpStoreServer {
 // reconnects on the next operation after an I/O error. Operations are serialised by a mutex: a
 // thread blocked in wait()/get() holds the connection, so use one client per thread when
 // threads wait on each other. Optionally owns the server (rank 0), so both live as long as the
-// store.
+// store (the server goes after the client's connection).
 class TcpStoreClient : public Store {
  public:
   TcpStoreClient(const std::string& host, int port,
-                 std::chrono::milliseconds timeout = std::chrono::seconds(120));
+                 std::chrono::milliseconds timeout = std::chrono::seconds(120),
+                 std::unique_ptr<TcpStoreServer> server = nullptr);
   ~TcpStoreClient() override;
 
   void set(const std::string& key, const Bytes& value) override;
@@ -115,13 +118,11 @@ class TcpStoreClient : public Store {
   std::vector<std::string> wait_for(const std::vector<std::string>& keys,
                                     std::chrono::milliseconds timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
+  // A message of its own, answered within this connection's timeout (a wait's reply may take
+  // 10 s more): the peer monitor asks it of a rank that may have stopped.
   bool check(const std::vector<std::string>& keys) override;
   std::string describe() const override;
   std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const override;
-
-  // Keeps the server alive for as long as this client (rank 0's store). Destroyed after the
-  // client's connection is closed.
-  void adopt_server(std::unique_ptr<TcpStoreServer> server);
 
  private:
   struct Impl;
@@ -143,7 +144,6 @@ class FileStore : public Store {
   std::vector<std::string> wait_for(const std::vector<std::string>& keys,
                                     std::chrono::milliseconds timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
-  bool check(const std::vector<std::string>& keys) override;
   std::string describe() const override { return "file://" + dir_; }
   std::unique_ptr<Store> connect_again(std::chrono::milliseconds timeout) const override {
     return std::make_unique<FileStore>(dir_, timeout);

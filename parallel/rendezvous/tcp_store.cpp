@@ -21,6 +21,7 @@ struct TcpStoreClient::Impl {
   int fd = -1;
   std::mutex mu;
 
+  ~Impl() { disconnect(); }
   std::string where() const { return fmt::format("{}:{}", host, port); }
 
   void disconnect() {
@@ -31,30 +32,20 @@ struct TcpStoreClient::Impl {
   // One non-blocking connect attempt bounded by `limit`; returns the fd or -1 (errno in *err).
   static int connect_once(const addrinfo* a, milliseconds limit, int* err) {
     int s = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
-    if (s < 0) {
-      *err = errno;
+    auto give_up = [&](int why) {
+      *err = why;
+      if (s >= 0) close(s);
       return -1;
-    }
+    };
+    if (s < 0) return give_up(errno);
     if (connect(s, a->ai_addr, a->ai_addrlen) != 0) {
-      if (errno != EINPROGRESS) {
-        *err = errno;
-        close(s);
-        return -1;
-      }
+      if (errno != EINPROGRESS) return give_up(errno);
       pollfd p{s, POLLOUT, 0};
+      if (poll(&p, 1, static_cast<int>(limit.count())) <= 0) return give_up(ETIMEDOUT);
       int soerr = 0;
       socklen_t len = sizeof soerr;
-      if (poll(&p, 1, static_cast<int>(limit.count())) <= 0) {
-        *err = ETIMEDOUT;
-        close(s);
-        return -1;
-      }
       getsockopt(s, SOL_SOCKET, SO_ERROR, &soerr, &len);
-      if (soerr != 0) {
-        *err = soerr;
-        close(s);
-        return -1;
-      }
+      if (soerr != 0) return give_up(soerr);
     }
     int one = 1;
     setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -132,23 +123,16 @@ struct TcpStoreClient::Impl {
   }
 };
 
-TcpStoreClient::TcpStoreClient(const std::string& host, int port, milliseconds timeout)
-    : Store(timeout), impl_(std::make_unique<Impl>()) {
+TcpStoreClient::TcpStoreClient(const std::string& host, int port, milliseconds timeout,
+                               std::unique_ptr<TcpStoreServer> server)
+    : Store(timeout), server_(std::move(server)), impl_(std::make_unique<Impl>()) {
   REPLICA_USAGE_CHECK(port > 0 && port <= 65535, "store port {} is out of range (1-65535)", port);
   impl_->host = host;
   impl_->port = port;
   impl_->connect_until(Clock::now() + timeout, timeout);
 }
 
-TcpStoreClient::~TcpStoreClient() {
-  impl_->disconnect();
-  impl_.reset();
-  server_.reset();
-}
-
-void TcpStoreClient::adopt_server(std::unique_ptr<TcpStoreServer> server) {
-  server_ = std::move(server);
-}
+TcpStoreClient::~TcpStoreClient() = default;  // the connection (impl_) first, then the server
 
 std::string TcpStoreClient::describe() const { return impl_->where(); }
 

@@ -251,14 +251,10 @@ void TcpStoreServer::loop() {
       }
     }
     s.settle(now);
-    for (auto it = s.conns.begin(); it != s.conns.end();) {
-      if (it->closed) {
-        close(it->fd);
-        it = s.conns.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    s.conns.remove_if([](const Conn& c) {
+      if (c.closed) close(c.fd);
+      return c.closed;
+    });
   }
   // Shutdown: deliver the replies already decided (e.g. the last rank's answer to the barrier
   // that let rank 0 finish), for at most a second, then close everything.
