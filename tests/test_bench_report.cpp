@@ -268,8 +268,10 @@ TEST_CASE("the engines count the bytes the formulas give") {
 
 TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
   test::TempDir tmp;
-  // REPLICA_COMMIT names the commit of a build that has no git history with it.
-  const auto r = test::run("env REPLICA_COMMIT=0123abcd " + kBench +
+  // REPLICA_COMMIT names the commit of a build that has no git history with it. The variables
+  // that tune a run are recorded with its rows (REPLICA_RESIDUAL_SUM=conv is the default).
+  const auto r = test::run("env REPLICA_COMMIT=0123abcd REPLICA_RESIDUAL_SUM=conv NCCL_ALGO=Ring " +
+                               kBench +
                                " --suite dp,ddp --devices cpu*2 --steps 3 --warmup 1 "
                                     "--repeat 1 --batch 8 --threads-per-device 1 --json " +
                                tmp.str("rows.jsonl") + " --csv " + tmp.str("rows.csv") +
@@ -277,6 +279,8 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
                            240);
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("replica-bench: environment: ") != std::string::npos);
+  CHECK(r.output.find("NCCL_ALGO=Ring") != std::string::npos);
   const auto rows = read_lines(tmp.str("rows.jsonl"));
   REQUIRE(rows.size() == 4);
   for (const auto& row : rows) {
@@ -299,6 +303,9 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
     CHECK(row["efficiency"].is_number());
     CHECK(row["env"]["cores"].is_number());
     CHECK(row["env"]["commit"] == "0123abcd");
+    CHECK(row["env"]["variables"]["REPLICA_RESIDUAL_SUM"] == "conv");
+    CHECK(row["env"]["variables"]["NCCL_ALGO"] == "Ring");
+    CHECK_FALSE(row["env"]["variables"].contains("REPLICA_COMMIT"));  // the commit, as such
     CHECK(row["phase_ms"].contains("backward"));
     if (n == 2) CHECK(row["busbw_gbps"].get<double>() > 0);
     CHECK(row["precision"] == "fp32");  // CPU devices
@@ -543,6 +550,7 @@ TEST_CASE("replica-bench --suite ops: the CNN's step op by op, every call counte
   // An elementwise op moves its tensors' bytes in measurable time.
   CHECK(ops["relu_forward"]["tensor_gb_per_s"].get<double>() > 0);
   CHECK(output.find("GB/s: the bytes of an op's tensors") != std::string::npos);
+  CHECK(rows.at(0)["variables"].is_object());
 }
 
 TEST_CASE("replica-bench --suite ops --by-shape: each op split by its tensors' shapes") {

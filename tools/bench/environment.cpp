@@ -101,6 +101,39 @@ std::string git_commit() {
   return REPLICA_GIT_COMMIT;
 }
 
+nlohmann::json tuning_variables() {
+  // Prefixes, and whole names where a prefix would take paths too (CUDA_HOME).
+  static const char* const kPrefixes[] = {
+      "REPLICA_", "NCCL_", "GLOO_", "OPENBLAS_", "CUDNN_", "OMP_", "NVIDIA_TF32_OVERRIDE",
+      "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING",
+      "CUDA_DEVICE_MAX_CONNECTIONS"};
+  nlohmann::json set = nlohmann::json::object();
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const size_t eq = entry.find('=');
+    const std::string name = entry.substr(0, eq);
+    if (eq == std::string::npos || name == "REPLICA_COMMIT") continue;
+    for (const char* prefix : kPrefixes)
+      if (name.rfind(prefix, 0) == 0) set[name] = entry.substr(eq + 1);
+  }
+  return set;
+}
+
+std::string variables_text(const nlohmann::json& variables) {
+  std::string text;
+  if (variables.is_object())
+    for (const auto& [name, value] : variables.items())
+      text += fmt::format("{}{}={}", text.empty() ? "" : ", ", name,
+                          value.is_string() ? value.get<std::string>() : value.dump());
+  return text;
+}
+
+nlohmann::json announce_variables() {
+  nlohmann::json set = tuning_variables();
+  if (!set.empty()) std::printf("replica-bench: environment: %s\n", variables_text(set).c_str());
+  return set;
+}
+
 nlohmann::json environment() {
   double load[3] = {0, 0, 0};
   getloadavg(load, 3);
@@ -128,6 +161,7 @@ nlohmann::json environment() {
       {"build_type", REPLICA_BUILD_TYPE},
       {"commit", git_commit()},
       {"versions", versions},
+      {"variables", tuning_variables()},
   };
 }
 
@@ -152,12 +186,14 @@ std::string environment_line(const nlohmann::json& env) {
           ? fmt::format(", other processes used {:.0f}% of its CPU time during the run",
                         100 * env["others_cpu_share"].get<double>())
           : std::string();
+  const std::string variables = variables_text(env.value("variables", nlohmann::json()));
   return fmt::format(
       "{} cores ({}){}, load {:.2f} at the start{}; build {}, commit {}; {}, oneTBB {}, Gloo {}, "
-      "NCCL {}, CUDA: {}",
+      "NCCL {}, CUDA: {}{}",
       env.value("cores", 0), str(env, "cpu"), gpus.empty() ? ", no GPU" : ", GPUs: " + gpus,
       env.value("load_avg_1m", 0.0), others, str(env, "build_type"), str(env, "commit"),
-      str(v, "openblas"), str(v, "onetbb"), str(v, "gloo"), str(v, "nccl"), str(v, "cuda"));
+      str(v, "openblas"), str(v, "onetbb"), str(v, "gloo"), str(v, "nccl"), str(v, "cuda"),
+      variables.empty() ? "" : "; environment: " + variables);
 }
 
 }  // namespace replica::bench

@@ -18,6 +18,7 @@
 #include "engine/device.h"
 #include "engine/error.h"
 #include "engine/op_profile.h"
+#include "tools/bench/environment.h"
 #include "tools/bench/harness.h"
 #include "tools/bench/options.h"
 #include "tools/bench/rows.h"
@@ -71,6 +72,7 @@ int run_ops_suite(const BenchOptions& o) {
               o.model.c_str(), device.str().c_str(), precision_name(run.precision),
               run.channels_last ? ", channels_last" : "", shape.c_str(), (long long)o.batch,
               (long long)o.steps);
+  const nlohmann::json variables = announce_variables();
   int width = 28;  // by shape, the key is "op [shape] [shape] ...": as wide as the widest
   for (const auto& [key, s] : ops) width = std::max(width, int(key.size()));
   std::printf("%-*s %10s %10s %8s %10s %9s\n", width, o.by_shape ? "op and tensor shapes" : "op",
@@ -92,7 +94,7 @@ int run_ops_suite(const BenchOptions& o) {
                           {"calls_per_step", double(s.calls) / steps}, {"ms_per_step", ms},
                           {"share", share}, {"tensor_gb_per_s", gb_per_s},
                           {"step_ms", real_ms},
-                          {"profiled_step_ms", profiled_ms}};
+                          {"profiled_step_ms", profiled_ms}, {"variables", variables}};
     if (space != std::string::npos) row["shapes"] = key.substr(space + 1);
     if (auto it = parts.find(key); it != parts.end()) {
       std::vector<std::pair<std::string, OpStats>> sorted(it->second.begin(), it->second.end());

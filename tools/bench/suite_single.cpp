@@ -198,6 +198,7 @@ int run_single_suite(const BenchOptions& o) {
   // 1. The sgemm ceiling for every thread count, measured in this run.
   std::printf("replica-bench: suite %s, %d cores, load average %.2f %.2f %.2f\n",
               o.suite.c_str(), cores, load[0], load[1], load[2]);
+  const nlohmann::json variables = announce_variables();
   std::printf("sgemm ceiling (OpenBLAS, %s, one thread per call; t threads call it concurrently "
               "in one task_arena; median of %d x %.1f s):\n",
               blas_kernels().c_str(), o.repeat, o.sgemm_seconds);
@@ -220,6 +221,7 @@ int run_single_suite(const BenchOptions& o) {
     const double sps = j["samples_per_sec"], gf = j["train_gflops"];
     const auto& c = ceiling.count(t) ? ceiling[t] : std::vector<double>{0, 0};
     j["load_avg_1m"] = load[0];
+    j["variables"] = variables;
     j["sgemm_peak_gflops"] = c[0];
     j["sgemm_peak_shape"] = kGemmShapes[0].name();
     j["sgemm_conv_like_gflops"] = c[1];
