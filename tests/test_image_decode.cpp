@@ -102,6 +102,7 @@ TEST_CASE("decode: bad files are errors naming the file, never a crash or a gray
     const std::string e = error_of([&] { decode_image(tmp.str(c.name)); });
     CHECK_MESSAGE(e.rfind(tmp.str(c.name) + ": " + c.says, 0) == 0, e);
     CHECK(e.find('\n') == std::string::npos);
+    CHECK_MESSAGE(e.find(".cpp:") == std::string::npos, e);  // the file's fault, not a source line
   }
   CHECK(error_of([&] { decode_image(tmp.str("missing.jpg")); }).find("no such file") !=
         std::string::npos);

@@ -176,9 +176,9 @@ RgbImage decode_image(const std::vector<uint8_t>& bytes, const std::string& name
       throw Error(fmt::format("{}: corrupt PNG image: {}", name, r.message));
     return out;
   }
-  REPLICA_CHECK(bytes.size() >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF,
-                "{}: not a JPEG or PNG image ({} bytes{})", name, bytes.size(),
-                bytes.empty() ? ", empty" : "");
+  if (bytes.size() < 3 || bytes[0] != 0xFF || bytes[1] != 0xD8 || bytes[2] != 0xFF)
+    throw Error(fmt::format("{}: not a JPEG or PNG image ({} bytes{})", name, bytes.size(),
+                            bytes.empty() ? ", empty" : ""));
   RgbImage out;
   std::vector<uint8_t> row;
   JpegErrors errors;
