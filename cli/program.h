@@ -89,6 +89,27 @@ inline void group_options(CLI::App& app, const std::string& name) {
     if (opt->get_group() == "Options" && opt->get_name() != "--help") opt->group(name);
 }
 
+// CLI11's "Could not convert: --batch-size = abc" in the words of the other flag errors:
+// "--batch-size 'abc': expected a whole number", or "the number is too large" for a whole number
+// beyond the flag's type (--accumulate 99999999999). "" where the message is not that one.
+inline std::string bad_value(const CLI::App& app, const std::string& message) {
+  const std::string head = "Could not convert: ";
+  const size_t eq = message.find(" = ");
+  if (message.rfind(head, 0) != 0 || eq == std::string::npos) return "";
+  const std::string name = message.substr(head.size(), eq - head.size());
+  const std::string text = message.substr(eq + 3);
+  const CLI::Option* opt = app.get_option_no_throw(name);
+  const std::string type = opt != nullptr ? opt->get_type_name() : "";
+  char* end = nullptr;
+  std::strtoll(text.c_str(), &end, 10);
+  const bool whole = !text.empty() && *end == '\0';
+  if (type == "INT" || type == "UINT")
+    return fmt::format("{} '{}': {}", name, text,
+                       whole ? "the number is too large" : "expected a whole number");
+  if (type == "FLOAT") return fmt::format("{} '{}': expected a number", name, text);
+  return "";
+}
+
 // Returns an exit code when the program should stop now (help printed). A bad flag is a
 // UsageError, so it takes run_program's one path: one line, exit 2, and under replica-launch
 // one line for all ranks rather than one per rank.
@@ -106,6 +127,7 @@ inline std::optional<int> parse_cli(CLI::App& app, int argc, char** argv) {
         !unknown.empty())
       throw UsageError(unknown + " (see --help)");
     std::string msg = e.what();
+    if (const std::string bad = bad_value(app, msg); !bad.empty()) msg = bad;
     std::replace(msg.begin(), msg.end(), '\n', ' ');
     throw UsageError(msg + " (see --help)");
   }

@@ -58,6 +58,10 @@ TEST_CASE("bad flags and values are one-line errors") {
                       "(see --help)\n");
   }
   expect_clean_error(data + " --batch-size 0", "--batch-size");
+  expect_clean_error(data + " --batch-size abc", "--batch-size 'abc': expected a whole number");
+  expect_clean_error(data + " --accumulate 99999999999",
+                     "--accumulate '99999999999': the number is too large");
+  expect_clean_error(data + " --lr fast", "--lr 'fast': expected a number");
   expect_clean_error(data + " --lr -0.1", "learning rate");
   expect_clean_error(data + " --lr nan", "learning rate");
   expect_clean_error(data + " --model resnet7", "resnet7");
@@ -118,7 +122,8 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_clean_error(data + " --mode ddp --devices cpu*2 --backend nccl",
                      "--backend nccl needs a GPU per rank");
   // A value CLI11 rejects takes the same path: one line for all ranks.
-  expect_clean_error(data + " --mode ddp --devices cpu*2 --epochs abc", "--epochs = abc");
+  expect_clean_error(data + " --mode ddp --devices cpu*2 --epochs abc",
+                     "--epochs 'abc': expected a whole number");
   // An empty value is not "not given".
   expect_clean_error(data + " --devices ''", "--devices '': give a value");
   expect_clean_error(data + " --trace ''", "--trace '': give a value");
