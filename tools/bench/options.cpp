@@ -17,7 +17,8 @@ std::vector<int64_t> resolve_input_shape(const BenchOptions& o) {
 
 void validate_common(const BenchOptions& o) {
   check_model_name(o.model);
-  REPLICA_USAGE_CHECK(o.batch >= 1, "--batch must be at least 1, got {}", o.batch);
+  REPLICA_USAGE_CHECK(o.batch >= 1, "--batch (--batch-per-device) must be at least 1, got {}",
+                      o.batch);
   // -1: not given, chosen later from a measured step time (dp/ddp).
   REPLICA_USAGE_CHECK(o.steps >= 1 || o.steps == -1, "--steps must be at least 1, got {}", o.steps);
   REPLICA_USAGE_CHECK(o.warmup >= 0 || o.warmup == -1, "--warmup must be >= 0, got {}", o.warmup);
