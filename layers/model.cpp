@@ -147,6 +147,10 @@ std::vector<std::string> model_names() {
 std::unique_ptr<Model> make_model(const std::string& name, const Shape& input_shape,
                                   int64_t num_classes) {
   REPLICA_USAGE_CHECK(num_classes >= 2, "a classifier needs at least 2 classes");
+  // Far above any dataset's (ImageNet-21k: 21,841), and the last layer's weights, gradients and
+  // Adam state at 2^20 classes are already gigabytes: 10^8 classes filled the host's memory.
+  REPLICA_USAGE_CHECK(num_classes <= (int64_t(1) << 20),
+                      "a classifier of {} classes: at most 1048576 (2^20)", num_classes);
   REPLICA_USAGE_CHECK(input_shape.size() == 3 && input_shape[0] > 0 && input_shape[1] > 0 &&
                           input_shape[2] > 0,
                       "model input must be CxHxW, got {}", shape_str(input_shape));

@@ -213,18 +213,7 @@ void resolve_flags(const CLI::App& app, TrainConfig& c, const TypedFlags& t) {
   c.engine.threads_per_device = t.threads;
   c.evaluate = !t.no_eval;
   c.shuffle = !t.no_shuffle;
-  // An image folder's images are cropped to the input shape; MNIST-format images are used
-  // as they are.
-  const bool image_folder = !c.synthetic && is_image_folder(c.data_dir);
-  if (!t.input_shape.empty()) {
-    REPLICA_USAGE_CHECK(c.synthetic || image_folder,
-                        "--input-shape applies to --synthetic data and image folders");
-    c.engine.input_shape = parse_input_shape(t.input_shape);
-  } else if ((c.synthetic && c.engine.model != "cnn" && t.preset.empty()) || image_folder) {
-    c.engine.input_shape = {3, 224, 224};
-  }
-  REPLICA_USAGE_CHECK(!t.no_augment || image_folder, "--no-augment applies to image folders");
-  c.augment = !t.no_augment;
+  // The directory first: a flag that needs an image folder cannot hide that it is missing.
   if (!c.synthetic) {
     namespace fs = std::filesystem;
     REPLICA_USAGE_CHECK(!c.data_dir.empty(),
@@ -242,6 +231,22 @@ void resolve_flags(const CLI::App& app, TrainConfig& c, const TypedFlags& t) {
                             ? " (run tools/setup.sh, which installs dataset-fashion-mnist)"
                             : "");
   }
+  // An image folder's images are cropped to the input shape; MNIST-format images are used
+  // as they are.
+  const bool image_folder = !c.synthetic && is_image_folder(c.data_dir);
+  if (!t.input_shape.empty()) {
+    REPLICA_USAGE_CHECK(c.synthetic || image_folder,
+                        "--input-shape applies to --synthetic data and image folders, and {} has "
+                        "no train/ directory of class directories", c.data_dir);
+    c.engine.input_shape = parse_input_shape(t.input_shape);
+  } else if ((c.synthetic && c.engine.model != "cnn" && t.preset.empty()) || image_folder) {
+    c.engine.input_shape = {3, 224, 224};
+  }
+  REPLICA_USAGE_CHECK(!t.no_augment || image_folder, "--no-augment applies to image folders{}",
+                      c.synthetic ? ", not --synthetic data"
+                                  : fmt::format(", and {} has no train/ directory of class "
+                                                "directories", c.data_dir));
+  c.augment = !t.no_augment;
   validate(c);  // flags and the device string
   for (const ModeFlag& f : mode_flags())  // typed for another mode: said, not ignored
     REPLICA_USAGE_CHECK(!app.count(f.flag) || std::count(f.modes.begin(), f.modes.end(), c.mode),

@@ -59,6 +59,8 @@ TEST_CASE("bad flags and values are one-line errors") {
   }
   expect_clean_error(data + " --batch-size 0", "--batch-size");
   expect_clean_error(data + " --batch-size abc", "--batch-size 'abc': expected a whole number");
+  expect_clean_error("--synthetic --num-classes 100000000 --max-steps 1 --quiet",
+                     "a classifier of 100000000 classes: at most 1048576 (2^20)");
   expect_clean_error(data + " --accumulate 99999999999",
                      "--accumulate '99999999999': the number is too large");
   expect_clean_error(data + " --lr fast", "--lr 'fast': expected a number");

@@ -7,6 +7,7 @@
 #include "cli_helpers.h"
 #include "image_files.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <random>
@@ -106,6 +107,20 @@ TEST_CASE("decode: bad files are errors naming the file, never a crash or a gray
   }
   CHECK(error_of([&] { decode_image(tmp.str("missing.jpg")); }).find("no such file") !=
         std::string::npos);
+  {
+    // A 44-byte PNG whose text chunk (after IHDR's 33 bytes) says it is 2 GB long: an error,
+    // and not 2 GB of memory first (a loader decodes one such file per core).
+    std::vector<uint8_t> liar(png.begin(), png.begin() + 33);
+    for (const int b : {0x7F, 0xFF, 0xFF, 0xFF, int('t'), int('E'), int('X'), int('t'), 1, 2, 3})
+      liar.push_back(uint8_t(b));
+    test::put_bytes(tmp.str("liar.png"), liar);
+    rusage before{}, after{};
+    getrusage(RUSAGE_SELF, &before);
+    const std::string e = error_of([&] { decode_image(tmp.str("liar.png")); });
+    getrusage(RUSAGE_SELF, &after);
+    CHECK_MESSAGE(e.rfind(tmp.str("liar.png") + ": corrupt PNG image", 0) == 0, e);
+    CHECK((after.ru_maxrss - before.ru_maxrss) / 1024 < 256);  // MB more at the peak
+  }
   // Every cut of a JPEG and PNG, and bytes changed at random: an error or an image of the
   // right size, nothing else (no crash, no abort, no message on stderr).
   std::fflush(stderr);

@@ -7,6 +7,8 @@
 #include "cli_helpers.h"
 #include "image_files.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <fstream>
 
@@ -119,6 +121,11 @@ TEST_CASE("image folder: what is missing or wrong is named before training") {
   int32_t label = 0;
   CHECK(error_of([&] { train->read(&cat, 1, img.data(), &label); })
             .rfind(tmp.str("set/train/cat/c1.JPEG") + ": corrupt JPEG image", 0) == 0);
+  // A pipe named like an image is refused when listed: opening it would block for good.
+  REQUIRE(mkfifo(tmp.str("set/train/cat/pipe.jpg").c_str(), 0600) == 0);
+  CHECK(error_of([&] { open_image_folder(dir, true, o); }) ==
+        tmp.str("set/train/cat/pipe.jpg") +
+            ": not a regular file (a pipe, socket or device), so not an image");
 }
 
 TEST_CASE("replica-train on an image folder: DP and DDP, flags that do not apply") {
@@ -153,7 +160,15 @@ TEST_CASE("replica-train on an image folder: DP and DDP, flags that do not apply
   test::expect_clean_error("replica-train", "--data " + tmp.str("mnist") + " --no-augment",
                            "--no-augment applies to image folders");
   test::expect_clean_error("replica-train", "--data " + tmp.str("mnist") + " --input-shape 1x8x8",
-                           "--input-shape applies to --synthetic data and image folders");
+                           "--input-shape applies to --synthetic data and image folders, and " +
+                               tmp.str("mnist") + " has no train/ directory of class directories");
+  // A missing directory is named as such, before a flag that needs an image folder; a split
+  // given for the folder says what an image folder is.
+  test::expect_clean_error("replica-train", "--data " + tmp.str("nowhere") + " --input-shape 3x8x8",
+                           "data directory '" + tmp.str("nowhere") + "' does not exist");
+  test::expect_clean_error("replica-train", "--data " + tmp.str("set/train") + " --max-steps 1",
+                           "; or, for an image folder, give the directory that holds "
+                           "train/<class>/ and val/<class>/");
   test::fs::remove_all(tmp.path / "set/val");
   test::expect_clean_error("replica-train", "--data " + tmp.str("set"),
                            tmp.str("set/val") + ": no such directory");
@@ -202,6 +217,12 @@ TEST_CASE("replica-bench --suite loader --data: an image folder's decoding rate"
                            "--data is read by --suite loader");
   test::expect_clean_error("replica-bench", "--suite loader --data " + tmp.str("set/train"),
                            "not an image folder");
+  // A batch larger than the folder (it has 5 images) is refused, at any size.
+  for (const char* batch : {"6", "1000", "100000000"})
+    test::expect_clean_error("replica-bench",
+                             "--suite loader --data " + tmp.str("set") +
+                                 " --input-shape 3x32x32 --steps 1 --warmup 0 --batch " + batch,
+                             "has 5 samples; a batch may hold at most that many");
 }
 
 TEST_CASE("replica-data writes the samples the training reads, as safetensors") {

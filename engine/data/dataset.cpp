@@ -175,9 +175,14 @@ void require_mnist_files(const std::string& dir, const std::vector<std::string>&
                                  dir, kMnistFiles));
   DIR* d = ::opendir(dir.c_str());
   if (!d) throw UsageError(fmt::format("{}: cannot open directory: {}", dir, std::strerror(errno)));
-  bool empty = true;
+  bool empty = true, folders = false;
   while (dirent* e = ::readdir(d))
-    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) empty = false;
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+      empty = false;
+      struct stat sub {};
+      if (::stat((dir + "/" + e->d_name).c_str(), &sub) == 0 && S_ISDIR(sub.st_mode))
+        folders = true;
+    }
   ::closedir(d);
   if (empty)
     throw UsageError(fmt::format("{}: directory is empty (expected {})", dir, kMnistFiles));
@@ -193,8 +198,13 @@ void require_mnist_files(const std::string& dir, const std::vector<std::string>&
         missing.push_back(entry);
       }
   if (!missing.empty())
-    throw UsageError(fmt::format("{}: missing {} of the {} MNIST-format files needed: {}", dir,
-                                 missing.size(), 2 * splits.size(), fmt::join(missing, ", ")));
+    throw UsageError(fmt::format(
+        "{}: missing {} of the {} MNIST-format files needed: {}{}", dir, missing.size(),
+        2 * splits.size(), fmt::join(missing, ", "),
+        // Directories in it: most likely an image folder's split, or one without train/.
+        folders ? "; or, for an image folder, give the directory that holds train/<class>/ and "
+                  "val/<class>/"
+                : ""));
 }
 
 }  // namespace

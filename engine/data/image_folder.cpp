@@ -56,8 +56,12 @@ std::vector<std::string> class_images(const fs::path& dir) {
   for (auto it = fs::recursive_directory_iterator(dir, opts, ec);
        !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
     std::error_code kind;  // a dangling link is skipped, not an error of the walk
-    if (!it->is_directory(kind) && is_image_name(it->path()))
-      found.emplace_back(it->path().parent_path().string(), it->path().filename().string());
+    const fs::file_status status = it->status(kind);
+    if (kind || fs::is_directory(status) || !is_image_name(it->path())) continue;
+    // A pipe would block the loader's open() for good, a device read without end.
+    REPLICA_USAGE_CHECK(fs::is_regular_file(status), "{}: not a regular file (a pipe, socket or "
+                        "device), so not an image", it->path().string());
+    found.emplace_back(it->path().parent_path().string(), it->path().filename().string());
   }
   REPLICA_USAGE_CHECK(!ec, "{}: cannot list: {}", dir.string(), ec.message());
   REPLICA_USAGE_CHECK(!found.empty(), "{}: no images in it (.jpg, .jpeg or .png files)",

@@ -77,6 +77,9 @@ int run_loader_suite(const BenchOptions& o) {
     // One epoch covers every timed batch: no epoch boundary inside a window.
     data = make_synthetic((warmup + batches) * o.batch, resolve_input_shape(o), 10, o.seed);
   }
+  REPLICA_USAGE_CHECK(o.batch <= data->size(),
+                      "--batch {}: the dataset has {} samples; a batch may hold at most that many",
+                      o.batch, data->size());
   const Shape shape = data->sample_shape();
   const double mb_per_sample = double(shape_numel(shape)) * 4 / 1e6;
   std::printf("replica-bench: suite loader, %s, batch %lld, %lld batches after %lld, %d cores\n",
