@@ -3,7 +3,6 @@
 // backend's scratch and cuDNN's workspace come from the allocator). One context per device (per
 // logical/virtual device); used by one thread at a time.
 #pragma once
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>

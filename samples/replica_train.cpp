@@ -234,18 +234,18 @@ void resolve_flags(const CLI::App& app, TrainConfig& c, const TypedFlags& t) {
   // An image folder's images are cropped to the input shape; MNIST-format images are used
   // as they are.
   const bool image_folder = !c.synthetic && is_image_folder(c.data_dir);
+  const std::string not_folder =
+      fmt::format("{} has no train/ directory of class directories", c.data_dir);
   if (!t.input_shape.empty()) {
     REPLICA_USAGE_CHECK(c.synthetic || image_folder,
-                        "--input-shape applies to --synthetic data and image folders, and {} has "
-                        "no train/ directory of class directories", c.data_dir);
+                        "--input-shape applies to --synthetic data and image folders, and {}",
+                        not_folder);
     c.engine.input_shape = parse_input_shape(t.input_shape);
   } else if ((c.synthetic && c.engine.model != "cnn" && t.preset.empty()) || image_folder) {
     c.engine.input_shape = {3, 224, 224};
   }
   REPLICA_USAGE_CHECK(!t.no_augment || image_folder, "--no-augment applies to image folders{}",
-                      c.synthetic ? ", not --synthetic data"
-                                  : fmt::format(", and {} has no train/ directory of class "
-                                                "directories", c.data_dir));
+                      c.synthetic ? ", not --synthetic data" : ", and " + not_folder);
   c.augment = !t.no_augment;
   validate(c);  // flags and the device string
   for (const ModeFlag& f : mode_flags())  // typed for another mode: said, not ignored

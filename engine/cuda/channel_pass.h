@@ -14,7 +14,6 @@
 // Included by the CUDA backend's .cu files only.
 #pragma once
 #include <algorithm>
-#include <cstdlib>
 #include <initializer_list>
 #include <type_traits>
 

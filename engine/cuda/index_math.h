@@ -16,7 +16,6 @@
 // which real shapes reach only past 2^31 values: the GPU parity tests run it on small ones.
 #pragma once
 #include <cstdint>
-#include <cstdlib>
 
 #include "engine/error.h"
 #include "engine/env_switch.h"

@@ -161,6 +161,23 @@ constexpr const char* kMnistFiles =
     "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
     "t10k-labels-idx1-ubyte (each optionally .gz)";
 
+// Whether `dir` holds a directory (read only to word an error).
+bool holds_directories(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return false;
+  bool found = false;
+  while (dirent* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+    struct stat st {};
+    if (::stat((dir + "/" + e->d_name).c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+      found = true;
+      break;
+    }
+  }
+  ::closedir(d);
+  return found;
+}
+
 // A UsageError unless `dir` is a directory with something in it, and holds the files of
 // `splits` ("train", "t10k"): every missing one is named.
 void require_mnist_files(const std::string& dir, const std::vector<std::string>& splits) {
@@ -175,14 +192,9 @@ void require_mnist_files(const std::string& dir, const std::vector<std::string>&
                                  dir, kMnistFiles));
   DIR* d = ::opendir(dir.c_str());
   if (!d) throw UsageError(fmt::format("{}: cannot open directory: {}", dir, std::strerror(errno)));
-  bool empty = true, folders = false;
+  bool empty = true;
   while (dirent* e = ::readdir(d))
-    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
-      empty = false;
-      struct stat sub {};
-      if (::stat((dir + "/" + e->d_name).c_str(), &sub) == 0 && S_ISDIR(sub.st_mode))
-        folders = true;
-    }
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) empty = false;
   ::closedir(d);
   if (empty)
     throw UsageError(fmt::format("{}: directory is empty (expected {})", dir, kMnistFiles));
@@ -202,7 +214,7 @@ void require_mnist_files(const std::string& dir, const std::vector<std::string>&
         "{}: missing {} of the {} MNIST-format files needed: {}{}", dir, missing.size(),
         2 * splits.size(), fmt::join(missing, ", "),
         // Directories in it: most likely an image folder's split, or one without train/.
-        folders ? "; or, for an image folder, give the directory that holds train/<class>/ and "
+        holds_directories(dir) ? "; or, for an image folder, give the directory that holds train/<class>/ and "
                   "val/<class>/"
                 : ""));
 }

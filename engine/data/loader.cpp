@@ -225,12 +225,12 @@ void Loader::start_epoch(std::vector<int64_t> indices, int64_t epoch, int64_t fi
                         "epoch {}: sample index {} (position {}) is outside the dataset of {} "
                         "samples",
                         epoch, indices[i], i, size);
-  // The buffers hold min(batch, dataset) rows: an order longer than the dataset (epochs one
-  // after another) must not make a batch larger than that.
-  REPLICA_CHECK(std::min<int64_t>(batch_size_, int64_t(indices.size())) <=
-                    std::max<int64_t>(size, 1),
-                "loader: batches of {} from {} indices, but the dataset (and so each buffer) "
-                "has {} samples", batch_size_, indices.size(), size);
+  // The buffers hold at most the dataset's rows: an order longer than the dataset (epochs one
+  // after another) must not make a batch larger than they are.
+  const int64_t rows = state_->slots.front().indices.shape()[0];
+  REPLICA_CHECK(std::min<int64_t>(batch_size_, int64_t(indices.size())) <= rows,
+                "loader: batches of {} from {} indices, but each buffer holds {} rows (the "
+                "dataset's {} samples)", batch_size_, indices.size(), rows, size);
   const int64_t total = batches_per_epoch(static_cast<int64_t>(indices.size()));
   REPLICA_USAGE_CHECK(first_batch >= 0 && first_batch <= total,
                       "epoch {}: cannot start at batch {}: the epoch has {} batches", epoch,

@@ -128,10 +128,9 @@ std::string variables_text(const nlohmann::json& variables) {
   return text;
 }
 
-nlohmann::json announce_variables() {
-  nlohmann::json set = tuning_variables();
-  if (!set.empty()) std::printf("replica-bench: environment: %s\n", variables_text(set).c_str());
-  return set;
+void announce_variables(const nlohmann::json& variables) {
+  const std::string text = variables_text(variables);
+  if (!text.empty()) std::printf("replica-bench: environment: %s\n", text.c_str());
 }
 
 nlohmann::json environment() {

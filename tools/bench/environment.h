@@ -17,14 +17,14 @@ nlohmann::json environment();
 // The environment variables set for this run that change what replica runs or how fast:
 // replica's own switches (REPLICA_PAD_CHANNELS=0, ...), NCCL's, Gloo's, OpenBLAS's, OpenMP's
 // and cuDNN's, CUDA's that change what runs (CUDA_VISIBLE_DEVICES, CUDA_LAUNCH_BLOCKING, ...)
-// and NVIDIA_TF32_OVERRIDE, as an object of name -> value. Two rows of one model measured with and without
-// a switch then say which was which. REPLICA_COMMIT is the commit, recorded as such.
+// and NVIDIA_TF32_OVERRIDE, as an object of name -> value. Two rows of one model measured with
+// and without a switch then say which was which. REPLICA_COMMIT is the commit, recorded as such.
 nlohmann::json tuning_variables();
 // "NCCL_ALGO=Ring, REPLICA_PAD_CHANNELS=0", or "" when none is set.
 std::string variables_text(const nlohmann::json& variables);
-// tuning_variables(), printed first as "replica-bench: environment: ..." when any is set, so a
-// suite's log says what its rows were measured under.
-nlohmann::json announce_variables();
+// Prints "replica-bench: environment: ..." where any variable is set, so a suite's log says
+// what its rows were measured under.
+void announce_variables(const nlohmann::json& variables);
 
 // The kernels OpenBLAS runs here and who chose them: "Haswell kernels (set by
 // OPENBLAS_CORETYPE)" or "SkylakeX kernels (OpenBLAS's choice for this CPU)". The sgemm ceiling

@@ -185,7 +185,7 @@ Measured measure(const BenchOptions& o) {
               (long long)s.run.batch_per_device, s.run.threads_per_device,
               s.run.threads_per_device == 1 ? "" : "s", s.run.repeat, (long long)s.run.warmup,
               (long long)s.run.steps);
-  announce_variables();  // also in m.env, each row's
+  announce_variables(m.env["variables"]);
   std::fflush(stdout);
   if (!o.report_dir.empty() && !o.skip_alpha_beta && s.counts.back() >= 2 &&
       s.devices.size() >= 2) {

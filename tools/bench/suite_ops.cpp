@@ -72,7 +72,8 @@ int run_ops_suite(const BenchOptions& o) {
               o.model.c_str(), device.str().c_str(), precision_name(run.precision),
               run.channels_last ? ", channels_last" : "", shape.c_str(), (long long)o.batch,
               (long long)o.steps);
-  const nlohmann::json variables = announce_variables();
+  const nlohmann::json variables = tuning_variables();
+  announce_variables(variables);
   int width = 28;  // by shape, the key is "op [shape] [shape] ...": as wide as the widest
   for (const auto& [key, s] : ops) width = std::max(width, int(key.size()));
   std::printf("%-*s %10s %10s %8s %10s %9s\n", width, o.by_shape ? "op and tensor shapes" : "op",

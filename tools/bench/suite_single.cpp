@@ -198,7 +198,8 @@ int run_single_suite(const BenchOptions& o) {
   // 1. The sgemm ceiling for every thread count, measured in this run.
   std::printf("replica-bench: suite %s, %d cores, load average %.2f %.2f %.2f\n",
               o.suite.c_str(), cores, load[0], load[1], load[2]);
-  const nlohmann::json variables = announce_variables();
+  const nlohmann::json variables = tuning_variables();
+  announce_variables(variables);
   std::printf("sgemm ceiling (OpenBLAS, %s, one thread per call; t threads call it concurrently "
               "in one task_arena; median of %d x %.1f s):\n",
               blas_kernels().c_str(), o.repeat, o.sgemm_seconds);
