@@ -119,14 +119,20 @@ float LrSchedule::at(float lr0, int64_t step, int64_t total, int64_t epoch) cons
   return lr0;
 }
 
-std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& o) {
+void check_optimizer_options(const OptimizerOptions& o) {
+  REPLICA_USAGE_CHECK(o.name == "sgd" || o.name == "adam", "unknown optimizer '{}' (sgd, adam)",
+                      o.name);
   REPLICA_USAGE_CHECK(std::isfinite(o.lr) && o.lr > 0.f,
                       "learning rate must be a positive number, got {}", o.lr);
   REPLICA_USAGE_CHECK(o.momentum >= 0.f && o.momentum < 1.f, "momentum must be in [0, 1), got {}",
                       o.momentum);
   REPLICA_USAGE_CHECK(o.weight_decay >= 0.f, "weight decay must be >= 0, got {}", o.weight_decay);
+  REPLICA_USAGE_CHECK(!o.nesterov || o.momentum > 0.f, "nesterov needs a momentum > 0");
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& o) {
+  check_optimizer_options(o);
   if (o.name == "sgd") {
-    REPLICA_USAGE_CHECK(!o.nesterov || o.momentum > 0.f, "nesterov needs a momentum > 0");
     SgdConfig c;
     c.lr = o.lr;
     c.momentum = o.momentum;
@@ -134,13 +140,10 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& o) {
     c.nesterov = o.nesterov;
     return std::make_unique<Sgd>(c);
   }
-  if (o.name == "adam") {
-    AdamConfig c;
-    c.lr = o.lr;
-    c.weight_decay = o.weight_decay;
-    return std::make_unique<Adam>(c);
-  }
-  throw UsageError(fmt::format("unknown optimizer '{}' (sgd, adam)", o.name));
+  AdamConfig c;  // the only other name the check lets through
+  c.lr = o.lr;
+  c.weight_decay = o.weight_decay;
+  return std::make_unique<Adam>(c);
 }
 
 }  // namespace replica

@@ -110,8 +110,10 @@ class LrSchedule {
   double gamma_ = 0.1;  // Step: the factor at each decay
 };
 
-// Validates (UsageError): unknown name, lr <= 0 or not finite, momentum outside [0, 1),
-// negative weight decay, nesterov without momentum.
+// UsageError for an unknown name, lr <= 0 or not finite, momentum outside [0, 1), negative
+// weight decay, nesterov without momentum: what the command line is checked for before a run
+// starts (and --print-config prints), and what make_optimizer checks again.
+void check_optimizer_options(const OptimizerOptions& o);
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& o);
 
 }  // namespace replica

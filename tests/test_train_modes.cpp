@@ -5,6 +5,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -89,6 +91,23 @@ TEST_CASE("presets set their recipe; flags given with them override it") {
   auto both = run(kTrain + " --batch-size 8 --batch-per-device 4", 30);
   CHECK(both.exit_code == 2);
   CHECK(both.output.find("not both") != std::string::npos);
+}
+
+// What --print-config prints is a configuration a run accepts: replica-dp-vs-ddp checks its
+// runs' flags with it, before minutes of the first run.
+TEST_CASE("--print-config refuses what a run refuses, with the run's line") {
+  for (const auto& [args, said] : std::vector<std::pair<std::string, std::string>>{
+           {"--synthetic --lr -1", "learning rate must be a positive number, got -1"},
+           {"--synthetic --lr nan", "learning rate must be a positive number, got nan"},
+           {"--synthetic --optimizer sgd --momentum 1", "momentum must be in [0, 1), got 1"},
+           {"--synthetic --weight-decay -0.1", "weight decay must be >= 0, got -0.1"},
+           {"--synthetic --optimizer sgd --nesterov", "nesterov needs a momentum > 0"},
+           {"--synthetic --optimizer lamb", "unknown optimizer 'lamb' (sgd, adam)"},
+           {"--synthetic --optimizer lamb --momentum 0.9", "unknown optimizer 'lamb'"},
+           {"--synthetic --optimizer adam --momentum 0.9", "are SGD's"}}) {
+    test::expect_clean_error("replica-train", args + " --print-config", said);
+    test::expect_clean_error("replica-train", args + " --max-steps 1 --quiet", said);
+  }
 }
 
 TEST_CASE("--preset seed trains ResNet-101 with DDP and rank 0 saves the model") {

@@ -101,10 +101,11 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.accumulate >= 1, "--accumulate must be at least 1, got {}", c.accumulate);
   REPLICA_USAGE_CHECK(c.accumulate == 1 || c.mode == "ddp", "--accumulate applies to --mode ddp");
   // SGD's flags under Adam would be silently ignored: said instead.
-  REPLICA_USAGE_CHECK(c.engine.optimizer.name == "sgd" ||
+  REPLICA_USAGE_CHECK(c.engine.optimizer.name != "adam" ||
                           (c.engine.optimizer.momentum == 0 && !c.engine.optimizer.nesterov),
                       "--momentum and --nesterov are SGD's; this run uses --optimizer {}",
                       c.engine.optimizer.name);
+  check_optimizer_options(c.engine.optimizer);
   parse_reduce_strategy(c.reduce);  // validates the name
   REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
                       "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
