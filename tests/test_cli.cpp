@@ -1,5 +1,6 @@
 // replica-train as a user runs it: bad input gets one clear line and a non-zero exit (never a
-// crash or a hang), and a run resumed from its checkpoint continues bit-identically.
+// crash or a hang); outputs are checked before training and written whole. (Resuming:
+// test_resume.cpp.)
 #include <doctest/doctest.h>
 
 #include "checkpoint_helpers.h"
@@ -380,94 +381,4 @@ TEST_CASE("--precision: CPU devices compute in fp32 or bf16, and the run says wh
   std::ifstream in_bf16(tmp.str("b.json"));
   const auto b = nlohmann::json::parse(in_bf16);
   CHECK(b["precision"] == "bf16");
-}
-
-TEST_CASE("a run resumed from its checkpoint continues bit-identically") {
-  test::TempDir tmp;
-  test::write_mnist_dir(tmp.path / "data", 320, 64);
-  // 320 samples / batch 32 = 10 steps per epoch; stop mid-epoch 2 and resume.
-  const std::string common = kTrain + " --data " + tmp.str("data") +
-                             " --batch-size 32 --epochs 3 --deterministic --quiet --no-eval"
-                             " --threads-per-device 2 --seed 7";
-  // On a GPU the data is kept on the device ("auto"); pinned host batches copied at each step
-  // are the other path, and the one whose buffers a resumed loader refills.
-  std::vector<std::string> optimizers = {" --optimizer adam", " --optimizer sgd --momentum 0.9"};
-  if (replica::cuda_device_count() > 0)
-    optimizers.push_back(" --optimizer adam --data-placement host");
-  for (const std::string& opt : optimizers) {
-    CAPTURE(opt);
-    auto full = run(common + opt + " --checkpoint " + tmp.str("full"));
-    REQUIRE_MESSAGE(full.exit_code == 0, full.output);
-    auto part = run(common + opt + " --max-steps 13 --checkpoint " + tmp.str("part"));
-    REQUIRE_MESSAGE(part.exit_code == 0, part.output);
-    auto rest = run(common + opt + " --resume --checkpoint " + tmp.str("part"));
-    REQUIRE_MESSAGE(rest.exit_code == 0, rest.output);
-
-    CHECK(replica::load_checkpoint(tmp.str("full/checkpoint.safetensors")).metadata.at("step") ==
-          "30");
-    test::check_same_checkpoint(tmp.str("full/checkpoint.safetensors"),
-                                tmp.str("part/checkpoint.safetensors"));
-    test::fs::remove_all(tmp.path / "full");
-    test::fs::remove_all(tmp.path / "part");
-  }
-}
-
-// --epochs and --max-steps count from the run's first step: a resumed run that has them all
-// says so and evaluates the model (exit 0, no empty table; a run stopped during its last step
-// saved it unevaluated), one told to stop before the checkpoint's step is refused.
-TEST_CASE("resume at or past the end of the planned run") {
-  test::TempDir tmp;
-  test::write_mnist_dir(tmp.path / "data", 128, 32);  // 4 steps per epoch at batch 32
-  const std::string base = "--data " + tmp.str("data") + " --batch-size 32 --no-eval " +
-                           "--checkpoint " + tmp.str("ck");
-  REQUIRE(run(kTrain + " " + base + " --quiet").exit_code == 0);
-  const std::string evaluated = "--data " + tmp.str("data") + " --batch-size 32 --checkpoint " +
-                                tmp.str("ck");
-  auto again = run(kTrain + " " + evaluated + " --resume");
-  INFO(again.output);
-  CHECK(again.exit_code == 0);
-  CHECK(again.output.find("nothing left to train: the checkpoint has all 4 steps that --epochs 1 "
-                          "plan") != std::string::npos);
-  CHECK(again.output.find("train loss") == std::string::npos);
-  CHECK(again.output.find("\ntest accuracy 0.") != std::string::npos);
-  expect_clean_error(base + " --resume --max-steps 2 --quiet",
-                     "--resume: the checkpoint in " + tmp.str("ck") + " is at step 4, past the "
-                     "2 steps that --epochs 1 --max-steps 2 plan");
-  auto more = run(kTrain + " " + base + " --resume --epochs 2 --quiet");
-  REQUIRE_MESSAGE(more.exit_code == 0, more.output);
-  CHECK(load_checkpoint(tmp.str("ck/checkpoint.safetensors")).metadata.at("step") == "8");
-}
-
-TEST_CASE("resume refuses a checkpoint of another model or batch size") {
-  test::TempDir tmp;
-  test::write_mnist_dir(tmp.path / "data", 128, 32);
-  const std::string base = kTrain + " --data " + tmp.str("data") + " --quiet --no-eval --max-steps 2";
-  REQUIRE(run(base + " --batch-size 32 --checkpoint " + tmp.str("ck")).exit_code == 0);
-  expect_clean_error("--data " + tmp.str("data") +
-                         " --quiet --max-steps 3 --batch-size 16 --resume --checkpoint " +
-                         tmp.str("ck"),
-                     "batch size");
-  // Metadata that is not a count, and a tensor of another dtype, are named.
-  const std::string ck = tmp.str("ck/checkpoint.safetensors");
-  const std::string resume = "--data " + tmp.str("data") +
-                             " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
-                             tmp.str("ck");
-  Checkpoint good = load_checkpoint(ck);
-  for (const char* epoch : {"-1", "abc", "99999999999999999999"}) {
-    Checkpoint bad = good;
-    bad.metadata["epoch"] = epoch;
-    save_checkpoint(ck, bad);
-    expect_clean_error(resume, fmt::format("metadata 'epoch' is '{}', not a count", epoch));
-  }
-  Checkpoint retyped = good;
-  for (auto& [name, t] : retyped.tensors)
-    if (name == "model.fc2.bias") t = Tensor::empty(host_allocator(), t.shape(), DType::I32);
-  save_checkpoint(ck, retyped);
-  expect_clean_error(resume, "tensor 'model.fc2.bias' is I32, expected F32");
-  // A corrupt checkpoint is an error, not a crash.
-  test::fs::resize_file(tmp.path / "ck" / "checkpoint.safetensors", 100);
-  expect_clean_error("--data " + tmp.str("data") +
-                         " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
-                         tmp.str("ck"),
-                     "checkpoint");
 }

@@ -93,7 +93,8 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
                      {"batch_size", std::to_string(batch_size)},
                      {"epoch", std::to_string(pos.epoch)},
                      {"batch_in_epoch", std::to_string(pos.batch_in_epoch)},
-                     {"step", std::to_string(pos.global_step)}});
+                     {"step", std::to_string(pos.global_step)},
+                     {"precision", precision_name(engine.primary().precision())}});
   if (pos.best_epoch > 0)
     c.metadata.insert({{"best_accuracy", fmt::format("{}", pos.best_accuracy)},
                        {"best_epoch", std::to_string(pos.best_epoch)}});
@@ -150,6 +151,13 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
   if (c.metadata.count("best_epoch")) {  // absent: no epoch evaluated (or an older checkpoint)
     pos.best_epoch = int64_t(meta_count(c, "best_epoch", path, 1));
     pos.best_accuracy = meta_number(c, "best_accuracy", path, 0.0, 1.0, "a number in [0, 1]");
+  }
+  if (c.metadata.count("precision")) {  // absent in checkpoints older than the field
+    pos.precision = meta(c, "precision", path);
+    REPLICA_USAGE_CHECK(pos.precision == "fp32" || pos.precision == "tf32" ||
+                            pos.precision == "bf16",
+                        "{}: corrupt checkpoint: metadata 'precision' is '{}', not fp32, tf32 or "
+                        "bf16", path, pos.precision);
   }
   const int64_t optimizer_steps = int64_t(meta_count(c, "optimizer_steps", path));
   ctx.run([&] {

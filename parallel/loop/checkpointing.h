@@ -15,13 +15,16 @@ struct RunPosition {
   // -1 and 0 before any: what --save-best compares against, a resumed run included.
   double best_accuracy = -1;
   int64_t best_epoch = 0;
+  // The precision the steps so far were trained in ("fp32", "tf32", "bf16"); empty when a
+  // checkpoint does not say. Master weights are fp32 in all three, so a run may resume in another.
+  std::string precision;
 };
 
 std::string checkpoint_path(const std::string& dir);  // dir/checkpoint.safetensors
 
 // Writes atomically (never a half-written file). Tensors: "model.<param>", "buffer.<name>",
-// "optim.<state>"; metadata: format, model, optimizer, seed, epoch, batch_in_epoch, step and,
-// once an epoch was evaluated, best_accuracy and best_epoch.
+// "optim.<state>"; metadata: format, model, optimizer, seed, epoch, batch_in_epoch, step,
+// precision and, once an epoch was evaluated, best_accuracy and best_epoch.
 void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const RunPosition& pos,
                               uint64_t seed, int64_t batch_size);
 

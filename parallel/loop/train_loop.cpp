@@ -78,6 +78,11 @@ void TrainLoop::resume() {
   report_->say(fmt::format("resumed from {} at epoch {}, step {}",
                            checkpoint_path(c_.checkpoint_dir), pos_.epoch + 1,
                            pos_.global_step));
+  const std::string precision = precision_name(c_.engine.precision);
+  if (!pos_.precision.empty() && pos_.precision != precision)
+    report_->say(fmt::format("the checkpoint was trained in {}; this run goes on in {} (give "
+                             "--precision {} to keep it)",
+                             pos_.precision, precision, pos_.precision));
   // --epochs and --max-steps count from the run's first step, the resumed ones included.
   const std::string plan =
       fmt::format("--epochs {}{}", c_.epochs,

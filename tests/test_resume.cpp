@@ -1,0 +1,154 @@
+// Resuming replica-train from its checkpoint as a user does: the run continues bit-identically,
+// stops cleanly at or past its planned end, refuses a checkpoint of another model, batch size or
+// corrupt metadata, and says when it goes on in another precision than the checkpoint's.
+#include <doctest/doctest.h>
+
+#include "checkpoint_helpers.h"
+#include "cli_helpers.h"
+
+#include "engine/allocator.h"
+#include "engine/checkpoint.h"
+#include "engine/device.h"
+
+using test::run;
+using namespace replica;
+
+namespace {
+
+const std::string kTrain = test::bin("replica-train");
+
+void expect_clean_error(const std::string& args, const std::string& must_contain) {
+  test::expect_clean_error("replica-train", args, must_contain);
+}
+
+}  // namespace
+
+TEST_CASE("a run resumed from its checkpoint continues bit-identically") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 320, 64);
+  // 320 samples / batch 32 = 10 steps per epoch; stop mid-epoch 2 and resume.
+  const std::string common = kTrain + " --data " + tmp.str("data") +
+                             " --batch-size 32 --epochs 3 --deterministic --quiet --no-eval"
+                             " --threads-per-device 2 --seed 7";
+  // On a GPU the data is kept on the device ("auto"); pinned host batches copied at each step
+  // are the other path, and the one whose buffers a resumed loader refills.
+  std::vector<std::string> optimizers = {" --optimizer adam", " --optimizer sgd --momentum 0.9"};
+  if (replica::cuda_device_count() > 0)
+    optimizers.push_back(" --optimizer adam --data-placement host");
+  for (const std::string& opt : optimizers) {
+    CAPTURE(opt);
+    auto full = run(common + opt + " --checkpoint " + tmp.str("full"));
+    REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+    auto part = run(common + opt + " --max-steps 13 --checkpoint " + tmp.str("part"));
+    REQUIRE_MESSAGE(part.exit_code == 0, part.output);
+    auto rest = run(common + opt + " --resume --checkpoint " + tmp.str("part"));
+    REQUIRE_MESSAGE(rest.exit_code == 0, rest.output);
+
+    CHECK(replica::load_checkpoint(tmp.str("full/checkpoint.safetensors")).metadata.at("step") ==
+          "30");
+    test::check_same_checkpoint(tmp.str("full/checkpoint.safetensors"),
+                                tmp.str("part/checkpoint.safetensors"));
+    test::fs::remove_all(tmp.path / "full");
+    test::fs::remove_all(tmp.path / "part");
+  }
+}
+
+// --epochs and --max-steps count from the run's first step: a resumed run that has them all
+// says so and evaluates the model (exit 0, no empty table; a run stopped during its last step
+// saved it unevaluated), one told to stop before the checkpoint's step is refused.
+TEST_CASE("resume at or past the end of the planned run") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 128, 32);  // 4 steps per epoch at batch 32
+  const std::string base = "--data " + tmp.str("data") + " --batch-size 32 --no-eval " +
+                           "--checkpoint " + tmp.str("ck");
+  REQUIRE(run(kTrain + " " + base + " --quiet").exit_code == 0);
+  const std::string evaluated = "--data " + tmp.str("data") + " --batch-size 32 --checkpoint " +
+                                tmp.str("ck");
+  auto again = run(kTrain + " " + evaluated + " --resume");
+  INFO(again.output);
+  CHECK(again.exit_code == 0);
+  CHECK(again.output.find("nothing left to train: the checkpoint has all 4 steps that --epochs 1 "
+                          "plan") != std::string::npos);
+  CHECK(again.output.find("train loss") == std::string::npos);
+  CHECK(again.output.find("\ntest accuracy 0.") != std::string::npos);
+  expect_clean_error(base + " --resume --max-steps 2 --quiet",
+                     "--resume: the checkpoint in " + tmp.str("ck") + " is at step 4, past the "
+                     "2 steps that --epochs 1 --max-steps 2 plan");
+  auto more = run(kTrain + " " + base + " --resume --epochs 2 --quiet");
+  REQUIRE_MESSAGE(more.exit_code == 0, more.output);
+  CHECK(load_checkpoint(tmp.str("ck/checkpoint.safetensors")).metadata.at("step") == "8");
+}
+
+TEST_CASE("resume refuses a checkpoint of another model or batch size") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 128, 32);
+  const std::string base =
+      kTrain + " --data " + tmp.str("data") + " --quiet --no-eval --max-steps 2";
+  REQUIRE(run(base + " --batch-size 32 --checkpoint " + tmp.str("ck")).exit_code == 0);
+  expect_clean_error("--data " + tmp.str("data") +
+                         " --quiet --max-steps 3 --batch-size 16 --resume --checkpoint " +
+                         tmp.str("ck"),
+                     "batch size");
+  // Metadata that is not a count, and a tensor of another dtype, are named.
+  const std::string ck = tmp.str("ck/checkpoint.safetensors");
+  const std::string resume = "--data " + tmp.str("data") +
+                             " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
+                             tmp.str("ck");
+  Checkpoint good = load_checkpoint(ck);
+  for (const char* epoch : {"-1", "abc", "99999999999999999999"}) {
+    Checkpoint bad = good;
+    bad.metadata["epoch"] = epoch;
+    save_checkpoint(ck, bad);
+    expect_clean_error(resume, fmt::format("metadata 'epoch' is '{}', not a count", epoch));
+  }
+  Checkpoint retyped = good;
+  for (auto& [name, t] : retyped.tensors)
+    if (name == "model.fc2.bias") t = Tensor::empty(host_allocator(), t.shape(), DType::I32);
+  save_checkpoint(ck, retyped);
+  expect_clean_error(resume, "tensor 'model.fc2.bias' is I32, expected F32");
+  // A corrupt checkpoint is an error, not a crash.
+  test::fs::resize_file(tmp.path / "ck" / "checkpoint.safetensors", 100);
+  expect_clean_error("--data " + tmp.str("data") +
+                         " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
+                         tmp.str("ck"),
+                     "checkpoint");
+}
+
+// The checkpoint records the precision its steps were trained in. Master weights and optimizer
+// state are fp32 at every precision, so a run may go on in another one; it says so, once, with
+// the flag that would keep the checkpoint's.
+TEST_CASE("a resume in another precision than the checkpoint's says so") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 128, 32);
+  const std::string base = kTrain + " --data " + tmp.str("data") +
+                           " --no-eval --batch-size 32 --checkpoint " + tmp.str("ck");
+  auto bf16 = run(base + " --quiet --max-steps 2 --precision bf16");
+  REQUIRE_MESSAGE(bf16.exit_code == 0, bf16.output);
+  const std::string ck = tmp.str("ck/checkpoint.safetensors");
+  CHECK(load_checkpoint(ck).metadata.at("precision") == "bf16");
+
+  const std::string said = "the checkpoint was trained in bf16; this run goes on in fp32 (give "
+                           "--precision bf16 to keep it)";
+  auto fp32 = run(base + " --max-steps 3 --precision fp32 --resume");
+  REQUIRE_MESSAGE(fp32.exit_code == 0, fp32.output);
+  CHECK_MESSAGE(fp32.output.find(said) != std::string::npos, fp32.output);
+  CHECK(load_checkpoint(ck).metadata.at("precision") == "fp32");
+  auto same = run(base + " --max-steps 4 --precision fp32 --resume");  // the same: nothing said
+  REQUIRE_MESSAGE(same.exit_code == 0, same.output);
+  CHECK(same.output.find("was trained in") == std::string::npos);
+
+  // A checkpoint from before the field resumes as it did; a value not a precision is corrupt.
+  Checkpoint c = load_checkpoint(ck);
+  c.metadata.erase("precision");
+  save_checkpoint(ck, c);
+  auto older = run(base + " --max-steps 5 --precision bf16 --resume");
+  REQUIRE_MESSAGE(older.exit_code == 0, older.output);
+  CHECK(older.output.find("was trained in") == std::string::npos);
+  c = load_checkpoint(ck);
+  c.metadata["precision"] = "fp16";
+  save_checkpoint(ck, c);
+  expect_clean_error("--data " + tmp.str("data") +
+                         " --quiet --no-eval --batch-size 32 --max-steps 6 --resume --checkpoint " +
+                         tmp.str("ck"),
+                     "corrupt checkpoint: metadata 'precision' is 'fp16', not fp32, tf32 or bf16");
+}
