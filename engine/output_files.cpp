@@ -168,6 +168,11 @@ void append_file_atomically(const std::string& path, const std::string& text) {
 
 StagedDirectory::StagedDirectory(const std::string& dir) : dir_(dir) {
   std::error_code ec;
+  // The directories this creates, so a set never committed leaves none behind (empty).
+  for (fs::path p = fs::absolute(dir_, ec); !p.empty() && !fs::exists(p, ec) &&
+                                            p != p.root_path();
+       p = p.parent_path())
+    created_.push_back(p.string());
   fs::create_directories(dir_, ec);
   REPLICA_USAGE_CHECK(fs::is_directory(dir_, ec), "cannot create directory '{}'", dir_);
   const std::string base = (fs::path(dir_) / ".staging").string();
@@ -180,7 +185,10 @@ StagedDirectory::StagedDirectory(const std::string& dir) : dir_(dir) {
 
 StagedDirectory::~StagedDirectory() {
   std::error_code ec;
-  if (!committed_) fs::remove_all(staging_, ec);
+  if (committed_) return;
+  fs::remove_all(staging_, ec);
+  for (const std::string& d : created_)  // innermost first; a directory written into stays
+    if (!fs::remove(d, ec)) break;
 }
 
 void StagedDirectory::commit() {

@@ -48,8 +48,9 @@ void append_file_atomically(const std::string& path, const std::string& text);
 // A set of outputs in one directory written as one (replica-bench --report): they go into a
 // hidden staging directory inside `dir`, and commit() renames each into place. A failure or a
 // signal before commit() leaves every file of `dir` as it was (the staging directory is removed
-// when this object goes, or after a signal by the next run); files `dir` holds that the set does
-// not write (a user's notes, the traces a re-rendered report keeps) stay.
+// when this object goes, or after a signal by the next run; so are the directories it created,
+// while they are empty); files `dir` holds that the set does not write (a user's notes, the
+// traces a re-rendered report keeps) stay.
 class StagedDirectory {
  public:
   explicit StagedDirectory(const std::string& dir);
@@ -64,6 +65,7 @@ class StagedDirectory {
 
  private:
   std::string dir_, staging_;
+  std::vector<std::string> created_;  // directories made for `dir`, innermost first
   std::vector<std::string> dropped_;
   bool committed_ = false;
 };

@@ -442,6 +442,12 @@ TEST_CASE("replica-bench --report: a failed run leaves the old report whole; tra
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
   CHECK_FALSE(test::fs::exists(tmp.path / "out" / "compare.jsonl"));
   CHECK(test::read_text(tmp.str("out/notes.txt")) == "mine");
+  // A failed run into directories that did not exist leaves none of them behind.
+  r = test::run(kBench + " --report " + tmp.str("new/report") + " --from-results " +
+                tmp.str("missing"));
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("cannot read results file") != std::string::npos);
+  CHECK_FALSE(test::fs::exists(tmp.path / "new"));
   CHECK(tmp.entries() == 1);
 }
 
