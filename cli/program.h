@@ -16,8 +16,12 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/parse_flags.h"
+#include "engine/context.h"
+#include "engine/env_switch.h"
 #include "engine/error.h"
 #include "parallel/rendezvous/rank_errors.h"
+
+extern char** environ;
 
 namespace replica {
 
@@ -52,6 +56,28 @@ inline size_t flag_distance(const std::string& a, const std::string& b) {
     }
   }
   return row[b.size()];
+}
+
+// The environment's switches, checked when a program starts rather than where each is read:
+// every one set must be 1 or 0 (a GPU-only switch is read on a GPU only, so a CPU run would
+// never see its typo), REPLICA_CUDNN_API one of its words, and a REPLICA_ variable one or two letters from a switch's name
+// (REPLICA_PAD_CHANNEL=0) is a typo that would otherwise time the default.
+inline void check_environment_switches() {
+  for (const EnvSwitch* s : switches::kAll) static_cast<void>(s->on());
+  static_cast<void>(conv_api_from_environment());  // read by CUDA devices only, checked here
+  std::vector<std::string> known;
+  for (const EnvSwitch* s : switches::kAll) known.push_back(s->name());
+  known.insert(known.end(), std::begin(switches::kChoices), std::end(switches::kChoices));
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('='));
+    if (name.rfind("REPLICA_", 0) != 0 ||
+        std::find(known.begin(), known.end(), name) != known.end())
+      continue;
+    for (const std::string& k : known)
+      REPLICA_USAGE_CHECK(flag_distance(name, k) > 2,
+                          "{} is not a variable replica reads (did you mean {}?)", name, k);
+  }
 }
 
 // "unknown flag --devics (did you mean --devices?)" for the first flag the parse left over that
@@ -150,6 +176,7 @@ int run_program(const char* name, Body&& body) {
     return code;
   };
   try {
+    check_environment_switches();
     return body();
   } catch (const UsageError& e) {
     return report(e, 2);

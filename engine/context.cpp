@@ -45,7 +45,7 @@ void release_cpu_threads(int n) {
 
 // Tests lay CPU activations out NHWC (tests/test_channels_last.cpp).
 bool channels_last_on_cpu() {
-  return env_switch("REPLICA_CHANNELS_LAST_ON_CPU", false);
+  return switches::kChannelsLastOnCpu.on();
 }
 
 }  // namespace

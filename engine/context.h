@@ -133,7 +133,7 @@ class DeviceContext {
   bool nhwc_convolution(int64_t C, int64_t K) const {
     return options_.channels_last && K % 8 == 0 && (C % 8 == 0 || (C < 8 && pads_channels()));
   }
-  static bool pads_channels() { return env_switch("REPLICA_PAD_CHANNELS", true); }
+  static bool pads_channels() { return switches::kPadChannels.on(); }
   ConvApi conv_api() const { return options_.conv_api; }
   CudaState* cuda() const { return cuda_.get(); }
 

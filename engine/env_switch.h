@@ -5,6 +5,10 @@
 // that names the variable. A typo (REPLICA_PAD_CHANNELS=false, =off) then stops the run with one
 // line instead of quietly timing the default. Callers read a switch where they use it, not once
 // at start-up, where a test turns it for one case.
+//
+// Every switch is declared once below, with its default, so a program can check them all when it
+// starts (cli/program.h): a GPU-only switch set wrongly on a CPU run, or a misspelled name
+// (REPLICA_PAD_CHANNEL=0), is refused before anything runs.
 #pragma once
 #include <cstdlib>
 #include <cstring>
@@ -13,12 +17,46 @@
 
 namespace replica {
 
-inline bool env_switch(const char* name, bool unset) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return unset;
-  if (std::strcmp(v, "1") == 0) return true;
-  if (std::strcmp(v, "0") == 0) return false;
-  throw UsageError(fmt::format("{}='{}': expected 1 (on) or 0 (off)", name, v));
-}
+class EnvSwitch {
+ public:
+  constexpr EnvSwitch(const char* name, bool unset) : name_(name), unset_(unset) {}
+  const char* name() const { return name_; }
+
+  // Reads the variable now: its default when unset or empty.
+  bool on() const {
+    const char* v = std::getenv(name_);
+    if (v == nullptr || *v == '\0') return unset_;
+    if (std::strcmp(v, "1") == 0) return true;
+    if (std::strcmp(v, "0") == 0) return false;
+    throw UsageError(fmt::format("{}='{}': expected 1 (on) or 0 (off)", name_, v));
+  }
+
+ private:
+  const char* name_;
+  bool unset_;
+};
+
+namespace switches {
+// cuDNN: rank the graph API's engines by cuDNN's heuristics (as PyTorch), not measured order.
+inline constexpr EnvSwitch kCudnnHeuristicOrder{"REPLICA_CUDNN_HEURISTIC_ORDER", false};
+inline constexpr EnvSwitch kCudnnLog{"REPLICA_CUDNN_LOG", false};  // a line per cuDNN plan
+// CUDA: per-channel sums in slices (the one-block passes off), and 64-bit indexing forced.
+inline constexpr EnvSwitch kCudaSlicedSums{"REPLICA_CUDA_SLICED_SUMS", false};
+inline constexpr EnvSwitch kCudaWideIndex{"REPLICA_CUDA_WIDE_INDEX", false};
+// cuDNN NHWC convolutions of fewer than 8 channels (the stem's 3) run on operands padded to 8.
+inline constexpr EnvSwitch kPadChannels{"REPLICA_PAD_CHANNELS", true};
+// What only GPUs do, forced on CPU devices to test it there: NHWC operands, staged batches.
+inline constexpr EnvSwitch kChannelsLastOnCpu{"REPLICA_CHANNELS_LAST_ON_CPU", false};
+inline constexpr EnvSwitch kPrefetchOnCpu{"REPLICA_PREFETCH_ON_CPU", false};
+// DDP: every rank checks its parameters are bit-identical to rank 0's after each step.
+inline constexpr EnvSwitch kDdpCheckSync{"REPLICA_DDP_CHECK_SYNC", false};
+
+inline constexpr const EnvSwitch* kAll[] = {
+    &kCudnnHeuristicOrder, &kCudnnLog,          &kCudaSlicedSums, &kCudaWideIndex,
+    &kPadChannels,         &kChannelsLastOnCpu, &kPrefetchOnCpu,  &kDdpCheckSync};
+// The variables a run reads that take a word rather than 1 or 0 (checked where they are read):
+// a name one letter from these is a typo too.
+inline constexpr const char* kChoices[] = {"REPLICA_CUDNN_API", "REPLICA_RESIDUAL_SUM"};
+}  // namespace switches
 
 }  // namespace replica

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -154,35 +155,50 @@ TEST_CASE("bad flags and values are one-line errors") {
 TEST_CASE("environment switches: 1 on, 0 off, unset or empty the default, another word an error") {
   const char* name = "REPLICA_TEST_SWITCH";
   const test::EnvGuard guard({name});
-  CHECK(env_switch(name, false) == false);
-  CHECK(env_switch(name, true) == true);
+  CHECK_FALSE(EnvSwitch(name, false).on());
+  CHECK(EnvSwitch(name, true).on());
   for (const bool unset : {false, true}) {
+    const EnvSwitch s(name, unset);
     setenv(name, "", 1);
-    CHECK(env_switch(name, unset) == unset);
+    CHECK(s.on() == unset);
     setenv(name, "1", 1);
-    CHECK(env_switch(name, unset));
+    CHECK(s.on());
     setenv(name, "0", 1);
-    CHECK_FALSE(env_switch(name, unset));
+    CHECK_FALSE(s.on());
   }
   for (const char* word : {"yes", "true", "off", "01", " 1"}) {
     setenv(name, word, 1);
-    CHECK_THROWS_WITH_AS(env_switch(name, false),
+    CHECK_THROWS_WITH_AS(EnvSwitch(name, false).on(),
                          fmt::format("REPLICA_TEST_SWITCH='{}': expected 1 (on) or 0 (off)", word)
                              .c_str(),
                          UsageError);
   }
-  // A mistyped switch stops replica-train with the one line, before it trains.
+  // A mistyped switch stops replica-train with the one line, before it trains: where it is read
+  // (a DDP run's engine) or not (a GPU-only switch on a CPU run), and a misspelled name too.
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 64, 16);
   const std::string data = "--data " + tmp.str("data") + " --max-steps 1 --quiet";
-  const std::pair<const char*, const char*> switches[] = {
-      {"REPLICA_PREFETCH_ON_CPU", " --devices cpu*2"},
-      {"REPLICA_DDP_CHECK_SYNC", " --mode ddp"}};  // read by DDP's engine only
-  for (const auto& [switched, where_read] : switches) {
-    const test::ScopedEnv typo(switched, "on");
-    expect_clean_error(data + where_read,
-                       fmt::format("{}='on': expected 1 (on) or 0 (off)", switched));
+  const std::tuple<const char*, const char*, std::string> typos[] = {
+      {"REPLICA_PREFETCH_ON_CPU", " --devices cpu*2", "REPLICA_PREFETCH_ON_CPU='on': expected"},
+      {"REPLICA_DDP_CHECK_SYNC", " --mode ddp", "REPLICA_DDP_CHECK_SYNC='on': expected"},
+      {"REPLICA_CUDA_SLICED_SUMS", "", "REPLICA_CUDA_SLICED_SUMS='on': expected"},
+      {"REPLICA_PAD_CHANNEL", "", "REPLICA_PAD_CHANNEL is not a variable replica reads (did "
+                                  "you mean REPLICA_PAD_CHANNELS?)"},
+      {"REPLICA_RESIDUAL_SUMS", "", "(did you mean REPLICA_RESIDUAL_SUM?)"},
+      {"REPLICA_CUDNN_API", "", "unknown cuDNN interface 'on' in REPLICA_CUDNN_API"}};
+  for (const auto& [variable, where, said] : typos) {
+    const test::ScopedEnv typo(variable, "on");
+    expect_clean_error(data + where, said);
   }
+  // Every program checks them, and a variable of the tools' own (REPLICA_SKIP_BUILD) is no typo.
+  {
+    const test::ScopedEnv typo("REPLICA_CUDA_WIDE_INDX", "1");
+    test::expect_clean_error("replica-launch", "--nproc-per-node 1 true",
+                             "(did you mean REPLICA_CUDA_WIDE_INDEX?)");
+  }
+  const test::ScopedEnv tools_own("REPLICA_SKIP_BUILD", "1");
+  const auto fine = run(kTrain + " " + data + " --no-eval");
+  CHECK_MESSAGE(fine.exit_code == 0, fine.output);
 }
 
 TEST_CASE("a batch larger than the dataset is one batch of the whole dataset") {

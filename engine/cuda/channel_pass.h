@@ -54,7 +54,7 @@ int channel_slices(const ChannelDims& d, const char* op);
 // the environment turns this way off, every channel then summed in slices as larger planes
 // are: the same bits (the parity tests hold them equal), to time the two ways in one run.
 inline bool one_block_channels(const ChannelDims& d, int S) {
-  return S == 1 && d.hw > 1 && !env_switch("REPLICA_CUDA_SLICED_SUMS", false);
+  return S == 1 && d.hw > 1 && !switches::kCudaSlicedSums.on();
 }
 
 // What channel_partials adds up per channel (a, b):

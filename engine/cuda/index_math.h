@@ -29,7 +29,7 @@ constexpr int64_t kFastIndexLimit = int64_t(1) << 31;
 
 // Whether a kernel whose divided numbers all stay below `largest` may use FastDivmod (host).
 inline bool fast_index(int64_t largest) {
-  return largest < kFastIndexLimit && !env_switch("REPLICA_CUDA_WIDE_INDEX", false);
+  return largest < kFastIndexLimit && !switches::kCudaWideIndex.on();
 }
 
 struct FastDivmod {

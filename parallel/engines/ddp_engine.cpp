@@ -26,7 +26,7 @@ class DdpEngine final : public OneDeviceEngine {
       : OneDeviceEngine(std::move(ctx),
                         fmt::format("rank{} {}", group->rank(), ctx->device().str()), o),
         group_(std::move(group)),
-        check_sync_(env_switch("REPLICA_DDP_CHECK_SYNC", false)),
+        check_sync_(switches::kDdpCheckSync.on()),
         accumulate_(d.accumulate) {
     REPLICA_USAGE_CHECK(d.accumulate >= 1, "--accumulate must be at least 1, got {}", d.accumulate);
     // Buckets of gradients all-reduced during backward (nothing to do for one rank).

@@ -19,7 +19,7 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   c.engine.precision = resolve_precision(c.precision, devices);
   c.engine.channels_last = resolve_channels_last(c.memory_format, c.engine.precision, devices);
   // Tests: batches staged a step ahead on CPU devices too (EngineOptions::prefetch_on_cpu).
-  c.engine.prefetch_on_cpu = env_switch("REPLICA_PREFETCH_ON_CPU", false);
+  c.engine.prefetch_on_cpu = switches::kPrefetchOnCpu.on();
   // Gradient buckets (DP and DDP): 1 MB first, so communication starts early, then the cap.
   const size_t bucket_bytes = size_t(c.bucket_cap_mb * (1 << 20));
   const size_t first_bucket_bytes = std::min(bucket_bytes, size_t(1) << 20);
