@@ -1,7 +1,8 @@
 // What every replica program does at its edges: parse flags with CLI11 (help -> exit 0, a bad
 // flag -> one line and exit 2) and turn errors into one line on stderr: "NAME: error: ..." with
 // exit code 2 for usage errors, 1 for everything else. A rank under replica-launch hands the
-// error to its launcher instead, which prints it once for all ranks (parallel/rendezvous/launcher.h).
+// error to its launcher instead, which prints it once for all ranks
+// (parallel/rendezvous/launcher.h).
 // Header-only: programs link CLI11.
 #pragma once
 #include <algorithm>
@@ -60,8 +61,9 @@ inline size_t flag_distance(const std::string& a, const std::string& b) {
 
 // The environment's switches, checked when a program starts rather than where each is read:
 // every one set must be 1 or 0 (a GPU-only switch is read on a GPU only, so a CPU run would
-// never see its typo), REPLICA_CUDNN_API one of its words, and a REPLICA_ variable one or two letters from a switch's name
-// (REPLICA_PAD_CHANNEL=0) is a typo that would otherwise time the default.
+// never see its typo), REPLICA_CUDNN_API one of its words, and a REPLICA_ variable one or two
+// letters from a switch's name (REPLICA_PAD_CHANNEL=0) is a typo that would otherwise time the
+// default.
 inline void check_environment_switches() {
   for (const EnvSwitch* s : switches::kAll) static_cast<void>(s->on());
   static_cast<void>(conv_api_from_environment());  // read by CUDA devices only, checked here
