@@ -1,0 +1,151 @@
+// CPU max pooling against a direct reference: padding as -inf, overlapping windows whose
+// gradients add up in window order, windows that tile the plane with rows left over, ties and
+// NaN (the first maximum wins, a NaN is the maximum); and relu_backward.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_kernel_helpers.h"
+#include "engine/context.h"
+#include "engine/ops.h"
+
+using namespace replica;
+using namespace test;
+
+TEST_CASE("maxpool2d k3 s2 p1 on 7x7: padding is -inf, overlapping windows add gradients") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  std::vector<float> xv(49);
+  for (int i = 0; i < 49; ++i) xv[size_t(i)] = -1.f + 0.01f * float((i * 17) % 49);  // negative
+  xv[3 * 7 + 3] = 5.f;  // in the windows (1..2, 1..2)
+  Tensor x = make(ctx, {1, 1, 7, 7}, xv), y = ctx.alloc({1, 1, 4, 4});
+  const Pool2dParams prm{3, 2, 1};
+  ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+  std::vector<float> dyv(16), want_dx(49, 0.f);
+  for (int i = 0; i < 16; ++i) dyv[size_t(i)] = float(i + 1);
+  for (int oy = 0; oy < 4; ++oy)
+    for (int ox = 0; ox < 4; ++ox) {
+      int best = -1;  // reference: first maximum over the valid part of the window
+      for (int i = 0; i < 3; ++i)
+        for (int j = 0; j < 3; ++j) {
+          int iy = oy * 2 - 1 + i, ix = ox * 2 - 1 + j;
+          if (iy < 0 || iy >= 7 || ix < 0 || ix >= 7) continue;
+          if (best < 0 || xv[size_t(iy * 7 + ix)] > xv[size_t(best)]) best = iy * 7 + ix;
+        }
+      CHECK(y.f32()[oy * 4 + ox] == xv[size_t(best)]);
+      CHECK(y.f32()[oy * 4 + ox] < (best == 24 ? 6.f : 0.f));  // never the padding's 0
+      want_dx[size_t(best)] += dyv[size_t(oy * 4 + ox)];
+    }
+  for (int oy = 1; oy <= 2; ++oy)
+    for (int ox = 1; ox <= 2; ++ox) CHECK(y.f32()[oy * 4 + ox] == 5.f);
+  Tensor dy = make(ctx, {1, 1, 4, 4}, dyv), dx = make(ctx, {1, 1, 7, 7}, 9);  // overwritten
+  ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+  CHECK(values(dx) == want_dx);
+  CHECK(dx.f32()[24] == 6.f + 7.f + 10.f + 11.f);
+}
+
+
+TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows and columns left") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  struct Case { int64_t h, w; int k; };
+  for (Case cs : {Case{6, 8, 2}, Case{5, 7, 2}, Case{7, 8, 3}}) {
+    CAPTURE(cs.k);
+    CAPTURE(cs.h);
+    const int64_t planes = 3, p = cs.h / cs.k, q = cs.w / cs.k, hw = cs.h * cs.w;
+    std::vector<float> xv(size_t(planes * hw));
+    for (size_t i = 0; i < xv.size(); ++i) xv[i] = float((i * 7) % 5);  // many ties
+    xv[5] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> dyv(size_t(planes * p * q)), want_y(dyv.size()), want_dx(xv.size(), 0.f);
+    for (size_t i = 0; i < dyv.size(); ++i) dyv[i] = float(i + 1);
+    for (int64_t pl = 0; pl < planes; ++pl)
+      for (int64_t oy = 0; oy < p; ++oy)
+        for (int64_t ox = 0; ox < q; ++ox) {
+          int64_t best = -1;  // reference: the first maximum, a NaN above every number
+          for (int i = 0; i < cs.k; ++i)
+            for (int j = 0; j < cs.k; ++j) {
+              const int64_t at = pl * hw + (oy * cs.k + i) * cs.w + ox * cs.k + j;
+              const float v = xv[size_t(at)], b = best < 0 ? 0.f : xv[size_t(best)];
+              if (best < 0 || (!std::isnan(b) && (v > b || std::isnan(v)))) best = at;
+            }
+          const size_t o = size_t((pl * p + oy) * q + ox);
+          want_y[o] = xv[size_t(best)];
+          want_dx[size_t(best)] = dyv[o];
+        }
+    const Pool2dParams prm{cs.k, cs.k, 0};
+    Tensor x = make(ctx, {planes, 1, cs.h, cs.w}, xv), y = ctx.alloc({planes, 1, p, q});
+    ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+    for (size_t o = 0; o < want_y.size(); ++o)
+      CHECK((y.f32()[o] == want_y[o] || (std::isnan(y.f32()[o]) && std::isnan(want_y[o]))));
+    Tensor dy = make(ctx, {planes, 1, p, q}, dyv), dx = make(ctx, {planes, 1, cs.h, cs.w}, 9);
+    ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+    CHECK(values(dx) == want_dx);  // every element written: the winner's gradient or 0
+  }
+}
+
+
+// Overlapping and padded windows on planes wide enough for windows inside the plane, cut by its
+// left and right edges, and by its top and bottom: against a direct reference, ties and a NaN
+// included; gradients of overlapping windows add up, in window order.
+TEST_CASE("maxpool2d overlapping windows (k3 s2 p1, k3 s1 p1, k2 s1, k4 s3 p2) match a reference") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  const Pool2dParams cases[] = {{3, 2, 1}, {3, 1, 1}, {2, 1, 0}, {4, 3, 2}};
+  for (const Pool2dParams& prm : cases) {
+    CAPTURE(prm.kernel);
+    CAPTURE(prm.stride);
+    const int64_t planes = 2, h = 9, w = 23, hw = h * w;
+    const int64_t p = window_out(h, prm.kernel, prm.stride, prm.padding);
+    const int64_t q = window_out(w, prm.kernel, prm.stride, prm.padding);
+    std::vector<float> xv(size_t(planes * hw));
+    for (size_t i = 0; i < xv.size(); ++i) xv[i] = float((i * 7) % 11);  // many ties
+    xv[40] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> dyv(size_t(planes * p * q)), want_y(dyv.size()), want_dx(xv.size(), 0.f);
+    for (size_t i = 0; i < dyv.size(); ++i) dyv[i] = float(i % 13) - 6.f;
+    for (int64_t pl = 0; pl < planes; ++pl)
+      for (int64_t oy = 0; oy < p; ++oy)
+        for (int64_t ox = 0; ox < q; ++ox) {
+          int64_t best = -1;  // the first maximum of the window's part inside the plane
+          for (int i = 0; i < prm.kernel; ++i)
+            for (int j = 0; j < prm.kernel; ++j) {
+              const int64_t iy = oy * prm.stride - prm.padding + i;
+              const int64_t ix = ox * prm.stride - prm.padding + j;
+              if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
+              const int64_t at = pl * hw + iy * w + ix;
+              const float v = xv[size_t(at)], b = best < 0 ? 0.f : xv[size_t(best)];
+              if (best < 0 || (!std::isnan(b) && (v > b || std::isnan(v)))) best = at;
+            }
+          REQUIRE(best >= 0);
+          const size_t o = size_t((pl * p + oy) * q + ox);
+          want_y[o] = xv[size_t(best)];
+          want_dx[size_t(best)] += dyv[o];
+        }
+    Tensor x = make(ctx, {planes, 1, h, w}, xv), y = ctx.alloc({planes, 1, p, q});
+    ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+    for (size_t o = 0; o < want_y.size(); ++o)
+      CHECK((y.f32()[o] == want_y[o] || (std::isnan(y.f32()[o]) && std::isnan(want_y[o]))));
+    Tensor dy = make(ctx, {planes, 1, p, q}, dyv), dx = make(ctx, {planes, 1, h, w}, 9);
+    ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+    CHECK(values(dx) == want_dx);
+  }
+}
+
+
+TEST_CASE("maxpool2d ties and NaN: the first maximum wins, a NaN is the maximum; relu_backward") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Windows (k2 s2): {1, 3 | 3, 0} -> the first 3 (index 1); {NaN, 2 | 5, NaN} -> the first NaN.
+  Tensor x = make(ctx, {1, 1, 2, 4}, std::vector<float>{1, 3, nan, 2, 3, 0, 5, nan});
+  Tensor y = ctx.alloc({1, 1, 1, 2});
+  ctx.ops().maxpool2d_forward(ctx, x, y, Pool2dParams{2, 2, 0});
+  CHECK(y.f32()[0] == 3.f);
+  CHECK(std::isnan(y.f32()[1]));
+  Tensor dy = make(ctx, {1, 1, 1, 2}, std::vector<float>{10, 20}), dx = ctx.alloc({1, 1, 2, 4});
+  ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, Pool2dParams{2, 2, 0});
+  CHECK(values(dx) == std::vector<float>{0, 10, 20, 0, 0, 0, 0, 0});
+
+  // The gradient passes where the output is positive only (not at 0, not at NaN).
+  Tensor out = make(ctx, {6}, std::vector<float>{2, 0, -1, 0.5f, nan, 3});
+  Tensor g = make(ctx, {6}, std::vector<float>{-4, 5, 6, 7, 8, -9}), d = make(ctx, {6}, 1);
+  ctx.ops().relu_backward(ctx, out, g, d);
+  CHECK(values(d) == std::vector<float>{-4, 0, 0, 7, 0, -9});
+}
