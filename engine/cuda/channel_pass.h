@@ -99,11 +99,14 @@ __device__ __forceinline__ void channel_sums(const double* part_a, const double*
   for (int64_t c = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; c < (C);        \
        c += int64_t(gridDim.x) * blockDim.x / 32)
 
-// Floats of scratch channel_sum_accumulate takes for d and its S slices (a double each).
-inline int64_t channel_sum_scratch(const ChannelDims& d, int S) { return 2 * d.c * S; }
+// Floats of scratch channel_sum_accumulate takes for d and its S slices (a double each), none
+// where one block per channel sums it (one_block_channels).
+inline int64_t channel_sum_scratch(const ChannelDims& d, int S) {
+  return one_block_channels(d, S) ? 0 : 2 * d.c * S;
+}
 
 // out[c] += the sum of channel c of x (a bias gradient), S = channel_slices(d), on `scratch` of
-// channel_sum_scratch(d, S) floats (unused where S is 1 over planes: a block per channel then
+// channel_sum_scratch(d, S) floats (none where S is 1 over planes: a block per channel then
 // adds its values up and adds them to out in one launch).
 template <class T>
 void channel_sum_accumulate(const ChannelDims& d, int S, const T* x, float* scratch, float* out,
