@@ -134,6 +134,10 @@ inline nlohmann::json read_json(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
+inline bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
 // The message of the replica::Error f() throws, "" if it throws none.
 template <class F>
 std::string error_of(F&& f) {

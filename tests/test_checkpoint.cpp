@@ -26,10 +26,7 @@ using test::file_bytes;
 using test::TempDir;
 using test::put_bytes;
 using test::error_of;
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using test::contains;
 
 Tensor f32(const Shape& shape, float start) {
   Tensor t = Tensor::empty(host_allocator(), shape, DType::F32);

@@ -16,6 +16,7 @@
 
 using test::launch;
 using test::run;
+using test::contains;
 
 namespace {
 
@@ -23,10 +24,6 @@ const std::string kTrain = test::bin("replica-train");
 
 std::string nccl_on_one_gpu(int ranks) {
   return " --devices cuda:0*" + std::to_string(ranks) + " --backend nccl";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 
 bool ready() {

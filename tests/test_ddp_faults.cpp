@@ -19,14 +19,11 @@ using test::run;
 
 using test::fault_job;
 using test::Timed;
+using test::contains;
 
 namespace {
 
 const std::string kTrain = test::bin("replica-train");
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // The launcher's last line.
 std::string last_line(const std::string& s) {

@@ -25,6 +25,7 @@ using test::file_bytes;
 using test::TempDir;
 using test::put_bytes;
 using test::error_of;
+using test::contains;
 std::vector<uint8_t> gzip_bytes(const std::vector<uint8_t>& raw) {
   z_stream zs{};
   REQUIRE(deflateInit2(&zs, 6, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) == Z_OK);
@@ -48,10 +49,6 @@ bool throws_usage(F&& f) {
   } catch (...) {
   }
   return false;
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 
 std::vector<uint8_t> pattern(size_t n, int mul = 7) {

@@ -17,44 +17,35 @@
 #include <doctest/doctest.h>
 
 #include "cli_helpers.h"
+#include "process_helpers.h"
 
 using namespace std::chrono_literals;
-using Clock = std::chrono::steady_clock;
+using test::Clock;
+using test::contains;
+using test::read_text;
+using test::seconds_since;
 
 namespace {
 
 const std::string kLaunch = test::bin("replica-launch");
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-std::string read(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
 // Alive and not a zombie (an orphan's zombie may linger where nobody reaps it).
 bool alive(pid_t pid) {
   if (pid <= 0 || kill(pid, 0) != 0) return false;
-  std::string stat = read("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
   size_t paren = stat.rfind(')');
   return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
 }
 
 pid_t read_pid(const std::string& path) {
-  std::string text = read(path);
+  std::string text = read_text(path);
   return text.empty() ? -1 : static_cast<pid_t>(std::stol(text));
 }
 
 bool wait_for_file(const std::string& path, std::chrono::seconds limit = 20s) {
   auto deadline = Clock::now() + limit;
   while (Clock::now() < deadline) {
-    if (!read(path).empty()) return true;
+    if (!read_text(path).empty()) return true;
     std::this_thread::sleep_for(20ms);
   }
   return false;
@@ -208,12 +199,12 @@ TEST_CASE("replica-launch: SIGTERM and Ctrl-C reach every rank exactly once") {
     else
       kill(-launcher, SIGINT);
     int code = wait_launcher(launcher, 30s);
-    std::string out = read(tmp.str("out"));
+    std::string out = read_text(tmp.str("out"));
     INFO(out);
     CHECK(code == 128 + sig);
     CHECK(seconds_since(t0) < 5.0);  // the ranks exit on the signal: no grace period needed
     CHECK(contains(out, std::string("replica-launch: received SIG") + name + ": stopped 2 ranks"));
-    std::string log = read(tmp.str("log"));
+    std::string log = read_text(tmp.str("log"));
     std::vector<std::string> lines;
     std::istringstream in(log);
     for (std::string l; std::getline(in, l);) lines.push_back(l);
@@ -243,7 +234,7 @@ TEST_CASE("replica-launch: a launcher started with SIGINT ignored still stops ra
   const auto t0 = Clock::now();
   kill(launcher, SIGINT);
   const int code = wait_launcher(launcher, 30s);
-  INFO(read(tmp.str("out")));
+  INFO(read_text(tmp.str("out")));
   CHECK(code == 128 + SIGINT);
   CHECK(seconds_since(t0) < 5.0);  // the grace period is 120 s
   CHECK_FALSE(alive(read_pid(tmp.str("pid0"))));

@@ -15,11 +15,9 @@
 
 #include "cli_helpers.h"
 
-namespace {
+using test::contains;
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+namespace {
 
 std::string local_nodes() { return std::string(REPLICA_SOURCE_DIR) + "/tools/local_nodes.sh"; }
 
