@@ -65,17 +65,17 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
     CHECK(row["precision"] == "fp32");  // CPU devices
     CHECK(row["comm_timing"] == "host");  // Gloo: the communication thread's busy time
   }
-  const std::string csv = test::read_text(tmp.str("rows.csv"));
+  const std::string csv = read_text(tmp.str("rows.csv"));
   CHECK(test::count_lines(csv) == 5);
   CHECK(csv.substr(0, csv.find('\n'))
             .find(",peak_memory_dev0_bytes,peak_memory_dev1_bytes,peak_held_dev0_bytes,"
                   "peak_held_dev1_bytes,forward_kept_dev0_bytes,forward_kept_dev1_bytes") !=
         std::string::npos);
   // A track per device and one for the communication thread.
-  const auto dp_trace = test::read_text(tmp.str("traces/trace-dp-2dev.json"));
+  const auto dp_trace = read_text(tmp.str("traces/trace-dp-2dev.json"));
   for (const char* track : {"\"cpu:0\"", "\"cpu:1\"", "\"comm\"", "\"reduce\"", "\"backward\""})
     CHECK(dp_trace.find(track) != std::string::npos);
-  const auto ddp_trace = test::read_text(tmp.str("traces/trace-ddp-2dev.json"));
+  const auto ddp_trace = read_text(tmp.str("traces/trace-ddp-2dev.json"));
   for (const char* track : {"\"rank0 cpu:0\"", "\"rank1 cpu:1\"", "\"comm\"", "\"allreduce\"",
                             "rank 1 (cpu:1)"})
     CHECK(ddp_trace.find(track) != std::string::npos);
@@ -87,7 +87,7 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
                            kFixture + " --compare " + kFixture + "/pytorch_sample.jsonl");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
-  const std::string md = test::read_text(tmp.str("out/report.md"));
+  const std::string md = read_text(tmp.str("out/report.md"));
   INFO(md);
   CHECK(md.find("Side by side with PyTorch") != std::string::npos);
   CHECK(md.find("| ddp | cnn | 1x28x28 | fp32 | 2 | 64 | 2700.0 | pytorch | 2100.0 | 1.29x | "
@@ -124,10 +124,10 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   const auto mixed = test::run(kBench + " --report " + tmp.str("mixed") + " --from-results " +
                                tmp.str("mixed-in") + " --compare " + tmp.str("pytorch_nccl.jsonl"));
   REQUIRE_MESSAGE(mixed.exit_code == 0, mixed.output);
-  CHECK(test::read_text(tmp.str("mixed/report.md"))
+  CHECK(read_text(tmp.str("mixed/report.md"))
             .find("| ddp (replica gloo, pytorch nccl) | cnn | 1x28x28 | fp32 | 2 | 64 | 2700.0 | "
                   "pytorch | 2100.0 | 1.29x |") != std::string::npos);
-  CHECK(test::read_text(tmp.str("mixed/report.md"))
+  CHECK(read_text(tmp.str("mixed/report.md"))
             .find("| dp | cnn | 1x28x28 | fp32 | 2 | 64 | 2800.0 | pytorch | 2000.0 | 1.40x |") !=
         std::string::npos);
   // Efficiency 2800 / (2 x 1500); bytes equal to the formula.
@@ -143,7 +143,7 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
   CHECK(md.find("| 64 (projection) |") != std::string::npos);
   for (const char* f : {"results.jsonl", "results.csv", "projection.json", "compare.jsonl"})
     CHECK(test::fs::exists(tmp.path / "out" / f));
-  const auto projection = nlohmann::json::parse(test::read_text(tmp.str("out/projection.json")));
+  const auto projection = nlohmann::json::parse(read_text(tmp.str("out/projection.json")));
   REQUIRE(projection.size() == 1);
   CHECK(projection[0]["ddp"]["inputs"]["S_bytes"] == Approx(444400));
 
@@ -152,9 +152,9 @@ TEST_CASE("replica-bench --report renders saved results with PyTorch rows beside
       test::run(kBench + " --report " + tmp.str("again") + " --from-results " + tmp.str("out"));
   INFO(again.output);
   REQUIRE(again.exit_code == 0);
-  CHECK(test::read_text(tmp.str("again/report.md")).find("| 2 | 2700.0 | 2923.2 | +8.3% |") !=
+  CHECK(read_text(tmp.str("again/report.md")).find("| 2 | 2700.0 | 2923.2 | +8.3% |") !=
         std::string::npos);
-  CHECK(test::read_text(tmp.str("again/report.md")).find("Side by side with PyTorch") !=
+  CHECK(read_text(tmp.str("again/report.md")).find("Side by side with PyTorch") !=
         std::string::npos);
 }
 
@@ -174,7 +174,7 @@ TEST_CASE("replica-bench --report: a failed run leaves the old report whole; tra
   }
   std::map<std::string, std::string> before;
   for (const auto& e : test::fs::directory_iterator(out))
-    before[e.path().filename().string()] = test::read_text(e.path().string());
+    before[e.path().filename().string()] = read_text(e.path().string());
   r = test::run("sh -c \"trap '' XFSZ; ulimit -f 12; " + kBench + " --report " + out +
                 " --from-results " + kFixture + " --compare " + kFixture +
                 "/pytorch_sample.jsonl\"");
@@ -182,20 +182,20 @@ TEST_CASE("replica-bench --report: a failed run leaves the old report whole; tra
   CHECK(r.exit_code != 0);
   std::map<std::string, std::string> after;
   for (const auto& e : test::fs::directory_iterator(out))
-    after[e.path().filename().string()] = test::read_text(e.path().string());
+    after[e.path().filename().string()] = read_text(e.path().string());
   CHECK(after == before);  // (a staging directory would show up here too)
   // Rendered again in place: the traces stay, the report is new.
   r = test::run(kBench + " --report " + out + " --from-results " + out + " --compare " + kFixture +
                 "/pytorch_sample.jsonl");
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
-  CHECK(test::read_text(tmp.str("out/trace-dp-2dev.json")) == "{}");
-  CHECK(test::read_text(tmp.str("out/report.md")).find("Side by side with PyTorch") != std::string::npos);
+  CHECK(read_text(tmp.str("out/trace-dp-2dev.json")) == "{}");
+  CHECK(read_text(tmp.str("out/report.md")).find("Side by side with PyTorch") != std::string::npos);
   CHECK(test::fs::exists(tmp.path / "out" / "compare.jsonl"));
   // Rendered without --compare: the earlier report's PyTorch rows go with it.
   r = test::run(kBench + " --report " + out + " --from-results " + kFixture);
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
   CHECK_FALSE(test::fs::exists(tmp.path / "out" / "compare.jsonl"));
-  CHECK(test::read_text(tmp.str("out/notes.txt")) == "mine");
+  CHECK(read_text(tmp.str("out/notes.txt")) == "mine");
   // A failed run into directories that did not exist leaves none of them behind.
   r = test::run(kBench + " --report " + tmp.str("new/report") + " --from-results " +
                 tmp.str("missing"));
@@ -211,7 +211,7 @@ TEST_CASE("replica-bench --report --link projects to separate GPUs over the decl
                            kFixture + " --link nvlink4");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
-  const auto projection = nlohmann::json::parse(test::read_text(tmp.str("out/projection.json")));
+  const auto projection = nlohmann::json::parse(read_text(tmp.str("out/projection.json")));
   REQUIRE(projection.size() == 1);
   const auto& g = projection[0];
   CHECK(g["link"]["name"] == "nvlink4");
@@ -222,7 +222,7 @@ TEST_CASE("replica-bench --report --link projects to separate GPUs over the decl
   CHECK(g["dp"]["inputs"]["broadcast"]["beta_gbps"] == Approx(450));
   CHECK(g["dp"]["formula"].get<std::string>().find("K (n-1) alpha_r + S / beta_r") !=
         std::string::npos);
-  const std::string md = test::read_text(tmp.str("out/report.md"));
+  const std::string md = read_text(tmp.str("out/report.md"));
   INFO(md);
   CHECK(md.find("declared link: nvlink4**, 450.0 GB/s per direction") != std::string::npos);
   CHECK(md.find("No error table") != std::string::npos);
@@ -250,7 +250,7 @@ TEST_CASE("replica-bench --report: another engine's row meets replica's at equal
                            kFixture + " --compare " + tmp.str("bf16.jsonl"));
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
-  const std::string md = test::read_text(tmp.str("out/report.md"));
+  const std::string md = read_text(tmp.str("out/report.md"));
   INFO(md);
   // replica's rows ran in fp32: no partner, no ratio.
   CHECK(md.find("| ddp | cnn | 1x28x28 | bf16 | 2 | 64 | - | pytorch | 5000.0 | - |") !=

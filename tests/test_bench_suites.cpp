@@ -188,11 +188,11 @@ TEST_CASE("replica-bench --json: a failed write leaves the earlier rows intact")
   INFO(r.output);
   CHECK(r.exit_code != 0);
   CHECK(r.output.find("replica-bench: error: cannot write '" + path + "'") != std::string::npos);
-  CHECK(test::read_text(path) == old_rows);
+  CHECK(read_text(path) == old_rows);
   // With room, the new rows follow the old ones.
   r = test::run(cmd, 120);
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
-  const std::string text = test::read_text(path);
+  const std::string text = read_text(path);
   CHECK(text.rfind(old_rows, 0) == 0);
   CHECK(text.size() > old_rows.size());
 }
