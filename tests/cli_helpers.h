@@ -109,6 +109,7 @@ inline RunResult run(const std::string& command, int timeout_s = 120) {
 }
 
 inline std::string bin(const std::string& name) { return std::string(REPLICA_BIN_DIR) + "/" + name; }
+inline const std::string kTrain = bin("replica-train");  // what most suites run
 
 // A port per test run, away from the default 29500 (other jobs on the machine) and below the
 // ephemeral range (32768 up): 30 per process, a block chosen by the process id.
@@ -159,6 +160,11 @@ inline void expect_clean_error(const std::string& program, const std::string& ar
   CHECK(count_lines(r.output) == 1);
   CHECK(r.output.rfind(program + ": error: ", 0) == 0);
   CHECK(r.output.find(must_contain) != std::string::npos);
+}
+
+// The same for replica-train, the program most suites run.
+inline void expect_train_error(const std::string& args, const std::string& must_contain) {
+  expect_clean_error("replica-train", args, must_contain);
 }
 
 }  // namespace test

@@ -22,18 +22,10 @@
 #include "engine/env_switch.h"
 #include "engine/error.h"
 
+using test::kTrain;
+using test::expect_train_error;
 using test::run;
 using namespace replica;
-
-namespace {
-
-const std::string kTrain = test::bin("replica-train");
-
-void expect_clean_error(const std::string& args, const std::string& must_contain) {
-  test::expect_clean_error("replica-train", args, must_contain);
-}
-
-}  // namespace
 
 TEST_CASE("help and device listing succeed") {
   auto help = run(kTrain + " --help");
@@ -48,69 +40,69 @@ TEST_CASE("bad flags and values are one-line errors") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 64, 16);
   const std::string data = "--data " + tmp.str("data") + " --max-steps 1 --quiet";
-  expect_clean_error("--no-such-flag", "unknown flag --no-such-flag (see --help)");
+  expect_train_error("--no-such-flag", "unknown flag --no-such-flag (see --help)");
   // A typo is named, with the flag it is closest to, even when the real flag is required.
-  expect_clean_error(data + " --devics cpu*2", "unknown flag --devics (did you mean --devices?)");
-  expect_clean_error(data + " --epoch=2", "unknown flag --epoch (did you mean --epochs?)");
-  expect_clean_error(data + " --batch 8", "unknown flag --batch (did you mean --batch-size?)");
+  expect_train_error(data + " --devics cpu*2", "unknown flag --devics (did you mean --devices?)");
+  expect_train_error(data + " --epoch=2", "unknown flag --epoch (did you mean --epochs?)");
+  expect_train_error(data + " --batch 8", "unknown flag --batch (did you mean --batch-size?)");
   {
     auto r = run(test::bin("replica-sampler") + " --size 5 --replica 2");
     CHECK(r.exit_code == 2);
     CHECK(r.output == "replica-sampler: error: unknown flag --replica (did you mean --replicas?) "
                       "(see --help)\n");
   }
-  expect_clean_error(data + " --batch-size 0", "--batch-size");
-  expect_clean_error(data + " --batch-size abc", "--batch-size 'abc': expected a whole number");
-  expect_clean_error("--synthetic --num-classes 100000000 --max-steps 1 --quiet",
+  expect_train_error(data + " --batch-size 0", "--batch-size");
+  expect_train_error(data + " --batch-size abc", "--batch-size 'abc': expected a whole number");
+  expect_train_error("--synthetic --num-classes 100000000 --max-steps 1 --quiet",
                      "a classifier of 100000000 classes: at most 1048576 (2^20)");
-  expect_clean_error(data + " --accumulate 99999999999",
+  expect_train_error(data + " --accumulate 99999999999",
                      "--accumulate '99999999999': the number is too large");
-  expect_clean_error(data + " --lr fast", "--lr 'fast': expected a number");
-  expect_clean_error(data + " --lr -0.1", "learning rate");
-  expect_clean_error(data + " --lr nan", "learning rate");
-  expect_clean_error(data + " --model resnet7", "resnet7");
-  expect_clean_error(data + " --model transformer", "unknown model");
-  expect_clean_error(data + " --optimizer rmsprop", "rmsprop");
-  expect_clean_error(data + " --devices tpu", "unknown device");
-  expect_clean_error(data + " --devices cuda:7", "GPU 7 does not exist");
-  expect_clean_error(data + " --devices cpu*0", "must be >= 1");
-  expect_clean_error(data + " --threads-per-device 0", "--threads-per-device");
-  expect_clean_error(data + " --devices cuda:0,0", "cuda:0*N");
-  expect_clean_error(data + " --devices cpu*2*2", "not a number");
-  expect_clean_error(data + " --devices cpu*100000", "100000 virtual CPU devices");
-  expect_clean_error(data + " --devices cpu*1000", "at most");
-  expect_clean_error(data + " --devices cuda:99999999999", "GPU 99999999999 does not exist");
-  expect_clean_error(data + " --devices cuda:0,1*2", "single GPU");
-  expect_clean_error(data + " --precision fp16",
+  expect_train_error(data + " --lr fast", "--lr 'fast': expected a number");
+  expect_train_error(data + " --lr -0.1", "learning rate");
+  expect_train_error(data + " --lr nan", "learning rate");
+  expect_train_error(data + " --model resnet7", "resnet7");
+  expect_train_error(data + " --model transformer", "unknown model");
+  expect_train_error(data + " --optimizer rmsprop", "rmsprop");
+  expect_train_error(data + " --devices tpu", "unknown device");
+  expect_train_error(data + " --devices cuda:7", "GPU 7 does not exist");
+  expect_train_error(data + " --devices cpu*0", "must be >= 1");
+  expect_train_error(data + " --threads-per-device 0", "--threads-per-device");
+  expect_train_error(data + " --devices cuda:0,0", "cuda:0*N");
+  expect_train_error(data + " --devices cpu*2*2", "not a number");
+  expect_train_error(data + " --devices cpu*100000", "100000 virtual CPU devices");
+  expect_train_error(data + " --devices cpu*1000", "at most");
+  expect_train_error(data + " --devices cuda:99999999999", "GPU 99999999999 does not exist");
+  expect_train_error(data + " --devices cuda:0,1*2", "single GPU");
+  expect_train_error(data + " --precision fp16",
                      "unknown --precision 'fp16' (auto, fp32, tf32, bf16)");
-  expect_clean_error(data + " --devices cpu*2 --precision tf32", "needs CUDA devices");
-  expect_clean_error(data + " --devices cpu --cudnn-benchmark",
+  expect_train_error(data + " --devices cpu*2 --precision tf32", "needs CUDA devices");
+  expect_train_error(data + " --devices cpu --cudnn-benchmark",
                      "--cudnn-benchmark needs a CUDA device");
-  expect_clean_error(data + " --cudnn-benchmark --deterministic",
+  expect_train_error(data + " --cudnn-benchmark --deterministic",
                      "cannot be combined with --deterministic");
-  expect_clean_error(data + " --devices cpu --memory-format channels_last",
+  expect_train_error(data + " --devices cpu --memory-format channels_last",
                      "--memory-format channels_last lays out cuDNN's operands: it needs CUDA");
-  expect_clean_error(data + " --devices cpu --cuda-graphs",
+  expect_train_error(data + " --devices cpu --cuda-graphs",
                      "--cuda-graphs captures a GPU's step: cpu:0 is not a CUDA device");
-  expect_clean_error(data + " --devices cpu*2 --cuda-graphs",
+  expect_train_error(data + " --devices cpu*2 --cuda-graphs",
                      "--cuda-graphs captures one device's step");
-  expect_clean_error(data + " --mode ddp --devices cpu --cuda-graphs",
+  expect_train_error(data + " --mode ddp --devices cpu --cuda-graphs",
                      "--cuda-graphs captures one device's step");
-  expect_clean_error(data + " --memory-format nhwc",
+  expect_train_error(data + " --memory-format nhwc",
                      "unknown --memory-format 'nhwc' (auto, nchw, channels_last)");
-  expect_clean_error(data + " --mode ps", "--mode");
-  expect_clean_error(data + " --data-placement gpu",
+  expect_train_error(data + " --mode ps", "--mode");
+  expect_train_error(data + " --data-placement gpu",
                      "--data-placement: expected auto, host or device");
-  expect_clean_error(data + " --reduce ring", "--reduce");
-  expect_clean_error(data + " --bucket-cap-mb 0", "--bucket-cap-mb");
-  expect_clean_error(data + " --epochs 0", "--epochs");
-  expect_clean_error(data + " --resume", "--checkpoint");
-  expect_clean_error("--synthetic --input-shape 3x0x4 --max-steps 1", "--input-shape");
-  expect_clean_error("--synthetic --input-shape banana --max-steps 1", "--input-shape");
-  expect_clean_error("--synthetic --input-shape 1x3x3 --max-steps 1",
+  expect_train_error(data + " --reduce ring", "--reduce");
+  expect_train_error(data + " --bucket-cap-mb 0", "--bucket-cap-mb");
+  expect_train_error(data + " --epochs 0", "--epochs");
+  expect_train_error(data + " --resume", "--checkpoint");
+  expect_train_error("--synthetic --input-shape 3x0x4 --max-steps 1", "--input-shape");
+  expect_train_error("--synthetic --input-shape banana --max-steps 1", "--input-shape");
+  expect_train_error("--synthetic --input-shape 1x3x3 --max-steps 1",
                      "the model's layers shrink its input below one pixel");
-  expect_clean_error(data + " --momentum 0.9", "--momentum and --nesterov are SGD's");
-  expect_clean_error("--data " + tmp.str("data/train-images-idx3-ubyte") + " --max-steps 1",
+  expect_train_error(data + " --momentum 0.9", "--momentum and --nesterov are SGD's");
+  expect_train_error("--data " + tmp.str("data/train-images-idx3-ubyte") + " --max-steps 1",
                      "is a file: give the directory");
   // A FIFO where a data file should be: named as what it is, not as missing.
   test::fs::create_directories(tmp.path / "fifo-data");
@@ -118,36 +110,36 @@ TEST_CASE("bad flags and values are one-line errors") {
   test::write_mnist_split(tmp.path / "fifo-data", "t10k", 16, 2);
   test::fs::remove(tmp.path / "fifo-data" / "t10k-labels-idx1-ubyte");
   REQUIRE(mkfifo(tmp.str("fifo-data/t10k-labels-idx1-ubyte").c_str(), 0600) == 0);
-  expect_clean_error("--data " + tmp.str("fifo-data") + " --max-steps 1",
+  expect_train_error("--data " + tmp.str("fifo-data") + " --max-steps 1",
                      "t10k-labels-idx1-ubyte (not a regular file)");
   // DDP: a bad flag every rank shares is one line from the launcher, exit code 2.
-  expect_clean_error(data + " --mode ddp --devices cpu*2 --model foo", "unknown model 'foo'");
-  expect_clean_error(data + " --mode ddp --devices cpu*2 --batch-size 5", "must divide by the 2");
-  expect_clean_error(data + " --mode ddp --devices cpu*2 --backend nccl",
+  expect_train_error(data + " --mode ddp --devices cpu*2 --model foo", "unknown model 'foo'");
+  expect_train_error(data + " --mode ddp --devices cpu*2 --batch-size 5", "must divide by the 2");
+  expect_train_error(data + " --mode ddp --devices cpu*2 --backend nccl",
                      "--backend nccl needs a GPU per rank");
   // A value CLI11 rejects takes the same path: one line for all ranks.
-  expect_clean_error(data + " --mode ddp --devices cpu*2 --epochs abc",
+  expect_train_error(data + " --mode ddp --devices cpu*2 --epochs abc",
                      "--epochs 'abc': expected a whole number");
   // An empty value is not "not given".
-  expect_clean_error(data + " --devices ''", "--devices '': give a value");
-  expect_clean_error(data + " --trace ''", "--trace '': give a value");
+  expect_train_error(data + " --devices ''", "--devices '': give a value");
+  expect_train_error(data + " --trace ''", "--trace '': give a value");
   // A flag another mode or --synthetic would ignore.
-  expect_clean_error(data + " --backend gloo", "--backend applies to --mode ddp, not dp");
-  expect_clean_error(data + " --init-method file:///tmp/x", "--init-method applies to --mode ddp");
-  expect_clean_error(data + " --timeout 5", "--timeout applies to --mode ddp");
-  expect_clean_error(data + " --mode ddp --devices cpu*2 --reduce tree",
+  expect_train_error(data + " --backend gloo", "--backend applies to --mode ddp, not dp");
+  expect_train_error(data + " --init-method file:///tmp/x", "--init-method applies to --mode ddp");
+  expect_train_error(data + " --timeout 5", "--timeout applies to --mode ddp");
+  expect_train_error(data + " --mode ddp --devices cpu*2 --reduce tree",
                      "--reduce applies to --mode dp, not ddp");
-  expect_clean_error(data + " --mode single --bucket-cap-mb 5",
+  expect_train_error(data + " --mode single --bucket-cap-mb 5",
                      "--bucket-cap-mb applies to --mode dp and ddp, not single");
-  expect_clean_error(data + " --synthetic-size 100", "--synthetic-size applies to --synthetic");
-  expect_clean_error(data + " --num-classes 3", "--num-classes applies to --synthetic");
+  expect_train_error(data + " --synthetic-size 100", "--synthetic-size applies to --synthetic");
+  expect_train_error(data + " --num-classes 3", "--num-classes applies to --synthetic");
   // A number past 64 bits is named as typed, not passed on as the largest int64.
-  expect_clean_error(data + " --batch-size 99999999999999999999",
+  expect_train_error(data + " --batch-size 99999999999999999999",
                      "--batch-size '99999999999999999999': the number is too large");
-  expect_clean_error(data + " --num-classes 99999999999999999999", "--num-classes");
+  expect_train_error(data + " --num-classes 99999999999999999999", "--num-classes");
   for (const char* timeout : {"0", "-1", "nan", "inf", "1e30"}) {
     CAPTURE(timeout);
-    expect_clean_error(data + " --mode ddp --devices cpu*2 --timeout " + timeout,
+    expect_train_error(data + " --mode ddp --devices cpu*2 --timeout " + timeout,
                        "--timeout must be between 0.001 and 604800 seconds");
   }
 }
@@ -188,7 +180,7 @@ TEST_CASE("environment switches: 1 on, 0 off, unset or empty the default, anothe
       {"REPLICA_CUDNN_API", "", "unknown cuDNN interface 'on' in REPLICA_CUDNN_API"}};
   for (const auto& [variable, where, said] : typos) {
     const test::ScopedEnv typo(variable, "on");
-    expect_clean_error(data + where, said);
+    expect_train_error(data + where, said);
   }
   // Every program checks them, and a variable of the tools' own (REPLICA_SKIP_BUILD) is no typo.
   {
@@ -216,7 +208,7 @@ TEST_CASE("training files only: --no-eval trains, evaluation names what is missi
   const std::string args = " --data " + tmp.str("data") + " --devices cpu --max-steps 2 --quiet";
   auto r = run(kTrain + args + " --no-eval", 60);
   CHECK_MESSAGE(r.exit_code == 0, r.output);
-  expect_clean_error(args, "missing 2 of the 4 MNIST-format files needed: t10k-images");
+  expect_train_error(args, "missing 2 of the 4 MNIST-format files needed: t10k-images");
 }
 
 TEST_CASE("outputs through a symbolic link or into a pipe: the link and the pipe stay") {
@@ -253,11 +245,11 @@ TEST_CASE("an output that cannot be written fails before training, in seconds") 
   for (const char* flag : {"--metrics-json", "--trace", "--save-model"}) {
     CAPTURE(flag);
     const auto start = std::chrono::steady_clock::now();
-    expect_clean_error(data + flag + " " + missing + "/out.json", "does not exist");
+    expect_train_error(data + flag + " " + missing + "/out.json", "does not exist");
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
   }
-  expect_clean_error(data + "--metrics-json " + tmp.str(""), "is a directory");
-  expect_clean_error(data + "--save-model " + tmp.str("data/train-images-idx3-ubyte") + "/m",
+  expect_train_error(data + "--metrics-json " + tmp.str(""), "is a directory");
+  expect_train_error(data + "--save-model " + tmp.str("data/train-images-idx3-ubyte") + "/m",
                      "train-images-idx3-ubyte' is not a directory");
   // The bench checks its outputs before it measures anything.
   auto r = run(test::bin("replica-bench") + " --suite dp --json " + missing + "/rows.jsonl", 30);
@@ -285,21 +277,21 @@ TEST_CASE("a checkpoint left half-written by a killed run is cleaned up by the n
 
 TEST_CASE("bad data directories are one-line errors") {
   test::TempDir tmp;
-  expect_clean_error("--data " + tmp.str("missing") + " --max-steps 1", "does not exist");
+  expect_train_error("--data " + tmp.str("missing") + " --max-steps 1", "does not exist");
   test::fs::create_directories(tmp.path / "empty");
-  expect_clean_error("--data " + tmp.str("empty") + " --max-steps 1", "train-images-idx3-ubyte");
+  expect_train_error("--data " + tmp.str("empty") + " --max-steps 1", "train-images-idx3-ubyte");
 
   test::write_mnist_dir(tmp.path / "trunc", 64, 16);
   const auto images = tmp.path / "trunc" / "train-images-idx3-ubyte";
   test::fs::resize_file(images, 2000);
-  expect_clean_error("--data " + tmp.str("trunc") + " --max-steps 1", "truncated");
+  expect_train_error("--data " + tmp.str("trunc") + " --max-steps 1", "truncated");
 
   test::write_mnist_dir(tmp.path / "garbage", 64, 16);
   {
     std::ofstream g(tmp.path / "garbage" / "train-labels-idx1-ubyte", std::ios::binary);
     g << "this is not an IDX file at all, just text";
   }
-  expect_clean_error("--data " + tmp.str("garbage") + " --max-steps 1", "train-labels");
+  expect_train_error("--data " + tmp.str("garbage") + " --max-steps 1", "train-labels");
 
   // A test label past the training classes: named before training, not a NaN test loss after.
   test::write_mnist_dir(tmp.path / "labels", 64, 16);
@@ -309,7 +301,7 @@ TEST_CASE("bad data directories are one-line errors") {
     l.seekp(8 + 3);  // after the IDX header: the fourth test label
     l.put(char(200));
   }
-  expect_clean_error("--data " + tmp.str("labels") + " --max-steps 1",
+  expect_train_error("--data " + tmp.str("labels") + " --max-steps 1",
                      "the test labels go up to 200, the training labels to 9");
 }
 
@@ -365,7 +357,7 @@ TEST_CASE("--lr-schedule step:N:GAMMA decays by epochs, as StepLR; each epoch re
     CAPTURE(e);
     CHECK(m["epoch_summaries"][size_t(e)]["lr"].get<double>() == doctest::Approx(want[e]));
   }
-  expect_clean_error("--data " + tmp.str("data") + " --lr-schedule step:0",
+  expect_train_error("--data " + tmp.str("data") + " --lr-schedule step:0",
                      "--lr-schedule 'step:0': step:N[:GAMMA] needs N");
 }
 

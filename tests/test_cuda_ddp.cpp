@@ -14,13 +14,12 @@
 #include "job_helpers.h"
 #include "parallel/comm/process_group.h"
 
+using test::kTrain;
 using test::launch;
 using test::run;
 using test::contains;
 
 namespace {
-
-const std::string kTrain = test::bin("replica-train");
 
 std::string nccl_on_one_gpu(int ranks) {
   return " --devices cuda:0*" + std::to_string(ranks) + " --backend nccl";

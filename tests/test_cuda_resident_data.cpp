@@ -14,9 +14,9 @@
 #include "dp_reference.h"
 #include "gpu_skip.h"
 
-namespace {
+using test::kTrain;
 
-const std::string kTrain = test::bin("replica-train");
+namespace {
 
 std::string train_command(const test::TempDir& tmp) {
   return kTrain + " --data " + tmp.str("data") +

@@ -12,14 +12,9 @@
 #include "job_helpers.h"
 #include "parallel/comm/process_group.h"
 
+using test::kTrain;
 using test::launch;
 using test::run;
-
-namespace {
-
-const std::string kTrain = test::bin("replica-train");
-
-}  // namespace
 
 TEST_CASE("collectives in closed form on 2, 3 and 4 ranks") {
   if (!replica::gloo_available()) {

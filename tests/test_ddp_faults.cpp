@@ -14,6 +14,7 @@
 #include "parallel/comm/process_group.h"
 #include "parallel/rendezvous/store.h"
 
+using test::kTrain;
 using test::launch;
 using test::run;
 
@@ -22,8 +23,6 @@ using test::Timed;
 using test::contains;
 
 namespace {
-
-const std::string kTrain = test::bin("replica-train");
 
 // The launcher's last line.
 std::string last_line(const std::string& s) {

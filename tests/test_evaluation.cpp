@@ -14,13 +14,12 @@
 
 #include "engine/checkpoint.h"
 
+using test::kTrain;
 using test::read_json;
 using test::run;
 using namespace replica;
 
 namespace {
-
-const std::string kTrain = test::bin("replica-train");
 
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;

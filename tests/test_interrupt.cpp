@@ -15,16 +15,11 @@
 
 #include "job_helpers.h"
 
+using test::kTrain;
 using test::Interrupted;
 using test::interrupt_and_resume;
 using test::interrupt_when;
 using test::read_json;
-
-namespace {
-
-const std::string kTrain = test::bin("replica-train");
-
-}  // namespace
 
 TEST_CASE("Ctrl-C in a DP run: checkpoint, exit 130, resume ends bit-identical") {
   interrupt_and_resume("--mode dp --devices cpu*2 --threads-per-device 1", "step    20/80");

@@ -10,18 +10,10 @@
 #include "engine/checkpoint.h"
 #include "engine/device.h"
 
+using test::kTrain;
+using test::expect_train_error;
 using test::run;
 using namespace replica;
-
-namespace {
-
-const std::string kTrain = test::bin("replica-train");
-
-void expect_clean_error(const std::string& args, const std::string& must_contain) {
-  test::expect_clean_error("replica-train", args, must_contain);
-}
-
-}  // namespace
 
 TEST_CASE("a run resumed from its checkpoint continues bit-identically") {
   test::TempDir tmp;
@@ -71,7 +63,7 @@ TEST_CASE("resume at or past the end of the planned run") {
                           "plan") != std::string::npos);
   CHECK(again.output.find("train loss") == std::string::npos);
   CHECK(again.output.find("\ntest accuracy 0.") != std::string::npos);
-  expect_clean_error(base + " --resume --max-steps 2 --quiet",
+  expect_train_error(base + " --resume --max-steps 2 --quiet",
                      "--resume: the checkpoint in " + tmp.str("ck") + " is at step 4, past the "
                      "2 steps that --epochs 1 --max-steps 2 plan");
   auto more = run(kTrain + " " + base + " --resume --epochs 2 --quiet");
@@ -85,7 +77,7 @@ TEST_CASE("resume refuses a checkpoint of another model or batch size") {
   const std::string base =
       kTrain + " --data " + tmp.str("data") + " --quiet --no-eval --max-steps 2";
   REQUIRE(run(base + " --batch-size 32 --checkpoint " + tmp.str("ck")).exit_code == 0);
-  expect_clean_error("--data " + tmp.str("data") +
+  expect_train_error("--data " + tmp.str("data") +
                          " --quiet --max-steps 3 --batch-size 16 --resume --checkpoint " +
                          tmp.str("ck"),
                      "batch size");
@@ -99,16 +91,16 @@ TEST_CASE("resume refuses a checkpoint of another model or batch size") {
     Checkpoint bad = good;
     bad.metadata["epoch"] = epoch;
     save_checkpoint(ck, bad);
-    expect_clean_error(resume, fmt::format("metadata 'epoch' is '{}', not a count", epoch));
+    expect_train_error(resume, fmt::format("metadata 'epoch' is '{}', not a count", epoch));
   }
   Checkpoint retyped = good;
   for (auto& [name, t] : retyped.tensors)
     if (name == "model.fc2.bias") t = Tensor::empty(host_allocator(), t.shape(), DType::I32);
   save_checkpoint(ck, retyped);
-  expect_clean_error(resume, "tensor 'model.fc2.bias' is I32, expected F32");
+  expect_train_error(resume, "tensor 'model.fc2.bias' is I32, expected F32");
   // A corrupt checkpoint is an error, not a crash.
   test::fs::resize_file(tmp.path / "ck" / "checkpoint.safetensors", 100);
-  expect_clean_error("--data " + tmp.str("data") +
+  expect_train_error("--data " + tmp.str("data") +
                          " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
                          tmp.str("ck"),
                      "checkpoint");
@@ -147,7 +139,7 @@ TEST_CASE("a resume in another precision than the checkpoint's says so") {
   c = load_checkpoint(ck);
   c.metadata["precision"] = "fp16";
   save_checkpoint(ck, c);
-  expect_clean_error("--data " + tmp.str("data") +
+  expect_train_error("--data " + tmp.str("data") +
                          " --quiet --no-eval --batch-size 32 --max-steps 6 --resume --checkpoint " +
                          tmp.str("ck"),
                      "corrupt checkpoint: metadata 'precision' is 'fp16', not fp32, tf32 or bf16");

@@ -13,12 +13,12 @@
 #include "cli_helpers.h"
 #include "engine/checkpoint.h"
 
+using test::kTrain;
 using test::read_json;
 using test::run;
 
 namespace {
 
-const std::string kTrain = test::bin("replica-train");
 const char* kFashion = "/usr/share/datasets/fashion-mnist";
 
 nlohmann::json config_of(const std::string& args) {
@@ -105,8 +105,8 @@ TEST_CASE("--print-config refuses what a run refuses, with the run's line") {
            {"--synthetic --optimizer lamb", "unknown optimizer 'lamb' (sgd, adam)"},
            {"--synthetic --optimizer lamb --momentum 0.9", "unknown optimizer 'lamb'"},
            {"--synthetic --optimizer adam --momentum 0.9", "are SGD's"}}) {
-    test::expect_clean_error("replica-train", args + " --print-config", said);
-    test::expect_clean_error("replica-train", args + " --max-steps 1 --quiet", said);
+    test::expect_train_error(args + " --print-config", said);
+    test::expect_train_error(args + " --max-steps 1 --quiet", said);
   }
 }
 
