@@ -65,11 +65,12 @@ inline size_t flag_distance(const std::string& a, const std::string& b) {
 // letters from a switch's name (REPLICA_PAD_CHANNEL=0) is a typo that would otherwise time the
 // default.
 inline void check_environment_switches() {
-  for (const EnvSwitch* s : switches::kAll) static_cast<void>(s->on());
+  std::vector<std::string> known(std::begin(switches::kChoices), std::end(switches::kChoices));
+  for (const EnvSwitch* s : switches::kAll) {
+    static_cast<void>(s->on());
+    known.push_back(s->name());
+  }
   static_cast<void>(conv_api_from_environment());  // read by CUDA devices only, checked here
-  std::vector<std::string> known;
-  for (const EnvSwitch* s : switches::kAll) known.push_back(s->name());
-  known.insert(known.end(), std::begin(switches::kChoices), std::end(switches::kChoices));
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
     const std::string entry = *e;
     const std::string name = entry.substr(0, entry.find('='));

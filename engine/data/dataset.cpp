@@ -161,23 +161,6 @@ constexpr const char* kMnistFiles =
     "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
     "t10k-labels-idx1-ubyte (each optionally .gz)";
 
-// Whether `dir` holds a directory (read only to word an error).
-bool holds_directories(const std::string& dir) {
-  DIR* d = ::opendir(dir.c_str());
-  if (!d) return false;
-  bool found = false;
-  while (dirent* e = ::readdir(d)) {
-    if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
-    struct stat st {};
-    if (::stat((dir + "/" + e->d_name).c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
-      found = true;
-      break;
-    }
-  }
-  ::closedir(d);
-  return found;
-}
-
 // A UsageError unless `dir` is a directory with something in it, and holds the files of
 // `splits` ("train", "t10k"): every missing one is named.
 void require_mnist_files(const std::string& dir, const std::vector<std::string>& splits) {
@@ -192,9 +175,17 @@ void require_mnist_files(const std::string& dir, const std::vector<std::string>&
                                  dir, kMnistFiles));
   DIR* d = ::opendir(dir.c_str());
   if (!d) throw UsageError(fmt::format("{}: cannot open directory: {}", dir, std::strerror(errno)));
-  bool empty = true;
-  while (dirent* e = ::readdir(d))
-    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) empty = false;
+  // Whether it is empty, and whether it holds directories (most likely an image folder's
+  // split, or one without train/: said if files are missing).
+  bool empty = true, holds_directories = false;
+  while (dirent* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+    empty = false;
+    struct stat entry {};
+    holds_directories = holds_directories ||
+                        (::stat((dir + "/" + e->d_name).c_str(), &entry) == 0 &&
+                         S_ISDIR(entry.st_mode));
+  }
   ::closedir(d);
   if (empty)
     throw UsageError(fmt::format("{}: directory is empty (expected {})", dir, kMnistFiles));
@@ -213,10 +204,10 @@ void require_mnist_files(const std::string& dir, const std::vector<std::string>&
     throw UsageError(fmt::format(
         "{}: missing {} of the {} MNIST-format files needed: {}{}", dir, missing.size(),
         2 * splits.size(), fmt::join(missing, ", "),
-        // Directories in it: most likely an image folder's split, or one without train/.
-        holds_directories(dir) ? "; or, for an image folder, give the directory that holds train/<class>/ and "
-                  "val/<class>/"
-                : ""));
+        holds_directories
+            ? "; or, for an image folder, give the directory that holds train/<class>/ and "
+              "val/<class>/"
+            : ""));
 }
 
 }  // namespace
