@@ -19,6 +19,36 @@ ReduceStrategy parse_reduce_strategy(const std::string& name) {
   throw UsageError(fmt::format("unknown --reduce '{}' (root, tree)", name));
 }
 
+LocalGroup::LocalGroup(std::vector<DeviceContext*> contexts, int slots)
+    : ctx_(std::move(contexts)), active_(int(ctx_.size())), marks_(ctx_.size()) {
+  for (Marks& m : marks_) {
+    m.slot = std::vector<StreamEvent>(size_t(slots));
+    m.this_step.assign(size_t(slots), 0);
+  }
+}
+
+void LocalGroup::begin(int active) {
+  active_ = active;
+  for (size_t r = 0; r < marks_.size(); ++r) {
+    std::fill(marks_[r].this_step.begin(), marks_[r].this_step.end(), 0);
+    if (int(r) < active) continue;
+    ctx_[r]->activate();
+    all_written(int(r));
+  }
+  ctx_[0]->activate();
+}
+
+void LocalGroup::slot_written(int rank, int slot) {
+  Marks& m = marks_[size_t(rank)];
+  m.slot[size_t(slot)].record(*ctx_[size_t(rank)]);
+  m.this_step[size_t(slot)] = 1;
+}
+
+StreamEvent& LocalGroup::written(int rank, int slot) {
+  Marks& m = marks_[size_t(rank)];
+  return m.this_step[size_t(slot)] ? m.slot[size_t(slot)] : m.all;
+}
+
 namespace {
 
 // The fixed order of the adds: add(dst, src) sums rank src into rank dst. To-root: rank 0 adds
@@ -37,39 +67,21 @@ class CopyGroup final : public LocalGroup {
  public:
   CopyGroup(std::vector<DeviceContext*> contexts, WorkerPool& pool, ReduceStrategy strategy,
             int slots, int64_t largest_slot)
-      : LocalGroup(std::move(contexts)), pool_(pool), strategy_(strategy) {
+      : LocalGroup(std::move(contexts), slots), pool_(pool), strategy_(strategy) {
     if (!ctx_[0]->is_cuda()) return;
     comm_ctx_ = std::make_unique<DeviceContext>(ctx_[0]->device());
-    for (size_t r = 0; r < ctx_.size(); ++r) {
-      all_written_.push_back(std::make_unique<StreamEvent>());
-      slot_written_.emplace_back();
-      for (int s = 0; s < slots; ++s) slot_written_[r].push_back(std::make_unique<StreamEvent>());
-    }
-    written_this_step_.assign(ctx_.size(), std::vector<char>(size_t(slots), 0));
     bool other_gpu = false;
     for (auto* c : ctx_) other_gpu |= c->device().index != ctx_[0]->device().index;
     // From device 0's allocator, so the engine's peak memory counts it.
     if (other_gpu) staging_ = ctx_[0]->alloc({largest_slot});
   }
 
-  void begin(int active) override {
-    active_ = active;
-    for (auto& row : written_this_step_) std::fill(row.begin(), row.end(), 0);
-  }
-
-  void slot_written(int rank, int slot) override {
-    if (!comm_ctx_) return;
-    slot_written_[rank][slot]->record(*ctx_[rank]);
-    written_this_step_[rank][slot] = 1;
-  }
-
-  void all_written(int rank) override {
-    if (comm_ctx_) all_written_[rank]->record(*ctx_[rank]);
-  }
-
   void reduce(int slot, std::vector<Tensor>& parts) override {
     TraceSpan span("comm", "reduce", comm_ctx_.get());
-    if (comm_ctx_) wait_for_slot(slot);
+    if (comm_ctx_) {  // the communication stream waits until every active rank wrote `slot`
+      comm_ctx_->activate();
+      for (int r = 0; r < active_; ++r) written(r, slot).wait(*comm_ctx_);
+    }
     auto add_into = [&](int dst, int src) {
       Tensor s = parts[src];
       DeviceContext& on = comm_ctx_ ? *comm_ctx_ : *ctx_[dst];
@@ -107,27 +119,12 @@ class CopyGroup final : public LocalGroup {
   }
 
  private:
-  // The communication stream waits until every active rank has written `slot`. A slot reduced
-  // without having been recorded this step (parameters that got no gradient) waits for the
-  // rank's whole backward instead.
-  void wait_for_slot(int slot) {
-    comm_ctx_->activate();
-    for (int r = 0; r < active_; ++r) {
-      StreamEvent& written =
-          written_this_step_[r][slot] ? *slot_written_[r][slot] : *all_written_[r];
-      written.wait(*comm_ctx_);
-    }
-  }
-
   WorkerPool& pool_;
   ReduceStrategy strategy_;
   // CUDA: the communication context (device 0, a stream of its own) and the events that order
-  // it: per rank and slot "written" ([r][s], with whether it was recorded this step), per rank
-  // "all written", "reduced" (-> device 0) and "root ready" (-> the broadcast's copies).
+  // it beside the ranks' "written" marks: "reduced" (-> device 0) and "root ready" (-> the
+  // broadcast's copies).
   std::unique_ptr<DeviceContext> comm_ctx_;
-  std::vector<std::vector<std::unique_ptr<StreamEvent>>> slot_written_;
-  std::vector<std::vector<char>> written_this_step_;
-  std::vector<std::unique_ptr<StreamEvent>> all_written_;
   StreamEvent reduced_, root_ready_;
   Tensor staging_;  // a rank on another GPU lands here before the add (one slot at a time)
 };

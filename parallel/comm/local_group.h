@@ -32,26 +32,40 @@ ReduceStrategy parse_reduce_strategy(const std::string& name);  // "root" | "tre
 class LocalGroup {
  public:
   virtual ~LocalGroup() = default;
-  // A step in which ranks [0, active) take part (the others hold zeros where NCCL needs them).
-  virtual void begin(int active) { active_ = active; }
+  // A step in which ranks [0, active) take part. The others zeroed their gradients on their
+  // own streams (the engine's scatter), which NCCL's reduce still reads: that is their "all
+  // written" for the step.
+  void begin(int active);
   // On rank r's thread, r's device current: r has enqueued the work that writes `slot` (a
   // bucket), or all of its slots. On a GPU an event records where, and reduce() waits for it.
-  virtual void slot_written(int rank, int slot) {}
-  virtual void all_written(int rank) {}
+  void slot_written(int rank, int slot);
+  void all_written(int rank) { marks_[size_t(rank)].all.record(*ctx_[size_t(rank)]); }
   // parts[r] is rank r's piece of `slot`; parts[0] receives the sum over the active ranks.
   // Enqueued (GPU) or done (CPU) when it returns; slots are reduced in order.
   virtual void reduce(int slot, std::vector<Tensor>& parts) = 0;
   // Device 0's stream waits for every reduce so far (no host sync).
-  virtual void reduced() {}
+  virtual void reduced() = 0;
   // sets[r][k] <- sets[0][k] for every rank r > 0 (empty tensors are skipped), each rank's
   // copy ordered after the work enqueued on device 0 so far.
   virtual void broadcast(std::vector<std::vector<Tensor>>& sets) = 0;
 
  protected:
-  explicit LocalGroup(std::vector<DeviceContext*> contexts)
-      : ctx_(std::move(contexts)), active_(int(ctx_.size())) {}
+  LocalGroup(std::vector<DeviceContext*> contexts, int slots);
+  // Where rank r's stream had written `slot` this step; for a slot it did not write this step
+  // (parameters that got no gradient, an idle rank), where its whole backward had. A
+  // communication stream waits on it before reading r's part (no-ops on CPU devices).
+  StreamEvent& written(int rank, int slot);
+
   std::vector<DeviceContext*> ctx_;
   int active_;
+
+ private:
+  struct Marks {
+    std::vector<StreamEvent> slot;  // sized once: StreamEvents do not move
+    std::vector<char> this_step;    // whether slot[s] was recorded this step
+    StreamEvent all;
+  };
+  std::vector<Marks> marks_;  // per rank, sized once
 };
 
 // The group for these devices (rank r on contexts[r], served by pool's worker r). `slots` and

@@ -27,13 +27,12 @@ namespace {
 
 class LocalNcclGroup final : public LocalGroup {
  public:
-  LocalNcclGroup(const std::vector<DeviceContext*>& contexts, int slots) : LocalGroup(contexts) {
-    for (auto* c : ctx_) ordinals_.push_back(c->device().index);
+  LocalNcclGroup(const std::vector<DeviceContext*>& contexts, int slots)
+      : LocalGroup(contexts, slots) {
     for (auto* c : ctx_) {
+      ordinals_.push_back(c->device().index);
       auto rank = std::make_unique<Rank>();
       rank->comm = std::make_unique<DeviceContext>(c->device());
-      for (int s = 0; s < slots; ++s) rank->slot_written.push_back(std::make_unique<StreamEvent>());
-      rank->written_this_step.assign(size_t(slots), 0);
       ranks_.push_back(std::move(rank));
     }
     comms_.resize(ctx_.size());
@@ -49,42 +48,16 @@ class LocalNcclGroup final : public LocalGroup {
       if (c) ncclCommDestroy(c);
   }
 
-  // Idle ranks zeroed their gradients on their compute streams (the engine's scatter), which a
-  // reduce still reads: that is their "all written".
-  void begin(int active) override {
-    active_ = active;
-    for (size_t i = 0; i < ranks_.size(); ++i) {
-      std::fill(ranks_[i]->written_this_step.begin(), ranks_[i]->written_this_step.end(), 0);
-      if (int(i) >= active) {
-        ctx_[i]->activate();
-        ranks_[i]->all_written.record(*ctx_[i]);
-      }
-    }
-    ctx_[0]->activate();
-  }
-
-  void slot_written(int rank, int slot) override {
-    Rank& r = *ranks_[size_t(rank)];
-    r.slot_written[size_t(slot)]->record(*ctx_[size_t(rank)]);
-    r.written_this_step[size_t(slot)] = 1;
-  }
-
-  void all_written(int rank) override {
-    ranks_[size_t(rank)]->all_written.record(*ctx_[size_t(rank)]);
-  }
-
   void reduce(int slot, std::vector<Tensor>& parts) override {
     TraceSpan span("comm", "reduce", ranks_[0]->comm.get());
     const size_t count = size_t(parts[0].numel());
     if (count == 0 || active_ < 2) return;
-    for (size_t i = 0; i < ranks_.size(); ++i) {
-      Rank& r = *ranks_[i];
-      r.comm->activate();
-      (r.written_this_step[size_t(slot)] ? *r.slot_written[size_t(slot)] : r.all_written)
-          .wait(*r.comm);
-    }
     // Every communicator of the clique takes part; devices without samples this step contribute
-    // their zeroed gradients.
+    // their zeroed gradients (their "all written" mark is begin()'s).
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      ranks_[i]->comm->activate();
+      written(int(i), slot).wait(*ranks_[i]->comm);
+    }
     group("ncclReduce", [&](size_t i) {
       void* data = parts[i].raw();
       return ncclReduce(data, data, count, ncclFloat, ncclSum, 0, comms_[i], comm_stream(i));
@@ -122,9 +95,7 @@ class LocalNcclGroup final : public LocalGroup {
  private:
   struct Rank {
     std::unique_ptr<DeviceContext> comm;  // the GPU's communication stream
-    std::vector<std::unique_ptr<StreamEvent>> slot_written;
-    std::vector<char> written_this_step;  // whether slot_written[s] was recorded this step
-    StreamEvent all_written, compute_mark, comm_mark;
+    StreamEvent compute_mark, comm_mark;
   };
 
   cudaStream_t comm_stream(size_t i) const { return cuda_state(*ranks_[i]->comm).stream; }
