@@ -198,6 +198,12 @@ void DeviceContext::activate() const {
   if (device_.is_cuda()) cudart::set_device(device_.index);
 }
 
+Tensor to_host(DeviceContext& ctx, const Tensor& t) {
+  Tensor h = Tensor::empty(host_allocator(), t.shape(), t.dtype());
+  ctx.ops().copy(ctx, h, t);
+  return h;
+}
+
 StreamEvent::~StreamEvent() { cudart::event_destroy(event_); }
 
 void StreamEvent::record(DeviceContext& ctx) {

@@ -175,6 +175,10 @@ class DeviceContext {
   std::unique_ptr<CudaState, void (*)(CudaState*)> cuda_{nullptr, nullptr};
 };
 
+// A host tensor of t's shape and dtype (NCHW order), t's values copied into it on ctx's stream:
+// enqueued, so read it after ctx.synchronize().
+Tensor to_host(DeviceContext& ctx, const Tensor& t);
+
 // An ordering point on a device's stream: work enqueued on another context after wait() runs
 // after everything enqueued on the recording context before record(). CPU work is synchronous,
 // so on CPU both are no-ops.

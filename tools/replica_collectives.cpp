@@ -47,8 +47,7 @@ int64_t parse_bytes(const std::string& s, const char* flag) {
 std::vector<float> read_back(ProcessGroup& pg, DeviceContext& ctx, const Tensor& t) {
   pg.synchronize(ctx);
   pg.stream_wait(ctx);
-  Tensor host = Tensor::empty(host_allocator(), t.shape());
-  ctx.ops().copy(ctx, host, t);
+  Tensor host = to_host(ctx, t);
   ctx.synchronize();
   return std::vector<float>(host.f32(), host.f32() + host.numel());
 }

@@ -111,7 +111,6 @@ class NcclGroup final : public ProcessGroup {
     wait_idle(nullptr);
     const int64_t words = int64_t(mine.size()) * 2;  // float-sized words of the F32 tensors
     Tensor host_in = Tensor::empty(host_allocator(), {words});
-    Tensor host_out = Tensor::empty(host_allocator(), {words * size_});
     std::memcpy(host_in.raw(), mine.data(), mine.size() * sizeof(int64_t));
     Tensor dev_in = ctx.alloc({words}), dev_out = ctx.alloc({words * size_});
     ctx.ops().copy(ctx, dev_in, host_in);
@@ -120,7 +119,7 @@ class NcclGroup final : public ProcessGroup {
     });
     wait_idle("nccl all-gather");
     stream_wait(ctx);
-    ctx.ops().copy(ctx, host_out, dev_out);
+    Tensor host_out = to_host(ctx, dev_out);
     ctx.synchronize();
     std::memcpy(out.data(), host_out.raw(), out.size() * sizeof(int64_t));
     return out;

@@ -185,15 +185,12 @@ class DdpEngine final : public OneDeviceEngine {
   void verify_in_sync() {
     if (group_->size() <= 1) return;
     group_->synchronize(ctx_);  // timed waits before the untimed pageable copies (reduce_metrics)
-    Tensor mine = Tensor::empty(host_allocator(), {model_->num_params()});
     Tensor theirs = ctx_.alloc({model_->num_params()});
     ctx_.ops().copy(ctx_, theirs, model_->flat_params());
     group_->broadcast(ctx_, theirs, 0);
     group_->synchronize(ctx_);
     group_->stream_wait(ctx_);
-    Tensor host = Tensor::empty(host_allocator(), {model_->num_params()});
-    ctx_.ops().copy(ctx_, mine, model_->flat_params());
-    ctx_.ops().copy(ctx_, host, theirs);
+    Tensor mine = to_host(ctx_, model_->flat_params()), host = to_host(ctx_, theirs);
     ctx_.synchronize();
     REPLICA_CHECK(std::memcmp(mine.raw(), host.raw(), mine.bytes()) == 0,
                   "rank {}: parameters differ from rank 0's after step {}", group_->rank(),

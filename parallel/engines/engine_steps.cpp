@@ -102,10 +102,7 @@ void evaluate_batch(DeviceContext& ctx, Model& model, CrossEntropyLoss& criterio
     Tensor hits = ctx.alloc({EvalSums::kTopK}, DType::I32);
     ctx.ops().fill(ctx, hits, 0.f);
     ctx.ops().count_correct(ctx, logits, y, hits);
-    Tensor host_loss = Tensor::empty(host_allocator(), {1});
-    Tensor host_hits = Tensor::empty(host_allocator(), {EvalSums::kTopK}, DType::I32);
-    ctx.ops().copy(ctx, host_loss, loss);
-    ctx.ops().copy(ctx, host_hits, hits);
+    Tensor host_loss = to_host(ctx, loss), host_hits = to_host(ctx, hits);
     ctx.synchronize();
     sums.loss_sum += double(host_loss.f32()[0]) * double(end - begin);
     sums.top1 += host_hits.i32()[0];
@@ -130,9 +127,9 @@ PrimaryStep::PrimaryStep(DeviceContext& ctx, const OptimizerOptions& optimizer_o
 }
 
 float PrimaryStep::read_loss(DeviceContext& ctx) {
-  Tensor host = Tensor::empty(host_allocator(), {1});
+  Tensor host;
   ctx.run([&] {
-    ctx.ops().copy(ctx, host, loss);
+    host = to_host(ctx, loss);
     ctx.synchronize();
   });
   return host.f32()[0];

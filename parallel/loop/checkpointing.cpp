@@ -11,12 +11,6 @@ namespace replica {
 
 namespace {
 
-Tensor to_host(DeviceContext& ctx, const Tensor& t) {
-  Tensor h = Tensor::empty(host_allocator(), t.shape(), t.dtype());
-  ctx.ops().copy(ctx, h, t);
-  return h;
-}
-
 std::string meta(const Checkpoint& c, const std::string& key, const std::string& path) {
   auto it = c.metadata.find(key);
   REPLICA_USAGE_CHECK(it != c.metadata.end(), "{}: not a replica training checkpoint (no '{}')",
