@@ -12,6 +12,7 @@
 #include <filesystem>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 #include "parallel/rendezvous/store.h"
 
 namespace replica {
@@ -37,39 +38,37 @@ bool poll_until(Clock::time_point deadline, F ready) {
 }
 
 bool read_file(const std::string& path, Bytes* out) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
     REPLICA_CHECK(errno == ENOENT, "file store: cannot read '{}' ({})", path, errno_text());
     return false;
   }
   out->clear();
   char buf[1 << 16];
   ssize_t n;
-  while ((n = read(fd, buf, sizeof buf)) > 0) out->insert(out->end(), buf, buf + n);
-  int err = errno;
-  close(fd);
-  REPLICA_CHECK(n == 0, "file store: cannot read '{}' ({})", path, std::strerror(err));
+  while ((n = read(fd.get(), buf, sizeof buf)) > 0) out->insert(out->end(), buf, buf + n);
+  REPLICA_CHECK(n == 0, "file store: cannot read '{}' ({})", path, errno_text());
   return true;
 }
 
 void write_atomically(const std::string& dir, const std::string& path, const Bytes& value) {
   static std::atomic<uint64_t> counter{0};
   std::string tmp = fmt::format("{}/.tmp-{}-{}", dir, getpid(), counter++);
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  REPLICA_CHECK(fd >= 0, "file store: cannot create '{}' ({})", tmp, errno_text());
+  Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  REPLICA_CHECK(fd.get() >= 0, "file store: cannot create '{}' ({})", tmp, errno_text());
   size_t off = 0;
   while (off < value.size()) {
-    ssize_t n = write(fd, value.data() + off, value.size() - off);
+    ssize_t n = write(fd.get(), value.data() + off, value.size() - off);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       std::string why = errno_text();
-      close(fd);
+      fd.close();
       unlink(tmp.c_str());
       throw Error(fmt::format("file store: cannot write '{}' ({})", tmp, why));
     }
     off += static_cast<size_t>(n);
   }
-  close(fd);
+  fd.close();
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     std::string why = errno_text();
     unlink(tmp.c_str());
@@ -146,28 +145,20 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   check_key(key, "add");
   std::string path = path_for(key);
   std::string lock_path = dir_ + "/l" + path.substr(dir_.size() + 2);
-  int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  REPLICA_CHECK(fd >= 0, "file store: cannot open the lock '{}' ({})", lock_path, errno_text());
-  while (flock(fd, LOCK_EX) != 0) {
-    if (errno == EINTR) continue;
-    std::string why = errno_text();
-    close(fd);
-    throw Error(fmt::format("file store: cannot lock '{}' ({})", lock_path, why));
-  }
-  try {
-    Bytes old;
-    const bool had = read_file(path, &old);
-    const std::string text = to_string(old);
-    int64_t sum = 0;
-    const std::string why = add_to_counter(had ? &text : nullptr, delta, &sum);
-    if (!why.empty()) throw Error(fmt::format("store add('{}'): {}", key, why));
-    write_atomically(dir_, path, to_bytes(std::to_string(sum)));
-    close(fd);  // releases the lock
-    return sum;
-  } catch (...) {
-    close(fd);
-    throw;
-  }
+  Fd lock(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));  // closing unlocks
+  REPLICA_CHECK(lock.get() >= 0, "file store: cannot open the lock '{}' ({})", lock_path,
+                errno_text());
+  while (flock(lock.get(), LOCK_EX) != 0)
+    if (errno != EINTR)
+      throw Error(fmt::format("file store: cannot lock '{}' ({})", lock_path, errno_text()));
+  Bytes old;
+  const bool had = read_file(path, &old);
+  const std::string text = to_string(old);
+  int64_t sum = 0;
+  const std::string why = add_to_counter(had ? &text : nullptr, delta, &sum);
+  if (!why.empty()) throw Error(fmt::format("store add('{}'): {}", key, why));
+  write_atomically(dir_, path, to_bytes(std::to_string(sum)));
+  return sum;
 }
 
 }  // namespace replica

@@ -150,10 +150,8 @@ class FileStore : public Store {
   }
   void remove_keys() override;
 
-  // The file that holds key (for tests and messages).
-  std::string path_for(const std::string& key) const;
-
  private:
+  std::string path_for(const std::string& key) const;  // the file that holds key
   std::string dir_;
 };
 
