@@ -88,18 +88,13 @@ class GlooGroup final : public ProcessGroup {
   void allreduce_sum(DeviceContext& ctx, Tensor& t, int slot) override {
     if (t.numel() == 0) return;
     with_host_view(ctx, t, [&](float* p) {
-      if (slot < 0) {
-        // A fresh algorithm object takes the next slot on every rank alike.
-        auto op = make_allreduce(p, t.numel());
-        run("gloo all-reduce", [&] { op->run(); });
-        return;
-      }
-      // Algorithm objects register their buffers with the transport: cache one per persistent
-      // buffer (created in the same order on every rank, since buckets launch in order).
-      auto key = std::make_pair(static_cast<void*>(p), t.numel());
-      auto it = allreduce_.find(key);
-      if (it == allreduce_.end()) it = allreduce_.emplace(key, make_allreduce(p, t.numel())).first;
-      run("gloo all-reduce", [&] { it->second->run(); });
+      // Algorithm objects register their buffers with the transport: one is cached per
+      // persistent buffer (made in the same order on every rank, since buckets launch in
+      // order); for any other tensor a fresh one takes the next slot on every rank alike.
+      std::unique_ptr<gloo::Algorithm> fresh;
+      auto& op = slot < 0 ? fresh : allreduce_[{static_cast<void*>(p), t.numel()}];
+      if (!op) op = make_allreduce(p, t.numel());
+      run("gloo all-reduce", [&] { op->run(); });
     });
   }
 

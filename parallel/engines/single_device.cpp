@@ -1,5 +1,4 @@
 // The single-device engine: the reference every parallel engine is checked against.
-
 #include "engine/error.h"
 #include "engine/trace.h"
 #include "layers/loss.h"

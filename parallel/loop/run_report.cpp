@@ -100,19 +100,16 @@ void RunReport::gather_ranks() {
   constexpr size_t kFields = 5;
   const std::vector<int64_t> all =
       engine_.gather_from_ranks({peaks_[0], held_[0], kept_[0], mine.index, mine.slot});
-  peaks_.assign(size_t(world_), 0);
-  held_.assign(size_t(world_), 0);
-  kept_.assign(size_t(world_), 0);
-  device_names_.assign(size_t(world_), "");
+  peaks_.clear(), held_.clear(), kept_.clear(), device_names_.clear();
   for (size_t r = 0; r < size_t(world_); ++r) {
     const int64_t* rank = &all[kFields * r];
+    peaks_.push_back(rank[0]);
+    held_.push_back(rank[1]);
+    kept_.push_back(rank[2]);
     Device d = mine;
-    peaks_[r] = rank[0];
-    held_[r] = rank[1];
-    kept_[r] = rank[2];
     d.index = int(rank[3]);
     d.slot = int(rank[4]);
-    device_names_[r] = fmt::format("rank {} {}", r, d.str());
+    device_names_.push_back(fmt::format("rank {} {}", r, d.str()));
   }
 }
 

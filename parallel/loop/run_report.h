@@ -61,8 +61,7 @@ class RunReport {
   void say_best_saved(double accuracy, int64_t epoch) const;  // --save-best wrote the model
 
   // Each device's peak memory (bytes in use and held) and what a forward kept for backward,
-  // after training; DDP: every rank's,
-  // exactly (an integer all-gather, so every rank calls it).
+  // after training; DDP: every rank's, exactly (an integer all-gather: every rank calls it).
   void gather_ranks();
   // DDP traces: every rank writes its own file; the lead merges them once all have (call after
   // the ranks' last collective, before they part).

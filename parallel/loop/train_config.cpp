@@ -142,5 +142,4 @@ std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out)
   return devices;
 }
 
-
 }  // namespace replica
