@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the DP tests, the loader/worker tests and DDP's (its ranks are TSAN builds of
+# Runs the DP tests, the loader's and the prefetcher's, and DDP's (its ranks are TSAN builds of
 # replica-train, so each rank's training, communication and heartbeat threads are checked)
 # under ThreadSanitizer.
 #   tools/tsan.sh            build into build-tsan (CPU only, RelWithDebInfo) and run
@@ -12,10 +12,13 @@ if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREPLICA_CUDA=OFF \
         -DREPLICA_TSAN=ON >/dev/null
 fi
-cmake --build "$build" -j "$(nproc)" --target test_dp_equivalence test_data test_ddp \
-      test_ddp_faults replica-train replica-launch
+cmake --build "$build" -j "$(nproc)" --target test_dp_equivalence test_data test_loader \
+      test_prefetch test_ddp test_ddp_faults replica-train replica-launch
 export TSAN_OPTIONS="suppressions=$here/tools/tsan.supp halt_on_error=1 second_deadlock_stack=1"
-"$build/bin/test_data"
+"$build/bin/test_data"    # synthetic samples made in parallel
+"$build/bin/test_loader"  # the loader thread against next(), release and restarts
+# Batches staged a step ahead (on CPU devices too: prefetch_on_cpu), single and DP.
+"$build/bin/test_prefetch" -tc="a step takes*,rows staged*,training on prefetched*"
 # The full DP matrix is slow under TSAN; the CNN cases and the strategy test exercise every
 # thread (workers, communication thread, loader) the same way.
 "$build/bin/test_dp_equivalence" -tc="scatter*,DP cnn*,tree*"
