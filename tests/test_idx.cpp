@@ -26,6 +26,7 @@ using test::TempDir;
 using test::put_bytes;
 using test::error_of;
 using test::contains;
+
 std::vector<uint8_t> gzip_bytes(const std::vector<uint8_t>& raw) {
   z_stream zs{};
   REQUIRE(deflateInit2(&zs, 6, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) == Z_OK);
