@@ -4,25 +4,17 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
-#include <random>
 #include <thread>
 #include <vector>
 
 #include "engine/context.h"
+#include "seeded_values.h"
 
 namespace test {
 
 using replica::DeviceContext;
 using replica::Shape;
 using replica::Tensor;
-
-inline std::vector<float> random_values(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  std::vector<float> v(size_t(n), 0.f);
-  for (auto& x : v) x = u(rng);
-  return v;
-}
 
 inline Tensor make(DeviceContext& ctx, const Shape& s, const std::vector<float>& v) {
   Tensor t = ctx.alloc(s);

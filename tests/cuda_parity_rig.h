@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -14,6 +13,7 @@
 #include "engine/device.h"
 #include "engine/ops.h"
 #include "engine/tensor.h"
+#include "seeded_values.h"
 
 namespace test {
 
@@ -32,15 +32,6 @@ struct Rig {
   Backend& c() { return cpu.ops(); }
   Backend& g() { return gpu.ops(); }
 };
-
-inline std::vector<float> random_values(int64_t n, uint32_t seed, float lo = -1.f,
-                                        float hi = 1.f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
 
 // A tensor held twice: on the CPU device and (a copy) on the GPU.
 struct Pair {

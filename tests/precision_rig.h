@@ -6,7 +6,6 @@
 #include <doctest/doctest.h>
 
 #include <cstdlib>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -16,6 +15,7 @@
 #include "engine/device.h"
 #include "engine/ops.h"
 #include "gpu_skip.h"
+#include "seeded_values.h"
 
 namespace test {
 
@@ -25,14 +25,6 @@ using namespace replica;
 inline const Device kGpu{DeviceType::CUDA, 0, 0};
 
 inline bool have_tf32() { return test::have_tensor_cores("tf32 and bf16 cases"); }
-
-inline std::vector<float> random_values(const Shape& shape, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.f, 1.f);
-  std::vector<float> v(size_t(shape_numel(shape)));
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
 
 // The same op on the CPU (the reference) and GPU contexts in each precision.
 struct Trio {
@@ -64,7 +56,7 @@ std::vector<std::vector<std::vector<float>>> on_all(Trio& t, const std::vector<S
   for (DeviceContext* ctx : ctxs) {
     std::vector<Tensor> in, res;
     for (size_t i = 0; i < inputs.size(); ++i)
-      in.push_back(test::put(*ctx, inputs[i], random_values(inputs[i], 100 + uint32_t(i))));
+      in.push_back(test::put(*ctx, inputs[i], random_values(shape_numel(inputs[i]), 100 + uint32_t(i))));
     for (size_t i = 0; i < outputs.size(); ++i)
       res.push_back(
           test::put(*ctx, outputs[i], std::vector<float>(size_t(shape_numel(outputs[i])), 0.f)));

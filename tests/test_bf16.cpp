@@ -10,11 +10,11 @@
 //  - training follows fp32 closely and the flag reaches a run's config.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <random>
 #include <vector>
 
 #include "dp_reference.h"
@@ -24,6 +24,7 @@
 #include "engine/error.h"
 #include "engine/ops.h"
 #include "parallel/engines/train_engine.h"
+#include "seeded_values.h"
 
 using namespace replica;
 
@@ -45,10 +46,9 @@ Tensor filled(DeviceContext& ctx, const Shape& shape, float v) {
 }
 
 Tensor random(DeviceContext& ctx, const Shape& shape, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  const std::vector<float> v = test::random_values(shape_numel(shape), seed);
   Tensor t = ctx.alloc(shape);
-  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = dist(rng);
+  std::copy(v.begin(), v.end(), t.f32());
   return t;
 }
 

@@ -11,9 +11,9 @@
 //  - DP on two devices and one device train alike in bf16, as in fp32.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +26,7 @@
 #include "layers/loss.h"
 #include "layers/model.h"
 #include "parallel/engines/dp_engine.h"
+#include "seeded_values.h"
 
 using namespace replica;
 
@@ -36,10 +37,9 @@ const Device kCpu{DeviceType::CPU, 0, 0};
 DeviceContext cpu_context(Precision p) { return DeviceContext(kCpu, ContextOptions{1, false, p}); }
 
 Tensor random_f32(DeviceContext& ctx, const Shape& shape, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.f, 1.f);
+  const std::vector<float> v = test::normal_values(shape_numel(shape), seed);
   Tensor t = ctx.alloc(shape);
-  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = dist(rng);
+  std::copy(v.begin(), v.end(), t.f32());
   return t;
 }
 

@@ -19,7 +19,6 @@
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <random>
 #include <tuple>
 #include <string>
 #include <vector>
@@ -31,6 +30,7 @@
 #include "engine/ops.h"
 #include "env_guard.h"
 #include "gpu_skip.h"
+#include "seeded_values.h"
 #include "layers/loss.h"
 #include "layers/model.h"
 #include "parallel/engines/train_engine.h"
@@ -65,11 +65,7 @@ std::vector<std::vector<std::vector<float>>> on_each(const std::vector<DeviceCon
                                                      const std::vector<Arg>& outputs,
                                                      const Op& op) {
   auto make = [&](DeviceContext& ctx, const Arg& a, uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> dist(0.f, 1.f);
-    std::vector<float> values(static_cast<size_t>(shape_numel(a.shape)));
-    for (float& v : values) v = dist(rng);
-    return test::put(ctx, a.shape, values, a.dtype);
+    return test::put(ctx, a.shape, test::normal_values(shape_numel(a.shape), seed), a.dtype);
   };
   std::vector<std::vector<std::vector<float>>> out(outputs.size());
   for (DeviceContext* ctx : ctxs) {
