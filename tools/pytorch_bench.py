@@ -3,9 +3,11 @@
 as `replica-bench --suite dp,ddp`, writing JSON lines with replica-bench's field names (and
 "engine": "pytorch"), for `replica-bench --report DIR --compare FILE`.
 
-    python3 tools/pytorch_bench.py --out pytorch.jsonl                       # CNN, all GPUs (else CPU)
-    python3 tools/pytorch_bench.py --devices cuda:0*4 --out pytorch.jsonl    # 4 ranks on GPU 0 (DDP, gloo)
-    python3 tools/pytorch_bench.py --model resnet50 --batch-per-device 32 --devices cuda --out p.jsonl
+    python3 tools/pytorch_bench.py --out pytorch.jsonl                   # CNN, all GPUs (else CPU)
+    python3 tools/pytorch_bench.py --devices cuda:0*4 --out pytorch.jsonl
+                                                          # 4 ranks on GPU 0 (DDP, gloo)
+    python3 tools/pytorch_bench.py --model resnet50 --batch-per-device 32 --devices cuda \
+        --out p.jsonl
 
 Models as replica defines them: the CNN (conv 1->20 k5, ReLU, conv 20->20 k5, ReLU, maxpool 2,
 flatten, fc 2000->50, ReLU, fc 50->10) and torchvision's ResNets with 10 classes (a C-channel
@@ -41,116 +43,18 @@ import statistics
 import sys
 import time
 
+from pytorch_workload import (apply_precision, batches, channels_last, fail, make_model, nn,
+                              parse_counts, parse_devices, parse_shape, prepare_model,
+                              resolve_precision, torch, torch_device)
 
-def fail(msg, code=2):
-    print("pytorch_bench: error: " + msg, file=sys.stderr)
-    sys.exit(code)
-
-
-try:
-    import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    import torch.nn as nn
-except ImportError:
-    fail("PyTorch is not installed (pip install torch torchvision): nothing measured")
-
-
-def parse_devices(spec):
-    """'cpu*2' | 'cuda' | 'cuda:0,1' | 'cuda:0*4' -> list of (kind, index) and whether they share."""
-    if spec.startswith("cpu"):
-        n = int(spec.split("*")[1]) if "*" in spec else 1
-        return [("cpu", i) for i in range(n)], False
-    if spec == "cuda":
-        if not torch.cuda.is_available():
-            fail("--devices cuda: no CUDA GPU visible to PyTorch")
-        return [("cuda", i) for i in range(torch.cuda.device_count())], False
-    if spec.startswith("cuda:"):
-        body = spec[5:]
-        if "*" in body:
-            gpu, n = body.split("*")
-            return [("cuda", int(gpu))] * int(n), int(n) > 1
-        return [("cuda", int(g)) for g in body.split(",")], False
-    fail("--devices '%s': expected cpu*N, cuda, cuda:0,1 or cuda:0*N" % spec)
-
-
-class Cnn(nn.Module):
-    def __init__(self, shape, classes=10):
-        super().__init__()
-        c, h, w = shape
-        self.conv1 = nn.Conv2d(c, 20, 5)
-        self.conv2 = nn.Conv2d(20, 20, 5)
-        self.fc1 = nn.Linear(20 * ((h - 8) // 2) * ((w - 8) // 2), 50)
-        self.fc2 = nn.Linear(50, classes)
-
-    def forward(self, x):
-        x = torch.relu(self.conv1(x))
-        x = torch.relu(self.conv2(x))
-        x = torch.flatten(torch.max_pool2d(x, 2), 1)
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-def make_model(name, shape):
-    if name == "cnn":
-        return Cnn(shape)
-    try:
-        import torchvision
-    except ImportError:
-        fail("torchvision is not installed (pip install torchvision), needed for --model " + name)
-    m = getattr(torchvision.models, name)(num_classes=10)
-    if shape[0] != 3:
-        m.conv1 = nn.Conv2d(shape[0], 64, kernel_size=7, stride=2, padding=3, bias=False)
-    return m
-
-
-def resolve_precision(args, devs):
-    if args.precision not in ("auto", "fp32", "tf32", "bf16"):
-        fail("--precision '%s': expected auto, fp32, tf32 or bf16" % args.precision)
-    gpus = devs[0][0] == "cuda"
-    tf32_everywhere = gpus and all(torch.cuda.get_device_capability(d[1])[0] >= 8 for d in devs)
-    if args.precision == "auto":
-        return "tf32" if tf32_everywhere else "fp32"
-    if args.precision == "tf32" and not tf32_everywhere:
-        fail("--precision tf32 needs GPUs with TF32 tensor cores (compute capability 8.0+)")
-    return args.precision
-
-
-def apply_precision(args):
-    """Called in every process that trains (DDP ranks are fresh processes)."""
-    tf32 = args.precision != "fp32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    torch.backends.cudnn.benchmark = args.cudnn_benchmark
-
-
-def channels_last(args):
-    """auto: channels_last for bf16 images on GPUs, as replica-bench's auto (CPU devices: NCHW)."""
-    if len(args.shape) != 3 or args.memory_format == "nchw":
-        return False
-    on_gpu = args.devices.startswith("cuda")
-    return args.memory_format == "channels_last" or (args.precision == "bf16" and on_gpu)
-
-
-def prepare_model(model, args):
-    return model.to(memory_format=torch.channels_last) if channels_last(args) else model
+# Past the import above PyTorch is here (else it said so and stopped).
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def batches(args, batch, seed, device, count=4):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        x = torch.rand((batch,) + tuple(args.shape), generator=g) - 0.5
-        y = torch.randint(0, 10, (batch,), generator=g)
-        x = x.to(device)
-        if channels_last(args):
-            x = x.contiguous(memory_format=torch.channels_last)
-        out.append((x, y.to(device)))
-    return out
 
 
 def write_op_profile(step, first, device, args, path):
@@ -268,10 +172,6 @@ def peak_memory(device):
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, None
 
 
-def torch_device(d):
-    return torch.device("cuda:%d" % d[1]) if d[0] == "cuda" else torch.device("cpu")
-
-
 def environment(args):
     env = {"engine": "pytorch", "torch": torch.__version__, "cores": os.cpu_count(),
            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
@@ -306,7 +206,8 @@ def row(args, mode, devs, shared, params, windows, phases, loss, peaks, kept, ba
         "comm_bytes": (grad if n > 1 else 0) if mode == "ddp" else (n - 1) * grad,
         "busbw_gbps": None, "peak_memory_bytes": [p[0] for p in peaks],
         "peak_held_bytes": [p[1] for p in peaks] if peaks[0][1] is not None else None,
-        "peak_memory_kind": "cuda max_memory_allocated" if devs[0][0] == "cuda" else "process max RSS",
+        "peak_memory_kind": ("cuda max_memory_allocated" if devs[0][0] == "cuda"
+                             else "process max RSS"),
         "forward_kept_bytes": kept if kept and kept[0] is not None else None,
         "backend": backend, "final_loss": loss, "env": environment(args),
     }
@@ -390,20 +291,26 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", default="dp,ddp", help="dp, ddp or dp,ddp")
     p.add_argument("--model", default="cnn", help="cnn | resnet18 | resnet50 | ... (torchvision)")
-    p.add_argument("--input-shape", default="", help="CxHxW (default 1x28x28 for cnn, 3x224x224 otherwise)")
+    p.add_argument("--input-shape", default="",
+                   help="CxHxW (default 1x28x28 for cnn, 3x224x224 otherwise)")
     p.add_argument("--batch-per-device", type=int, default=64)
-    p.add_argument("--devices", default="", help="cpu*N, cuda, cuda:0,1, cuda:0*N (default: cuda if any, else cpu*cores)")
+    p.add_argument("--devices", default="",
+                   help="cpu*N, cuda, cuda:0,1, cuda:0*N (default: cuda if any, else cpu*cores)")
     p.add_argument("--device-counts", default="", help="comma list (default 1,2,4,...,N)")
-    p.add_argument("--threads-per-device", type=int, default=0, help="CPU threads per device (default cores / N)")
+    p.add_argument("--threads-per-device", type=int, default=0,
+                   help="CPU threads per device (default cores / N)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="auto",
-                   help="auto | fp32 | tf32 | bf16 (autocast; channels_last unless --memory-format nchw)")
-    p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
+                   help="auto | fp32 | tf32 | bf16 (autocast; channels_last unless "
+                        "--memory-format nchw)")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--memory-format", default="auto", choices=["auto", "nchw", "channels_last"],
-                   help="images' layout: auto (channels_last for bf16 on GPUs), nchw, channels_last")
+                   help="images' layout: auto (channels_last for bf16 on GPUs), nchw, "
+                        "channels_last")
     p.add_argument("--profile-ops", default="",
                    help="FILE: one device's ops under torch.profiler, self device ms per step")
     p.add_argument("--out", required=True, help="JSON-lines file to write (replaced)")
@@ -412,17 +319,17 @@ def main():
         args.devices = "cuda" if torch.cuda.is_available() else "cpu*%d" % (os.cpu_count() or 1)
     devs, shared = parse_devices(args.devices)
     args.precision = resolve_precision(args, devs)
-    args.shape = tuple(int(v) for v in (args.input_shape or ("1x28x28" if args.model == "cnn" else "3x224x224")).split("x"))
-    if len(args.shape) != 3:
-        fail("--input-shape '%s': expected CxHxW" % args.input_shape)
-    counts = [int(c) for c in args.device_counts.split(",")] if args.device_counts else \
+    args.shape = parse_shape(args.input_shape, args.model)
+    counts = parse_counts(args.device_counts) if args.device_counts else \
         sorted({c for c in [1, 2, 4, 8, 16, 32, 64] if c < len(devs)} | {len(devs)})
     if max(counts) > len(devs) or min(counts) < 1:
-        fail("--device-counts %s: --devices %s has %d devices" % (args.device_counts, args.devices, len(devs)))
+        fail("--device-counts %s: --devices %s has %d devices"
+             % (args.device_counts, args.devices, len(devs)))
     if args.batch_per_device < 1 or args.steps < 1 or args.repeat < 1 or args.warmup < 0:
         fail("--batch-per-device, --steps and --repeat must be >= 1, --warmup >= 0")
     if args.threads_per_device <= 0:
-        args.threads_per_device = max(1, (os.cpu_count() or 1) // max(counts)) if devs[0][0] == "cpu" else 1
+        on_cpu = devs[0][0] == "cpu"
+        args.threads_per_device = max(1, (os.cpu_count() or 1) // max(counts)) if on_cpu else 1
     modes = args.mode.split(",")
     if any(m not in ("dp", "ddp") for m in modes):
         fail("--mode '%s': expected dp, ddp or dp,ddp" % args.mode)
@@ -435,7 +342,8 @@ def main():
             else:
                 r = run_ddp(args, devs[:n], shared and n > 1, backend)
             if r:
-                print("pytorch %-3s %2d device(s): %.1f samples/s" % (mode, n, r["samples_per_sec"]))
+                print("pytorch %-3s %2d device(s): %.1f samples/s"
+                      % (mode, n, r["samples_per_sec"]))
                 rows.append(r)
     for r in rows:
         base = [b for b in rows if b["mode"] == r["mode"] and b["devices"] == 1]
