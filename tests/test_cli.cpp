@@ -1,14 +1,11 @@
 // replica-train as a user runs it: bad input gets one clear line and a non-zero exit (never a
-// crash or a hang); outputs are checked before training and written whole. (Resuming:
-// test_resume.cpp.)
+// crash or a hang). (Outputs: test_outputs.cpp; resuming: test_resume.cpp.)
 #include <doctest/doctest.h>
 
-#include "checkpoint_helpers.h"
 #include "cli_helpers.h"
 #include "env_guard.h"
 #include <sys/stat.h>
 
-#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <tuple>
@@ -16,7 +13,6 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/allocator.h"
-#include "engine/checkpoint.h"
 #include "engine/context.h"
 #include "engine/device.h"
 #include "engine/env_switch.h"
@@ -211,70 +207,6 @@ TEST_CASE("training files only: --no-eval trains, evaluation names what is missi
   expect_train_error(args, "missing 2 of the 4 MNIST-format files needed: t10k-images");
 }
 
-TEST_CASE("outputs through a symbolic link or into a pipe: the link and the pipe stay") {
-  test::TempDir tmp;
-  const std::string run_args = kTrain + " --synthetic --synthetic-size 64 --batch-size 8" +
-                               " --max-steps 2 --quiet --no-eval --devices cpu";
-  // A link: its target is written, the link stays a link.
-  test::fs::create_symlink("target.json", tmp.path / "link.json");
-  test::fs::create_symlink("model.safetensors", tmp.path / "model-link");
-  auto r = run(run_args + " --metrics-json " + tmp.str("link.json") + " --save-model " +
-               tmp.str("model-link"), 60);
-  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
-  CHECK(test::fs::is_symlink(tmp.path / "link.json"));
-  CHECK(test::fs::is_symlink(tmp.path / "model-link"));
-  std::ifstream metrics(tmp.str("target.json"));
-  CHECK(nlohmann::json::parse(metrics)["steps"] == 2);
-  CHECK(load_checkpoint(tmp.str("model.safetensors")).tensors.size() > 0);
-  // A pipe (as /dev/stdout can be): written into, not renamed over.
-  const std::string fifo = tmp.str("pipe");
-  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
-  r = run("sh -c 'cat " + fifo + " > " + tmp.str("from-pipe") + " & " + run_args +
-          " --metrics-json " + fifo + "; rc=$?; wait; exit $rc'", 60);
-  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
-  CHECK(test::fs::is_fifo(fifo));
-  std::ifstream piped(tmp.str("from-pipe"));
-  CHECK(nlohmann::json::parse(piped)["steps"] == 2);
-}
-
-TEST_CASE("an output that cannot be written fails before training, in seconds") {
-  test::TempDir tmp;
-  test::write_mnist_dir(tmp.path / "data", 64, 16);
-  const std::string data = "--data " + tmp.str("data") + " --devices cpu --max-steps 5 --quiet ";
-  const std::string missing = tmp.str("missing-dir");
-  for (const char* flag : {"--metrics-json", "--trace", "--save-model"}) {
-    CAPTURE(flag);
-    const auto start = std::chrono::steady_clock::now();
-    expect_train_error(data + flag + " " + missing + "/out.json", "does not exist");
-    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
-  }
-  expect_train_error(data + "--metrics-json " + tmp.str(""), "is a directory");
-  expect_train_error(data + "--save-model " + tmp.str("data/train-images-idx3-ubyte") + "/m",
-                     "train-images-idx3-ubyte' is not a directory");
-  // The bench checks its outputs before it measures anything.
-  auto r = run(test::bin("replica-bench") + " --suite dp --json " + missing + "/rows.jsonl", 30);
-  CHECK(r.exit_code == 2);
-  CHECK(r.output.find("does not exist") != std::string::npos);
-  CHECK_FALSE(test::fs::exists(missing));
-}
-
-TEST_CASE("a checkpoint left half-written by a killed run is cleaned up by the next run") {
-  test::TempDir tmp;
-  test::write_mnist_dir(tmp.path / "data", 64, 16);
-  test::fs::create_directories(tmp.path / "ck");
-  pid_t dead = fork();
-  if (dead == 0) _exit(0);
-  waitpid(dead, nullptr, 0);
-  const std::string stale = tmp.str("ck/checkpoint.safetensors.tmp-") + std::to_string(dead);
-  test::put_bytes(stale, {0, 1, 2, 3});
-  auto r = run(kTrain + " --data " + tmp.str("data") + " --devices cpu --max-steps 2 --quiet" +
-                   " --no-eval --checkpoint " + tmp.str("ck"),
-               120);
-  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
-  CHECK_FALSE(test::fs::exists(stale));
-  CHECK(test::fs::exists(tmp.path / "ck" / "checkpoint.safetensors"));
-}
-
 TEST_CASE("bad data directories are one-line errors") {
   test::TempDir tmp;
   expect_train_error("--data " + tmp.str("missing") + " --max-steps 1", "does not exist");
@@ -303,44 +235,6 @@ TEST_CASE("bad data directories are one-line errors") {
   }
   expect_train_error("--data " + tmp.str("labels") + " --max-steps 1",
                      "the test labels go up to 200, the training labels to 9");
-}
-
-TEST_CASE("a short run writes metrics with the documented fields") {
-  test::TempDir tmp;
-  test::write_mnist_dir(tmp.path / "data", 256, 64);
-  auto r = run(kTrain + " --data " + tmp.str("data") + " --batch-size 32 --epochs 2 --quiet" +
-               " --threads-per-device 1 --metrics-json " + tmp.str("m.json") + " --trace " +
-               tmp.str("t.json"));
-  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
-  std::ifstream in(tmp.str("m.json"));
-  auto m = nlohmann::json::parse(in);
-  for (const char* key : {"model", "mode", "devices", "steps", "epochs", "samples_per_sec",
-                          "final_loss", "test_accuracy", "test_loss", "peak_memory_bytes"})
-    CHECK_MESSAGE(m.contains(key), key);
-  CHECK(m["steps"] == 16);
-  CHECK(m["epochs"] == 2);
-  // The first step is timed apart: samples/s counts the 15 steps after it.
-  REQUIRE(m["first_step_excluded"] == true);
-  const auto& e1 = m["epoch_summaries"][0];
-  const double first = m["first_step_seconds"].get<double>();
-  CHECK(e1["first_step_seconds"] == first);
-  CHECK_FALSE(m["epoch_summaries"][1].contains("first_step_seconds"));
-  CHECK(e1["samples_per_sec"].get<double>() ==
-        doctest::Approx(224.0 / (e1["seconds"].get<double>() - first)).epsilon(0.02));
-  CHECK(m["samples_per_sec"].get<double>() ==
-        doctest::Approx(480.0 / (m["train_seconds"].get<double>() - first)).epsilon(0.02));
-  CHECK(m["peak_memory_bytes"].size() == m["devices"].size());
-  CHECK(m["peak_memory_bytes"][0].get<double>() > 0);
-  REQUIRE(m["peak_held_bytes"].size() == m["devices"].size());
-  CHECK(m["peak_held_bytes"][0].get<double>() >= m["peak_memory_bytes"][0].get<double>());
-  REQUIRE(m["forward_kept_bytes"].size() == m["devices"].size());
-  CHECK(m["forward_kept_bytes"][0].get<double>() > 0);
-  CHECK(m["forward_kept_bytes"][0].get<double>() < m["peak_memory_bytes"][0].get<double>());
-  // The synthetic bands are easy: two epochs learn them.
-  CHECK(m["test_accuracy"].get<double>() > 0.5);
-  std::ifstream tin(tmp.str("t.json"));
-  auto trace = nlohmann::json::parse(tin);
-  CHECK(trace["traceEvents"].size() > 16 * 3);
 }
 
 TEST_CASE("--lr-schedule step:N:GAMMA decays by epochs, as StepLR; each epoch records its lr") {
