@@ -14,12 +14,7 @@
 #include "idx_files.h"
 
 using namespace replica;
-using test::contains;
-using test::error_of;
-using test::file_bytes;
-using test::pattern;
-using test::put_bytes;
-using test::TempDir;
+using namespace test;  // the suites' files, bytes and errors (cli_helpers.h, idx_files.h)
 
 namespace {
 
