@@ -317,6 +317,28 @@ class Cli(unittest.TestCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn("--rounds must be at least 1", p.stderr)
 
+    def test_bad_cases_and_inputs_are_one_line_errors(self):
+        tools = os.path.join(REPO, "tools")
+        for argv, code, message in (
+                (["replica_vs_pytorch.py", "--case", "cnn:1x28:32", "--out", "/tmp/unused"], 2,
+                 "--case 'cnn:1x28:32': expected MODEL:CxHxW:BATCH"),
+                (["gpu_checks.py", "speed", "--case", "cnn:1x28x28:0", "--out", "/tmp/unused"],
+                 1,
+                 "--case 'cnn:1x28x28:0': expected MODEL:CxHxW:BATCH"),
+                (["ncu_step.py", "/nonexistent/ncu.csv"], 1, "cannot read /nonexistent/ncu.csv")):
+            p = subprocess.run([sys.executable, os.path.join(tools, argv[0])] + argv[1:],
+                               capture_output=True, text=True)
+            self.assertEqual(p.returncode, code, p.stderr)
+            self.assertIn(message, p.stderr)
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        # Nothing measured (a model neither engine has) is a failure, not an empty table.
+        with tempfile.TemporaryDirectory() as out:
+            p = subprocess.run([sys.executable, os.path.join(tools, "replica_vs_pytorch.py"),
+                                "--case", "nosuch:1x28x28:8", "--precisions", "fp32", "--out",
+                                out], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertIn("replica measured no case", p.stderr)
+
     def test_local_nodes_refuses_bad_arguments_before_making_nodes(self):
         script = os.path.join(REPO, "tools", "local_nodes.sh")
         for argv, message in ((["--rate", "5xbit", "--", "true"], "--rate '5xbit'"),

@@ -56,6 +56,7 @@ import time
 
 from gpu_clocks import ClockLog
 from gpu_speed_checks import graphs, ops, speed
+from replica_vs_pytorch import CASE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -321,6 +322,10 @@ def main():
                          "and what would start later is listed as not run (a short lease of a "
                          "GPU machine: give the parts in the order they matter)")
     args = ap.parse_args()
+    for case in args.case:  # before any part runs: a typo must not cost a GPU machine's time
+        if not CASE.fullmatch(case):
+            sys.exit(f"gpu_checks.py: error: --case '{case}': expected MODEL:CxHxW:BATCH, "
+                     "e.g. resnet50:3x224x224:64")
     if args.budget is not None and args.budget < 60:
         sys.exit("gpu_checks.py: error: --budget must be at least 60 seconds")
     args.deadline = time.time() + args.budget if args.budget is not None else None

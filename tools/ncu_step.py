@@ -25,8 +25,11 @@ UNITS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "m
 
 def kernels(path):
     """(name, ms) of every kernel in the CSV, in launch order."""
-    with open(path) as f:
-        lines = [line for line in f if line.startswith('"')]  # ncu's own notes are not CSV
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line for line in f if line.startswith('"')]  # ncu's own notes are not CSV
+    except OSError as e:
+        sys.exit(f"ncu_step: cannot read {path}: {e.strerror}")
     out = []
     for row in csv.DictReader(lines):
         if row.get("Metric Name") != "gpu__time_duration.sum":

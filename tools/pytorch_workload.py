@@ -89,6 +89,8 @@ def make_model(name, shape):
         import torchvision
     except ImportError:
         fail("torchvision is not installed (pip install torchvision), needed for --model " + name)
+    if not callable(getattr(torchvision.models, name, None)):
+        fail("--model '%s': expected cnn or a torchvision model (resnet18, resnet50, ...)" % name)
     m = getattr(torchvision.models, name)(num_classes=10)
     if shape[0] != 3:
         m.conv1 = nn.Conv2d(shape[0], 64, kernel_size=7, stride=2, padding=3, bias=False)

@@ -40,6 +40,7 @@ fp32, tf32 and bf16; on CPU only the CNN at batch 32 and 64 in fp32.
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -63,11 +64,15 @@ def have_gpu():
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
+CASE = re.compile(r"(\w+):([1-9]\d*x[1-9]\d*x[1-9]\d*):([1-9]\d*)")
+
+
 def parse_case(text):
-    parts = text.split(":")
-    if len(parts) != 3 or not parts[2].isdigit() or int(parts[2]) < 1:
+    """MODEL:CxHxW:BATCH -> (model, shape, batch); shared with gpu_checks.py's --case."""
+    m = CASE.fullmatch(text)
+    if not m:
         fail("--case '%s': expected MODEL:CxHxW:BATCH, e.g. resnet50:3x224x224:64" % text)
-    return parts[0], parts[1], int(parts[2])
+    return m.group(1), m.group(2), int(m.group(3))
 
 
 def first_row(path):
@@ -351,6 +356,10 @@ def main():
     print()
     print(text, end="")
     print("wrote %s/rows.jsonl and %s/table.md" % (args.out, args.out))
+    if not any(cells["replica"][0] for _, cells in results):
+        print("replica_vs_pytorch: error: replica measured no case (table.md says why)",
+              file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
