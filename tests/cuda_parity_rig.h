@@ -84,15 +84,13 @@ inline std::vector<float> host_values(const Tensor& t) {
 }
 
 inline std::vector<float> gpu_values(Rig& r, const Tensor& t) {
-  Tensor h = Tensor::empty(host_allocator(), t.shape());
-  r.g().copy(r.gpu, h, t);
+  const Tensor h = to_host(r.gpu, t);
   r.gpu.synchronize();
   return host_values(h);
 }
 
 inline std::vector<int32_t> gpu_ints(Rig& r, const Tensor& t) {
-  Tensor h = Tensor::empty(host_allocator(), t.shape(), DType::I32);
-  r.g().copy(r.gpu, h, t);
+  const Tensor h = to_host(r.gpu, t);
   r.gpu.synchronize();
   return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
 }

@@ -59,9 +59,9 @@ inline void train_prefetching(TrainEngine& e, const std::vector<Batch>& batches,
 
 // The values of t (a tensor on e's primary device) on the host.
 inline std::vector<float> host_values(TrainEngine& e, const Tensor& t) {
-  Tensor h = Tensor::empty(host_allocator(), t.shape());
+  Tensor h;
   e.primary().run([&] {
-    e.primary().ops().copy(e.primary(), h, t);
+    h = to_host(e.primary(), t);
     e.primary().synchronize();
   });
   return std::vector<float>(h.f32(), h.f32() + h.numel());
@@ -117,8 +117,7 @@ inline std::vector<float> reference_params(const EngineOptions& o, const std::ve
     ctx.ops().copy(ctx, model->flat_grads(), grads[0]);
     opt->step(ctx, model->flat_params(), model->flat_grads());
   }
-  Tensor host = Tensor::empty(host_allocator(), {model->num_params()});
-  ctx.ops().copy(ctx, host, model->flat_params());
+  const Tensor host = to_host(ctx, model->flat_params());
   ctx.synchronize();
   return std::vector<float>(host.f32(), host.f32() + host.numel());
 }

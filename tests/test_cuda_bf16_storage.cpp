@@ -30,10 +30,10 @@
 #include "engine/ops.h"
 #include "env_guard.h"
 #include "gpu_skip.h"
-#include "seeded_values.h"
 #include "layers/loss.h"
 #include "layers/model.h"
 #include "parallel/engines/train_engine.h"
+#include "seeded_values.h"
 
 using namespace replica;
 

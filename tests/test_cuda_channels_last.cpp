@@ -19,12 +19,13 @@
 #include "engine/ops.h"
 #include "env_guard.h"
 #include "gpu_skip.h"
-#include "seeded_values.h"
 #include "parallel/engines/train_engine.h"
+#include "seeded_values.h"
 
 using namespace replica;
 
 using test::get;
+using test::normal_values;
 using test::put;
 
 namespace {
@@ -52,7 +53,7 @@ TEST_CASE("copy between layouts on the GPU gives the CPU's bits (F32, BF16, part
   for (const Shape& shape : {Shape{3, 40, 7, 9}, Shape{2, 64, 1, 1}, Shape{2, 1, 5, 5},
                              Shape{2, 96, 33, 35}}) {
     CAPTURE(shape_str(shape));
-    const auto v = test::normal_values(shape_numel(shape), 3);
+    const auto v = normal_values(shape_numel(shape), 3);
     const Tensor nchw = put(gpu, shape, v);
     for (DType dtype : {DType::F32, DType::BF16}) {
       Tensor nhwc = gpu.alloc(shape, dtype, true);
@@ -87,8 +88,8 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
       CAPTURE(precision_name(precision));
       CAPTURE(fused);
       const int64_t C = shape[1];
-      const auto xv = test::normal_values(shape_numel(shape), 1), rv = test::normal_values(shape_numel(shape), 2);
-      const auto gv = test::normal_values(shape_numel(shape), 4);
+      const int64_t n = shape_numel(shape);
+      const auto xv = normal_values(n, 1), rv = normal_values(n, 2), gv = normal_values(n, 4);
       struct Run {
         std::vector<float> y, mean, invstd, running, dx, dgamma, dbeta, eval, relu_dx, sum;
       };
@@ -99,8 +100,8 @@ TEST_CASE("BatchNorm, ReLU and add take channels_last tensors themselves: NCHW's
         gpu.set_op_profile(&profile);
         const Tensor x = put(gpu, shape, xv, dt, cl), res = put(gpu, shape, rv, dt, res_cl);
         const Tensor dy = put(gpu, shape, gv, dt, cl);
-        Tensor gamma = put(gpu, {C}, test::normal_values(C, 5));
-        Tensor beta = put(gpu, {C}, test::normal_values(C, 6));
+        Tensor gamma = put(gpu, {C}, normal_values(C, 5));
+        Tensor beta = put(gpu, {C}, normal_values(C, 6));
         Tensor rm = gpu.alloc({C}), rvar = gpu.alloc({C}), mean = gpu.alloc({C});
         Tensor invstd = gpu.alloc({C}), dgamma = gpu.alloc({C}), dbeta = gpu.alloc({C});
         gpu.ops().fill(gpu, rm, 0.f);
@@ -182,10 +183,10 @@ TEST_CASE("max pooling takes channels_last tensors itself: NCHW's bits") {
         const Shape ys{c.x[0], c.x[1], window_out(c.x[2], c.p.kernel, c.p.stride, c.p.padding),
                        window_out(c.x[3], c.p.kernel, c.p.stride, c.p.padding)};
         // Few distinct values (tied maxima: the first wins), and a NaN (it wins its windows).
-        auto xv = test::normal_values(shape_numel(c.x), 12);
+        auto xv = normal_values(shape_numel(c.x), 12);
         for (float& v : xv) v = std::round(v);
         xv[5] = std::nanf("");
-        const auto gv = test::normal_values(shape_numel(ys), 13);
+        const auto gv = normal_values(shape_numel(ys), 13);
         auto run = [&](bool cl) {
           OpProfile profile;
           gpu.set_op_profile(&profile);
@@ -230,9 +231,9 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
       const int64_t K = c.w[0];
       const Shape ys{c.x[0], K, window_out(c.x[2], int(c.w[2]), c.p.stride, c.p.padding),
                      window_out(c.x[3], int(c.w[2]), c.p.stride, c.p.padding)};
-      const auto xv = test::normal_values(shape_numel(c.x), 7), wv = test::normal_values(shape_numel(c.w), 8);
-      const auto bv = test::normal_values(K, 9), gv = test::normal_values(shape_numel(ys), 10);
-      const auto sv = test::normal_values(shape_numel(c.x), 11);
+      const auto xv = normal_values(shape_numel(c.x), 7), wv = normal_values(shape_numel(c.w), 8);
+      const auto bv = normal_values(K, 9), gv = normal_values(shape_numel(ys), 10);
+      const auto sv = normal_values(shape_numel(c.x), 11);
       auto run = [&](DeviceContext& ctx, bool cl) {
         const Tensor x = put(ctx, c.x, xv, dt, cl), w = put(ctx, c.w, wv);
         const Tensor b = c.bias ? put(ctx, {K}, bv) : Tensor();
@@ -283,9 +284,9 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
       const int64_t K = c.w[0];
       const Shape ys{c.x[0], K, window_out(c.x[2], int(c.w[2]), c.p.stride, c.p.padding),
                      window_out(c.x[3], int(c.w[2]), c.p.stride, c.p.padding)};
-      const auto xv = test::normal_values(shape_numel(c.x), 1), wv = test::normal_values(shape_numel(c.w), 2);
-      const auto gv = test::normal_values(shape_numel(ys), 3), bv = test::normal_values(K, 4);
-      const auto sv = test::normal_values(shape_numel(c.x), 5);
+      const auto xv = normal_values(shape_numel(c.x), 1), wv = normal_values(shape_numel(c.w), 2);
+      const auto gv = normal_values(shape_numel(ys), 3), bv = normal_values(K, 4);
+      const auto sv = normal_values(shape_numel(c.x), 5);
       auto run = [&](DeviceContext& ctx, bool cl) {
         OpProfile profile;  // which way each convolution ran: padded, or NCHW on copies
         ctx.set_op_profile(&profile);

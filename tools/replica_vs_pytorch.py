@@ -64,11 +64,12 @@ def have_gpu():
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
+# MODEL:CxHxW:BATCH, every number positive; gpu_checks.py checks its --case with it too.
 CASE = re.compile(r"(\w+):([1-9]\d*x[1-9]\d*x[1-9]\d*):([1-9]\d*)")
 
 
 def parse_case(text):
-    """MODEL:CxHxW:BATCH -> (model, shape, batch); shared with gpu_checks.py's --case."""
+    """MODEL:CxHxW:BATCH -> (model, shape, batch)."""
     m = CASE.fullmatch(text)
     if not m:
         fail("--case '%s': expected MODEL:CxHxW:BATCH, e.g. resnet50:3x224x224:64" % text)

@@ -100,7 +100,10 @@ void RunReport::gather_ranks() {
   constexpr size_t kFields = 5;
   const std::vector<int64_t> all =
       engine_.gather_from_ranks({peaks_[0], held_[0], kept_[0], mine.index, mine.slot});
-  peaks_.clear(), held_.clear(), kept_.clear(), device_names_.clear();
+  peaks_.clear();
+  held_.clear();
+  kept_.clear();
+  device_names_.clear();
   for (size_t r = 0; r < size_t(world_); ++r) {
     const int64_t* rank = &all[kFields * r];
     peaks_.push_back(rank[0]);
