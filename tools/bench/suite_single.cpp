@@ -165,9 +165,9 @@ std::map<int64_t, std::vector<double>> sgemm_ceiling(const BenchOptions& o,
   return ceiling;
 }
 
-}  // namespace
-
-int run_single_suite(const BenchOptions& o) {
+// Checks the flags that make no sense for this suite and returns the thread counts to time
+// (default: 1 and every core).
+std::vector<int64_t> checked_thread_counts(const BenchOptions& o, int cores) {
   validate_common(o);
   REPLICA_USAGE_CHECK(
       resolve_precision(o.precision, {Device{DeviceType::CPU, 0, 0}}) == Precision::Fp32,
@@ -181,16 +181,21 @@ int run_single_suite(const BenchOptions& o) {
                       "ops on GPUs");
   REPLICA_USAGE_CHECK(o.sgemm_seconds > 0 && o.sgemm_seconds <= 60,
                       "--sgemm-seconds must be in (0, 60], got {}", o.sgemm_seconds);
-  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-  std::vector<int64_t> threads;
   if (o.threads.empty()) {
-    threads = {1};
+    std::vector<int64_t> threads = {1};
     if (cores > 1) threads.push_back(cores);
-  } else {
-    REPLICA_USAGE_CHECK(o.threads.find_first_not_of("0123456789,") == std::string::npos,
-                        "--threads '{}': expected a comma list like 1,2", o.threads);
-    threads = parse_positive_list(o.threads, ',', "--threads");
+    return threads;
   }
+  REPLICA_USAGE_CHECK(o.threads.find_first_not_of("0123456789,") == std::string::npos,
+                      "--threads '{}': expected a comma list like 1,2", o.threads);
+  return parse_positive_list(o.threads, ',', "--threads");
+}
+
+}  // namespace
+
+int run_single_suite(const BenchOptions& o) {
+  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  const std::vector<int64_t> threads = checked_thread_counts(o, cores);
   const Shape shape = resolve_input_shape(o);
   double load[3] = {0, 0, 0};
   getloadavg(load, 3);
