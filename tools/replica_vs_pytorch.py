@@ -270,7 +270,9 @@ def write_atomically(path, text):
     os.replace(tmp, path)
 
 
-def main():
+def parse_args():
+    """The command line, checked before anything runs; fills in the device, cases, precisions
+    and placements a run without them gets."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--case", action="append", default=[], help="MODEL:CxHxW:BATCH (repeatable)")
     p.add_argument("--precisions", default="", help="comma list of fp32, tf32, bf16")
@@ -292,68 +294,81 @@ def main():
     p.add_argument("--bin", default=os.path.join(os.path.dirname(HERE), "build", "bin"))
     p.add_argument("--out", required=True, help="directory for rows.jsonl and table.md")
     args = p.parse_args()
-    gpu = args.device.startswith("cuda") if args.device else have_gpu()
-    args.device = args.device or ("cuda:0" if gpu else "cpu")
+    args.gpu = args.device.startswith("cuda") if args.device else have_gpu()
+    args.device = args.device or ("cuda:0" if args.gpu else "cpu")
     if args.device != "cpu" and not args.device.startswith("cuda:"):
         fail("--device '%s': expected cuda:K or cpu" % args.device)
-    if args.cudnn_benchmark and not gpu:
+    if args.cudnn_benchmark and not args.gpu:
         fail("--cudnn-benchmark needs a GPU (--device cuda:K)")
-    if args.cuda_graphs and not gpu:
+    if args.cuda_graphs and not args.gpu:
         fail("--cuda-graphs needs a GPU (--device cuda:K)")
-    cases = [parse_case(c) for c in (args.case or (GPU_CASES if gpu else CPU_CASES))]
-    precisions = (args.precisions or ("fp32,tf32,bf16" if gpu else "fp32")).split(",")
-    for x in precisions:
+    args.cases = [parse_case(c) for c in (args.case or (GPU_CASES if args.gpu else CPU_CASES))]
+    args.precisions = (args.precisions or ("fp32,tf32,bf16" if args.gpu else "fp32")).split(",")
+    for x in args.precisions:
         if x not in ("fp32", "tf32", "bf16"):
             fail("--precisions: '%s' is not fp32, tf32 or bf16" % x)
     if args.rounds < 1:
         fail("--rounds must be at least 1")
     if args.train_steps < 1:
         fail("--train-steps must be at least 1")
-    placements = args.train_placements.split(",")
-    for x in placements:
+    args.placements = args.train_placements.split(",")
+    for x in args.placements:
         if x not in ("auto", "host", "device"):
             fail("--train-placements: '%s' is not auto, host or device" % x)
     if not os.access(os.path.join(args.bin, "replica-bench"), os.X_OK):
         fail("%s/replica-bench not found: build it (tools/setup.sh --all) or give --bin" % args.bin)
+    return args
+
+
+def report_text(args, results):
+    """table.md: how the cases were run, then the tables."""
+    text = ("Convolution algorithms: %s.\n\n" % (
+        "timed per shape in both engines (replica --cudnn-benchmark, "
+        "torch.backends.cudnn.benchmark = True)" if args.cudnn_benchmark
+        else "cuDNN's heuristics in both engines (no cudnn.benchmark)")) if args.gpu else ""
+    if args.cuda_graphs:
+        text += ("replica's step captured once and replayed as a CUDA Graph "
+                 "(--cuda-graphs); PyTorch eager.\n\n")
+    text += table(results, args.rounds)
+    if args.with_train:
+        text += "\n" + train_table(results)
+    return text
+
+
+def measure_case(args, model, shape, batch, precision, tmp):
+    """Both engines on one case, and replica-train on it where asked: the case's cells and the
+    JSON rows it measured."""
+    cells = measure(args, model, shape, batch, precision, tmp)
+    rows = cells.pop("rows")
+    if args.with_train:
+        cells["train"] = {}
+        for placement in args.placements:
+            train = run_train(args, model, shape, batch, precision, placement, tmp)
+            cells["train"][placement] = train
+            if train[0]:
+                rows.append(dict(train[0], engine="replica-train"))
+    r, p = cells["replica"][0], cells["pytorch"][0]
+    print("%s %s batch %d %s: replica %s, PyTorch %s" % (
+        model, shape, batch, precision, "%.1f" % r["samples_per_sec"] if r else "-",
+        "%.1f" % p["samples_per_sec"] if p else "-"), flush=True)
+    return cells, rows
+
+
+def main():
+    args = parse_args()
     os.makedirs(args.out, exist_ok=True)
     results, rows = [], []
-
-    def write_results():
-        # After every case, so a run cut short (a time limit) keeps what it measured.
-        text = ("Convolution algorithms: %s.\n\n" % (
-            "timed per shape in both engines (replica --cudnn-benchmark, "
-            "torch.backends.cudnn.benchmark = True)" if args.cudnn_benchmark
-            else "cuDNN's heuristics in both engines (no cudnn.benchmark)")) if gpu else ""
-        if args.cuda_graphs:
-            text += ("replica's step captured once and replayed as a CUDA Graph "
-                     "(--cuda-graphs); PyTorch eager.\n\n")
-        text += table(results, args.rounds)
-        if args.with_train:
-            text += "\n" + train_table(results)
-        write_atomically(os.path.join(args.out, "rows.jsonl"),
-                         "".join(json.dumps(r) + "\n" for r in rows))
-        write_atomically(os.path.join(args.out, "table.md"), text)
-        return text
-
     with tempfile.TemporaryDirectory() as tmp:
-        for model, shape, batch in cases:
-            for precision in precisions:
-                cells = measure(args, model, shape, batch, precision, tmp)
-                rows += cells.pop("rows")
-                if args.with_train:
-                    cells["train"] = {}
-                    for placement in placements:
-                        train = run_train(args, model, shape, batch, precision, placement, tmp)
-                        cells["train"][placement] = train
-                        if train[0]:
-                            rows.append(dict(train[0], engine="replica-train"))
+        for model, shape, batch in args.cases:
+            for precision in args.precisions:
+                cells, case_rows = measure_case(args, model, shape, batch, precision, tmp)
                 results.append(((model, shape, batch, precision), cells))
-                r, p_ = cells["replica"][0], cells["pytorch"][0]
-                print("%s %s batch %d %s: replica %s, PyTorch %s" % (
-                    model, shape, batch, precision,
-                    "%.1f" % r["samples_per_sec"] if r else "-",
-                    "%.1f" % p_["samples_per_sec"] if p_ else "-"), flush=True)
-                text = write_results()
+                rows += case_rows
+                # After every case, so a run cut short (a time limit) keeps what it measured.
+                text = report_text(args, results)
+                write_atomically(os.path.join(args.out, "rows.jsonl"),
+                                 "".join(json.dumps(r) + "\n" for r in rows))
+                write_atomically(os.path.join(args.out, "table.md"), text)
     print()
     print(text, end="")
     print("wrote %s/rows.jsonl and %s/table.md" % (args.out, args.out))
