@@ -31,7 +31,9 @@ def load(name, folder="tools"):
     return module
 
 
+sys.path.insert(0, os.path.join(REPO, "tools"))  # the tools import their sibling modules
 vs = load("replica_vs_pytorch")
+vs_tables = load("replica_vs_pytorch_tables")
 doc_test = load("doc_test", folder="tests")
 clocks = load("gpu_clocks")
 
@@ -110,15 +112,15 @@ class Table(unittest.TestCase):
         self.assertEqual(len({l.count("|") for l in lines}), 1, text)
 
     def test_rounds_add_a_column_with_each_ratio(self):
-        text = vs.table([(("resnet101", "1x28x28", 256, "fp32"), self.cells([1.0, 0.8, 1.8]))],
-                        rounds=3)
+        text = vs_tables.table(
+            [(("resnet101", "1x28x28", 256, "fp32"), self.cells([1.0, 0.8, 1.8]))], rounds=3)
         self.check_columns(text)
         self.assertIn("ratio by round", text)
         self.assertIn("| 1.00x | 1.00, 0.80, 1.80 |", text)
         self.assertIn("3 rounds per case", text)
 
     def test_one_round_keeps_the_plain_table(self):
-        text = vs.table([(("cnn", "1x28x28", 32, "fp32"), self.cells([0.9]))])
+        text = vs_tables.table([(("cnn", "1x28x28", 32, "fp32"), self.cells([0.9]))])
         self.check_columns(text)
         self.assertNotIn("ratio by round", text)
         self.assertIn("| 90.0 | 100.0 | 0.90x |", text)
@@ -126,15 +128,15 @@ class Table(unittest.TestCase):
     def test_memory_cells_show_what_a_forward_kept_where_rows_have_it(self):
         ours = dict(row("replica", 90), forward_kept_bytes=[2.95e9])
         theirs = dict(row("pytorch", 100), forward_kept_bytes=None)  # on a CPU: not measured
-        text = vs.table([(("resnet50", "3x224x224", 64, "bf16"),
-                          {"replica": (ours, None), "pytorch": (theirs, None), "ratios": [0.9]})])
+        cells = {"replica": (ours, None), "pytorch": (theirs, None), "ratios": [0.9]}
+        text = vs_tables.table([(("resnet50", "3x224x224", 64, "bf16"), cells)])
         self.check_columns(text)
         self.assertIn("| 1000 / 1100 MB, kept 2950 | 1000 / 1100 MB |", text)
 
     def test_a_missing_engine_says_why(self):
         cells = {"replica": (row("replica", 90), None), "pytorch": (None, "no module torch"),
                  "ratios": []}
-        text = vs.table([(("cnn", "1x28x28", 32, "fp32"), cells)], rounds=2)
+        text = vs_tables.table([(("cnn", "1x28x28", 32, "fp32"), cells)], rounds=2)
         self.check_columns(text)
         self.assertIn("| - | - |", text)
         self.assertIn("- no module torch", text)
