@@ -1,7 +1,7 @@
 // DDP: forward and loss on the local batch, backward with bucketed all-reduce launched from the
 // grad hook, finalize (wait + average), local optimizer step. BatchNorm buffers are broadcast
-// from rank 0 before each forward (PyTorch's broadcast_buffers=True), so every rank normalises
-// with the same running statistics in eval mode.
+// from rank 0 before each training step and before evaluation (PyTorch's broadcast_buffers=True
+// does it before every forward), so every rank evaluates with rank 0's running statistics.
 #include "parallel/engines/ddp_engine.h"
 
 #include <cstring>
@@ -64,12 +64,7 @@ class DdpEngine final : public OneDeviceEngine {
       // done by now unless the host ran ahead: only the optimizer kernels are left on the GPU.
       group_->synchronize(ctx_);
       auto [x, y] = whole_batch_to_device(ctx_, batch, track_);
-      if (model_->num_buffer_elements() > 0 && group_->size() > 1) {
-        TraceSpan span(track_, "broadcast_buffers", &ctx_);
-        group_->broadcast(ctx_, model_->flat_buffers(), 0);
-        group_->stream_wait(ctx_);  // the forward reads them
-        settle_for_trace();
-      }
+      broadcast_buffers();
       model_->zero_grad(ctx_);
       // K micro-batches (torch.chunk sizes); the loss gradient of each is scaled by
       // 1/(local batch), so the accumulated gradient is that of the whole local batch.
@@ -164,6 +159,13 @@ class DdpEngine final : public OneDeviceEngine {
     });
   }
   void state_loaded() override { sync_from_rank0(); }
+  // After the last step each rank's BatchNorm statistics hold its own batch; evaluation reads
+  // rank 0's, as PyTorch's DDP (whose eval forwards broadcast them too) and the model rank 0
+  // saves.
+  void set_training(bool training) override {
+    if (!training) ctx_.run([&] { broadcast_buffers(); });
+    OneDeviceEngine::set_training(training);
+  }
   void finish() override {
     ctx_.run([&] { group_->leave(ctx_); });
   }
@@ -178,6 +180,16 @@ class DdpEngine final : public OneDeviceEngine {
   // collectives the stream now waits for are waited for with the timeout.
   void settle_for_trace() {
     if (Tracer::global().sync_device()) group_->synchronize(ctx_);
+  }
+
+  // Rank 0's BatchNorm statistics to every rank, before a forward reads them (PyTorch's
+  // broadcast_buffers=True). On the context's thread.
+  void broadcast_buffers() {
+    if (model_->num_buffer_elements() == 0 || group_->size() <= 1) return;
+    TraceSpan span(track_, "broadcast_buffers", &ctx_);
+    group_->broadcast(ctx_, model_->flat_buffers(), 0);
+    group_->stream_wait(ctx_);  // the forward reads them
+    settle_for_trace();
   }
 
   // Debug check (REPLICA_DDP_CHECK_SYNC=1): rank 0's parameters, broadcast, must equal this
