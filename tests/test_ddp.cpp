@@ -102,20 +102,25 @@ TEST_CASE("DDP on N ranks equals one process on the same global batch") {
       // The ranks on CPU devices as the reference is: on a machine with a GPU they would
       // otherwise take it, and CPU and GPU round differently.
       auto r = run(launch(n) + kTrain + " --mode ddp --devices cpu*" + std::to_string(n) +
-                       " --bucket-cap-mb " + cap + common +
-                       " --checkpoint " + dir,
+                       " --bucket-cap-mb " + cap + common + " --checkpoint " + dir +
+                       " --metrics-json " + dir + ".json",
                    180);
       REQUIRE_MESSAGE(r.exit_code == 0, r.output);
       CHECK(test::max_relative(reference, test::checkpoint_params(dir + "/checkpoint.safetensors")) <= 1e-5);
     }
   }
-  // Gradient accumulation: 2 ranks x 2 micro-batches (no_sync on the first) is the same math.
+  // Gradient accumulation: 2 ranks x 5 micro-batches (torch.chunk of 12: 3, 3, 3, 3 and none;
+  // no_sync but on the last) is the same math, and its loss is the local batch's: the
+  // micro-batches' losses weighted by their sizes.
   const std::string dir = tmp.str("ddp-accumulate");
-  auto r = run(launch(2) + kTrain + " --mode ddp --devices cpu*2 --accumulate 2" + common +
-                   " --checkpoint " + dir,
+  auto r = run(launch(2) + kTrain + " --mode ddp --devices cpu*2 --accumulate 5" + common +
+                   " --checkpoint " + dir + " --metrics-json " + dir + ".json",
                180);
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
   CHECK(test::max_relative(reference, test::checkpoint_params(dir + "/checkpoint.safetensors")) <= 1e-5);
+  const double whole = test::read_json(tmp.str("ddp2-1000.json"))["final_loss"];
+  CHECK(test::read_json(dir + ".json")["final_loss"].get<double>() ==
+        doctest::Approx(whole).epsilon(1e-5));
 }
 
 TEST_CASE("every rank holds identical parameters after every step") {

@@ -2,12 +2,19 @@
 // same batch, within 1e-5 relative, for 1-4 virtual CPU devices, 5 SGD-momentum and 5 Adam
 // steps, batch sizes that divide evenly, that do not, and that are smaller than the device
 // count. The one-device reference does DP's arithmetic in DP's order (dp_reference.h), so the
-// agreement is exact; for the CNN (no BatchNorm) DP also matches a plain full-batch step.
+// agreement is exact; for the CNN (no BatchNorm) DP also matches a plain full-batch step. Also
+// the two ways a step divides its work (the batch into chunks, the gradients into buckets), and
+// the order in which the buckets go.
 #include <doctest/doctest.h>
+
+#include <chrono>
+#include <mutex>
+#include <thread>
 
 #include "dp_reference.h"
 #include <fmt/format.h>
 
+#include "parallel/comm/bucket_reducer.h"
 #include "parallel/engines/dp_engine.h"
 
 using namespace replica;
@@ -79,6 +86,71 @@ TEST_CASE("scatter chunks follow torch.chunk") {
   CHECK(sizes(3, 4) == "1 1 1 0 ");
   CHECK(sizes(1, 3) == "1 0 0 ");
   CHECK(sizes(9, 2) == "5 4 ");
+}
+
+// DP's and DDP's buckets: backward's order (reverse registration), each bucket one range of the
+// flat gradients, filled up to its cap (the first one's own) and closed before a parameter
+// would take it past; a parameter larger than the cap is a bucket alone.
+TEST_CASE("buckets: reverse order, contiguous ranges, closed before the cap") {
+  const std::vector<int64_t> sizes = {100, 300, 50, 1000, 10};
+  std::vector<Param> storage(sizes.size());
+  std::vector<Param*> params;
+  int64_t offset = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    storage[i].shape = {sizes[i]};
+    storage[i].offset = offset;
+    offset += sizes[i];
+    params.push_back(&storage[i]);
+  }
+  const auto buckets = make_buckets(params, 200 * sizeof(float), 400 * sizeof(float));
+  std::vector<std::vector<int>> members;
+  for (const Bucket& b : buckets) members.push_back(b.params);
+  CHECK(members == std::vector<std::vector<int>>{{4}, {3}, {2, 1}, {0}});
+  int64_t end = offset;  // the buckets tile the flat buffer from its end down
+  for (const Bucket& b : buckets) {
+    CHECK(b.offset + b.numel == end);
+    end = b.offset;
+  }
+  CHECK(end == 0);
+  // One cap for all: every parameter alone at 1 float; all in one bucket at their total.
+  CHECK(make_buckets(params, 4, 4).size() == sizes.size());
+  CHECK(make_buckets(params, size_t(offset) * 4, size_t(offset) * 4).size() == 1);
+}
+
+// The reducer both strategies share: a bucket goes once every replica has finished it, buckets
+// go in order, and those of parameters that got no gradient go at finish(), still in order.
+TEST_CASE("bucket reducer: in order, once every replica finished; unused buckets at finish") {
+  auto a = make_model("cnn", {1, 28, 28}, 10), b = make_model("cnn", {1, 28, 28}, 10);
+  std::mutex mu;
+  std::vector<int> launched;
+  auto so_far = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return launched;
+  };
+  // A cap of one byte: every parameter a bucket of its own, bucket k = parameter n - 1 - k.
+  BucketReducer reducer({a.get(), b.get()}, 1, 1, [&](int k) {
+    std::lock_guard<std::mutex> lock(mu);
+    launched.push_back(k);
+  }, "wait_reduce");
+  const int n = int(a->params().size());
+  REQUIRE(int(reducer.buckets().size()) == n);
+  auto finished = [&](Model& m, int bucket) {
+    reducer.on_ready(&m == a.get() ? 0 : 1, {m.params()[size_t(n - 1 - bucket)]});
+  };
+  reducer.begin(2);
+  finished(*a, 0);
+  finished(*b, 0);  // both replicas: bucket 0 goes, on the communication thread
+  for (int wait_ms = 0; so_far().empty() && wait_ms < 10000; ++wait_ms)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(so_far() == std::vector<int>{0});
+  for (int k = 2; k < n; ++k) finished(*a, k);  // bucket 1's parameter got no gradient
+  for (int k = 2; k < n; ++k) finished(*b, k);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(so_far() == std::vector<int>{0});  // nothing passes bucket 1
+  reducer.finish();
+  std::vector<int> all(size_t(n), 0);
+  for (int k = 0; k < n; ++k) all[size_t(k)] = k;
+  CHECK(so_far() == all);
 }
 
 TEST_CASE("DP cnn equals one device on the full batch (1-4 devices, B = 8, 9, 15, 3)") {

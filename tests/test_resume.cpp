@@ -1,14 +1,19 @@
-// Resuming replica-train from its checkpoint as a user does: the run continues bit-identically,
-// stops cleanly at or past its planned end, refuses a checkpoint of another model, batch size or
-// corrupt metadata, and says when it goes on in another precision than the checkpoint's.
+// Resuming replica-train from its checkpoint as a user does: each epoch trains in its own order
+// (what a resume's position counts in), the run continues bit-identically, stops cleanly at or
+// past its planned end, refuses a checkpoint of another model, batch size or corrupt metadata,
+// and says when it goes on in another precision than the checkpoint's.
 #include <doctest/doctest.h>
 
 #include "checkpoint_helpers.h"
 #include "cli_helpers.h"
+#include "job_helpers.h"
 
 #include "engine/allocator.h"
 #include "engine/checkpoint.h"
+#include "engine/data/dataset.h"
+#include "engine/data/loader.h"
 #include "engine/device.h"
+#include "parallel/engines/train_engine.h"
 
 using test::kTrain;
 using test::expect_train_error;
@@ -43,6 +48,42 @@ TEST_CASE("a run resumed from its checkpoint continues bit-identically") {
     test::fs::remove_all(tmp.path / "full");
     test::fs::remove_all(tmp.path / "part");
   }
+}
+
+// The position a resume continues from is (epoch, batch in that epoch's order): each epoch must
+// train in its own order. Two epochs of replica-train are the engine stepped over epoch 0's
+// order (epoch_order), then over epoch 1's, bit for bit.
+TEST_CASE("each epoch trains in its own order: two epochs of a run, stepped by hand") {
+  test::TempDir tmp;
+  const int64_t n = 24, batch = 8;
+  const uint64_t seed = 5;
+  auto r = run(kTrain + " --mode single --devices cpu --synthetic --synthetic-size 24"
+               " --batch-size 8 --epochs 2 --optimizer sgd --lr 0.05 --momentum 0.9 --seed 5"
+               " --threads-per-device 1 --precision fp32 --no-eval --quiet --checkpoint " +
+               tmp.str("run"));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+
+  REQUIRE(epoch_order(n, seed, 0, true) != epoch_order(n, seed, 1, true));
+  EngineOptions o;
+  o.model = "cnn";
+  o.input_shape = {1, 28, 28};
+  o.num_classes = 10;
+  o.seed = seed;
+  o.threads_per_device = 1;
+  o.optimizer.name = "sgd";
+  o.optimizer.lr = 0.05f;
+  o.optimizer.momentum = 0.9f;
+  auto engine = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
+  const auto data = make_synthetic(n, o.input_shape, 10, seed);
+  Loader loader(*data, batch, /*drop_last=*/false);
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    loader.start_epoch(epoch_order(n, seed, epoch, true), epoch, 0);
+    for (int64_t b = 0; b < n / batch; ++b) engine->train_step(*loader.next());
+  }
+  engine->synchronize();
+  const Tensor params = to_host(engine->primary(), engine->model().flat_params());
+  const std::vector<float> by_hand(params.f32(), params.f32() + params.numel());
+  CHECK(test::checkpoint_params(tmp.str("run/checkpoint.safetensors")) == by_hand);
 }
 
 // --epochs and --max-steps count from the run's first step: a resumed run that has them all
