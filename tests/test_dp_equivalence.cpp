@@ -8,6 +8,9 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <mutex>
 #include <thread>
 
@@ -147,7 +150,15 @@ TEST_CASE("bucket reducer: in order, once every replica finished; unused buckets
   for (int k = 2; k < n; ++k) finished(*b, k);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   CHECK(so_far() == std::vector<int>{0});  // nothing passes bucket 1
-  reducer.finish();
+  // finish() waits for every bucket: one never launched would hang it, so it is watched. The
+  // reducer cannot be destroyed while finish() waits in it, hence the exit.
+  auto finished_all = std::async(std::launch::async, [&] { reducer.finish(); });
+  if (finished_all.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "bucket reducer: finish() still waits after 60 s: a bucket of unused "
+                         "parameters was never launched\n");
+    std::_Exit(1);
+  }
+  finished_all.get();
   std::vector<int> all(size_t(n), 0);
   for (int k = 0; k < n; ++k) all[size_t(k)] = k;
   CHECK(so_far() == all);

@@ -120,7 +120,8 @@ class Planted:
 
 
 def run(argv, timeout):
-    """(exit code, output); 124 at the timeout, the program's whole process group killed."""
+    """(exit code, output); 124 at the timeout. At the timeout, or when this script is stopped
+    (Ctrl-C), the program's whole process group is killed: a hung test must not outlive it."""
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
@@ -130,6 +131,10 @@ def run(argv, timeout):
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         return 124, out
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
 
 
 def failed_suites(ctest_output):
@@ -152,9 +157,11 @@ def try_mutant(m, args):
         code, out = run(["cmake", "--build", args.build, "-j", str(args.jobs)], args.build_timeout)
         if code != 0:
             return "does not build", time.time() - t0, "".join(out.strip().splitlines()[-1:])
+        # ctest's --timeout serves only suites without a TIMEOUT of their own (the project's
+        # have 900 s): the whole call is bounded too.
         code, out = run(["ctest", "--test-dir", args.build, "-R", m["tests"], "-j",
                          str(args.jobs), "--timeout", str(args.test_timeout)],
-                        args.test_timeout * 4)
+                        args.test_timeout * 2)
     seconds = time.time() - t0
     if "No tests were found" in out:
         return "broken", seconds, f"no suite matches '{m['tests']}'"
@@ -187,7 +194,8 @@ def main():
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--build-timeout", type=int, default=900, help="seconds per rebuild")
-    ap.add_argument("--test-timeout", type=int, default=300, help="seconds per suite")
+    ap.add_argument("--test-timeout", type=int, default=300,
+                    help="seconds per suite; the suites of one mutant get twice that in all")
     args = ap.parse_args()
     try:
         with open(args.catalogue) as f:
