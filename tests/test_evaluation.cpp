@@ -98,26 +98,33 @@ TEST_CASE("single, DP cpu*2 and DDP 2 ranks evaluate the same model alike") {
   CHECK(reference["test_top5_accuracy"].get<double>() > reference["test_accuracy"].get<double>());
 }
 
-// After training, each DDP rank's BatchNorm statistics hold its own last batch; PyTorch's DDP
-// evaluates with rank 0's (broadcast_buffers: every forward, eval ones too). So must replica's:
-// the metrics a DDP run reports are those of the model rank 0 saved, evaluated on one device.
-TEST_CASE("DDP evaluates with rank 0's BatchNorm statistics, the model its checkpoint holds") {
+// After a step, each DP replica's and DDP rank's BatchNorm statistics hold its own share of the
+// batch. Evaluation must read those of device 0 / rank 0, the ones the checkpoint saves: DP
+// broadcasts them with the parameters after every step, DDP before evaluating (PyTorch's
+// broadcast_buffers: before every forward, eval ones too). So a run's reported metrics are its
+// checkpoint's, evaluated on one device.
+TEST_CASE("DP and DDP evaluate with device 0's BatchNorm statistics, the model they save") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 128, 61);
-  const std::string common = kTrain + " --data " + tmp.str("data") +
-                             " --model resnet18 --batch-size 32 --threads-per-device 1"
-                             " --quiet --checkpoint " + tmp.str("ck");
-  auto ddp = run(common + " --mode ddp --devices cpu*2 --metrics-json " + tmp.str("ddp.json"),
-                 300);
-  REQUIRE_MESSAGE(ddp.exit_code == 0, ddp.output);
-  auto single = run(common + " --mode single --resume --metrics-json " + tmp.str("one.json"),
-                    180);
-  REQUIRE_MESSAGE(single.exit_code == 0, single.output);
-  const auto d = read_json(tmp.str("ddp.json")), s = read_json(tmp.str("one.json"));
-  CHECK(d["test_accuracy"] == s["test_accuracy"]);
-  CHECK(d["test_top5_accuracy"] == s["test_top5_accuracy"]);
-  CHECK(d["test_loss"].get<double>() ==
-        doctest::Approx(s["test_loss"].get<double>()).epsilon(1e-5));
+  for (const std::string mode : {"dp", "ddp"}) {
+    CAPTURE(mode);
+    const std::string common = kTrain + " --data " + tmp.str("data") +
+                               " --model resnet18 --batch-size 32 --threads-per-device 1"
+                               " --quiet --checkpoint " + tmp.str(mode);
+    auto trained = run(common + " --mode " + mode + " --devices cpu*2 --metrics-json " +
+                           tmp.str(mode + ".json"),
+                       300);
+    REQUIRE_MESSAGE(trained.exit_code == 0, trained.output);
+    auto single = run(common + " --mode single --resume --metrics-json " +
+                          tmp.str(mode + "-one.json"),
+                      180);
+    REQUIRE_MESSAGE(single.exit_code == 0, single.output);
+    const auto d = read_json(tmp.str(mode + ".json")), s = read_json(tmp.str(mode + "-one.json"));
+    CHECK(d["test_accuracy"] == s["test_accuracy"]);
+    CHECK(d["test_top5_accuracy"] == s["test_top5_accuracy"]);
+    CHECK(d["test_loss"].get<double>() ==
+          doctest::Approx(s["test_loss"].get<double>()).epsilon(1e-5));
+  }
 }
 
 // The best epoch's weights are written when an epoch's test accuracy beats every earlier one's;
