@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <numeric>
 #include <tuple>
 
 #include <nlohmann/json.hpp>
@@ -195,6 +196,38 @@ TEST_CASE("a batch larger than the dataset is one batch of the whole dataset") {
                         " --devices cpu --batch-size 4611686018427387904",
                60);
   CHECK_MESSAGE(r.exit_code == 0, r.output);
+}
+
+TEST_CASE("the step count ends the run: --max-steps on an epoch's end, a huge --epochs") {
+  test::TempDir tmp;
+  const auto summaries = [&](const std::string& flags) {
+    const std::string json = tmp.str("m.json");
+    auto r = run(kTrain + " --synthetic --synthetic-size 64 --batch-size 32 --devices cpu" +
+                     " --quiet --metrics-json " + json + " " + flags,
+                 60);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+    std::ifstream in(json);
+    const auto m = nlohmann::json::parse(in);
+    std::vector<std::pair<int64_t, bool>> epochs;  // (steps, complete) of each epoch's line
+    for (const auto& e : m["epoch_summaries"])
+      epochs.emplace_back(e["steps"].get<int64_t>(), e["complete"].get<bool>());
+    CHECK(m["steps"].get<int64_t>() == std::accumulate(epochs.begin(), epochs.end(), int64_t(0),
+                                                       [](int64_t n, const auto& e) {
+                                                         return n + e.first;
+                                                       }));
+    return epochs;
+  };
+  using Epochs = std::vector<std::pair<int64_t, bool>>;
+  // 2 steps an epoch: --max-steps 2 is the first epoch, and nothing after it (it started an
+  // empty second epoch that evaluated and checkpointed the same model again).
+  CHECK(summaries("--epochs 3 --max-steps 2") == Epochs{{2, true}});
+  CHECK(summaries("--epochs 3 --max-steps 3") == Epochs{{2, true}, {1, false}});
+  // Epochs times steps past int64: the run is bounded by --max-steps (it overflowed, planned a
+  // negative number of steps and trained none).
+  CHECK(summaries("--epochs 4611686018427387904 --max-steps 3") == Epochs{{2, true}, {1, false}});
+  expect_train_error("--synthetic --mode dp --devices cpu*2 --batch-per-device "
+                     "4611686018427387904",
+                     "--batch-per-device 4611686018427387904 times 2 devices is too large");
 }
 
 TEST_CASE("training files only: --no-eval trains, evaluation names what is missing") {

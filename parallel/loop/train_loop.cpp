@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "engine/data/data_dir.h"
 #include "engine/error.h"
@@ -65,8 +66,12 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config), lr_schedule_(c_.lr
   per_epoch_ = loader_->batches_per_epoch(sampler_->num_samples());
   REPLICA_USAGE_CHECK(per_epoch_ > 0, "no complete batch of {} in {} samples with drop_last",
                       c_.batch_size, train_->size());
-  planned_steps_ = c_.max_steps > 0 ? std::min(c_.max_steps, per_epoch_ * c_.epochs)
-                                    : per_epoch_ * c_.epochs;
+  // Saturated: `--epochs 1e18 --max-steps 100` means "until --max-steps", not an overflow
+  // that plans a negative number of steps and trains nothing.
+  epochs_steps_ = c_.epochs > std::numeric_limits<int64_t>::max() / per_epoch_
+                      ? std::numeric_limits<int64_t>::max()
+                      : per_epoch_ * c_.epochs;
+  planned_steps_ = c_.max_steps > 0 ? std::min(c_.max_steps, epochs_steps_) : epochs_steps_;
   if (c_.resume) resume();
 }
 
@@ -142,7 +147,10 @@ nlohmann::json TrainLoop::run() {
   Tracer::global().reset_totals();
   t_start_us_ = Tracer::now_us();
   const bool finished = pos_.global_step >= planned_steps_;  // resumed at the end
-  for (int64_t epoch = pos_.epoch; epoch < c_.epochs && !stop_ && !finished; ++epoch)
+  // The step count ends the run too: --max-steps reached on an epoch's last batch starts no
+  // further, empty epoch (which would evaluate and checkpoint the same model again).
+  for (int64_t epoch = pos_.epoch;
+       epoch < c_.epochs && !stop_ && pos_.global_step < planned_steps_; ++epoch)
     run_epoch(epoch);
   // A run stopped by a signal during its last step saved that step unevaluated: the resumed
   // run has nothing to train and evaluates the trained model (every rank alike).
@@ -301,7 +309,7 @@ void TrainLoop::log_step(int64_t epoch, int64_t b, bool last_step) {
   const double rate = totals_.samples / std::max(elapsed, 1e-9);
   const double eta = (planned_steps_ - pos_.global_step) * c_.batch_size / rate;
   // The step counter counts what bounds the run: the epoch's batches, or --max-steps.
-  const bool steps_bound = planned_steps_ < per_epoch_ * c_.epochs;
+  const bool steps_bound = planned_steps_ < epochs_steps_;
   report_->progress(fmt::format("epoch {}/{}  step {:>5}/{}  {} {:.4f}  {:.0f} samples/s  ETA {}",
                                 epoch + 1, c_.epochs, steps_bound ? pos_.global_step : b + 1,
                                 steps_bound ? planned_steps_ : per_epoch_,

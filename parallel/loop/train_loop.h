@@ -63,7 +63,9 @@ class TrainLoop {
   std::unique_ptr<Loader> loader_;
   std::unique_ptr<DistributedSampler> sampler_;
   int world_ = 1;
-  int64_t per_epoch_ = 0, planned_steps_ = 0;
+  int64_t per_epoch_ = 0;
+  int64_t epochs_steps_ = 0;   // the steps of all --epochs (saturated at int64's largest)
+  int64_t planned_steps_ = 0;  // the run's steps: epochs_steps_, or --max-steps if fewer
   RunPosition pos_;
   RunTotals totals_;
   StopAgreement stop_agreement_;

@@ -3,6 +3,7 @@
 #include "parallel/loop/trainer.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "engine/error.h"
 #include "engine/env_switch.h"
@@ -14,6 +15,19 @@
 #include "parallel/loop/train_loop.h"
 
 namespace replica {
+
+namespace {
+
+// --batch-per-device times the devices (DP) or ranks (DDP): the global batch, refused where the
+// product does not fit rather than wrapping to a negative batch.
+int64_t global_batch(int64_t batch_per_device, int64_t n, const char* what) {
+  REPLICA_USAGE_CHECK(batch_per_device <= std::numeric_limits<int64_t>::max() / n,
+                      "--batch-per-device {} times {} {} is too large a batch", batch_per_device,
+                      n, what);
+  return batch_per_device * n;
+}
+
+}  // namespace
 
 std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Device>& devices) {
   c.engine.precision = resolve_precision(c.precision, devices);
@@ -28,7 +42,8 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
     return make_single_device_engine(devices[0], c.engine);
   }
   if (c.mode == "dp") {
-    if (c.batch_per_device > 0) c.batch_size = c.batch_per_device * int64_t(devices.size());
+    if (c.batch_per_device > 0)
+      c.batch_size = global_batch(c.batch_per_device, int64_t(devices.size()), "devices");
     return make_dp_engine(devices, c.engine,
                           {parse_reduce_strategy(c.reduce), first_bucket_bytes, bucket_bytes});
   }
@@ -40,7 +55,8 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
     ro.timeout = timeout;
     rv = rendezvous(ro);
   }
-  if (c.batch_per_device > 0) c.batch_size = c.batch_per_device * rv.world_size;
+  if (c.batch_per_device > 0)
+    c.batch_size = global_batch(c.batch_per_device, rv.world_size, "ranks");
   REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
                       "--batch-size {} is the global batch: it must divide by the {} ranks",
                       c.batch_size, rv.world_size);
