@@ -24,14 +24,6 @@ const Tensor* Checkpoint::find(const std::string& name) const {
 
 namespace {
 
-std::string dir_of(const std::string& path) {
-  auto slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-
 // The 8-byte little-endian header length and the JSON header, padded to a multiple of 8 with
 // spaces (as the safetensors writer does), after checking every name and tensor.
 std::string encode_header(const std::string& path, const Checkpoint& ckpt) {
@@ -81,42 +73,9 @@ void write_contents(int fd, const std::string& header, const Checkpoint& ckpt,
 void save_checkpoint(const std::string& path, const Checkpoint& ckpt) {
   REPLICA_CHECK(little_endian(), "checkpoints need a little-endian host");
   const std::string header = encode_header(path, ckpt);
-  const OutputTarget target = output_target(path);
-  if (target.in_place) {  // a device or pipe (/dev/null): nothing to rename, nothing to sync
-    Fd fd(::open(target.path.c_str(), O_WRONLY | O_CLOEXEC));
-    if (fd.get() < 0)
-      throw Error(fmt::format("{}: cannot write checkpoint: {}", path, std::strerror(errno)));
-    write_contents(fd.get(), header, ckpt, path);
-    return;
-  }
-  // A writer killed mid-write left its <path>.tmp-<pid>: gone before this one is written.
-  remove_stale_temporaries(target.path);
-  const std::string tmp = temporary_for(target.path);
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0)
-    throw Error(fmt::format("{}: cannot write checkpoint: {}: {}", path, tmp,
-                            std::strerror(errno)));
-  mark_temporary(tmp);  // a second Ctrl-C removes it before the process ends
-  struct Unmark {
-    ~Unmark() { clear_temporary(); }
-  } unmark;
-  try {
-    write_contents(fd.get(), header, ckpt, tmp);
-    if (::fsync(fd.get()) != 0)
-      throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(errno)));
-    if (fd.close() != 0)
-      throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(errno)));
-    if (::rename(tmp.c_str(), target.path.c_str()) != 0)
-      throw Error(fmt::format("{}: cannot rename {} over it: {}", path, tmp,
-                              std::strerror(errno)));
-  } catch (...) {
-    fd.close();
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  // Make the rename itself durable. Failure here is not fatal: the file is complete.
-  Fd dir(::open(dir_of(target.path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dir.get() >= 0) ::fsync(dir.get());
+  write_output(path, [&](int fd, const std::string& file) {
+    write_contents(fd, header, ckpt, file);
+  });
 }
 
 }  // namespace replica

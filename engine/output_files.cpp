@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 
 namespace replica {
 
@@ -44,22 +45,51 @@ class DirectoryLock {
   int fd_;
 };
 
+// The descriptor `p` names where it is one of this process's own through the kernel's links;
+// -1 otherwise. Such a link reads as the file behind the descriptor ("/home/u/log", "pipe:[81]"),
+// which is not where the output goes: it goes after what the descriptor already wrote.
+int own_descriptor(const fs::path& p) {
+  std::error_code ec;
+  const std::string s = fs::absolute(p, ec).lexically_normal().string();
+  if (s == "/dev/stdout") return 1;
+  if (s == "/dev/stderr") return 2;
+  const std::string dirs[] = {"/dev/fd/", "/proc/self/fd/", "/proc/thread-self/fd/",
+                              "/proc/" + std::to_string(getpid()) + "/fd/"};
+  for (const std::string& dir : dirs) {
+    if (s.rfind(dir, 0) != 0) continue;
+    const std::string n = s.substr(dir.size());
+    if (n.empty() || n.size() > 9 || n.find_first_not_of("0123456789") != std::string::npos)
+      return -1;
+    return std::stoi(n);
+  }
+  return -1;
+}
+
 }  // namespace
 
 OutputTarget output_target(const std::string& path) {
   std::error_code ec;
-  OutputTarget t{path, false};
-  // A link's target, followed link by link (it need not exist yet; 40 is the kernel's limit).
+  // A link's target, followed link by link (it need not exist yet; 40 is the kernel's limit),
+  // up to a descriptor's name.
   fs::path p = path;
-  for (int hops = 0; hops < 40 && fs::is_symlink(p, ec); ++hops) {
+  for (int hops = 0;; ++hops) {
+    const int fd = own_descriptor(p);
+    if (fd >= 0) return {path, true, fd};
+    if (hops == 40 || !fs::is_symlink(p, ec)) break;
     const fs::path to = fs::read_symlink(p, ec);
     if (ec) break;
     p = to.is_absolute() ? to : p.parent_path() / to;
   }
-  t.path = p.lexically_normal().string();
+  OutputTarget t{p.lexically_normal().string(), false, -1};
   const fs::file_status st = fs::status(t.path, ec);
   t.in_place = fs::exists(st) && !fs::is_regular_file(st) && !fs::is_directory(st);
   return t;
+}
+
+int open_in_place(const OutputTarget& target) {
+  std::fflush(nullptr);  // what this process printed comes first (std::cout writes through stdio)
+  if (target.fd >= 0) return fcntl(target.fd, F_DUPFD_CLOEXEC, 0);
+  return open(target.path.c_str(), O_WRONLY | O_CLOEXEC);
 }
 
 void check_output_file(const std::string& flag, const std::string& path) {
@@ -69,6 +99,12 @@ void check_output_file(const std::string& flag, const std::string& path) {
   const fs::path p = fs::absolute(target.path, ec);
   REPLICA_USAGE_CHECK(!fs::is_directory(p, ec), "{} '{}' is a directory; give a file name", flag,
                       path);
+  if (target.fd >= 0) {
+    const int mode = fcntl(target.fd, F_GETFL);
+    REPLICA_USAGE_CHECK(mode >= 0 && (mode & O_ACCMODE) != O_RDONLY,
+                        "{} '{}': descriptor {} is not open for writing", flag, path, target.fd);
+    return;
+  }
   if (target.in_place) {
     REPLICA_USAGE_CHECK(access(p.c_str(), W_OK) == 0, "{} '{}': cannot write to it", flag, path);
     return;
@@ -123,31 +159,57 @@ void remove_temporary_in_progress() {
   if (g_writing) unlink(g_temporary);
 }
 
-void write_file_atomically(const std::string& name, const std::string& text) {
+void write_output(const std::string& name, const OutputWriter& write) {
   const OutputTarget target = output_target(name);
-  const std::string& path = target.path;
-  if (target.in_place) {
-    std::ofstream out(path, std::ios::binary);
-    out << text;
-    out.flush();
-    REPLICA_USAGE_CHECK(out.good(), "cannot write '{}': {}", name, std::strerror(errno));
+  const auto fail = [&](const std::string& why) {
+    return Error(fmt::format("cannot write '{}': {}", name, why));
+  };
+  if (target.in_place) {  // a device, pipe or descriptor: nothing to rename, nothing to sync
+    Fd fd(open_in_place(target));
+    if (fd.get() < 0) throw fail(std::strerror(errno));
+    try {
+      write(fd.get(), name);
+    } catch (const std::exception& e) {
+      throw fail(e.what());
+    }
     return;
   }
+  // A writer killed mid-write left its <path>.tmp-<pid>: gone before this one is written.
+  const std::string& path = target.path;
   remove_stale_temporaries(path);
   const std::string tmp = temporary_for(path);
-  mark_temporary(tmp);
-  bool ok;
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    ok = out.good();
+  Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) throw fail(std::strerror(errno));
+  mark_temporary(tmp);  // a second Ctrl-C removes it before the process ends
+  std::string why;
+  try {
+    write(fd.get(), tmp);
+    // On disk before the rename: a crash after it finds the new file whole, not empty.
+    if (fsync(fd.get()) != 0)
+      why = fmt::format("fsync: {}", std::strerror(errno));
+    else if (fd.close() != 0)
+      why = fmt::format("close: {}", std::strerror(errno));
+    else if (std::rename(tmp.c_str(), path.c_str()) != 0)
+      why = fmt::format("cannot rename its temporary over it: {}", std::strerror(errno));
+  } catch (const std::exception& e) {
+    why = e.what();
   }
-  if (ok) ok = std::rename(tmp.c_str(), path.c_str()) == 0;
-  const int err = errno;
-  if (!ok) std::remove(tmp.c_str());
+  if (!why.empty()) {
+    fd.close();
+    unlink(tmp.c_str());
+  }
   clear_temporary();
-  REPLICA_USAGE_CHECK(ok, "cannot write '{}': {}", name, std::strerror(err));
+  if (!why.empty()) throw fail(why);
+  // The rename itself made durable. Failure here is not fatal: the file is complete.
+  const fs::path dir = fs::path(path).parent_path();
+  Fd d(open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.get() >= 0) fsync(d.get());
+}
+
+void write_file_atomically(const std::string& path, const std::string& text) {
+  write_output(path, [&](int fd, const std::string& file) {
+    write_all(fd, text.data(), text.size(), file);
+  });
 }
 
 void append_file_atomically(const std::string& path, const std::string& text) {

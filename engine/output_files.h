@@ -3,6 +3,7 @@
 // and a temporary left by a process that died while writing is removed the next time the same
 // file is written (or, for the writing process itself, when a second Ctrl-C ends it).
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -10,12 +11,19 @@ namespace replica {
 
 // Where an output named `path` is written: a symbolic link's target (the link stays a link),
 // through a temporary renamed over it when that is a regular file or nothing yet; in place when
-// it is a device or a pipe (/dev/null, /dev/stdout), which a rename would replace.
+// it is a device or a pipe (/dev/null), which a rename would replace. A name of one of this
+// process's open descriptors (/dev/stdout, /dev/fd/N, /proc/self/fd/N) is written through that
+// descriptor, after what it already holds: `--metrics-json /dev/stdout > log` adds the metrics
+// after the progress lines (renamed over "log" they were lost, and a pipe's link led nowhere).
 struct OutputTarget {
   std::string path;
   bool in_place = false;
+  int fd = -1;  // the open descriptor named, or -1
 };
 OutputTarget output_target(const std::string& path);
+// An in-place target opened for writing (its descriptor duplicated, or the device or pipe
+// opened by name; the process's own buffered output flushed first): -1 and errno on failure.
+int open_in_place(const OutputTarget& target);
 
 // `path` (given with `flag`) can be written: not a directory, its directory exists and this
 // process may write into it (a device or pipe: may write to it). UsageError naming the flag
@@ -35,8 +43,12 @@ void mark_temporary(const std::string& tmp);
 void clear_temporary();
 void remove_temporary_in_progress();  // from a signal handler
 
-// Writes `text` to output_target(path): through its temporary, flushed, then renamed over it (or
-// in place, for a device or pipe).
+// Writes the output `path` with `write(fd, file)` (`file` names what fd is, for its errors): into its temporary, synced to disk and renamed over
+// it (its directory synced too), or in place for a device, pipe or descriptor. Any failure is
+// one Error, "cannot write '<path>': why", with the temporary removed and the old file kept.
+using OutputWriter = std::function<void(int fd, const std::string& file)>;
+void write_output(const std::string& path, const OutputWriter& write);
+// write_output of a text.
 void write_file_atomically(const std::string& path, const std::string& text);
 
 // Adds `text` after what `path` holds (a newline first where its last line has none): the old

@@ -49,6 +49,40 @@ TEST_CASE("outputs through a symbolic link or into a pipe: the link and the pipe
   CHECK(nlohmann::json::parse(piped)["steps"] == 2);
 }
 
+TEST_CASE("/dev/stdout and /dev/fd/N: the output follows what the descriptor already holds") {
+  test::TempDir tmp;
+  const std::string run_args = kTrain + " --synthetic --synthetic-size 64 --batch-size 8" +
+                               " --max-steps 2 --no-eval --devices cpu";
+  // The metrics (printed with two-space indents) from what the run wrote, after its progress.
+  const auto metrics_after_progress = [](const std::string& text) {
+    CHECK(text.rfind("replica: cnn", 0) == 0);  // the first line survived
+    const size_t open = text.find("\n{\n"), close = text.find("\n}\n", open);
+    REQUIRE(open != std::string::npos);
+    REQUIRE(close != std::string::npos);
+    CHECK(text.find("epoch 1 ended") < open);
+    return nlohmann::json::parse(text.substr(open + 1, close + 2 - open - 1));
+  };
+  // Stdout redirected to a file: the metrics go after the progress lines (the file was renamed
+  // over, the progress lost).
+  auto r = run("sh -c '" + run_args + " --metrics-json /dev/stdout > " + tmp.str("out.txt") + "'",
+               60);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(metrics_after_progress(test::read_text(tmp.str("out.txt")))["steps"] == 2);
+  // Stdout a pipe (it failed after training: "cannot write '/dev/stdout'").
+  r = run("sh -c '" + run_args + " --metrics-json /dev/stdout | cat > " + tmp.str("piped.txt") +
+              "'",
+          60);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(metrics_after_progress(test::read_text(tmp.str("piped.txt")))["steps"] == 2);
+  // Another descriptor, given by the shell.
+  r = run("sh -c '" + run_args + " --metrics-json /dev/fd/3 3> " + tmp.str("fd3.json") + "'", 60);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(nlohmann::json::parse(test::read_text(tmp.str("fd3.json")))["steps"] == 2);
+  // A descriptor not open for writing is refused before training.
+  expect_train_error("--synthetic --devices cpu --metrics-json /dev/fd/9",
+                     "--metrics-json '/dev/fd/9': descriptor 9 is not open for writing");
+}
+
 TEST_CASE("an output that cannot be written fails before training, in seconds") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 64, 16);
