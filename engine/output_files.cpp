@@ -1,6 +1,7 @@
 #include "engine/output_files.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -247,23 +248,70 @@ StagedDirectory::StagedDirectory(const std::string& dir) : dir_(dir) {
 
 StagedDirectory::~StagedDirectory() {
   std::error_code ec;
-  if (committed_) return;
+  if (committed_ || keep_staging_) return;
   fs::remove_all(staging_, ec);
   for (const std::string& d : created_)  // innermost first; a directory written into stays
     if (!fs::remove(d, ec)) break;
 }
 
 void StagedDirectory::commit() {
+  // Ctrl-C, a terminal closed or a kill during the moves would leave a report half old and half
+  // new: held back until the set is in place.
+  sigset_t held, before;
+  sigemptyset(&held);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&held, sig);
+  pthread_sigmask(SIG_BLOCK, &held, &before);
+  struct Release {
+    sigset_t mask;
+    ~Release() { pthread_sigmask(SIG_SETMASK, &mask, nullptr); }
+  } release{before};
+
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(staging_, ec)) {
-    const fs::path to = fs::path(dir_) / entry.path().filename();
-    fs::rename(entry.path(), to, ec);
-    if (ec) throw Error(fmt::format("cannot move '{}' into place: {}", to.string(), ec.message()));
-  }
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(staging_, ec))
+    names.push_back(entry.path().filename().string());
   if (ec) throw Error(fmt::format("cannot read '{}': {}", staging_, ec.message()));
-  for (const std::string& name : dropped_) fs::remove(fs::path(dir_) / name, ec);
+  // First the old files the set replaces or drops go aside (into the staging directory, on the
+  // same file system), then the new ones come in. A failed move puts everything back as it
+  // was: the directory holds the old set or the new one, never some of each.
+  const fs::path aside = fs::path(staging_) / ".replaced";
+  fs::create_directory(aside, ec);
+  if (ec) throw Error(fmt::format("cannot write into '{}': {}", staging_, ec.message()));
+  std::vector<std::string> moved_aside, moved_in;
+  // Puts everything back; what it cannot put back is kept where it went, and said.
+  const auto undo = [&](const std::string& what) {
+    bool whole = true;
+    std::error_code e;
+    for (const std::string& n : moved_in) {
+      fs::rename(fs::path(dir_) / n, fs::path(staging_) / n, e);
+      whole = whole && !e;
+    }
+    for (const std::string& n : moved_aside) {
+      fs::rename(aside / n, fs::path(dir_) / n, e);
+      whole = whole && !e;
+    }
+    keep_staging_ = !whole;
+    return Error(whole ? what
+                       : fmt::format("{} (and putting the old files back failed: they are in '{}')",
+                                     what, aside.string()));
+  };
+  std::vector<std::string> replaced = names;
+  replaced.insert(replaced.end(), dropped_.begin(), dropped_.end());
+  for (const std::string& n : replaced) {
+    const fs::path old = fs::path(dir_) / n;
+    if (!fs::exists(fs::symlink_status(old, ec)) || fs::exists(aside / n, ec)) continue;
+    fs::rename(old, aside / n, ec);
+    if (ec) throw undo(fmt::format("cannot replace '{}': {}", old.string(), ec.message()));
+    moved_aside.push_back(n);
+  }
+  for (const std::string& n : names) {
+    const fs::path to = fs::path(dir_) / n;
+    fs::rename(fs::path(staging_) / n, to, ec);
+    if (ec) throw undo(fmt::format("cannot move '{}' into place: {}", to.string(), ec.message()));
+    moved_in.push_back(n);
+  }
   committed_ = true;
-  fs::remove_all(staging_, ec);
+  fs::remove_all(staging_, ec);  // the replaced files with it
 }
 
 }  // namespace replica

@@ -58,11 +58,13 @@ void write_file_atomically(const std::string& path, const std::string& text);
 void append_file_atomically(const std::string& path, const std::string& text);
 
 // A set of outputs in one directory written as one (replica-bench --report): they go into a
-// hidden staging directory inside `dir`, and commit() renames each into place. A failure or a
+// hidden staging directory inside `dir`, and commit() moves them into place. A failure or a
 // signal before commit() leaves every file of `dir` as it was (the staging directory is removed
 // when this object goes, or after a signal by the next run; so are the directories it created,
 // while they are empty); files `dir` holds that the set does not write (a user's notes, the
-// traces a re-rendered report keeps) stay.
+// traces a re-rendered report keeps) stay. commit() moves the files it replaces aside first and
+// puts them back if a move fails, with Ctrl-C and termination held back meanwhile: `dir` holds
+// the old set or the new one, never some of each.
 class StagedDirectory {
  public:
   explicit StagedDirectory(const std::string& dir);
@@ -80,6 +82,7 @@ class StagedDirectory {
   std::vector<std::string> created_;  // directories made for `dir`, innermost first
   std::vector<std::string> dropped_;
   bool committed_ = false;
+  bool keep_staging_ = false;  // a failed commit() could not put every old file back
 };
 
 }  // namespace replica

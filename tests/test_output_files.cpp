@@ -1,0 +1,136 @@
+// engine/output_files: a set of outputs committed as one (replica-bench --report's directory)
+// holds the old set or the new one after commit(), never some of each; and an output named by
+// one of the process's descriptors is written through it. (replica-train's outputs as a user
+// meets them: test_outputs.cpp.)
+#include <doctest/doctest.h>
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+
+#include "cli_helpers.h"
+#include "engine/error.h"
+#include "engine/output_files.h"
+
+using namespace replica;
+namespace fs = test::fs;
+
+namespace {
+
+// Every file and directory under `dir` (relative name -> contents, "<dir>" for a directory).
+std::map<std::string, std::string> snapshot(const fs::path& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    const std::string name = fs::relative(e.path(), dir).string();
+    files[name] = e.is_directory() ? "<dir>" : test::read_text(e.path().string());
+  }
+  return files;
+}
+
+void put_text(const fs::path& p, const std::string& text) {
+  test::put_bytes(p.string(), std::vector<uint8_t>(text.begin(), text.end()));
+}
+
+}  // namespace
+
+TEST_CASE("commit: the new set replaces the old, files and directories alike; others stay") {
+  test::TempDir tmp;
+  const fs::path dir = tmp.path / "report";
+  fs::create_directories(dir / "traces");
+  put_text(dir / "report.md", "old report");
+  put_text(dir / "plots", "a file where the new set has a directory");
+  put_text(dir / "traces" / "rank0.json", "an old trace");
+  put_text(dir / "compare.jsonl", "an earlier report's rows");
+  put_text(dir / "notes.txt", "the user's");
+  StagedDirectory staged(dir.string());
+  const fs::path in = staged.path();
+  put_text(in / "report.md", "new report");
+  fs::create_directory(in / "plots");
+  put_text(in / "plots" / "scaling.svg", "<svg/>");
+  put_text(in / "traces", "a file where the old set had a directory");
+  staged.drop("compare.jsonl");
+  staged.commit();  // moved one by one it failed halfway: a file over a directory
+  const std::map<std::string, std::string> want = {
+      {"report.md", "new report"},
+      {"plots", "<dir>"},
+      {"plots/scaling.svg", "<svg/>"},
+      {"traces", "a file where the old set had a directory"},
+      {"notes.txt", "the user's"}};
+  CHECK(snapshot(dir) == want);  // and no staging directory left
+}
+
+TEST_CASE("commit: a move that fails puts every old file back") {
+  // A directory moved to another parent needs write permission on itself (its ".." changes),
+  // which root has anyway: the commit runs in a child process as an ordinary user.
+  test::TempDir tmp;
+  const fs::path dir = tmp.path / "report";
+  fs::create_directories(dir / "traces");
+  put_text(dir / "report.md", "old report");
+  put_text(dir / "results.jsonl", "old rows");
+  put_text(dir / "traces" / "rank0.json", "an old trace");
+  const uid_t user = geteuid() == 0 ? 65534 : geteuid();  // root: "nobody"
+  if (geteuid() == 0)
+    for (const auto& e : fs::recursive_directory_iterator(tmp.path))
+      REQUIRE(lchown(e.path().c_str(), user, user) == 0);
+  if (geteuid() == 0) REQUIRE(chown(tmp.path.c_str(), user, user) == 0);
+  fs::permissions(dir / "traces", fs::perms::owner_read | fs::perms::owner_exec);
+  const auto old = snapshot(dir);
+
+  int pipe_fds[2];
+  REQUIRE(pipe(pipe_fds) == 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(pipe_fds[0]);
+    if (geteuid() == 0 && (setgid(user) != 0 || setuid(user) != 0)) _exit(3);
+    std::string said = "committed";
+    try {
+      StagedDirectory staged(dir.string());
+      put_text(fs::path(staged.path()) / "report.md", "new report");
+      put_text(fs::path(staged.path()) / "results.jsonl", "new rows");
+      put_text(fs::path(staged.path()) / "traces", "new traces");
+      staged.commit();
+    } catch (const Error& e) {
+      said = e.what();
+    }
+    ssize_t w = write(pipe_fds[1], said.data(), said.size());
+    _exit(w == ssize_t(said.size()) ? 0 : 4);
+  }
+  close(pipe_fds[1]);
+  std::string said;
+  char buf[512];
+  for (ssize_t n; (n = read(pipe_fds[0], buf, sizeof buf)) > 0;) said.append(buf, size_t(n));
+  close(pipe_fds[0]);
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  fs::permissions(dir / "traces", fs::perms::owner_all);
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  CHECK(said.find("cannot replace '" + (dir / "traces").string() + "': Permission denied") !=
+        std::string::npos);
+  CHECK(snapshot(dir) == old);  // the staging directory gone too
+}
+
+TEST_CASE("an output named by an open descriptor is written through it, after what it holds") {
+  test::TempDir tmp;
+  const std::string log = tmp.str("log.txt");
+  const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REQUIRE(fd >= 0);
+  REQUIRE(write(fd, "progress\n", 9) == 9);
+  const std::string name = "/dev/fd/" + std::to_string(fd);
+  const OutputTarget target = output_target(name);
+  CHECK(target.in_place);
+  CHECK(target.fd == fd);
+  CHECK(output_target("/proc/self/fd/" + std::to_string(fd)).fd == fd);
+  CHECK(output_target("/dev/stdout").fd == 1);
+  CHECK(output_target(log).fd == -1);
+  write_file_atomically(name, "{\"steps\": 2}\n");
+  append_file_atomically(name, "more\n");
+  close(fd);
+  CHECK(test::read_text(log) == "progress\n{\"steps\": 2}\nmore\n");
+  const std::string closed = "descriptor " + std::to_string(fd) + " is not open";
+  CHECK_THROWS_WITH_AS(check_output_file("--trace", name), doctest::Contains(closed.c_str()),
+                       UsageError);
+}
