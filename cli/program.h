@@ -5,6 +5,8 @@
 // (parallel/rendezvous/launcher.h).
 // Header-only: programs link CLI11.
 #pragma once
+#include <unistd.h>  // environ (glibc declares it with _GNU_SOURCE, g++'s default)
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -21,8 +23,6 @@
 #include "engine/env_switch.h"
 #include "engine/error.h"
 #include "parallel/rendezvous/rank_errors.h"
-
-extern char** environ;
 
 namespace replica {
 

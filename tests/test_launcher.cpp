@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <set>
@@ -17,6 +18,7 @@
 #include <doctest/doctest.h>
 
 #include "cli_helpers.h"
+#include "parallel/rendezvous/launcher_signals.h"
 #include "process_helpers.h"
 
 using namespace std::chrono_literals;
@@ -254,6 +256,46 @@ TEST_CASE("replica-launch: a rank ignoring SIGTERM is killed after the grace per
   CHECK(took > 4.0);
   CHECK(took < 15.0);
   CHECK_FALSE(alive(read_pid(tmp.str("pid0"))));
+}
+
+TEST_CASE("launcher signals: a thread started after they are blocked never takes a Ctrl-C") {
+  // In a child process: a thread started first (`thread_first`) or after blocking, then SIGINT
+  // to the process, which the launcher's sigtimedwait() must get. Returns the wait status.
+  const auto sigint_with_a_thread = [](bool thread_first) {
+    const pid_t child = fork();
+    if (child == 0) {
+      signal(SIGINT, SIG_DFL);  // doctest's handler off: the launcher's process has none
+      std::atomic<bool> done{false};
+      std::atomic<int> running{0};
+      const auto spin = [&] {  // running, so the kernel may hand it the signal
+        ++running;
+        while (!done) usleep(1000);
+      };
+      std::thread early;
+      if (thread_first) early = std::thread(spin);
+      replica::LauncherSignals signals;
+      std::thread later(spin);
+      while (running < (thread_first ? 2 : 1)) usleep(1000);
+      kill(getpid(), SIGINT);
+      timespec ts{5, 0};
+      const int got = sigtimedwait(&signals.watched(), nullptr, &ts);
+      done = true;
+      later.join();
+      if (early.joinable()) early.join();
+      _exit(got == SIGINT ? 0 : 1);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    return status;
+  };
+  const int status = sigint_with_a_thread(false);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  // Why `replica-train --mode ddp` blocks them before counting its devices (which starts the
+  // CUDA driver's threads): a thread that was there before takes the signal and it ends all.
+  const int early = sigint_with_a_thread(true);
+  CHECK(WIFSIGNALED(early));
+  CHECK(WTERMSIG(early) == SIGINT);
 }
 
 TEST_CASE("replica-launch: help, bad flags and missing programs") {

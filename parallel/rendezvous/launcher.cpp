@@ -20,8 +20,6 @@
 #include "engine/error.h"
 #include "parallel/rendezvous/rank_errors.h"
 
-extern char** environ;
-
 namespace replica {
 
 namespace {
@@ -309,29 +307,22 @@ int report_outcome(const LaunchOptions& o, const std::vector<Child>& children, c
 }  // namespace
 
 int launch_ranks(const LaunchOptions& o) {
+  LauncherSignals signals;
+  return launch_ranks(o, signals);
+}
+
+int launch_ranks(const LaunchOptions& o, LauncherSignals& signals) {
   REPLICA_USAGE_CHECK(!o.command.empty(), "no program to run");
   const std::string program = resolve_program(o.command.front());
-
-  sigset_t watched, old_mask;
-  sigemptyset(&watched);
-  for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&watched, s);
-  signal(SIGCHLD, SIG_DFL);  // an inherited SIG_IGN would reap children behind our back
-  sigprocmask(SIG_BLOCK, &watched, &old_mask);
   const pid_t launcher = getpid();
   const bool tty_stdin = isatty(STDIN_FILENO);
 
   RankErrors errors;
   std::vector<Child> children;
-  try {
-    for (int local = 0; local < o.nproc_per_node; ++local)
-      start_rank(o, program, local, launcher, tty_stdin, old_mask, errors.dir(), children);
-  } catch (...) {
-    sigprocmask(SIG_SETMASK, &old_mask, nullptr);
-    throw;
-  }
-  const Outcome out = watch_ranks(o, children, watched);
-  // The signals stay blocked: the caller is about to exit, and a second Ctrl-C pressed just
-  // now must not kill it before it reports.
+  for (int local = 0; local < o.nproc_per_node; ++local)
+    start_rank(o, program, local, launcher, tty_stdin, signals.before(), errors.dir(), children);
+  const Outcome out = watch_ranks(o, children, signals.watched());
+  signals.keep();
   const int failed_rank = out.failed ? out.failed->rank : -1;
   const RankErrors::Printed printed =
       errors.print(o.node_rank * o.nproc_per_node, o.nproc_per_node, failed_rank);
