@@ -40,7 +40,7 @@ std::optional<int> launch_ddp_ranks(const TrainConfig& c, int argc, char** argv)
   const char* rank_vars[] = {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
   for (const char* v : rank_vars)
     if (std::getenv(v)) return std::nullopt;  // a launcher (or mpirun/srun) started us
-  LauncherSignals signals;  // before counting the devices starts any thread (CUDA's driver)
+  LauncherSignals signals;  // this process's Ctrl-C is for its ranks from here on
   TrainConfig as_dp = c;
   as_dp.mode = "dp";  // the devices DP would use: one rank each
   const int n = int(resolve_devices(as_dp).size());

@@ -63,7 +63,7 @@ void signal_groups(const std::vector<Child>& children, int sig, bool running_onl
 // Forks and execs one rank in its own process group and adds it to `children`; the exec error
 // (if any) comes back through a close-on-exec pipe.
 void start_rank(const LaunchOptions& o, const std::string& program, int local, pid_t launcher,
-                bool tty_stdin, const sigset_t& old_mask, const std::string& error_dir,
+                bool tty_stdin, const LauncherSignals& signals, const std::string& error_dir,
                 std::vector<Child>& children) {
   Child c;
   c.rank = o.node_rank * o.nproc_per_node + local;
@@ -86,11 +86,7 @@ void start_rank(const LaunchOptions& o, const std::string& program, int local, p
   REPLICA_CHECK(pipe2(report, O_CLOEXEC) == 0, "pipe: {}", std::strerror(errno));
   c.pid = fork();
   if (c.pid == 0) {
-    sigprocmask(SIG_SETMASK, &old_mask, nullptr);
-    // The launcher stops ranks with the SIGINT it forwards: a rank must not inherit SIGINT or
-    // SIGQUIT ignored, as a launcher started in the background by a script has them.
-    signal(SIGINT, SIG_DFL);
-    signal(SIGQUIT, SIG_DFL);
+    signals.restore_in_rank();
     setpgid(0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != launcher) _exit(127);
@@ -320,7 +316,7 @@ int launch_ranks(const LaunchOptions& o, LauncherSignals& signals) {
   RankErrors errors;
   std::vector<Child> children;
   for (int local = 0; local < o.nproc_per_node; ++local)
-    start_rank(o, program, local, launcher, tty_stdin, signals.before(), errors.dir(), children);
+    start_rank(o, program, local, launcher, tty_stdin, signals, errors.dir(), children);
   const Outcome out = watch_ranks(o, children, signals.watched());
   signals.keep();
   const int failed_rank = out.failed ? out.failed->rank : -1;
