@@ -1,7 +1,6 @@
 #include "engine/output_files.h"
 
 #include <fcntl.h>
-#include <pthread.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -117,6 +116,14 @@ void check_output_file(const std::string& flag, const std::string& path) {
                       path, dir.string());
 }
 
+void check_weights_file(const std::string& flag, const std::string& path) {
+  check_output_file(flag, path);
+  REPLICA_USAGE_CHECK(path.empty() || output_target(path).fd < 0,
+                      "{} '{}': weights are written to a file of their own, not into a stream "
+                      "the run shares (give a file name)",
+                      flag, path);
+}
+
 void check_output_dir(const std::string& flag, const std::string& path) {
   if (path.empty()) return;
   std::error_code ec;
@@ -132,20 +139,24 @@ std::string temporary_for(const std::string& path) {
   return path + ".tmp-" + std::to_string(getpid());
 }
 
+bool stale_temporary(const std::string& name, const std::string& prefix) {
+  if (name.rfind(prefix, 0) != 0) return false;
+  const std::string pid_text = name.substr(prefix.size());
+  if (pid_text.empty() || pid_text.size() > 9 ||
+      pid_text.find_first_not_of("0123456789") != std::string::npos)
+    return false;
+  const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
+  if (pid == getpid()) return false;
+  return kill(pid_t(pid), 0) != 0 && errno != EPERM;  // EPERM: it runs, as another user
+}
+
 void remove_stale_temporaries(const std::string& path) {
   std::error_code ec;
   const fs::path p = fs::absolute(path, ec);
   const std::string prefix = p.filename().string() + ".tmp-";
-  for (const auto& entry : fs::directory_iterator(p.parent_path(), ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string pid_text = name.substr(prefix.size());
-    if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
-    const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
-    if (pid == getpid()) continue;
-    if (kill(pid_t(pid), 0) == 0 || errno == EPERM) continue;  // that process still runs
-    fs::remove_all(entry.path(), ec);  // a file, or a StagedDirectory
-  }
+  for (const auto& entry : fs::directory_iterator(p.parent_path(), ec))
+    if (stale_temporary(entry.path().filename().string(), prefix))
+      fs::remove_all(entry.path(), ec);  // a file, or a StagedDirectory
 }
 
 void mark_temporary(const std::string& tmp) {
@@ -179,7 +190,7 @@ void write_output(const std::string& name, const OutputWriter& write) {
   const std::string& path = target.path;
   remove_stale_temporaries(path);
   const std::string tmp = temporary_for(path);
-  Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
   if (fd.get() < 0) throw fail(std::strerror(errno));
   mark_temporary(tmp);  // a second Ctrl-C removes it before the process ends
   std::string why;
@@ -227,91 +238,6 @@ void append_file_atomically(const std::string& path, const std::string& text) {
     if (!old.empty() && old.back() != '\n') old += '\n';
   }
   write_file_atomically(path, old + text);
-}
-
-StagedDirectory::StagedDirectory(const std::string& dir) : dir_(dir) {
-  std::error_code ec;
-  // The directories this creates, so a set never committed leaves none behind (empty).
-  for (fs::path p = fs::absolute(dir_, ec); !p.empty() && !fs::exists(p, ec) &&
-                                            p != p.root_path();
-       p = p.parent_path())
-    created_.push_back(p.string());
-  fs::create_directories(dir_, ec);
-  REPLICA_USAGE_CHECK(fs::is_directory(dir_, ec), "cannot create directory '{}'", dir_);
-  const std::string base = (fs::path(dir_) / ".staging").string();
-  remove_stale_temporaries(base);
-  staging_ = temporary_for(base);
-  fs::remove_all(staging_, ec);
-  fs::create_directory(staging_, ec);
-  REPLICA_USAGE_CHECK(!ec, "cannot write into '{}': {}", dir_, ec.message());
-}
-
-StagedDirectory::~StagedDirectory() {
-  std::error_code ec;
-  if (committed_ || keep_staging_) return;
-  fs::remove_all(staging_, ec);
-  for (const std::string& d : created_)  // innermost first; a directory written into stays
-    if (!fs::remove(d, ec)) break;
-}
-
-void StagedDirectory::commit() {
-  // Ctrl-C, a terminal closed or a kill during the moves would leave a report half old and half
-  // new: held back until the set is in place.
-  sigset_t held, before;
-  sigemptyset(&held);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&held, sig);
-  pthread_sigmask(SIG_BLOCK, &held, &before);
-  struct Release {
-    sigset_t mask;
-    ~Release() { pthread_sigmask(SIG_SETMASK, &mask, nullptr); }
-  } release{before};
-
-  std::error_code ec;
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(staging_, ec))
-    names.push_back(entry.path().filename().string());
-  if (ec) throw Error(fmt::format("cannot read '{}': {}", staging_, ec.message()));
-  // First the old files the set replaces or drops go aside (into the staging directory, on the
-  // same file system), then the new ones come in. A failed move puts everything back as it
-  // was: the directory holds the old set or the new one, never some of each.
-  const fs::path aside = fs::path(staging_) / ".replaced";
-  fs::create_directory(aside, ec);
-  if (ec) throw Error(fmt::format("cannot write into '{}': {}", staging_, ec.message()));
-  std::vector<std::string> moved_aside, moved_in;
-  // Puts everything back; what it cannot put back is kept where it went, and said.
-  const auto undo = [&](const std::string& what) {
-    bool whole = true;
-    std::error_code e;
-    for (const std::string& n : moved_in) {
-      fs::rename(fs::path(dir_) / n, fs::path(staging_) / n, e);
-      whole = whole && !e;
-    }
-    for (const std::string& n : moved_aside) {
-      fs::rename(aside / n, fs::path(dir_) / n, e);
-      whole = whole && !e;
-    }
-    keep_staging_ = !whole;
-    return Error(whole ? what
-                       : fmt::format("{} (and putting the old files back failed: they are in '{}')",
-                                     what, aside.string()));
-  };
-  std::vector<std::string> replaced = names;
-  replaced.insert(replaced.end(), dropped_.begin(), dropped_.end());
-  for (const std::string& n : replaced) {
-    const fs::path old = fs::path(dir_) / n;
-    if (!fs::exists(fs::symlink_status(old, ec)) || fs::exists(aside / n, ec)) continue;
-    fs::rename(old, aside / n, ec);
-    if (ec) throw undo(fmt::format("cannot replace '{}': {}", old.string(), ec.message()));
-    moved_aside.push_back(n);
-  }
-  for (const std::string& n : names) {
-    const fs::path to = fs::path(dir_) / n;
-    fs::rename(fs::path(staging_) / n, to, ec);
-    if (ec) throw undo(fmt::format("cannot move '{}' into place: {}", to.string(), ec.message()));
-    moved_in.push_back(n);
-  }
-  committed_ = true;
-  fs::remove_all(staging_, ec);  // the replaced files with it
 }
 
 }  // namespace replica

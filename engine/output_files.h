@@ -5,7 +5,6 @@
 #pragma once
 #include <functional>
 #include <string>
-#include <vector>
 
 namespace replica {
 
@@ -29,12 +28,18 @@ int open_in_place(const OutputTarget& target);
 // process may write into it (a device or pipe: may write to it). UsageError naming the flag
 // otherwise.
 void check_output_file(const std::string& flag, const std::string& path);
+// check_output_file for a file of weights (--save-model, --save-best): a descriptor's name
+// (/dev/stdout) is refused, as the run's own lines, or --save-best's next model, would be
+// written into the same stream.
+void check_weights_file(const std::string& flag, const std::string& path);
 // `path` is a writable directory, or can be created: its nearest existing ancestor is one.
 void check_output_dir(const std::string& flag, const std::string& path);
 
 // "<path>.tmp-<pid>": where this process writes `path` before renaming it into place.
 std::string temporary_for(const std::string& path);
 // Removes "<path>.tmp-<pid>" files whose process no longer runs (never this process's own).
+// stale_temporary: whether `name` is "<prefix><pid>" of a process that no longer runs.
+bool stale_temporary(const std::string& name, const std::string& prefix);
 void remove_stale_temporaries(const std::string& path);
 
 // The temporary being written now, so a signal handler can remove it before the process ends
@@ -56,33 +61,5 @@ void write_file_atomically(const std::string& path, const std::string& text);
 // the file as it was, never with half a line added. A second process adding to the same file
 // (a sweep started in two terminals) waits for the first, so neither's lines are lost.
 void append_file_atomically(const std::string& path, const std::string& text);
-
-// A set of outputs in one directory written as one (replica-bench --report): they go into a
-// hidden staging directory inside `dir`, and commit() moves them into place. A failure or a
-// signal before commit() leaves every file of `dir` as it was (the staging directory is removed
-// when this object goes, or after a signal by the next run; so are the directories it created,
-// while they are empty); files `dir` holds that the set does not write (a user's notes, the
-// traces a re-rendered report keeps) stay. commit() moves the files it replaces aside first and
-// puts them back if a move fails, with Ctrl-C and termination held back meanwhile: `dir` holds
-// the old set or the new one, never some of each.
-class StagedDirectory {
- public:
-  explicit StagedDirectory(const std::string& dir);
-  ~StagedDirectory();
-  StagedDirectory(const StagedDirectory&) = delete;
-  StagedDirectory& operator=(const StagedDirectory&) = delete;
-
-  const std::string& path() const { return staging_; }  // where to write until commit()
-  // A file of `dir` the new set does not have: commit() removes it.
-  void drop(const std::string& name) { dropped_.push_back(name); }
-  void commit();
-
- private:
-  std::string dir_, staging_;
-  std::vector<std::string> created_;  // directories made for `dir`, innermost first
-  std::vector<std::string> dropped_;
-  bool committed_ = false;
-  bool keep_staging_ = false;  // a failed commit() could not put every old file back
-};
 
 }  // namespace replica

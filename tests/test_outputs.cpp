@@ -4,6 +4,7 @@
 // checkpoint a killed run left half-written is cleaned up by the next run.
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -78,9 +79,18 @@ TEST_CASE("/dev/stdout and /dev/fd/N: the output follows what the descriptor alr
   r = run("sh -c '" + run_args + " --metrics-json /dev/fd/3 3> " + tmp.str("fd3.json") + "'", 60);
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
   CHECK(nlohmann::json::parse(test::read_text(tmp.str("fd3.json")))["steps"] == 2);
-  // A descriptor not open for writing is refused before training.
-  expect_train_error("--synthetic --devices cpu --metrics-json /dev/fd/9",
-                     "--metrics-json '/dev/fd/9': descriptor 9 is not open for writing");
+  // A descriptor not open for writing is refused before training (one this process has not
+  // open, so neither has the run it starts).
+  int closed = 3;
+  while (fcntl(closed, F_GETFD) != -1) ++closed;
+  const std::string name = "/dev/fd/" + std::to_string(closed);
+  expect_train_error("--synthetic --devices cpu --metrics-json " + name,
+                     "--metrics-json '" + name + "': descriptor " + std::to_string(closed) +
+                         " is not open for writing");
+  // Weights are a file of their own: a stream the run prints to, or that --save-best would
+  // write every better model into, is refused.
+  expect_train_error("--synthetic --devices cpu --save-model /dev/stdout",
+                     "--save-model '/dev/stdout': weights are written to a file of their own");
 }
 
 TEST_CASE("an output that cannot be written fails before training, in seconds") {

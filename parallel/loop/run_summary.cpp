@@ -111,7 +111,8 @@ std::string epoch_table(const nlohmann::json& epochs, const std::string& scope) 
 }
 
 std::string fmt_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
+  // Unknown, or past any clock's use (a run of --epochs 10^18): no digits.
+  if (!std::isfinite(seconds) || seconds < 0 || seconds > 1e12) return "--:--";
   int64_t s = int64_t(seconds + 0.5);
   if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60);
   return fmt::format("{}:{:02}", s / 60, s % 60);

@@ -82,8 +82,8 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
   // What the run writes at its end must be writable now, not after hours of training.
   check_output_dir("--checkpoint", c.checkpoint_dir);
-  check_output_file("--save-model", c.save_model);
-  check_output_file("--save-best", c.save_best);
+  check_weights_file("--save-model", c.save_model);
+  check_weights_file("--save-best", c.save_best);
   REPLICA_USAGE_CHECK(c.save_best.empty() || c.evaluate,
                       "--save-best keeps the model of the epoch with the best test accuracy: it "
                       "needs the evaluation that --no-eval turns off");

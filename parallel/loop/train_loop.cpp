@@ -307,7 +307,7 @@ void TrainLoop::log_step(int64_t epoch, int64_t b, bool last_step) {
                       totals_.final_loss, pos_.global_step);
   const double elapsed = (Tracer::now_us() - t_start_us_) / 1e6;
   const double rate = totals_.samples / std::max(elapsed, 1e-9);
-  const double eta = (planned_steps_ - pos_.global_step) * c_.batch_size / rate;
+  const double eta = double(planned_steps_ - pos_.global_step) * double(c_.batch_size) / rate;
   // The step counter counts what bounds the run: the epoch's batches, or --max-steps.
   const bool steps_bound = planned_steps_ < epochs_steps_;
   report_->progress(fmt::format("epoch {}/{}  step {:>5}/{}  {} {:.4f}  {:.0f} samples/s  ETA {}",

@@ -16,6 +16,7 @@
 
 #include "engine/error.h"
 #include "engine/output_files.h"
+#include "engine/staged_directory.h"
 #include "parallel/engines/captured_step.h"
 #include "parallel/loop/run_summary.h"
 #include "parallel/rendezvous/launcher.h"
