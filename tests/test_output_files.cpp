@@ -35,17 +35,22 @@ void put_text(const fs::path& p, const std::string& text) {
   test::put_bytes(p.string(), std::vector<uint8_t>(text.begin(), text.end()));
 }
 
+// An earlier report in `dir`: its text, its traces directory, and `more` files.
+void old_report(const fs::path& dir, const std::map<std::string, std::string>& more) {
+  fs::create_directories(dir / "traces");
+  put_text(dir / "report.md", "old report");
+  put_text(dir / "traces" / "rank0.json", "an old trace");
+  for (const auto& [name, text] : more) put_text(dir / name, text);
+}
+
 }  // namespace
 
 TEST_CASE("commit: the new set replaces the old, files and directories alike; others stay") {
   test::TempDir tmp;
   const fs::path dir = tmp.path / "report";
-  fs::create_directories(dir / "traces");
-  put_text(dir / "report.md", "old report");
-  put_text(dir / "plots", "a file where the new set has a directory");
-  put_text(dir / "traces" / "rank0.json", "an old trace");
-  put_text(dir / "compare.jsonl", "an earlier report's rows");
-  put_text(dir / "notes.txt", "the user's");
+  old_report(dir, {{"plots", "a file where the new set has a directory"},
+                   {"compare.jsonl", "an earlier report's rows"},
+                   {"notes.txt", "the user's"}});
   StagedDirectory staged(dir.string());
   const fs::path in = staged.path();
   put_text(in / "report.md", "new report");
@@ -68,10 +73,7 @@ TEST_CASE("commit: a move that fails puts every old file back") {
   // which root has anyway: as root the commit runs in a child process as user "nobody".
   test::TempDir tmp;
   const fs::path dir = tmp.path / "report";
-  fs::create_directories(dir / "traces");
-  put_text(dir / "report.md", "old report");
-  put_text(dir / "results.jsonl", "old rows");
-  put_text(dir / "traces" / "rank0.json", "an old trace");
+  old_report(dir, {{"results.jsonl", "old rows"}});
   const bool root = geteuid() == 0;
   const uid_t user = root ? 65534 : geteuid();
   bool owned = true;
