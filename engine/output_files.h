@@ -37,9 +37,9 @@ void check_output_dir(const std::string& flag, const std::string& path);
 
 // "<path>.tmp-<pid>": where this process writes `path` before renaming it into place.
 std::string temporary_for(const std::string& path);
-// Removes "<path>.tmp-<pid>" files whose process no longer runs (never this process's own).
-// stale_temporary: whether `name` is "<prefix><pid>" of a process that no longer runs.
+// Whether `name` is "<prefix><pid>" of a process that no longer runs (never this one's).
 bool stale_temporary(const std::string& name, const std::string& prefix);
+// Removes "<path>.tmp-<pid>" files and directories that stale_temporary() finds.
 void remove_stale_temporaries(const std::string& path);
 
 // The temporary being written now, so a signal handler can remove it before the process ends
@@ -48,9 +48,10 @@ void mark_temporary(const std::string& tmp);
 void clear_temporary();
 void remove_temporary_in_progress();  // from a signal handler
 
-// Writes the output `path` with `write(fd, file)` (`file` names what fd is, for its errors): into its temporary, synced to disk and renamed over
-// it (its directory synced too), or in place for a device, pipe or descriptor. Any failure is
-// one Error, "cannot write '<path>': why", with the temporary removed and the old file kept.
+// Writes the output `path` with `write(fd, file)` (`file` names what fd is, for its errors):
+// into its temporary, synced to disk and renamed over it (its directory synced too), or in
+// place for a device, pipe or descriptor. Any failure is one Error, "cannot write '<path>':
+// why", with the temporary removed and the old file kept.
 using OutputWriter = std::function<void(int fd, const std::string& file)>;
 void write_output(const std::string& path, const OutputWriter& write);
 // write_output of a text.

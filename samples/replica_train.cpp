@@ -40,7 +40,6 @@ std::optional<int> launch_ddp_ranks(const TrainConfig& c, int argc, char** argv)
   const char* rank_vars[] = {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
   for (const char* v : rank_vars)
     if (std::getenv(v)) return std::nullopt;  // a launcher (or mpirun/srun) started us
-  LauncherSignals signals;  // this process's Ctrl-C is for its ranks from here on
   TrainConfig as_dp = c;
   as_dp.mode = "dp";  // the devices DP would use: one rank each
   const int n = int(resolve_devices(as_dp).size());
@@ -70,7 +69,7 @@ std::optional<int> launch_ddp_ranks(const TrainConfig& c, int argc, char** argv)
                 "`%s --nproc-per-node %d --master-port %d -- %s%s`\n",
                 n, launcher.c_str(), n, o.master_port, self.c_str(), args.c_str());
   std::fflush(stdout);
-  return launch_ranks(o, signals);
+  return launch_ranks(o);
 }
 
 // What the command line holds beside TrainConfig's own fields: flags read into another form

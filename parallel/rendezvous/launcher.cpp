@@ -18,6 +18,7 @@
 #include <cstdlib>
 
 #include "engine/error.h"
+#include "parallel/rendezvous/launcher_signals.h"
 #include "parallel/rendezvous/rank_errors.h"
 
 namespace replica {
@@ -303,13 +304,9 @@ int report_outcome(const LaunchOptions& o, const std::vector<Child>& children, c
 }  // namespace
 
 int launch_ranks(const LaunchOptions& o) {
-  LauncherSignals signals;
-  return launch_ranks(o, signals);
-}
-
-int launch_ranks(const LaunchOptions& o, LauncherSignals& signals) {
   REPLICA_USAGE_CHECK(!o.command.empty(), "no program to run");
   const std::string program = resolve_program(o.command.front());
+  LauncherSignals signals;
   const pid_t launcher = getpid();
   const bool tty_stdin = isatty(STDIN_FILENO);
 

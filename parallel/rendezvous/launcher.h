@@ -9,8 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "parallel/rendezvous/launcher_signals.h"
-
 namespace replica {
 
 struct LaunchOptions {
@@ -36,8 +34,6 @@ struct LaunchOptions {
 // that failed first, or the rank the others found had stopped answering (a PeerFailure).
 // Throws UsageError when the program cannot run.
 int launch_ranks(const LaunchOptions& options);
-// The same, with the launcher's signals blocked by the caller before it started any thread.
-int launch_ranks(const LaunchOptions& options, LauncherSignals& signals);
 
 // A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
 int pick_free_port();
