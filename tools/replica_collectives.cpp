@@ -43,34 +43,46 @@ int64_t parse_bytes(const std::string& s, const char* flag) {
   return bytes;
 }
 
-// t's values on the host, once the group's collectives are done (a copy for GPU tensors).
-std::vector<float> read_back(ProcessGroup& pg, DeviceContext& ctx, const Tensor& t) {
+// t's values on the host, once the group's collectives are done: t itself on a CPU device (a
+// message of several GB is not copied twice more), a host copy of a GPU tensor.
+Tensor read_back(ProcessGroup& pg, DeviceContext& ctx, const Tensor& t) {
   pg.synchronize(ctx);
   pg.stream_wait(ctx);
+  if (!ctx.is_cuda()) return t;
   Tensor host = to_host(ctx, t);
   ctx.synchronize();
-  return std::vector<float>(host.f32(), host.f32() + host.numel());
+  return host;
+}
+
+// How many of t's values fail `ok`.
+template <class Ok>
+int64_t count_wrong(ProcessGroup& pg, DeviceContext& ctx, const Tensor& t, Ok&& ok) {
+  const Tensor host = read_back(pg, ctx, t);
+  const float* v = host.f32();
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < host.numel(); ++i) wrong += !ok(v[i]);
+  return wrong;
 }
 
 int check(ProcessGroup& pg, DeviceContext& ctx) {
   const int n = pg.size(), r = pg.rank();
-  int wrong = 0;
+  int64_t wrong = 0;
   for (int64_t count : {int64_t(1), int64_t(1000), int64_t(1) << 20}) {
     Tensor t = ctx.alloc({count});
     ctx.ops().fill(ctx, t, float(r));
     pg.allreduce_sum(ctx, t);
     const float expect = float(n * (n - 1) / 2);
-    for (float v : read_back(pg, ctx, t)) wrong += v != expect;
+    wrong += count_wrong(pg, ctx, t, [&](float v) { return v == expect; });
   }
   for (int root = 0; root < n; ++root) {
     Tensor t = ctx.alloc({4097});
     ctx.ops().fill(ctx, t, float(r == root ? 100 + root : -1));
     pg.broadcast(ctx, t, root);
-    for (float v : read_back(pg, ctx, t)) wrong += v != float(100 + root);
+    wrong += count_wrong(pg, ctx, t, [&](float v) { return v == float(100 + root); });
   }
   for (int i = 0; i < 3; ++i) pg.barrier();
-  std::printf("rank %d of %d: all-reduce, broadcast, barrier: %s (%d wrong)\n", r, n,
-              wrong ? "FAILED" : "ok", wrong);
+  std::printf("rank %d of %d: all-reduce, broadcast, barrier: %s (%ld wrong)\n", r, n,
+              wrong ? "FAILED" : "ok", long(wrong));
   return wrong ? 1 : 0;
 }
 
@@ -99,8 +111,8 @@ void bench(ProcessGroup& pg, DeviceContext& ctx, int64_t min_bytes, int64_t max_
         iters;
     // After warm-up + iters sums of all-ones: n^(iters+1).
     const double expect = std::pow(double(n), iters + 1);
-    int64_t wrong = 0;
-    for (float v : read_back(pg, ctx, t)) wrong += std::fabs(v - expect) > 1e-3 * expect;
+    const int64_t wrong =
+        count_wrong(pg, ctx, t, [&](float v) { return std::fabs(v - expect) <= 1e-3 * expect; });
     const double algbw = count * 4.0 / us / 1e3;  // GB/s
     const double busbw = algbw * 2.0 * (n - 1) / n;
     // Bandwidths in significant digits: a latency-bound size on a busy machine measures

@@ -14,7 +14,9 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <map>
 
 #include "engine/error.h"
@@ -58,7 +60,8 @@ class GlooStore final : public gloo::rendezvous::Store {
 class GlooGroup final : public ProcessGroup {
  public:
   GlooGroup(const GroupOptions& o, std::unique_ptr<PeerMonitor> monitor)
-      : ProcessGroup(o, std::move(monitor)) {
+      : ProcessGroup(o, std::move(monitor)),
+        max_piece_(std::clamp<int64_t>(o.max_piece_floats, 1, std::numeric_limits<int>::max())) {
     const int rank = o.rank, size = o.size;
     try {
       gloo::transport::tcp::attr attr;
@@ -90,25 +93,32 @@ class GlooGroup final : public ProcessGroup {
     with_host_view(ctx, t, [&](float* p) {
       // Algorithm objects register their buffers with the transport: one is cached per
       // persistent buffer (made in the same order on every rank, since buckets launch in
-      // order); for any other tensor a fresh one takes the next slot on every rank alike.
-      std::unique_ptr<gloo::Algorithm> fresh;
-      auto& op = slot < 0 ? fresh : allreduce_[{static_cast<void*>(p), t.numel()}];
-      if (!op) op = make_allreduce(p, t.numel());
-      run("gloo all-reduce", [&] { op->run(); });
+      // order); for any other tensor a fresh one takes the next slot on every rank alike. A
+      // tensor of several pieces is not cached either: each piece's algorithm holds scratch
+      // of its size, which kept for every piece would double the rank's memory.
+      const bool cached = slot >= 0 && t.numel() <= max_piece_;
+      for_each_chunk(p, t.numel(), [&](float* chunk, int n) {
+        std::unique_ptr<gloo::Algorithm> fresh;
+        auto& op = cached ? allreduce_[{static_cast<void*>(chunk), n}] : fresh;
+        if (!op) op = make_allreduce(chunk, n);
+        run("gloo all-reduce", [&] { op->run(); });
+      });
     });
   }
 
-  std::unique_ptr<gloo::Algorithm> make_allreduce(float* p, int64_t n) {
+  std::unique_ptr<gloo::Algorithm> make_allreduce(float* p, int n) {
     std::vector<float*> ptrs{p};
-    if (size_ == 2) return std::make_unique<gloo::AllreduceRing<float>>(context_, ptrs, int(n));
-    return std::make_unique<gloo::AllreduceRingChunked<float>>(context_, ptrs, int(n));
+    if (size_ == 2) return std::make_unique<gloo::AllreduceRing<float>>(context_, ptrs, n);
+    return std::make_unique<gloo::AllreduceRingChunked<float>>(context_, ptrs, n);
   }
 
   void broadcast(DeviceContext& ctx, Tensor& t, int root) override {
     if (t.numel() == 0) return;
     with_host_view(ctx, t, [&](float* p) {
-      gloo::BroadcastOneToAll<float> op(context_, std::vector<float*>{p}, int(t.numel()), root);
-      run("gloo broadcast", [&] { op.run(); });
+      for_each_chunk(p, t.numel(), [&](float* chunk, int n) {
+        gloo::BroadcastOneToAll<float> op(context_, std::vector<float*>{chunk}, n, root);
+        run("gloo broadcast", [&] { op.run(); });
+      });
     });
   }
 
@@ -130,6 +140,16 @@ class GlooGroup final : public ProcessGroup {
 
  private:
   static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+  // Gloo's ring and broadcast algorithms count elements in an int, and each allocates scratch
+  // as large as its buffer: a tensor of 2^31 floats or more would overflow the count, and one
+  // of several GB would double the memory a rank holds. Tensors go through in pieces of at most
+  // max_piece_ floats (GroupOptions: 1 GiB); buckets (25 MB) are one piece.
+  template <class F>
+  void for_each_chunk(float* p, int64_t numel, F&& f) const {
+    for (int64_t off = 0; off < numel; off += max_piece_)
+      f(p + off, int(std::min(max_piece_, numel - off)));
+  }
 
   // `what` is a string literal ("gloo all-reduce"): the peer monitor keeps the pointer.
   template <class F>
@@ -165,6 +185,7 @@ class GlooGroup final : public ProcessGroup {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
   std::map<std::pair<void*, int64_t>, std::unique_ptr<gloo::Algorithm>> allreduce_;
+  int64_t max_piece_;
   std::map<int64_t, Tensor> staging_;
 };
 

@@ -32,6 +32,9 @@ struct GroupOptions {
   // PyTorch, names an interface instead.
   std::string address = "127.0.0.1";
   std::chrono::milliseconds timeout{300000};
+  // Gloo: tensors longer than this go through in pieces (its algorithms count in an int and
+  // hold scratch as large as their buffer). 2^28 floats, 1 GiB; tests set it small.
+  int64_t max_piece_floats = int64_t(1) << 28;
 };
 
 class ProcessGroup {
