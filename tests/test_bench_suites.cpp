@@ -4,7 +4,9 @@
 // PyTorch script's message when PyTorch is missing.
 #include <doctest/doctest.h>
 
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -170,6 +172,62 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --compare " +
                          tmp.str("bad.jsonl"),
                      "missing field 'samples_per_sec'");
+}
+
+// A results directory edited by hand or written by another tool: a field of the wrong type, or
+// a measured point that is not [bytes, seconds], is named by file, line and field when it is
+// read, before anything is written (an empty point crashed the report before).
+TEST_CASE("replica-bench --from-results: a field of the wrong type is named, nothing is written") {
+  test::TempDir tmp;
+  auto copy_fixture = [&](const std::string& name) {
+    const std::string dir = tmp.str(name);
+    std::filesystem::create_directories(dir);
+    for (const char* f : {"results.jsonl", "alpha_beta.json"})
+      std::filesystem::copy_file(kFixture + "/" + f, dir + "/" + f);
+    return dir;
+  };
+  auto edit_alpha_beta = [](const std::string& dir, const std::function<void(nlohmann::json&)>& f) {
+    nlohmann::json j = nlohmann::json::parse(read_text(dir + "/alpha_beta.json"));
+    f(j);
+    std::ofstream(dir + "/alpha_beta.json") << j.dump();
+  };
+  auto edit_row = [](const std::string& dir, const std::string& field, const nlohmann::json& v) {
+    auto rows = read_json_lines(dir + "/results.jsonl");
+    rows.at(1)[field] = v;
+    std::ofstream out(dir + "/results.jsonl");
+    for (const auto& r : rows) out << r.dump() << "\n";
+  };
+  const struct {
+    std::string name, expected;
+    std::function<void(const std::string&)> spoil;
+  } cases[] = {
+      {"empty-point", "alpha_beta.json: 'dp_reduce': points[0] must be [bytes, seconds]",
+       [&](const std::string& d) {
+         edit_alpha_beta(d, [](nlohmann::json& j) { j["dp_reduce"]["points"][0] = nlohmann::json::array(); });
+       }},
+      {"short-point", "points[1] must be [bytes, seconds]",
+       [&](const std::string& d) {
+         edit_alpha_beta(d, [](nlohmann::json& j) { j["dp_reduce"]["points"][1] = {16384}; });
+       }},
+      {"alpha-text", "'dp_broadcast': 'alpha_s' must be a number",
+       [&](const std::string& d) {
+         edit_alpha_beta(d, [](nlohmann::json& j) { j["dp_broadcast"]["alpha_s"] = "fast"; });
+       }},
+      {"phases-text", "results.jsonl:2: 'phase_ms' must be an object of numbers",
+       [&](const std::string& d) { edit_row(d, "phase_ms", "slow"); }},
+      {"devices-real", "results.jsonl:2: 'devices' must be a whole number",
+       [&](const std::string& d) { edit_row(d, "devices", 2.5); }},
+      {"peaks-null-entry", "results.jsonl:2: 'peak_memory_bytes' must be a list of numbers",
+       [&](const std::string& d) { edit_row(d, "peak_memory_bytes", {1, nullptr}); }},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.name);
+    const std::string dir = copy_fixture(c.name);
+    c.spoil(dir);
+    const std::string out = tmp.str(c.name + "-report");
+    expect_clean_error("--report " + out + " --from-results " + dir, c.expected);
+    CHECK((!std::filesystem::exists(out) || std::filesystem::is_empty(out)));
+  }
 }
 
 // --json adds rows to a file that holds earlier runs: a write that fails (here a file-size limit,

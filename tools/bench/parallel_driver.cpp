@@ -28,6 +28,7 @@
 #include "tools/bench/report_math.h"
 #include "tools/bench/report_md.h"
 #include "tools/bench/report_tables.h"
+#include "tools/bench/results_reader.h"
 #include "tools/bench/suites.h"
 
 namespace replica::bench {
@@ -131,16 +132,6 @@ void print_table(const std::vector<json>& rows) {
               "nccl-tests' bus bandwidth of the reduce (DP) / all-reduce (DDP); peak: bytes in "
               "use (PyTorch's max_memory_allocated), held: in use plus cached (its "
               "max_memory_reserved).\n");
-}
-
-json read_json_if_present(const std::string& path) {
-  std::ifstream in(path);
-  if (!in.good()) return json();
-  try {
-    return json::parse(in);
-  } catch (const std::exception&) {
-    throw UsageError(fmt::format("'{}' is not valid JSON", path));
-  }
 }
 
 }  // namespace
@@ -282,7 +273,7 @@ int run_parallel_suites(const BenchOptions& given) {
     m = measure(o);
   } else {
     m.rows = read_rows((fs::path(o.from_results) / "results.jsonl").string());
-    m.alpha_beta = read_json_if_present((fs::path(o.from_results) / "alpha_beta.json").string());
+    m.alpha_beta = read_alpha_beta((fs::path(o.from_results) / "alpha_beta.json").string());
     m.env = m.rows[0].value("env", json());
   }
   add_scaling(m.rows);

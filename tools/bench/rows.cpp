@@ -237,37 +237,6 @@ void add_scaling(std::vector<nlohmann::json>& rows) {
   }
 }
 
-std::vector<nlohmann::json> read_rows(const std::string& path) {
-  std::ifstream in(path);
-  REPLICA_USAGE_CHECK(in.good(), "cannot read results file '{}'", path);
-  std::vector<nlohmann::json> rows;
-  std::string line;
-  int number = 0;
-  while (std::getline(in, line)) {
-    ++number;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const std::exception&) {
-      throw UsageError(fmt::format("{}:{}: not a JSON object", path, number));
-    }
-    REPLICA_USAGE_CHECK(j.is_object(), "{}:{}: not a JSON object", path, number);
-    for (const auto& f : required_fields())
-      REPLICA_USAGE_CHECK(j.contains(f), "{}:{}: missing field '{}'", path, number, f);
-    REPLICA_USAGE_CHECK(j["devices"].is_number_integer() && j["devices"].get<int>() >= 1,
-                        "{}:{}: 'devices' must be a positive integer", path, number);
-    REPLICA_USAGE_CHECK(j["samples_per_sec"].is_number(), "{}:{}: 'samples_per_sec' must be a number",
-                        path, number);
-    REPLICA_USAGE_CHECK(j["mode"] == "dp" || j["mode"] == "ddp",
-                        "{}:{}: 'mode' must be \"dp\" or \"ddp\"", path, number);
-    if (!j.contains("engine")) j["engine"] = "replica";
-    rows.push_back(j);
-  }
-  REPLICA_USAGE_CHECK(!rows.empty(), "results file '{}' has no rows", path);
-  return rows;
-}
-
 namespace {
 
 std::string json_lines(const std::vector<nlohmann::json>& rows) {

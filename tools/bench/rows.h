@@ -39,9 +39,6 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
 // model, input shape and batch per device (null when there is none).
 void add_scaling(std::vector<nlohmann::json>& rows);
 
-// Rows of a JSON-lines file (blank lines skipped). Throws UsageError naming the file and line
-// for unreadable files, bad JSON or rows missing a required field.
-std::vector<nlohmann::json> read_rows(const std::string& path);
 // Appends rows to a JSON-lines file (--json: a user's file that grows run after run).
 void append_rows(const std::string& path, const std::vector<nlohmann::json>& rows);
 // Writes rows as a whole JSON-lines file / as CSV, through write_file_atomically.
