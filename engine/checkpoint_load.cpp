@@ -181,11 +181,7 @@ void check_layout(const std::string& path, std::vector<Entry>& entries, uint64_t
 
 Checkpoint load_checkpoint(const std::string& path) {
   REPLICA_CHECK(little_endian(), "checkpoints need a little-endian host");
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    if (errno == ENOENT) throw UsageError(fmt::format("{}: no such checkpoint file", path));
-    throw UsageError(fmt::format("{}: cannot open checkpoint: {}", path, std::strerror(errno)));
-  }
+  const Fd fd = open_regular_file(path, "a checkpoint");
   const Header h = read_header(fd.get(), path);
   std::vector<Entry> entries;
   Checkpoint ckpt;

@@ -1,5 +1,6 @@
 #include "engine/file_io.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -40,22 +41,33 @@ bool read_at(int fd, void* data, size_t n, uint64_t offset, const std::string& p
   return true;
 }
 
-std::vector<uint8_t> read_file_bytes(const std::string& path, const std::string& expected) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    int err = errno;
+Fd open_regular_file(const std::string& path, const std::string& expected) {
+  // O_NONBLOCK: open() of a named pipe would otherwise wait for a writer, for good.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (fd.get() < 0) {
+    const int err = errno;
     if (err == ENOENT) throw UsageError(fmt::format("{}: no such file", path));
     throw UsageError(fmt::format("{}: cannot open: {}", path, std::strerror(err)));
   }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0)
+    throw UsageError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
   if (S_ISDIR(st.st_mode))
     throw UsageError(fmt::format("{}: is a directory, expected {}", path, expected));
-  std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
-  if (!f) throw UsageError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  if (!S_ISREG(st.st_mode))
+    throw UsageError(fmt::format("{}: not a regular file (a pipe, socket or device), expected {}",
+                                 path, expected));
+  ::fcntl(fd.get(), F_SETFL, ::fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+std::vector<uint8_t> read_file_bytes(const std::string& path, const std::string& expected) {
+  Fd fd = open_regular_file(path, expected);
+  struct stat st {};
+  ::fstat(fd.get(), &st);
   std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size));
-  size_t got = bytes.empty() ? 0 : std::fread(bytes.data(), 1, bytes.size(), f.get());
-  if (got != bytes.size())
-    throw Error(fmt::format("{}: read error after {} of {} bytes: {}", path, got, bytes.size(),
-                            std::ferror(f.get()) ? std::strerror(errno) : "file shrank"));
+  if (!bytes.empty() && !read_at(fd.get(), bytes.data(), bytes.size(), 0, path))
+    throw Error(fmt::format("{}: read error: the file shrank below {} bytes", path, bytes.size()));
   return bytes;
 }
 

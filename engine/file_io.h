@@ -20,6 +20,7 @@ class Fd {
   ~Fd() { close(); }
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
+  Fd(Fd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
   int get() const { return fd_; }
   int close() {
     int r = 0;
@@ -42,9 +43,13 @@ struct FileCloser {
   void operator()(std::FILE* f) const { std::fclose(f); }
 };
 
-// The whole file at `path`: UsageError if it is missing, unreadable or a directory (the message
-// says `expected`: "an IDX file"), Error on a read error. Its size bounds what a parser of it
-// allocates.
+// `path` opened for reading: UsageError if it is missing or unreadable, a directory, or not a
+// regular file (a named pipe would block the open and every read for good; a device would read
+// without end); the message says `expected` ("a checkpoint").
+Fd open_regular_file(const std::string& path, const std::string& expected);
+
+// The whole file at `path`, opened as open_regular_file does (the message says `expected`: "an
+// IDX file"); Error on a read error. Its size bounds what a parser of it allocates.
 std::vector<uint8_t> read_file_bytes(const std::string& path, const std::string& expected);
 
 // Checkpoints are little-endian on disk and copied as raw bytes.

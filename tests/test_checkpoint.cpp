@@ -236,8 +236,23 @@ TEST_CASE("checkpoint: corrupt headers and bad offsets are errors naming the pro
   CHECK_FALSE(error_of([&] { load_checkpoint(p); }).empty());
   // Missing file and directory: UsageError.
   CHECK_THROWS_AS(load_checkpoint(d.file("missing.safetensors")), UsageError);
-  CHECK(contains(error_of([&] { load_checkpoint(d.file("missing")); }), "no such checkpoint"));
+  CHECK(contains(error_of([&] { load_checkpoint(d.file("missing")); }), "missing: no such file"));
   CHECK_THROWS_AS(load_checkpoint(d.path.string()), UsageError);
+  CHECK(contains(error_of([&] { load_checkpoint(d.path.string()); }), "is a directory"));
+  // A named pipe: refused at once (opening it would wait for a writer, for good). In a child
+  // with an alarm, so that a reader that blocks fails the test instead of hanging it.
+  REQUIRE(::mkfifo(d.file("pipe").c_str(), 0600) == 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::alarm(10);
+    const std::string e = error_of([&] { load_checkpoint(d.file("pipe")); });
+    ::_exit(contains(e, "pipe: not a regular file (a pipe, socket or device), expected a "
+                        "checkpoint") ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK_MESSAGE((WIFEXITED(status) && WEXITSTATUS(status) == 0),
+                "the reader of a named pipe did not refuse it (status " << status << ")");
   // Random byte flips in a good file: an error or a valid load, never a crash.
   save_checkpoint(d.file("good"), sample());
   auto good = file_bytes(d.file("good"));
