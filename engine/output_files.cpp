@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -133,6 +134,58 @@ void check_output_dir(const std::string& flag, const std::string& path) {
                       dir.string());
   REPLICA_USAGE_CHECK(access(dir.c_str(), W_OK) == 0, "{} '{}': cannot write into '{}'", flag,
                       path, dir.string());
+}
+
+namespace {
+
+// What names one file: "dev:inode" where it exists, else its resolved absolute path; empty for
+// a device, pipe or descriptor, which are written in place and may be shared.
+std::string file_identity(const std::string& path) {
+  const OutputTarget t = output_target(path);
+  if (t.fd >= 0 || t.in_place) return "";
+  struct stat st {};
+  if (::stat(t.path.c_str(), &st) == 0) return fmt::format("{}:{}", st.st_dev, st.st_ino);
+  std::error_code ec;
+  const fs::path resolved = fs::weakly_canonical(fs::absolute(t.path, ec), ec);
+  return "path:" + resolved.string();
+}
+
+// Whether the existing regular file `path` lies under directory `dir` (both resolved).
+bool existing_file_under(const std::string& path, const std::string& dir) {
+  std::error_code ec;
+  const OutputTarget t = output_target(path);
+  if (t.fd >= 0 || t.in_place || !fs::is_regular_file(t.path, ec)) return false;
+  const fs::path file = fs::canonical(t.path, ec);
+  if (ec) return false;
+  const fs::path root = fs::canonical(dir, ec);
+  if (ec || !fs::is_directory(root, ec)) return false;
+  const fs::path rel = file.lexically_relative(root);
+  return !rel.empty() && *rel.begin() != "..";
+}
+
+}  // namespace
+
+void check_outputs_apart(const std::vector<FlagPath>& outputs, const std::vector<FlagPath>& kept,
+                         const std::vector<FlagPath>& read_dirs) {
+  std::vector<std::pair<std::string, const FlagPath*>> seen;  // (identity, output)
+  for (const FlagPath& o : outputs) {
+    if (o.path.empty()) continue;
+    for (const FlagPath& d : read_dirs)
+      REPLICA_USAGE_CHECK(d.path.empty() || !existing_file_under(o.path, d.path),
+                          "{} '{}' would replace a file of {} '{}', which the run reads: write "
+                          "it elsewhere",
+                          o.flag, o.path, d.flag, d.path);
+    const std::string id = file_identity(o.path);
+    if (id.empty()) continue;
+    for (const FlagPath& k : kept)
+      REPLICA_USAGE_CHECK(k.path.empty() || file_identity(k.path) != id,
+                          "{} '{}' is the file that {} keeps: give another", o.flag, o.path,
+                          k.flag);
+    for (const auto& [other_id, other] : seen)
+      REPLICA_USAGE_CHECK(other_id != id, "{} and {} name the same file ({}): give two",
+                          other->flag, o.flag, o.path);
+    seen.emplace_back(id, &o);
+  }
 }
 
 std::string temporary_for(const std::string& path) {

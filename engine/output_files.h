@@ -5,6 +5,7 @@
 #pragma once
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace replica {
 
@@ -34,6 +35,21 @@ void check_output_file(const std::string& flag, const std::string& path);
 void check_weights_file(const std::string& flag, const std::string& path);
 // `path` is a writable directory, or can be created: its nearest existing ancestor is one.
 void check_output_dir(const std::string& flag, const std::string& path);
+
+// A path given with its flag, for messages ("--save-model 'm.safetensors'").
+struct FlagPath {
+  std::string flag, path;
+};
+// The outputs of one run, checked together before the work starts, since each is written
+// whole over what was there and the run exits 0 after: no two of them are the same file (the
+// last one written would replace the others), and none replaces a file the run reads or keeps.
+// `kept` are files the run writes itself (the checkpoint); `read_dirs` are directories it
+// reads (--data): an output may be a new file in one, not one of the files already there.
+// Sameness is a file's device and inode where it exists (so links and other spellings count),
+// else its resolved path; devices, pipes and descriptors (/dev/null, /dev/stdout) are exempt.
+// UsageError naming both flags otherwise.
+void check_outputs_apart(const std::vector<FlagPath>& outputs, const std::vector<FlagPath>& kept,
+                         const std::vector<FlagPath>& read_dirs);
 
 // "<path>.tmp-<pid>": where this process writes `path` before renaming it into place.
 std::string temporary_for(const std::string& path);

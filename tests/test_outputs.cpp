@@ -114,6 +114,53 @@ TEST_CASE("an output that cannot be written fails before training, in seconds") 
   CHECK_FALSE(test::fs::exists(missing));
 }
 
+// Every output is written whole over what was there and the run exits 0: two outputs on one
+// file kept only the last, and an output naming a dataset file or the checkpoint replaced it.
+// Now each is refused before the run starts, and the files are as they were.
+TEST_CASE("outputs that are each other, the checkpoint or a file of --data are refused") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 64, 16);
+  test::fs::create_directories(tmp.path / "ck");
+  const std::string images = tmp.str("data/train-images-idx3-ubyte");
+  const std::string before = test::read_text(images);
+  const std::string data = "--data " + tmp.str("data") + " --devices cpu --max-steps 1 --quiet ";
+  const std::string out = tmp.str("out.json");
+  // Another spelling of the same file, and a link to it, are the same file.
+  REQUIRE(::symlink(out.c_str(), tmp.str("link.json").c_str()) == 0);
+  expect_train_error(data + "--metrics-json " + out + " --trace " + tmp.str("./out.json"),
+                     "--metrics-json and --trace name the same file");
+  {
+    std::ofstream(out) << "{}";
+  }
+  expect_train_error(data + "--save-model " + out + " --metrics-json " + tmp.str("link.json"),
+                     "--save-model and --metrics-json name the same file");
+  expect_train_error(data + "--save-best " + out + " --save-model " + out,
+                     "--save-best and --save-model name the same file");
+  expect_train_error(data + "--checkpoint " + tmp.str("ck") + " --save-model " +
+                         tmp.str("ck/checkpoint.safetensors"),
+                     "is the file that --checkpoint '" + tmp.str("ck") + "' keeps");
+  for (const char* flag : {"--save-model", "--metrics-json", "--trace"}) {
+    CAPTURE(flag);
+    expect_train_error(data + flag + " " + images, "would replace a file of --data");
+  }
+  expect_train_error(data + "--trace " + tmp.str("data/../data/train-labels-idx1-ubyte"),
+                     "would replace a file of --data");
+  CHECK(test::read_text(images) == before);
+  CHECK(test::read_text(out) == "{}");
+  CHECK_FALSE(test::fs::exists(tmp.path / "ck/checkpoint.safetensors"));
+  test::expect_clean_error("replica-data", "--data " + tmp.str("data") + " --out " + images,
+                           "--out '" + images + "' would replace a file of --data");
+  CHECK(test::read_text(images) == before);
+  test::expect_clean_error("replica-bench", "--suite dp --json " + out + " --csv " + out,
+                           "--json and --csv name the same file");
+  CHECK(test::read_text(out) == "{}");
+  // Shared in place, a device or a descriptor is not a conflict; a new file beside the data is
+  // no file of the data.
+  const auto r = run(kTrain + " " + data + "--save-model /dev/null --metrics-json /dev/null "
+                         "--trace " + tmp.str("data/trace.json"), 120);
+  CHECK_MESSAGE(r.exit_code == 0, r.output);
+}
+
 TEST_CASE("a checkpoint left half-written by a killed run is cleaned up by the next run") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 64, 16);

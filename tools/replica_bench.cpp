@@ -121,6 +121,7 @@ int run_suite(BenchOptions& o, int argc, char** argv) {
   // Outputs are checked before minutes of measuring, not when the results are written.
   check_output_file("--json", o.json);
   check_output_file("--csv", o.csv);
+  check_outputs_apart({{"--json", o.json}, {"--csv", o.csv}}, {}, {});
   check_output_dir("--trace-dir", o.trace_dir);
   check_output_dir("--report", o.report_dir);
   REPLICA_USAGE_CHECK(o.compare.empty() || !o.report_dir.empty(), "--compare needs --report DIR");

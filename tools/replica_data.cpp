@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
     REPLICA_USAGE_CHECK(first >= 0 && seed >= 0, "--first and --seed must be >= 0");
     REPLICA_USAGE_CHECK(epoch >= 1, "--epoch counts from 1, got {}", epoch);
     check_output_file("--out", out);
+    check_outputs_apart({{"--out", out}}, {}, {{"--data", data}});
     ImageFolderOptions o;
     if (!input_shape.empty()) o.sample_shape = parse_input_shape(input_shape);
     o.augment = !no_augment;

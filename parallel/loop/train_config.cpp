@@ -12,8 +12,9 @@
 #include "parallel/comm/local_group.h"
 #include "parallel/comm/process_group.h"
 #include "parallel/engines/captured_step.h"
-#include "parallel/rendezvous/rendezvous.h"
+#include "parallel/loop/checkpointing.h"
 #include "parallel/loop/trainer.h"
+#include "parallel/rendezvous/rendezvous.h"
 
 namespace replica {
 
@@ -87,11 +88,16 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.save_best.empty() || c.evaluate,
                       "--save-best keeps the model of the epoch with the best test accuracy: it "
                       "needs the evaluation that --no-eval turns off");
-  REPLICA_USAGE_CHECK(c.save_best.empty() || c.save_best != c.save_model,
-                      "--save-best and --save-model name the same file ({}): give two",
-                      c.save_best);
   check_output_file("--metrics-json", c.metrics_json);
   check_output_file("--trace", c.trace_file);
+  // Each is written whole over what was there: none may be another, the checkpoint, or a file
+  // of the dataset.
+  check_outputs_apart(
+      {{"--save-best", c.save_best}, {"--save-model", c.save_model},
+       {"--metrics-json", c.metrics_json}, {"--trace", c.trace_file}},
+      {{fmt::format("--checkpoint '{}'", c.checkpoint_dir),
+        c.checkpoint_dir.empty() ? "" : checkpoint_path(c.checkpoint_dir)}},
+      {{"--data", c.synthetic ? "" : c.data_dir}});
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
   REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp" || c.mode == "ddp",
                       "unknown --mode '{}' (dp, ddp, single)", c.mode);
