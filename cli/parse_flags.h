@@ -21,7 +21,8 @@ inline std::vector<int64_t> parse_positive_list(const std::string& text, char se
     REPLICA_USAGE_CHECK(!part.empty() && part.size() < 7 &&
                             part.find_first_not_of("0123456789") == std::string::npos &&
                             std::stoll(part) > 0,
-                        "{} '{}': expected positive integers, got '{}'", flag, text, part);
+                        "{} '{}': expected positive integers below a million, got '{}'", flag,
+                        text, part);
     out.push_back(std::stoll(part));
     if (at == std::string::npos) break;
     start = at + 1;

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -183,6 +184,11 @@ int run_program(const char* name, Body&& body) {
     return body();
   } catch (const UsageError& e) {
     return report(e, 2);
+  } catch (const std::bad_alloc&) {
+    // what() is only "std::bad_alloc": say what ran out.
+    return report(Error("out of host memory (an allocation failed): a smaller batch, model or "
+                        "data set?"),
+                  1);
   } catch (const std::exception& e) {
     return report(e, 1);
   }

@@ -23,16 +23,6 @@
 
 namespace replica {
 
-namespace {
-
-// Requests under kSmallRequest share segments of kSmallSegment; on a GPU larger segments are
-// rounded up to it (PyTorch's kSmallSize, kSmallBuffer and kRoundLarge).
-constexpr size_t kSmallRequest = size_t(1) << 20;
-constexpr size_t kSmallSegment = size_t(2) << 20;
-
-// MemAvailable + SwapFree from /proc/meminfo (0: unknown). Host memory is committed lazily, so a
-// block the machine cannot hold is handed out and the kernel's OOM killer ends the process
-// later, with no message; large host blocks are checked against it first.
 size_t available_host_bytes() {
   std::FILE* f = std::fopen("/proc/meminfo", "r");
   if (!f) return 0;
@@ -45,6 +35,13 @@ size_t available_host_bytes() {
   std::fclose(f);
   return available == 0 ? 0 : size_t(available + swap) * 1024;
 }
+
+namespace {
+
+// Requests under kSmallRequest share segments of kSmallSegment; on a GPU larger segments are
+// rounded up to it (PyTorch's kSmallSize, kSmallBuffer and kRoundLarge).
+constexpr size_t kSmallRequest = size_t(1) << 20;
+constexpr size_t kSmallSegment = size_t(2) << 20;
 
 void check_host_room(size_t bytes) {
   if (bytes < (size_t(256) << 20)) return;  // small blocks: not worth reading /proc

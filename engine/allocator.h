@@ -105,6 +105,11 @@ class Allocator {
 
 // Process-wide host allocators (pinned is page-locked when a GPU is present, else plain host).
 Allocator& host_allocator();
+
+// MemAvailable + SwapFree from /proc/meminfo, in bytes (0: unknown). Host memory is committed
+// lazily, so a block the machine cannot hold is handed out and the kernel's OOM killer ends the
+// process later, with no message: large host blocks are checked against this first.
+size_t available_host_bytes();
 Allocator& pinned_allocator();
 
 }  // namespace replica

@@ -66,6 +66,7 @@ DeviceContext::DeviceContext(Device device, ContextOptions options)
                         "{} has no cuDNN: --memory-format channels_last needs a CUDA device",
                         device.str());
     threads_ = options.threads > 0 ? options.threads : cpu_cores();
+    check_cpu_threads("threads per device", threads_);
     arena_ = std::make_unique<tbb::task_arena>(threads_);
     allocator_ = std::make_unique<Allocator>(Allocator::Kind::Host, device);
     backend_ = make_bf16_storage_backend(make_cpu_backend());

@@ -19,6 +19,15 @@ int cpu_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_con
 
 int max_virtual_cpu_devices() { return std::max(16, 8 * cpu_cores()); }
 
+int max_cpu_threads() { return std::max(64, 8 * cpu_cores()); }
+
+void check_cpu_threads(const std::string& flag, int64_t n) {
+  REPLICA_USAGE_CHECK(n >= 1 && n <= max_cpu_threads(),
+                      "{} {}: give 1 to {} threads ({} cores here; more threads only "
+                      "time-share them)",
+                      flag, n, max_cpu_threads(), cpu_cores());
+}
+
 int cuda_device_count() { return cudart::device_count(); }
 
 namespace {

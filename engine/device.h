@@ -4,6 +4,7 @@
 //   cuda          every GPU found;   cuda:K   GPU K;   cuda:0,1,3   a list
 //   cuda:0*4      four logical devices sharing GPU 0 (correctness runs, not scaling)
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,14 @@ int cpu_cores();
 // logical devices per GPU. Beyond them the devices only time-share the hardware.
 int max_virtual_cpu_devices();
 constexpr int kMaxLogicalDevicesPerGpu = 16;
+
+// The most CPU threads one device (or one measurement) may be given: 8 per core, at least 64.
+// Beyond them threads only time-share the cores, and a count in the tens of thousands makes
+// thread creation fail inside TBB, which ends the process with no message.
+int max_cpu_threads();
+// UsageError naming `flag` when n is outside [1, max_cpu_threads()] (0: "every core" where the
+// flag allows it, so callers pass only counts they will create).
+void check_cpu_threads(const std::string& flag, int64_t n);
 
 // Number of usable GPUs. A missing driver, no GPU or a CUDA backend that is not built or does
 // not load is zero, never an error.

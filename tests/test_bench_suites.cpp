@@ -160,6 +160,10 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite loader --csv " + tmp.str("x.csv"),
                      "--suite loader takes --json only");
   expect_clean_error("--suite loader --threads 0", "--threads");
+  expect_clean_error("--suite loader --threads 1,99999", "--threads 99999: give 1 to");
+  expect_clean_error("--suite single --threads 99999", "--threads 99999: give 1 to");
+  expect_clean_error("--suite dp --threads-per-device 99999", "--threads-per-device 99999");
+  expect_clean_error("--suite single --threads 1048576", "below a million");
   expect_clean_error("--suite ops --trace-dir " + tmp.str("t"), "--suite ops takes --json only");
   expect_clean_error("--suite ops --devices cpu*2", "cpu*2");
   expect_clean_error("--report " + tmp.str("r") + " --link warp", "--link 'warp'");

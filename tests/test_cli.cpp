@@ -64,6 +64,8 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_train_error(data + " --devices cuda:7", "GPU 7 does not exist");
   expect_train_error(data + " --devices cpu*0", "must be >= 1");
   expect_train_error(data + " --threads-per-device 0", "--threads-per-device");
+  // Tens of thousands of threads made TBB's thread creation fail: std::terminate, no message.
+  expect_train_error(data + " --threads-per-device 99999", "--threads-per-device 99999: give 1 to");
   expect_train_error(data + " --devices cuda:0,0", "cuda:0*N");
   expect_train_error(data + " --devices cpu*2*2", "not a number");
   expect_train_error(data + " --devices cpu*100000", "100000 virtual CPU devices");

@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "engine/allocator.h"
 #include "engine/data/dataset.h"
 #include "engine/error.h"
 
@@ -25,6 +26,15 @@ DistributedSampler::DistributedSampler(SamplerOptions o) : opt_(o) {
   else
     num_samples_ = n / r + (n % r != 0 ? 1 : 0);
   total_size_ = num_samples_ * r;
+  // The epoch's order is made whole, as PyTorch's randperm makes it: 8 bytes per index, the
+  // global order and this rank's share. A size the machine cannot hold is said now, not met
+  // as std::bad_alloc or the OOM killer once the first epoch starts.
+  const double need = 8.0 * (double(total_size_) + double(num_samples_));
+  const double room = double(available_host_bytes());
+  REPLICA_USAGE_CHECK(need < double(size_t(256) << 20) || room == 0 || need <= room,
+                      "a data set of {} samples: its shuffled order takes {:.1f} GiB and {:.1f} "
+                      "GiB is available",
+                      n, need / (1 << 30), room / (1 << 30));
 }
 
 std::vector<int64_t> DistributedSampler::global_indices() const {

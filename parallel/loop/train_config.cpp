@@ -99,6 +99,8 @@ void validate(const TrainConfig& c) {
         c.checkpoint_dir.empty() ? "" : checkpoint_path(c.checkpoint_dir)}},
       {{"--data", c.synthetic ? "" : c.data_dir}});
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
+  if (c.engine.threads_per_device > 0)
+    check_cpu_threads("--threads-per-device", c.engine.threads_per_device);
   REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp" || c.mode == "ddp",
                       "unknown --mode '{}' (dp, ddp, single)", c.mode);
   REPLICA_USAGE_CHECK(c.backend == "auto" || c.backend == "gloo" || c.backend == "nccl",

@@ -4,6 +4,7 @@
 
 #include <fmt/ranges.h>
 
+#include "engine/device.h"
 #include "engine/error.h"
 #include "layers/model.h"
 #include "parallel/rendezvous/rendezvous.h"
@@ -26,6 +27,7 @@ void validate_common(const BenchOptions& o) {
   REPLICA_USAGE_CHECK(o.trace_steps >= 0, "--trace-steps must be >= 0, got {}", o.trace_steps);
   REPLICA_USAGE_CHECK(o.threads_per_device >= 0, "--threads-per-device must be >= 1, got {}",
                       o.threads_per_device);
+  if (o.threads_per_device > 0) check_cpu_threads("--threads-per-device", o.threads_per_device);
   timeout_from_seconds(o.timeout_s, "--timeout");
   REPLICA_USAGE_CHECK(o.reduce == "root" || o.reduce == "tree",
                       "unknown --reduce '{}' (root, tree)", o.reduce);

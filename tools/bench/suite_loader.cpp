@@ -18,6 +18,7 @@
 #include "engine/data/dataset.h"
 #include "engine/data/image_folder.h"
 #include "engine/data/loader.h"
+#include "engine/device.h"
 #include "engine/error.h"
 #include "tools/bench/options.h"
 #include "tools/bench/report_math.h"
@@ -64,6 +65,7 @@ int run_loader_suite(const BenchOptions& o) {
   std::vector<int64_t> threads = {1};
   if (!o.threads.empty()) threads = parse_positive_list(o.threads, ',', "--threads");
   else if (cores > 1) threads.push_back(cores);
+  for (int64_t t : threads) check_cpu_threads("--threads", t);
   const int64_t warmup = o.warmup, batches = o.steps;
   std::unique_ptr<Dataset> data;
   if (!o.data.empty()) {

@@ -25,6 +25,7 @@
 #include <tbb/task_arena.h>
 
 #include "engine/cpu/cpu_backend.h"
+#include "engine/device.h"
 #include "engine/error.h"
 #include "parallel/engines/train_engine.h"
 #include "tools/bench/environment.h"
@@ -188,7 +189,9 @@ std::vector<int64_t> checked_thread_counts(const BenchOptions& o, int cores) {
   }
   REPLICA_USAGE_CHECK(o.threads.find_first_not_of("0123456789,") == std::string::npos,
                       "--threads '{}': expected a comma list like 1,2", o.threads);
-  return parse_positive_list(o.threads, ',', "--threads");
+  const std::vector<int64_t> threads = parse_positive_list(o.threads, ',', "--threads");
+  for (int64_t t : threads) check_cpu_threads("--threads", t);
+  return threads;
 }
 
 }  // namespace
