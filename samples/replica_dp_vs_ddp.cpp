@@ -96,7 +96,12 @@ nlohmann::json run_train(const std::string& program, std::vector<std::string> ar
     throw Error(fmt::format("replica-train {} failed: {}", args[0] + " " + args[1],
                             last_line(text)));
   std::ifstream m(metrics);
-  return nlohmann::json::parse(m);
+  try {
+    return nlohmann::json::parse(m);
+  } catch (const nlohmann::json::exception&) {
+    throw Error(fmt::format("replica-train {} exited 0 but wrote no metrics to {}",
+                            args[0] + " " + args[1], metrics));
+  }
 }
 
 // Milliseconds per step of the named phases. DP records device phases on every device's
@@ -221,9 +226,15 @@ int run(int argc, char** argv) {
   if (!extra.empty() && extra.front() == "--") extra.erase(extra.begin());
   REPLICA_USAGE_CHECK(extra.empty() || extra.front().rfind("--", 0) == 0,
                       "unexpected argument '{}' (replica-train flags go after --)", extra.front());
-  for (const auto& a : extra)
-    REPLICA_USAGE_CHECK(a != "--mode" && a.rfind("--mode=", 0) != 0 && a != "--metrics-json",
-                        "{} is set by replica-dp-vs-ddp itself", a);
+  // Flags this program sets for both runs, and flags that would make a run print instead of
+  // train: each is refused by name rather than met as a failed run.
+  for (const auto& a : extra) {
+    const std::string flag = a.substr(0, a.find('='));
+    if (flag == "--max-steps")
+      throw UsageError("--max-steps is set by replica-dp-vs-ddp itself: give --steps N before --");
+    for (const char* own : {"--mode", "--metrics-json", "--print-config", "--help", "-h"})
+      REPLICA_USAGE_CHECK(flag != own, "{} is set by replica-dp-vs-ddp itself", flag);
+  }
   REPLICA_USAGE_CHECK(steps >= 1, "--steps must be at least 1, got {}", steps);
 
   const std::string train = (fs::path(current_executable()).parent_path() / "replica-train").string();

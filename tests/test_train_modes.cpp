@@ -191,6 +191,16 @@ TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are 
     CHECK(b.exit_code != 0);
     CHECK(b.output.find("error: ") != std::string::npos);
   }
+  // Flags it sets itself, or that make a run print rather than train (--print-config ended in
+  // a JSON parse error), are refused by name.
+  for (const auto& [bad, said] : std::vector<std::pair<std::string, std::string>>{
+           {" -- --print-config", "--print-config is set by replica-dp-vs-ddp itself"},
+           {" -- --max-steps 3", "give --steps N before --"},
+           {" -- --metrics-json=m.json", "--metrics-json is set by"},
+           {" -- --help", "--help is set by"}}) {
+    CAPTURE(bad);
+    test::expect_clean_error("replica-dp-vs-ddp", bad, said);
+  }
   // replica-train's flags are checked before the first run starts: one line, exit 2.
   auto typo = run(test::bin("replica-dp-vs-ddp") + " --device cpu*2", 60);
   CHECK(typo.exit_code == 2);
