@@ -164,6 +164,19 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite single --threads 99999", "--threads 99999: give 1 to");
   expect_clean_error("--suite dp --threads-per-device 99999", "--threads-per-device 99999");
   expect_clean_error("--suite single --threads 1048576", "below a million");
+  // A flag the suite never reads is an error, not a silent no-op.
+  expect_clean_error("--suite single --reduce tree", "--reduce is for --suite dp");
+  expect_clean_error("--suite ddp --reduce tree", "--reduce is for --suite dp");
+  expect_clean_error("--suite dp --backend gloo", "--backend is for --suite ddp");
+  expect_clean_error("--suite single --skip-alpha-beta", "--skip-alpha-beta is for --suite dp");
+  expect_clean_error("--suite single --timeout 5", "--timeout is for --suite dp, ddp");
+  expect_clean_error("--suite loader --model resnet18", "--model is for --suite");
+  expect_clean_error("--suite ops --repeat 3", "--repeat is for --suite");
+  expect_clean_error("--suite loader --from-results " + kFixture, "--from-results needs --report");
+  expect_clean_error("--suite dp --skip-alpha-beta", "--skip-alpha-beta needs --report DIR");
+  expect_clean_error("--suite dp --trace-steps 3", "--trace-steps needs --trace-dir DIR");
+  expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --devices cpu*4",
+                     "--devices: --from-results renders saved results and measures nothing");
   expect_clean_error("--suite ops --trace-dir " + tmp.str("t"), "--suite ops takes --json only");
   expect_clean_error("--suite ops --devices cpu*2", "cpu*2");
   expect_clean_error("--report " + tmp.str("r") + " --link warp", "--link 'warp'");

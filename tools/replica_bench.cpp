@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <set>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <fmt/ranges.h>
 
 #include "cli/gpu_flags.h"
 #include "cli/program.h"
@@ -107,9 +109,72 @@ void declare_outputs(CLI::App& app, BenchOptions& o) {
   group_options(app, "Outputs and reports");
 }
 
+// A flag the run would ignore is an error, not a silent no-op (as replica-train's mode flags):
+// each flag below is read by the suites named, and --from-results measures nothing, so the
+// flags that shape a measurement are refused beside it.
+void check_flags_apply(const CLI::App& app, const BenchOptions& o) {
+  if (!o.worker.empty()) return;  // a rank worker gets the flags its launcher chose
+  struct Owner {
+    const char* flag;
+    std::vector<std::string> suites;
+    bool measures;  // shapes a measurement (meaningless with --from-results)
+  };
+  const std::vector<std::string> parallel = {"dp", "ddp"};
+  const std::vector<Owner> owners = {
+      {"--model", {"single", "ops", "dp", "ddp"}, true},
+      {"--input-shape", {"single", "loader", "ops", "dp", "ddp"}, true},
+      {"--batch", {"single", "loader", "ops", "dp", "ddp"}, true},
+      {"--warmup", {"single", "loader", "ops", "dp", "ddp"}, true},
+      {"--steps", {"single", "loader", "ops", "dp", "ddp"}, true},
+      {"--repeat", {"single", "loader", "dp", "ddp"}, true},
+      {"--seed", {"single", "loader", "ops", "dp", "ddp"}, true},
+      {"--threads", {"single", "loader"}, true},
+      {"--sgemm-seconds", {"single"}, true},
+      {"--data", {"loader"}, true},
+      {"--by-shape", {"ops"}, true},
+      {"--devices", {"ops", "dp", "ddp"}, true},
+      {"--threads-per-device", {"ops", "dp", "ddp"}, true},
+      {"--precision", {"single", "ops", "dp", "ddp"}, true},
+      {"--cudnn-benchmark", {"single", "ops", "dp", "ddp"}, true},
+      {"--memory-format", {"single", "loader", "ops", "dp", "ddp"}, true},
+      {"--device-counts", parallel, true},
+      {"--reduce", {"dp"}, true},
+      {"--backend", {"ddp"}, true},
+      {"--cuda-graphs", parallel, true},
+      {"--timeout", parallel, true},
+      {"--trace-steps", parallel, true},
+      {"--skip-alpha-beta", parallel, true},
+      {"--trace-dir", parallel, true},
+  };
+  std::set<std::string> suites;
+  for (size_t start = 0;;) {
+    const size_t at = o.suite.find(',', start);
+    suites.insert(o.suite.substr(start, at == std::string::npos ? at : at - start));
+    if (at == std::string::npos) break;
+    start = at + 1;
+  }
+  for (const Owner& f : owners) {
+    if (app.count(f.flag) == 0) continue;
+    bool applies = false;
+    for (const auto& s : suites)
+      applies |= std::find(f.suites.begin(), f.suites.end(), s) != f.suites.end();
+    REPLICA_USAGE_CHECK(applies, "{} is for --suite {} (this run: --suite {})", f.flag,
+                        fmt::format("{}", fmt::join(f.suites, ", ")), o.suite);
+    REPLICA_USAGE_CHECK(!f.measures || o.from_results.empty(),
+                        "{}: --from-results renders saved results and measures nothing, so it "
+                        "would be ignored",
+                        f.flag);
+  }
+  REPLICA_USAGE_CHECK(!o.skip_alpha_beta || !o.report_dir.empty(),
+                      "--skip-alpha-beta needs --report DIR");
+  REPLICA_USAGE_CHECK(app.count("--trace-steps") == 0 || !o.report_dir.empty() ||
+                          !o.trace_dir.empty(),
+                      "--trace-steps needs --trace-dir DIR or --report DIR");
+}
+
 // Fills in the defaults that depend on the suite, checks the flags together (outputs before
 // minutes of measuring) and runs the suite.
-int run_suite(BenchOptions& o, int argc, char** argv) {
+int run_suite(const CLI::App& app, BenchOptions& o, int argc, char** argv) {
   o.command_line = "replica-bench";
   for (int i = 1; i < argc; ++i) o.command_line += std::string(" ") + argv[i];
   if (o.suite.empty()) o.suite = (!o.report_dir.empty() || !o.worker.empty()) ? "dp,ddp" : "single";
@@ -127,6 +192,8 @@ int run_suite(BenchOptions& o, int argc, char** argv) {
   REPLICA_USAGE_CHECK(o.compare.empty() || !o.report_dir.empty(), "--compare needs --report DIR");
   REPLICA_USAGE_CHECK(o.link.empty() || !o.report_dir.empty(), "--link needs --report DIR");
   REPLICA_USAGE_CHECK(!o.by_shape || o.suite == "ops", "--by-shape belongs to --suite ops");
+  REPLICA_USAGE_CHECK(o.from_results.empty() || !o.report_dir.empty(),
+                      "--from-results needs --report DIR");
   if (!o.link.empty()) parse_link(o.link);  // a wrong name fails now, not after the runs
   for (const auto& f : o.compare)
     REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(f), "--compare '{}': no such file", f);
@@ -143,11 +210,13 @@ int run_suite(BenchOptions& o, int argc, char** argv) {
     REPLICA_USAGE_CHECK(o.report_dir.empty() && o.worker.empty() && o.csv.empty() &&
                             o.trace_dir.empty(),
                         "--suite {} takes --json only (no --report, --csv, --trace-dir)", s.name);
+    check_flags_apply(app, o);
     if (o.warmup == -1) o.warmup = s.warmup;  // -1: not given; other values reach the checks
     if (o.steps == -1) o.steps = s.steps;
     if (o.repeat == -1) o.repeat = s.repeat;
     return s.run(o);
   }
+  check_flags_apply(app, o);
   if (single && o.warmup == -1) o.warmup = 5;  // dp/ddp: chosen from a measured step time
   if (single && o.steps == -1) o.steps = 50;
   if (o.repeat == -1) o.repeat = single ? 1 : 3;
@@ -168,7 +237,7 @@ int run(int argc, char** argv) {
   hidden->add_option("--worker", o.worker);
   hidden->add_option("--worker-out", o.worker_out);
   if (auto code = parse_cli(app, argc, argv)) return *code;
-  return run_suite(o, argc, argv);
+  return run_suite(app, o, argc, argv);
 }
 
 }  // namespace
