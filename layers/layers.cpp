@@ -140,6 +140,12 @@ Tensor BatchNorm2d::normalize(DeviceContext& ctx, const Tensor& x, const Tensor&
   Tensor& gamma = params_[0]->value;
   Tensor& beta = params_[1]->value;
   if (training_) {
+    // PyTorch's "Expected more than 1 value per channel when training": a batch (or a device's
+    // share of it) too small for the input's size, which the user changes, so said as such.
+    REPLICA_USAGE_CHECK(x.numel() / channels_ > 1,
+                        "BatchNorm in training mode needs more than one value per channel (got "
+                        "input {}): use a larger batch per device or larger inputs",
+                        shape_str(x.shape()));
     x_ = x;
     if (relu_) y_ = y;  // the next layer keeps it too: no memory of its own
     save_mean_ = ctx.alloc({channels_});

@@ -22,17 +22,24 @@ using namespace replica;
 
 namespace {
 
-float fc_weight_grad_00(TrainEngine& e) {
-  for (Param* p : e.model().params())
-    if (p->name == "fc.weight") {
-      Tensor h;
-      e.primary().run([&] {
-        h = to_host(e.primary(), p->grad.view(0, {1}));
-        e.primary().synchronize();
-      });
-      return h.f32()[0];
-    }
-  throw Error("model has no fc.weight");
+// The classifier's weight: the last matrix of the model (ResNets' fc.weight, the CNN's last
+// linear layer), whose gradient every model has.
+const Param& classifier_weight(TrainEngine& e) {
+  const Param* found = nullptr;
+  for (const Param* p : e.model().params())
+    if (p->value.ndim() == 2) found = p;
+  REPLICA_CHECK(found != nullptr, "the model has no linear layer");
+  return *found;
+}
+
+float weight_grad_00(TrainEngine& e) {
+  const Param& p = classifier_weight(e);
+  Tensor h;
+  e.primary().run([&] {
+    h = to_host(e.primary(), p.grad.view(0, {1}));
+    e.primary().synchronize();
+  });
+  return h.f32()[0];
 }
 
 int run(int argc, char** argv) {
@@ -49,6 +56,7 @@ int run(int argc, char** argv) {
   if (auto code = parse_cli(app, argc, argv)) return *code;
   REPLICA_USAGE_CHECK(per_rank >= 1 && image >= 32 && classes >= 2 && size >= 1,
                       "batch, image size (>= 32), classes (>= 2) and dataset size must be positive");
+  REPLICA_USAGE_CHECK(seed >= 0, "--seed must be >= 0, got {}", seed);
   check_model_name(model);  // before the rendezvous: every rank says it alike, none half-connected
   Rendezvous rv = rendezvous();
   EngineOptions o;
@@ -75,15 +83,15 @@ int run(int argc, char** argv) {
   const Device device{DeviceType::CPU, rv.local_rank, 0};
   auto local = make_ddp_engine(device, GroupOptions{}, o, DdpOptions{});
   local->train_step(batch);
-  const float before = fc_weight_grad_00(*local);
+  const float before = weight_grad_00(*local);
 
   auto ddp = make_ddp_engine(device, group_options(rv, CommBackend::Gloo, std::chrono::minutes(5)),
                              o, DdpOptions{});
   ddp->train_step(batch);
   const float loss = ddp->last_loss();
-  const float after = fc_weight_grad_00(*ddp);
-  std::printf("rank %d: loss %.4f   fc.weight.grad[0][0]: local %+.6f, after all-reduce %+.6f\n",
-              rv.rank, loss, before, after);
+  const float after = weight_grad_00(*ddp);
+  std::printf("rank %d: loss %.4f   %s.grad[0][0]: local %+.6f, after all-reduce %+.6f\n",
+              rv.rank, loss, classifier_weight(*ddp).name.c_str(), before, after);
   std::fflush(stdout);
   ddp->finish();  // every rank is done with the collectives before any leaves
   return 0;

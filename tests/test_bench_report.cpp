@@ -257,4 +257,6 @@ TEST_CASE("replica-bench --report: another engine's row meets replica's at equal
         std::string::npos);
   CHECK(md.find("| ddp | cnn | 1x28x28 | fp32, channels_last | 2 | 64 | - | pytorch | 6000.0 | "
                 "- |") != std::string::npos);
+  // And the report says so under the table, rather than leaving two rows of dashes.
+  CHECK(md.find("2 of the other engine's 2 rows have no replica row") != std::string::npos);
 }

@@ -164,6 +164,10 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite single --threads 99999", "--threads 99999: give 1 to");
   expect_clean_error("--suite dp --threads-per-device 99999", "--threads-per-device 99999");
   expect_clean_error("--suite single --threads 1048576", "below a million");
+  expect_clean_error("--suite dp --seed -1", "--seed must be >= 0");
+  expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --compare " +
+                         tmp.str(""),
+                     "is a directory; give a file of JSON-lines rows");
   // A flag the suite never reads is an error, not a silent no-op.
   expect_clean_error("--suite single --reduce tree", "--reduce is for --suite dp");
   expect_clean_error("--suite ddp --reduce tree", "--reduce is for --suite dp");

@@ -214,4 +214,14 @@ TEST_CASE("grad-sync experiment: losses differ per rank, the all-reduced gradien
   CHECK((losses[0] != losses[1] || losses[1] != losses[2]));
   const double mean = (locals[0] + locals[1] + locals[2]) / 3;
   CHECK(std::fabs(mean - synced[0]) <= 1e-5 + 1e-3 * std::fabs(mean));
+  // Any model: the classifier's weight is the CNN's fc2 ("model has no fc.weight" before).
+  r = run(launch(2) + test::bin("replica-grad-sync") + " --model cnn --image-size 32", 120);
+  CHECK_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(r.output.find("rank 1: loss ") != std::string::npos);
+  CHECK(r.output.find("fc2.weight.grad[0][0]: local ") != std::string::npos);
+  // A per-rank batch too small for BatchNorm is the user's to change: one line, no source line.
+  r = run(launch(2) + test::bin("replica-grad-sync") + " --batch-per-rank 1 --image-size 32", 120);
+  CHECK(r.exit_code != 0);
+  CHECK(r.output.find("needs more than one value per channel") != std::string::npos);
+  CHECK(r.output.find(".cpp:") == std::string::npos);
 }

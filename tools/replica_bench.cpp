@@ -195,8 +195,15 @@ int run_suite(const CLI::App& app, BenchOptions& o, int argc, char** argv) {
   REPLICA_USAGE_CHECK(o.from_results.empty() || !o.report_dir.empty(),
                       "--from-results needs --report DIR");
   if (!o.link.empty()) parse_link(o.link);  // a wrong name fails now, not after the runs
-  for (const auto& f : o.compare)
-    REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(f), "--compare '{}': no such file", f);
+  for (const auto& f : o.compare) {
+    std::error_code ec;
+    const auto st = std::filesystem::status(f, ec);
+    REPLICA_USAGE_CHECK(std::filesystem::exists(st), "--compare '{}': no such file", f);
+    REPLICA_USAGE_CHECK(std::filesystem::is_regular_file(st),
+                        "--compare '{}': {}; give a file of JSON-lines rows", f,
+                        std::filesystem::is_directory(st) ? "is a directory"
+                                                          : "not a regular file");
+  }
   // The suites that measure one thing in this process: --json only, their own defaults.
   struct OneShot {
     const char* name;

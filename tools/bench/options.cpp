@@ -24,6 +24,7 @@ void validate_common(const BenchOptions& o) {
   REPLICA_USAGE_CHECK(o.steps >= 1 || o.steps == -1, "--steps must be at least 1, got {}", o.steps);
   REPLICA_USAGE_CHECK(o.warmup >= 0 || o.warmup == -1, "--warmup must be >= 0, got {}", o.warmup);
   REPLICA_USAGE_CHECK(o.repeat >= 1, "--repeat must be at least 1, got {}", o.repeat);
+  REPLICA_USAGE_CHECK(o.seed >= 0, "--seed must be >= 0, got {}", o.seed);
   REPLICA_USAGE_CHECK(o.trace_steps >= 0, "--trace-steps must be >= 0, got {}", o.trace_steps);
   REPLICA_USAGE_CHECK(o.threads_per_device >= 0, "--threads-per-device must be >= 1, got {}",
                       o.threads_per_device);

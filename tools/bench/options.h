@@ -24,7 +24,7 @@ struct BenchOptions {
   int repeat = -1;
   int64_t trace_steps = 0;       // steps in the traced window (with --trace-dir: 5)
   double sgemm_seconds = 1.0;
-  uint64_t seed = 0;
+  int64_t seed = 0;  // >= 0 (checked): the unsigned seed of weights and data
   std::string reduce = "root";
   std::string backend = "auto";
   std::string precision = "auto";  // dp/ddp/ops: auto | fp32 | tf32 | bf16 (engine/context.h)

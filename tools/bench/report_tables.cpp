@@ -286,6 +286,7 @@ std::string compare_section(const std::vector<json>& rows, const std::vector<jso
   std::string s = "| mode | model | input | precision | devices | batch/device | replica "
                   "samples/s | other engine | its samples/s | ratio (replica / other) | its "
                   "efficiency |\n|---|---|---|---|---:|---:|---:|---|---:|---:|---:|\n";
+  int unmatched = 0;
   for (const auto& c : compare) {
     const json* mine = nullptr;
     for (const auto& r : rows)
@@ -293,6 +294,7 @@ std::string compare_section(const std::vector<json>& rows, const std::vector<jso
           r["batch_per_device"] == c["batch_per_device"] && precision_of(r) == precision_of(c) &&
           r.value("input_shape", "") == c.value("input_shape", r.value("input_shape", "")))
         mine = &r;
+    unmatched += mine == nullptr;
     s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} |\n",
                      compared_mode(c, mine), c.value("model", "?"), c.value("input_shape", "?"),
                      precision_of(c), c.value("devices", 0),
@@ -305,6 +307,11 @@ std::string compare_section(const std::vector<json>& rows, const std::vector<jso
                          : "-",
                      pct(c, "efficiency"));
   }
+  if (unmatched > 0)
+    s += fmt::format("\n{} of the other engine's {} rows have no replica row of the same mode, "
+                     "device count, model, input, batch and precision (\"-\"): measure those "
+                     "settings with replica too, or compare rows that match.\n",
+                     unmatched, compare.size());
   return s;
 }
 
