@@ -4,6 +4,8 @@
 // and says when it goes on in another precision than the checkpoint's.
 #include <doctest/doctest.h>
 
+#include <cmath>
+
 #include "checkpoint_helpers.h"
 #include "cli_helpers.h"
 #include "job_helpers.h"
@@ -139,6 +141,18 @@ TEST_CASE("resume refuses a checkpoint of another model or batch size") {
     if (name == "model.fc2.bias") t = Tensor::empty(host_allocator(), t.shape(), DType::I32);
   save_checkpoint(ck, retyped);
   expect_train_error(resume, "tensor 'model.fc2.bias' is I32, expected F32");
+  // A NaN in the weights (a diverged run's checkpoint) is named, not resumed into a run that
+  // later blames the learning rate.
+  Checkpoint poisoned = good;
+  for (auto& [name, t] : poisoned.tensors)
+    if (name == "model.fc2.bias") {
+      Tensor copy = Tensor::empty(host_allocator(), t.shape(), DType::F32);
+      for (int64_t i = 0; i < t.numel(); ++i) copy.f32()[i] = t.f32()[i];
+      copy.f32()[3] = std::nanf("");
+      t = copy;
+    }
+  save_checkpoint(ck, poisoned);
+  expect_train_error(resume, "tensor 'model.fc2.bias' holds nan at element 3");
   // A corrupt checkpoint is an error, not a crash.
   test::fs::resize_file(tmp.path / "ck" / "checkpoint.safetensors", 100);
   expect_train_error("--data " + tmp.str("data") +

@@ -1,6 +1,7 @@
 #include "parallel/loop/checkpointing.h"
 
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 
@@ -133,6 +134,14 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
                         path, name, shape_str(src->shape()), shape_str(dst.shape()));
     REPLICA_USAGE_CHECK(src->dtype() == dst.dtype(), "{}: tensor '{}' is {}, expected {}", path,
                         name, dtype_name(src->dtype()), dtype_name(dst.dtype()));
+    // A NaN resumed would surface steps later as "training diverged", blaming the learning rate.
+    if (src->dtype() == DType::F32) {
+      const float* v = src->f32();
+      for (int64_t i = 0; i < src->numel(); ++i)
+        REPLICA_USAGE_CHECK(std::isfinite(v[i]),
+                            "{}: tensor '{}' holds {} at element {}: the checkpoint cannot be "
+                            "resumed", path, name, v[i], i);
+    }
     ctx.ops().copy(ctx, dst, *src);
   };
   std::vector<std::pair<std::string, Tensor>> optim_state;
