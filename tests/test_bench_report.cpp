@@ -200,7 +200,7 @@ TEST_CASE("replica-bench --report: a failed run leaves the old report whole; tra
   r = test::run(kBench + " --report " + tmp.str("new/report") + " --from-results " +
                 tmp.str("missing"));
   CHECK(r.exit_code == 2);
-  CHECK(r.output.find("cannot read results file") != std::string::npos);
+  CHECK(r.output.find("missing/results.jsonl: no such file") != std::string::npos);
   CHECK_FALSE(test::fs::exists(tmp.path / "new"));
   CHECK(tmp.entries() == 1);
 }

@@ -169,13 +169,13 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
                          tmp.str(""),
                      "is a directory; give a file of JSON-lines rows");
   // A flag the suite never reads is an error, not a silent no-op.
-  expect_clean_error("--suite single --reduce tree", "--reduce is for --suite dp");
-  expect_clean_error("--suite ddp --reduce tree", "--reduce is for --suite dp");
-  expect_clean_error("--suite dp --backend gloo", "--backend is for --suite ddp");
-  expect_clean_error("--suite single --skip-alpha-beta", "--skip-alpha-beta is for --suite dp");
-  expect_clean_error("--suite single --timeout 5", "--timeout is for --suite dp, ddp");
-  expect_clean_error("--suite loader --model resnet18", "--model is for --suite");
-  expect_clean_error("--suite ops --repeat 3", "--repeat is for --suite");
+  expect_clean_error("--suite single --reduce tree", "--reduce is read by --suite dp only");
+  expect_clean_error("--suite ddp --reduce tree", "--reduce is read by --suite dp only");
+  expect_clean_error("--suite dp --backend gloo", "--backend is read by --suite ddp only");
+  expect_clean_error("--suite single --skip-alpha-beta", "--skip-alpha-beta is read by --suite dp, ddp only");
+  expect_clean_error("--suite single --timeout 5", "--timeout is read by --suite dp, ddp only");
+  expect_clean_error("--suite loader --model resnet18", "--model is read by --suite");
+  expect_clean_error("--suite ops --repeat 3", "--repeat is read by --suite");
   expect_clean_error("--suite loader --from-results " + kFixture, "--from-results needs --report");
   expect_clean_error("--suite dp --skip-alpha-beta", "--skip-alpha-beta needs --report DIR");
   expect_clean_error("--suite dp --trace-steps 3", "--trace-steps needs --trace-dir DIR");

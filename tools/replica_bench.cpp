@@ -158,7 +158,7 @@ void check_flags_apply(const CLI::App& app, const BenchOptions& o) {
     bool applies = false;
     for (const auto& s : suites)
       applies |= std::find(f.suites.begin(), f.suites.end(), s) != f.suites.end();
-    REPLICA_USAGE_CHECK(applies, "{} is for --suite {} (this run: --suite {})", f.flag,
+    REPLICA_USAGE_CHECK(applies, "{} is read by --suite {} only (this run: --suite {})", f.flag,
                         fmt::format("{}", fmt::join(f.suites, ", ")), o.suite);
     REPLICA_USAGE_CHECK(!f.measures || o.from_results.empty(),
                         "{}: --from-results renders saved results and measures nothing, so it "

@@ -35,9 +35,6 @@ void validate_common(const BenchOptions& o) {
   REPLICA_USAGE_CHECK(o.backend == "auto" || o.backend == "gloo" || o.backend == "nccl",
                       "unknown --backend '{}' (auto, gloo, nccl)", o.backend);
   resolve_input_shape(o);
-  REPLICA_USAGE_CHECK(o.data.empty() || o.suite == "loader",
-                      "--data is read by --suite loader (the other suites train on synthetic "
-                      "samples)");
 }
 
 }  // namespace replica::bench

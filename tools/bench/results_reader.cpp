@@ -1,9 +1,11 @@
 #include "tools/bench/results_reader.h"
 
-#include <fstream>
+#include <filesystem>
+#include <sstream>
 #include <utility>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 #include "tools/bench/rows.h"
 
 namespace replica::bench {
@@ -159,8 +161,9 @@ void check_primitive(const json& p, const std::string& where) {
 }  // namespace
 
 std::vector<json> read_rows(const std::string& path) {
-  std::ifstream in(path);
-  REPLICA_USAGE_CHECK(in.good(), "cannot read results file '{}'", path);
+  // Read whole through open_regular_file: a named pipe would block the read for good.
+  const std::vector<uint8_t> bytes = read_file_bytes(path, "a results file (JSON lines)");
+  std::istringstream in(std::string(bytes.begin(), bytes.end()));
   std::vector<json> rows;
   std::string line;
   int number = 0;
@@ -183,11 +186,12 @@ std::vector<json> read_rows(const std::string& path) {
 }
 
 json read_alpha_beta(const std::string& path) {
-  std::ifstream in(path);
-  if (!in.good()) return json();
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::symlink_status(path, ec))) return json();
+  const std::vector<uint8_t> bytes = read_file_bytes(path, "alpha_beta.json");
   json j;
   try {
-    j = json::parse(in);
+    j = json::parse(bytes.begin(), bytes.end());
   } catch (const std::exception&) {
     throw UsageError(fmt::format("'{}' is not valid JSON", path));
   }

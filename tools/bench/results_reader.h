@@ -11,7 +11,8 @@
 namespace replica::bench {
 
 // Rows of a JSON-lines file (blank lines skipped). Throws UsageError naming the file and line
-// for unreadable files, bad JSON, rows missing a required field or a field of the wrong type.
+// for missing or unreadable files (a pipe or a directory too), bad JSON, rows missing a
+// required field or a field of the wrong type.
 std::vector<nlohmann::json> read_rows(const std::string& path);
 
 // alpha_beta.json's measurements (null when the file is absent). Throws UsageError naming the
