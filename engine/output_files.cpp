@@ -150,31 +150,20 @@ std::string file_identity(const std::string& path) {
   return "path:" + resolved.string();
 }
 
-// Whether the existing regular file `path` lies under directory `dir` (both resolved).
-bool existing_file_under(const std::string& path, const std::string& dir) {
-  std::error_code ec;
-  const OutputTarget t = output_target(path);
-  if (t.fd >= 0 || t.in_place || !fs::is_regular_file(t.path, ec)) return false;
-  const fs::path file = fs::canonical(t.path, ec);
-  if (ec) return false;
-  const fs::path root = fs::canonical(dir, ec);
-  if (ec || !fs::is_directory(root, ec)) return false;
-  const fs::path rel = file.lexically_relative(root);
-  return !rel.empty() && *rel.begin() != "..";
-}
-
 }  // namespace
 
 void check_outputs_apart(const std::vector<FlagPath>& outputs, const std::vector<FlagPath>& kept,
-                         const std::vector<FlagPath>& read_dirs) {
+                         const std::vector<ReadInput>& inputs) {
   std::vector<std::pair<std::string, const FlagPath*>> seen;  // (identity, output)
   for (const FlagPath& o : outputs) {
     if (o.path.empty()) continue;
-    for (const FlagPath& d : read_dirs)
-      REPLICA_USAGE_CHECK(d.path.empty() || !existing_file_under(o.path, d.path),
+    const OutputTarget target = output_target(o.path);
+    for (const ReadInput& in : inputs)
+      REPLICA_USAGE_CHECK(in.path.empty() || target.fd >= 0 || target.in_place ||
+                              !in.reads(target.path),
                           "{} '{}' would replace a file of {} '{}', which the run reads: write "
                           "it elsewhere",
-                          o.flag, o.path, d.flag, d.path);
+                          o.flag, o.path, in.flag, in.path);
     const std::string id = file_identity(o.path);
     if (id.empty()) continue;
     for (const FlagPath& k : kept)

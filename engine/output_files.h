@@ -40,16 +40,22 @@ void check_output_dir(const std::string& flag, const std::string& path);
 struct FlagPath {
   std::string flag, path;
 };
+// An input the run reads, named by its flag and path, and which files are its own (--data:
+// data_dir_reads).
+struct ReadInput {
+  std::string flag, path;
+  std::function<bool(const std::string& file)> reads;
+};
 // The outputs of one run, checked together before the work starts, since each is written
 // whole over what was there and the run exits 0 after: no two of them are the same file (the
 // last one written would replace the others), and none replaces a file the run reads or keeps.
-// `kept` are files the run writes itself (the checkpoint); `read_dirs` are directories it
-// reads (--data): an output may be a new file in one, not one of the files already there.
+// `kept` are files the run writes itself (the checkpoint); an output may not replace an
+// existing file that one of `inputs` reads.
 // Sameness is a file's device and inode where it exists (so links and other spellings count),
 // else its resolved path; devices, pipes and descriptors (/dev/null, /dev/stdout) are exempt.
 // UsageError naming both flags otherwise.
 void check_outputs_apart(const std::vector<FlagPath>& outputs, const std::vector<FlagPath>& kept,
-                         const std::vector<FlagPath>& read_dirs);
+                         const std::vector<ReadInput>& inputs);
 
 // "<path>.tmp-<pid>": where this process writes `path` before renaming it into place.
 std::string temporary_for(const std::string& path);

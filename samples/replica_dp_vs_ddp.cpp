@@ -232,8 +232,13 @@ int run(int argc, char** argv) {
     const std::string flag = a.substr(0, a.find('='));
     if (flag == "--max-steps")
       throw UsageError("--max-steps is set by replica-dp-vs-ddp itself: give --steps N before --");
-    for (const char* own : {"--mode", "--metrics-json", "--print-config", "--help", "-h"})
+    for (const char* own : {"--mode", "--metrics-json"})
       REPLICA_USAGE_CHECK(flag != own, "{} is set by replica-dp-vs-ddp itself", flag);
+    for (const char* prints : {"--print-config", "--list-devices", "--help", "-h"})
+      REPLICA_USAGE_CHECK(flag != prints,
+                          "{} makes replica-train print instead of train: run replica-train {} "
+                          "itself",
+                          flag, flag);
   }
   REPLICA_USAGE_CHECK(steps >= 1, "--steps must be at least 1, got {}", steps);
 

@@ -173,14 +173,17 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite ddp --reduce tree", "--reduce is read by --suite dp only");
   expect_clean_error("--suite dp --backend gloo", "--backend is read by --suite ddp only");
   expect_clean_error("--suite single --skip-alpha-beta", "--skip-alpha-beta is read by --suite dp, ddp only");
-  expect_clean_error("--suite single --timeout 5", "--timeout is read by --suite dp, ddp only");
-  expect_clean_error("--suite loader --model resnet18", "--model is read by --suite");
+  expect_clean_error("--suite dp --timeout 5", "--timeout is read by --suite ddp only");
+  expect_clean_error("--suite loader --sgemm-seconds 1", "--sgemm-seconds is read by --suite single");
+  expect_clean_error("--suite DDP --batch 8", "--suite 'DDP': expected single, loader, ops, dp, ddp");
   expect_clean_error("--suite ops --repeat 3", "--repeat is read by --suite");
   expect_clean_error("--suite loader --from-results " + kFixture, "--from-results needs --report");
   expect_clean_error("--suite dp --skip-alpha-beta", "--skip-alpha-beta needs --report DIR");
   expect_clean_error("--suite dp --trace-steps 3", "--trace-steps needs --trace-dir DIR");
   expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --devices cpu*4",
                      "--devices: --from-results renders saved results and measures nothing");
+  expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --suite dp",
+                     "--suite: --from-results renders saved results and measures nothing");
   expect_clean_error("--suite ops --trace-dir " + tmp.str("t"), "--suite ops takes --json only");
   expect_clean_error("--suite ops --devices cpu*2", "cpu*2");
   expect_clean_error("--report " + tmp.str("r") + " --link warp", "--link 'warp'");

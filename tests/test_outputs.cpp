@@ -159,6 +159,9 @@ TEST_CASE("outputs that are each other, the checkpoint or a file of --data are r
   const auto r = run(kTrain + " " + data + "--save-model /dev/null --metrics-json /dev/null "
                          "--trace " + tmp.str("data/trace.json"), 120);
   CHECK_MESSAGE(r.exit_code == 0, r.output);
+  // Run again: the first run's trace is now a file in --data, but not one the data is read from.
+  const auto again = run(kTrain + " " + data + "--trace " + tmp.str("data/trace.json"), 120);
+  CHECK_MESSAGE(again.exit_code == 0, again.output);
 }
 
 TEST_CASE("a checkpoint left half-written by a killed run is cleaned up by the next run") {

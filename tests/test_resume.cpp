@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "checkpoint_helpers.h"
 #include "cli_helpers.h"
@@ -153,6 +154,20 @@ TEST_CASE("resume refuses a checkpoint of another model or batch size") {
     }
   save_checkpoint(ck, poisoned);
   expect_train_error(resume, "tensor 'model.fc2.bias' holds nan at element 3");
+  // And the optimizer's state: resumed, it made the weights NaN a step later.
+  Checkpoint poisoned_state = good;
+  std::string state_name;
+  for (auto& [name, t] : poisoned_state.tensors)
+    if (name.rfind("optim.", 0) == 0 && t.dtype() == DType::F32 && state_name.empty()) {
+      Tensor copy = Tensor::empty(host_allocator(), t.shape(), DType::F32);
+      for (int64_t i = 0; i < t.numel(); ++i) copy.f32()[i] = t.f32()[i];
+      copy.f32()[0] = std::numeric_limits<float>::infinity();
+      t = copy;
+      state_name = name;
+    }
+  REQUIRE_FALSE(state_name.empty());
+  save_checkpoint(ck, poisoned_state);
+  expect_train_error(resume, "tensor '" + state_name + "' holds inf at element 0");
   // A corrupt checkpoint is an error, not a crash.
   test::fs::resize_file(tmp.path / "ck" / "checkpoint.safetensors", 100);
   expect_train_error("--data " + tmp.str("data") +

@@ -194,10 +194,11 @@ TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are 
   // Flags it sets itself, or that make a run print rather than train (--print-config ended in
   // a JSON parse error), are refused by name.
   for (const auto& [bad, said] : std::vector<std::pair<std::string, std::string>>{
-           {" -- --print-config", "--print-config is set by replica-dp-vs-ddp itself"},
+           {" -- --print-config", "--print-config makes replica-train print instead of train"},
+           {" -- --list-devices", "--list-devices makes replica-train print instead of train"},
            {" -- --max-steps 3", "give --steps N before --"},
            {" -- --metrics-json=m.json", "--metrics-json is set by"},
-           {" -- --help", "--help is set by"}}) {
+           {" -- --help", "--help makes replica-train print"}}) {
     CAPTURE(bad);
     test::expect_clean_error("replica-dp-vs-ddp", bad, said);
   }

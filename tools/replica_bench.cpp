@@ -121,7 +121,8 @@ void check_flags_apply(const CLI::App& app, const BenchOptions& o) {
   };
   const std::vector<std::string> parallel = {"dp", "ddp"};
   const std::vector<Owner> owners = {
-      {"--model", {"single", "ops", "dp", "ddp"}, true},
+      {"--suite", {"single", "loader", "ops", "dp", "ddp"}, true},
+      {"--model", {"single", "loader", "ops", "dp", "ddp"}, true},
       {"--input-shape", {"single", "loader", "ops", "dp", "ddp"}, true},
       {"--batch", {"single", "loader", "ops", "dp", "ddp"}, true},
       {"--warmup", {"single", "loader", "ops", "dp", "ddp"}, true},
@@ -134,14 +135,14 @@ void check_flags_apply(const CLI::App& app, const BenchOptions& o) {
       {"--by-shape", {"ops"}, true},
       {"--devices", {"ops", "dp", "ddp"}, true},
       {"--threads-per-device", {"ops", "dp", "ddp"}, true},
-      {"--precision", {"single", "ops", "dp", "ddp"}, true},
-      {"--cudnn-benchmark", {"single", "ops", "dp", "ddp"}, true},
-      {"--memory-format", {"single", "loader", "ops", "dp", "ddp"}, true},
+      {"--precision", {"single", "loader", "ops", "dp", "ddp"}, true},  // each suite says
+      {"--cudnn-benchmark", {"single", "loader", "ops", "dp", "ddp"}, true},  // which values
+      {"--memory-format", {"single", "loader", "ops", "dp", "ddp"}, true},  // it takes
       {"--device-counts", parallel, true},
       {"--reduce", {"dp"}, true},
       {"--backend", {"ddp"}, true},
       {"--cuda-graphs", parallel, true},
-      {"--timeout", parallel, true},
+      {"--timeout", {"ddp"}, true},
       {"--trace-steps", parallel, true},
       {"--skip-alpha-beta", parallel, true},
       {"--trace-dir", parallel, true},
@@ -149,7 +150,10 @@ void check_flags_apply(const CLI::App& app, const BenchOptions& o) {
   std::set<std::string> suites;
   for (size_t start = 0;;) {
     const size_t at = o.suite.find(',', start);
-    suites.insert(o.suite.substr(start, at == std::string::npos ? at : at - start));
+    const std::string s = o.suite.substr(start, at == std::string::npos ? at : at - start);
+    REPLICA_USAGE_CHECK(s == "single" || s == "loader" || s == "ops" || s == "dp" || s == "ddp",
+                        "--suite '{}': expected single, loader, ops, dp, ddp or dp,ddp", o.suite);
+    suites.insert(s);
     if (at == std::string::npos) break;
     start = at + 1;
   }

@@ -1,5 +1,7 @@
 #include "engine/data/data_dir.h"
 
+#include <filesystem>
+
 #include <fmt/format.h>
 
 #include "engine/error.h"
@@ -27,6 +29,24 @@ DataSplits open_data_dir(const std::string& dir, bool with_test,
                       "the model never trains on",
                       dir, d.test->num_classes() - 1, d.train->num_classes() - 1);
   return d;
+}
+
+bool data_dir_reads(const std::string& dir, const std::string& file) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path root = fs::canonical(dir, ec);
+  if (ec) return false;
+  const fs::path f = fs::canonical(file, ec);
+  if (ec || !fs::is_regular_file(f, ec)) return false;
+  const fs::path rel = f.lexically_relative(root);
+  if (rel.empty() || *rel.begin() == "..") return false;
+  const std::string first = rel.begin()->string();
+  if (std::next(rel.begin()) != rel.end()) return first == "train" || first == "val";
+  for (const char* split : {"train", "t10k"})
+    for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
+      for (const char* gz : {"", ".gz"})
+        if (first == std::string(split) + kind + gz) return true;
+  return false;
 }
 
 }  // namespace replica

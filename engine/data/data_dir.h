@@ -21,4 +21,10 @@ struct DataSplits {
 // would be NaN hours in).
 DataSplits open_data_dir(const std::string& dir, bool with_test, const ImageFolderOptions& image);
 
+// Whether the existing file `file` is one that a run with --data `dir` reads: an IDX file of
+// the MNIST format in dir itself, or anything under an image folder's train/ or val/ (both
+// layouts are asked about, since an output is checked before the data is opened). Other files
+// beside the data (a run's metrics in `--data .`) are not the data's.
+bool data_dir_reads(const std::string& dir, const std::string& file);
+
 }  // namespace replica

@@ -126,6 +126,17 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
   if (meta_count(c, "seed", path) != seed)
     throw UsageError(fmt::format("{}: checkpoint was trained with --seed {}, this run uses {}",
                                  path, meta(c, "seed", path), seed));
+  // Weights and optimizer state alike: a NaN resumed would surface steps later as "training
+  // diverged", blaming the learning rate.
+  for (const auto& [name, t] : c.tensors) {
+    if (t.dtype() != DType::F32) continue;
+    const float* v = t.f32();
+    for (int64_t i = 0; i < t.numel(); ++i)
+      REPLICA_USAGE_CHECK(std::isfinite(v[i]),
+                          "{}: tensor '{}' holds {} at element {}: the checkpoint cannot be "
+                          "resumed",
+                          path, name, v[i], i);
+  }
   DeviceContext& ctx = engine.primary();
   auto restore = [&](const std::string& name, Tensor& dst) {
     const Tensor* src = c.find(name);
@@ -134,14 +145,6 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
                         path, name, shape_str(src->shape()), shape_str(dst.shape()));
     REPLICA_USAGE_CHECK(src->dtype() == dst.dtype(), "{}: tensor '{}' is {}, expected {}", path,
                         name, dtype_name(src->dtype()), dtype_name(dst.dtype()));
-    // A NaN resumed would surface steps later as "training diverged", blaming the learning rate.
-    if (src->dtype() == DType::F32) {
-      const float* v = src->f32();
-      for (int64_t i = 0; i < src->numel(); ++i)
-        REPLICA_USAGE_CHECK(std::isfinite(v[i]),
-                            "{}: tensor '{}' holds {} at element {}: the checkpoint cannot be "
-                            "resumed", path, name, v[i], i);
-    }
     ctx.ops().copy(ctx, dst, *src);
   };
   std::vector<std::pair<std::string, Tensor>> optim_state;

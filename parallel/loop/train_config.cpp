@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "engine/data/data_dir.h"
 #include "engine/error.h"
 #include "engine/output_files.h"
 #include "layers/model.h"
@@ -97,7 +98,8 @@ void validate(const TrainConfig& c) {
        {"--metrics-json", c.metrics_json}, {"--trace", c.trace_file}},
       {{fmt::format("--checkpoint '{}'", c.checkpoint_dir),
         c.checkpoint_dir.empty() ? "" : checkpoint_path(c.checkpoint_dir)}},
-      {{"--data", c.synthetic ? "" : c.data_dir}});
+      {{"--data", c.synthetic ? "" : c.data_dir,
+        [&](const std::string& f) { return data_dir_reads(c.data_dir, f); }}});
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
   if (c.engine.threads_per_device > 0)
     check_cpu_threads("--threads-per-device", c.engine.threads_per_device);

@@ -131,6 +131,10 @@ void check_row(const json& j, const std::string& where) {
     REPLICA_USAGE_CHECK(j.contains(f), "{}: missing field '{}'", where, f);
   check_fields(j, row_fields(), where, "");
   REPLICA_USAGE_CHECK(j["devices"].get<int64_t>() >= 1, "{}: 'devices' must be at least 1", where);
+  REPLICA_USAGE_CHECK(j["samples_per_sec"].get<double>() > 0,
+                      "{}: 'samples_per_sec' must be positive", where);
+  REPLICA_USAGE_CHECK(!j["peak_memory_bytes"].is_array() || !j["peak_memory_bytes"].empty(),
+                      "{}: 'peak_memory_bytes' must list a device's peak", where);
   REPLICA_USAGE_CHECK(j["mode"] == "dp" || j["mode"] == "ddp",
                       "{}: 'mode' must be \"dp\" or \"ddp\"", where);
   if (j.contains("env") && j["env"].is_object()) check_fields(j["env"], env_fields(), where, "env.");
