@@ -172,15 +172,19 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite single --reduce tree", "--reduce is read by --suite dp only");
   expect_clean_error("--suite ddp --reduce tree", "--reduce is read by --suite dp only");
   expect_clean_error("--suite dp --backend gloo", "--backend is read by --suite ddp only");
-  expect_clean_error("--suite single --skip-alpha-beta", "--skip-alpha-beta is read by --suite dp, ddp only");
+  expect_clean_error("--suite single --skip-alpha-beta",
+                     "--skip-alpha-beta is read by --suite dp, ddp only");
   expect_clean_error("--suite dp --timeout 5", "--timeout is read by --suite ddp only");
-  expect_clean_error("--suite loader --sgemm-seconds 1", "--sgemm-seconds is read by --suite single");
-  expect_clean_error("--suite DDP --batch 8", "--suite 'DDP': expected single, loader, ops, dp, ddp");
+  expect_clean_error("--suite loader --sgemm-seconds 1",
+                     "--sgemm-seconds is read by --suite single");
+  expect_clean_error("--suite DDP --batch 8",
+                     "--suite 'DDP': expected single, loader, ops, dp, ddp");
   expect_clean_error("--suite ops --repeat 3", "--repeat is read by --suite");
   expect_clean_error("--suite loader --from-results " + kFixture, "--from-results needs --report");
   expect_clean_error("--suite dp --skip-alpha-beta", "--skip-alpha-beta needs --report DIR");
   expect_clean_error("--suite dp --trace-steps 3", "--trace-steps needs --trace-dir DIR");
-  expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --devices cpu*4",
+  expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture +
+                         " --devices cpu*4",
                      "--devices: --from-results renders saved results and measures nothing");
   expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --suite dp",
                      "--suite: --from-results renders saved results and measures nothing");
@@ -227,7 +231,9 @@ TEST_CASE("replica-bench --from-results: a field of the wrong type is named, not
   } cases[] = {
       {"empty-point", "alpha_beta.json: 'dp_reduce': points[0] must be [bytes, seconds]",
        [&](const std::string& d) {
-         edit_alpha_beta(d, [](nlohmann::json& j) { j["dp_reduce"]["points"][0] = nlohmann::json::array(); });
+         edit_alpha_beta(d, [](nlohmann::json& j) {
+           j["dp_reduce"]["points"][0] = nlohmann::json::array();
+         });
        }},
       {"short-point", "points[1] must be [bytes, seconds]",
        [&](const std::string& d) {

@@ -164,7 +164,8 @@ TEST_CASE("bad options are UsageErrors") {
   CHECK_NOTHROW(make(0, 1, 0));
   // A size whose order no machine holds (8 bytes an index): said at once, not std::bad_alloc
   // or the OOM killer in the first epoch.
-  CHECK(test::contains(test::error_of([] { make(int64_t(1) << 50, 2, 0); }), "its shuffled order takes"));
+  CHECK(test::contains(test::error_of([] { make(int64_t(1) << 50, 2, 0); }),
+                       "its shuffled order takes"));
 }
 
 TEST_CASE("the seed article's experiment: 2 ranks, batch 4") {

@@ -46,8 +46,8 @@ int main(int argc, char** argv) {
     REPLICA_USAGE_CHECK(first >= 0 && seed >= 0, "--first and --seed must be >= 0");
     REPLICA_USAGE_CHECK(epoch >= 1, "--epoch counts from 1, got {}", epoch);
     check_output_file("--out", out);
-    check_outputs_apart({{"--out", out}}, {},
-                        {{"--data", data, [&](const std::string& f) { return data_dir_reads(data, f); }}});
+    auto reads_data = [&](const std::string& f) { return data_dir_reads(data, f); };
+    check_outputs_apart({{"--out", out}}, {}, {{"--data", data, reads_data}});
     ImageFolderOptions o;
     if (!input_shape.empty()) o.sample_shape = parse_input_shape(input_shape);
     o.augment = !no_augment;

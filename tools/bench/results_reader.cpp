@@ -16,7 +16,9 @@ using nlohmann::json;
 
 // What a field holds. Null is allowed where a writer leaves a figure out (PyTorch's speedup
 // before add_scaling, a bus bandwidth of one device, a peak that a CPU run does not know).
-enum class Kind { String, Integer, Number, Bool, Numbers, Strings, PhaseMap, TrackMap, Object, Array };
+enum class Kind {
+  String, Integer, Number, Bool, Numbers, Strings, PhaseMap, TrackMap, Object, Array
+};
 
 struct Field {
   const char* name;
@@ -137,7 +139,8 @@ void check_row(const json& j, const std::string& where) {
                       "{}: 'peak_memory_bytes' must list a device's peak", where);
   REPLICA_USAGE_CHECK(j["mode"] == "dp" || j["mode"] == "ddp",
                       "{}: 'mode' must be \"dp\" or \"ddp\"", where);
-  if (j.contains("env") && j["env"].is_object()) check_fields(j["env"], env_fields(), where, "env.");
+  if (j.contains("env") && j["env"].is_object())
+    check_fields(j["env"], env_fields(), where, "env.");
 }
 
 // One measured primitive: {"points": [[bytes, seconds], ...], "alpha_s", "beta_bytes_per_s",
