@@ -44,6 +44,21 @@ TEST_CASE("Ctrl-C without --checkpoint stops cleanly and says nothing was saved"
   CHECK(cut.output.find("no --checkpoint DIR: nothing saved") != std::string::npos);
 }
 
+// A closed terminal or a dropped ssh session sends SIGHUP: it stops the run as Ctrl-C does,
+// with the checkpoint written (it used to end the run without one).
+TEST_CASE("SIGHUP stops like Ctrl-C: the step finishes, the checkpoint is written, exit 129") {
+  test::TempDir tmp;
+  Interrupted cut = interrupt_when(kTrain + " --devices cpu --synthetic --synthetic-size 4096 "
+                                            "--batch-size 16 --log-every 1 --checkpoint " +
+                                       tmp.str("ck"),
+                                   tmp.str("log"), "step     5/256", SIGHUP);
+  INFO(cut.output);
+  CHECK(cut.exit_code == 128 + SIGHUP);
+  REQUIRE(test::fs::exists(tmp.path / "ck" / "checkpoint.safetensors"));
+  CHECK(std::stoll(replica::load_checkpoint(tmp.str("ck/checkpoint.safetensors"))
+                       .metadata.at("step")) >= 5);
+}
+
 TEST_CASE("SIGKILL mid-epoch: the last epoch's checkpoint is intact and resuming ends the same") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 2560, 256);

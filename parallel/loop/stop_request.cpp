@@ -17,7 +17,10 @@ namespace {
 
 volatile sig_atomic_t g_signal = 0;
 std::atomic<bool> g_installed{false};
-struct sigaction g_old_int, g_old_term;
+// SIGHUP too: a closed terminal or a dropped ssh session (and replica-launch passing either on)
+// would otherwise end a long run without the checkpoint a Ctrl-C writes.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+struct sigaction g_old[3];
 
 void on_signal(int sig) {
   if (g_signal != 0) {  // the second signal: the default action, now
@@ -41,14 +44,12 @@ StopRequest::StopRequest(bool on) {
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;  // blocking reads and collectives carry on; the loop checks the flag
-  sigaction(SIGINT, &sa, &g_old_int);
-  sigaction(SIGTERM, &sa, &g_old_term);
+  for (int i = 0; i < 3; ++i) sigaction(kStopSignals[i], &sa, &g_old[i]);
 }
 
 StopRequest::~StopRequest() {
   if (!installed_) return;
-  sigaction(SIGINT, &g_old_int, nullptr);
-  sigaction(SIGTERM, &g_old_term, nullptr);
+  for (int i = 0; i < 3; ++i) sigaction(kStopSignals[i], &g_old[i], nullptr);
   g_installed = false;
 }
 

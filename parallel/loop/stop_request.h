@@ -1,4 +1,4 @@
-// Ctrl-C (SIGINT) and SIGTERM during training: the first signal asks the training loop to stop
+// Ctrl-C (SIGINT), SIGTERM and SIGHUP during training: the first signal asks the training loop to stop
 // after the step in progress (it then writes a checkpoint and exits 128 + signal); a second
 // one removes the temporary file being written, if any (engine/output_files.h), restores the
 // default action and re-raises it, which ends the process at once. Under DDP the ranks agree
@@ -10,7 +10,7 @@ namespace replica {
 
 class TrainEngine;  // parallel/engines/train_engine.h
 
-// While one lives (and `on`), SIGINT and SIGTERM ask to stop; the handlers that were there
+// While one lives (and `on`), SIGINT, SIGTERM and SIGHUP ask to stop; the handlers that were there
 // before come back however the scope ends.
 class StopRequest {
  public:
@@ -25,7 +25,7 @@ class StopRequest {
   bool installed_ = false;
 };
 
-// Whether to stop after this step: this process got SIGINT/SIGTERM, or (DDP) any rank did.
+// Whether to stop after this step: this process got a stop signal, or (DDP) any rank did.
 // The ranks must stop after the same step (the checkpoint holds a position every rank reached),
 // so they agree through a small all-reduce. That all-reduce is a synchronisation point: every
 // step it cost 12% of a 2-rank CNN step on 2 cores. So the ranks agree every step only for the
