@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <optional>
@@ -181,7 +182,14 @@ int run_program(const char* name, Body&& body) {
   };
   try {
     check_environment_switches();
-    return body();
+    const int code = body();
+    // What went to stdout must have arrived: `> /dev/full` or a closed stdout lost the
+    // output (a sampler's --json, --print-config) and still exited 0.
+    errno = 0;
+    if (std::fflush(stdout) != 0 || std::ferror(stdout))
+      throw Error(fmt::format("cannot write the output to standard output: {}",
+                              errno != 0 ? std::strerror(errno) : "write error"));
+    return code;
   } catch (const UsageError& e) {
     return report(e, 2);
   } catch (const std::bad_alloc&) {

@@ -328,4 +328,13 @@ TEST_CASE("replica-sampler: help, and bad input is one line with exit code 2") {
     CHECK(test::count_lines(r.output) == 1);
     CHECK(r.output.rfind("replica-sampler: error: ", 0) == 0);
   }
+  // Output that cannot be written (a full disk, a closed stdout) is an error, not exit 0.
+  for (const char* redirect : {" > /dev/full", " >&-"}) {
+    if (std::string(redirect) == " > /dev/full" && !test::fs::exists("/dev/full")) continue;
+    auto r = test::run("sh -c '" + kSampler + " --size 8 --replicas 2 --json" + redirect + "'");
+    INFO("redirect: " << redirect << "\noutput: " << r.output);
+    CHECK(r.exit_code == 1);
+    CHECK(r.output.find("replica-sampler: error: cannot write the output to standard output") !=
+          std::string::npos);
+  }
 }
