@@ -159,6 +159,16 @@ inline std::optional<int> parse_cli(CLI::App& app, int argc, char** argv) {
       throw UsageError(unknown + " (see --help)");
     std::string msg = e.what();
     if (const std::string bad = bad_value(app, msg); !bad.empty()) msg = bad;
+    // CLI11's counts, said in words: "--optimizer: 1 required TEXT missing", "--batch-size: At
+    // Most 1 required but received 2".
+    const size_t colon = msg.find(": ");
+    if (colon != std::string::npos && msg.rfind("--", 0) == 0) {
+      const std::string flag = msg.substr(0, colon), rest = msg.substr(colon + 2);
+      if (rest.find("required") != std::string::npos && rest.find("missing") != std::string::npos)
+        msg = flag + " needs a value";
+      else if (rest.rfind("At Most 1 required but received ", 0) == 0)
+        msg = flag + " is given " + rest.substr(32) + " times: give it once";
+    }
     std::replace(msg.begin(), msg.end(), '\n', ' ');
     throw UsageError(msg + " (see --help)");
   }

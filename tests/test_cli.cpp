@@ -64,6 +64,10 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_train_error(data + " --devices cuda:7", "GPU 7 does not exist");
   expect_train_error(data + " --devices cpu*0", "must be >= 1");
   expect_train_error(data + " --threads-per-device 0", "--threads-per-device");
+  // CLI11's counts in words.
+  expect_train_error(data + " --optimizer", "--optimizer needs a value");
+  expect_train_error(data + " --batch-size 8 --batch-size 16",
+                     "--batch-size is given 2 times: give it once");
   // Tens of thousands of threads made TBB's thread creation fail: std::terminate, no message.
   expect_train_error(data + " --threads-per-device 99999", "--threads-per-device 99999: give 1 to");
   expect_train_error(data + " --devices cuda:0,0", "cuda:0*N");
