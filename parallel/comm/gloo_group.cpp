@@ -139,7 +139,17 @@ class GlooGroup final : public ProcessGroup {
   }
 
  private:
-  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+  // Gloo's message, its first line, without the source location Gloo puts in front ("[./gloo/
+  // transport/tcp/buffer.cc:73] Read timeout [127.0.0.1]:16297"): the user's error names the
+  // peer and what timed out, not a file of Gloo's.
+  static std::string first_line(const std::string& s) {
+    std::string line = s.substr(0, s.find('\n'));
+    if (line.rfind("[", 0) == 0) {
+      const size_t end = line.find("] ");
+      if (end != std::string::npos && line.find(':') < end) line = line.substr(end + 2);
+    }
+    return line;
+  }
 
   // Gloo's ring and broadcast algorithms count elements in an int, and each allocates scratch
   // as large as its buffer: a tensor of 2^31 floats or more would overflow the count, and one

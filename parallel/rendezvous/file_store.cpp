@@ -40,14 +40,15 @@ bool poll_until(Clock::time_point deadline, F ready) {
 bool read_file(const std::string& path, Bytes* out) {
   Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
-    REPLICA_CHECK(errno == ENOENT, "file store: cannot read '{}' ({})", path, errno_text());
+    if (errno != ENOENT)
+      throw Error(fmt::format("file store: cannot read '{}' ({})", path, errno_text()));
     return false;
   }
   out->clear();
   char buf[1 << 16];
   ssize_t n;
   while ((n = read(fd.get(), buf, sizeof buf)) > 0) out->insert(out->end(), buf, buf + n);
-  REPLICA_CHECK(n == 0, "file store: cannot read '{}' ({})", path, errno_text());
+  if (n != 0) throw Error(fmt::format("file store: cannot read '{}' ({})", path, errno_text()));
   return true;
 }
 
@@ -55,7 +56,8 @@ void write_atomically(const std::string& dir, const std::string& path, const Byt
   static std::atomic<uint64_t> counter{0};
   std::string tmp = fmt::format("{}/.tmp-{}-{}", dir, getpid(), counter++);
   Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  REPLICA_CHECK(fd.get() >= 0, "file store: cannot create '{}' ({})", tmp, errno_text());
+  if (fd.get() < 0)
+    throw Error(fmt::format("file store: cannot create '{}' ({})", tmp, errno_text()));
   size_t off = 0;
   while (off < value.size()) {
     ssize_t n = write(fd.get(), value.data() + off, value.size() - off);
@@ -146,8 +148,9 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   std::string path = path_for(key);
   std::string lock_path = dir_ + "/l" + path.substr(dir_.size() + 2);
   Fd lock(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));  // closing unlocks
-  REPLICA_CHECK(lock.get() >= 0, "file store: cannot open the lock '{}' ({})", lock_path,
-                errno_text());
+  if (lock.get() < 0)  // the directory's I/O error, not the engine's: no source line in it
+    throw Error(
+        fmt::format("file store: cannot open the lock '{}' ({})", lock_path, errno_text()));
   while (flock(lock.get(), LOCK_EX) != 0)
     if (errno != EINTR)
       throw Error(fmt::format("file store: cannot lock '{}' ({})", lock_path, errno_text()));
