@@ -33,6 +33,16 @@ std::string last_line(const std::string& s) {
 
 }  // namespace
 
+// Launched as N ranks without --mode ddp, each rank trained the whole job alone (N complete DP
+// runs writing the same outputs, exit 0). Now every rank refuses, in one line.
+TEST_CASE("replica-train launched as ranks without --mode ddp is refused") {
+  auto r = run(launch(2) + kTrain + " --synthetic --synthetic-size 64 --max-steps 2 --quiet", 60);
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("started as one of 2 ranks") != std::string::npos);
+  CHECK(r.output.find("give --mode ddp [every rank]") != std::string::npos);
+}
+
 TEST_CASE("a rank killed mid-training ends the job within 30 s, naming the rank") {
   if (!replica::gloo_available()) return;
   Timed t = fault_job(2, 1, "9", 4, 20);

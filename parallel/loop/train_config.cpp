@@ -1,5 +1,6 @@
 // Validating and describing a TrainConfig, and the devices it resolves to
 // (parallel/loop/trainer.h).
+#include <cstdlib>
 #include <string>
 
 #include <fmt/format.h>
@@ -105,6 +106,16 @@ void validate(const TrainConfig& c) {
     check_cpu_threads("--threads-per-device", c.engine.threads_per_device);
   REPLICA_USAGE_CHECK(c.mode == "single" || c.mode == "dp" || c.mode == "ddp",
                       "unknown --mode '{}' (dp, ddp, single)", c.mode);
+  // Started as one of N ranks (replica-launch and torchrun set RANK and WORLD_SIZE for each
+  // process they start) without --mode ddp, every rank would train the whole job alone and
+  // write the same outputs. Slurm's and Open MPI's variables are left alone: a batch script's
+  // own environment has them.
+  if (c.mode != "ddp" && std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr &&
+      std::atoi(std::getenv("WORLD_SIZE")) > 1)
+    throw UsageError(fmt::format(
+        "started as one of {} ranks (RANK and WORLD_SIZE are set, as replica-launch sets them) "
+        "but --mode is {}: each rank would train the whole job alone; give --mode ddp",
+        std::getenv("WORLD_SIZE"), c.mode));
   REPLICA_USAGE_CHECK(c.backend == "auto" || c.backend == "gloo" || c.backend == "nccl",
                       "unknown --backend '{}' (auto, gloo, nccl)", c.backend);
   timeout_from_seconds(c.timeout_s, "--timeout");
