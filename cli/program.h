@@ -63,9 +63,9 @@ inline size_t flag_distance(const std::string& a, const std::string& b) {
 
 // The environment's switches, checked when a program starts rather than where each is read:
 // every one set must be 1 or 0 (a GPU-only switch is read on a GPU only, so a CPU run would
-// never see its typo), REPLICA_CUDNN_API one of its words, and a REPLICA_ variable one or two
-// letters from a switch's name (REPLICA_PAD_CHANNEL=0) is a typo that would otherwise time the
-// default.
+// never see its typo), REPLICA_CUDNN_API and REPLICA_RESIDUAL_SUM one of their words, and a
+// REPLICA_ variable one or two letters from a switch's name (REPLICA_PAD_CHANNEL=0) is a typo
+// that would otherwise time the default.
 inline void check_environment_switches() {
   std::vector<std::string> known(std::begin(switches::kChoices), std::end(switches::kChoices));
   for (const EnvSwitch* s : switches::kAll) {
@@ -73,6 +73,7 @@ inline void check_environment_switches() {
     known.push_back(s->name());
   }
   static_cast<void>(conv_api_from_environment());  // read by CUDA devices only, checked here
+  static_cast<void>(switches::residual_sum_in_conv());  // read by ResNets only
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
     const std::string entry = *e;
     const std::string name = entry.substr(0, entry.find('='));

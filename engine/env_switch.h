@@ -54,9 +54,19 @@ inline constexpr EnvSwitch kDdpCheckSync{"REPLICA_DDP_CHECK_SYNC", false};
 inline constexpr const EnvSwitch* kAll[] = {
     &kCudnnHeuristicOrder, &kCudnnLog,          &kCudaSlicedSums, &kCudaWideIndex,
     &kPadChannels,         &kChannelsLastOnCpu, &kPrefetchOnCpu,  &kDdpCheckSync};
-// The variables a run reads that take a word rather than 1 or 0 (checked where they are read):
-// a name one letter from these is a typo too.
+// The variables a run reads that take a word rather than 1 or 0: a name one letter from these
+// is a typo too.
 inline constexpr const char* kChoices[] = {"REPLICA_CUDNN_API", "REPLICA_RESIDUAL_SUM"};
+
+// REPLICA_RESIDUAL_SUM: "conv" (or unset, or empty) adds a residual block's input gradient in
+// its body's first convolution, "add" in an add of its own (layers/resnet.h). Read by ResNets
+// only, so checked too when a program starts: a CNN's run would never see its typo.
+inline bool residual_sum_in_conv() {
+  const char* v = std::getenv("REPLICA_RESIDUAL_SUM");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "conv") == 0) return true;
+  if (std::strcmp(v, "add") == 0) return false;
+  throw UsageError(fmt::format("REPLICA_RESIDUAL_SUM='{}': expected conv or add", v));
+}
 }  // namespace switches
 
 }  // namespace replica

@@ -126,7 +126,8 @@ void check_optimizer_options(const OptimizerOptions& o) {
                       "learning rate must be a positive number, got {}", o.lr);
   REPLICA_USAGE_CHECK(o.momentum >= 0.f && o.momentum < 1.f, "momentum must be in [0, 1), got {}",
                       o.momentum);
-  REPLICA_USAGE_CHECK(o.weight_decay >= 0.f, "weight decay must be >= 0, got {}", o.weight_decay);
+  REPLICA_USAGE_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0.f,
+                      "weight decay must be a finite number >= 0, got {}", o.weight_decay);
   REPLICA_USAGE_CHECK(!o.nesterov || o.momentum > 0.f, "nesterov needs a momentum > 0");
 }
 

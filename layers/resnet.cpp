@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "engine/env_switch.h"
 #include "engine/error.h"
 
 namespace replica {
@@ -16,19 +17,9 @@ std::unique_ptr<Conv2d> resnet_conv(int64_t in, int64_t out, int k, int stride, 
   return std::make_unique<Conv2d>(in, out, k, stride, pad, false, Init::normal(std));
 }
 
-// REPLICA_RESIDUAL_SUM: "conv" (or unset, or empty) adds a residual block's input gradient in
-// its body's first convolution, "add" in an add of its own.
-bool residual_sum_in_conv() {
-  const char* v = std::getenv("REPLICA_RESIDUAL_SUM");
-  const std::string word = v ? v : "";
-  if (word.empty() || word == "conv") return true;
-  if (word == "add") return false;
-  throw UsageError(fmt::format("REPLICA_RESIDUAL_SUM='{}': expected conv or add", word));
-}
-
 }  // namespace
 
-ResidualBlock::ResidualBlock() : sum_in_conv_(residual_sum_in_conv()) {
+ResidualBlock::ResidualBlock() : sum_in_conv_(switches::residual_sum_in_conv()) {
   body_ = &add_child("", std::make_unique<Sequential>());
 }
 

@@ -272,9 +272,9 @@ int run(int argc, char** argv) {
   declare_parallelism(app, c, t);
   declare_outputs(app, c, t);
   app.footer(
-      "Ctrl-C (or SIGTERM) stops after the step in progress, writes the checkpoint (with "
-      "--checkpoint) and exits 130; a second Ctrl-C ends at once, as the first does before "
-      "training starts.");
+      "Ctrl-C (or SIGTERM, SIGHUP) stops after the step in progress, writes the checkpoint (with "
+      "--checkpoint) and exits 128 + the signal (130 for Ctrl-C); a second Ctrl-C ends at once, "
+      "as the first does before training starts.");
 
   if (auto code = parse_cli(app, argc, argv)) return *code;
   if (t.list_devices) {

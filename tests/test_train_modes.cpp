@@ -100,7 +100,12 @@ TEST_CASE("--print-config refuses what a run refuses, with the run's line") {
            {"--synthetic --lr -1", "learning rate must be a positive number, got -1"},
            {"--synthetic --lr nan", "learning rate must be a positive number, got nan"},
            {"--synthetic --optimizer sgd --momentum 1", "momentum must be in [0, 1), got 1"},
-           {"--synthetic --weight-decay -0.1", "weight decay must be >= 0, got -0.1"},
+           {"--synthetic --weight-decay -0.1", "weight decay must be a finite number >= 0, got -0.1"},
+           {"--synthetic --weight-decay inf", "must be a finite number >= 0, got inf"},
+           {"--synthetic --num-classes 1", "--num-classes must be at least 2"},
+           {"--synthetic --devices cpu --cudnn-benchmark", "cpu:0 has no cuDNN: --cudnn-benchmark"},
+           {"--synthetic --mode ddp --devices cpu*2 --batch-size 3",
+            "--batch-size 3 is the global batch: it must divide by the 2 ranks"},
            {"--synthetic --optimizer sgd --nesterov", "nesterov needs a momentum > 0"},
            {"--synthetic --optimizer lamb", "unknown optimizer 'lamb' (sgd, adam)"},
            {"--synthetic --optimizer lamb --momentum 0.9", "unknown optimizer 'lamb'"},
@@ -108,6 +113,10 @@ TEST_CASE("--print-config refuses what a run refuses, with the run's line") {
     test::expect_train_error(args + " --print-config", said);
     test::expect_train_error(args + " --max-steps 1 --quiet", said);
   }
+  // A switch a ResNet reads, set wrong, is refused by a CNN's run and --print-config alike.
+  auto r = run("env REPLICA_RESIDUAL_SUM=mul " + kTrain + " --synthetic --print-config");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output == "replica-train: error: REPLICA_RESIDUAL_SUM='mul': expected conv or add\n");
 }
 
 TEST_CASE("--preset seed trains ResNet-101 with DDP and rank 0 saves the model") {

@@ -136,6 +136,30 @@ void validate(const TrainConfig& c) {
   // Before any rank starts: found by the ranks once they meet, the same error could reach the
   // launcher as a peer's lost connection instead.
   if (c.mode == "ddp" && c.backend == "nccl") check_nccl_usable(devices.at(0));
+  // What the devices or the ranks would refuse later is said here too, so that --print-config
+  // refuses what the run refuses.
+  if (c.engine.cudnn_benchmark)
+    for (const Device& d : devices)
+      REPLICA_USAGE_CHECK(d.is_cuda(), "{} has no cuDNN: --cudnn-benchmark needs a CUDA device",
+                          d.str());
+  if (c.synthetic)
+    REPLICA_USAGE_CHECK(c.engine.num_classes >= 2,
+                        "--num-classes must be at least 2 (a classifier's), got {}",
+                        c.engine.num_classes);
+  if (c.mode == "ddp" && c.batch_per_device == 0) {
+    // The ranks: a launcher's WORLD_SIZE, else the devices this process would start one each.
+    const char* world = std::getenv("WORLD_SIZE");
+    TrainConfig as_dp = c;
+    as_dp.mode = "dp";
+    const int64_t ranks = std::getenv("RANK") != nullptr && world != nullptr ? std::atoll(world)
+                          : std::getenv("OMPI_COMM_WORLD_RANK") == nullptr &&
+                                  std::getenv("SLURM_PROCID") == nullptr
+                              ? int64_t(resolve_devices(as_dp).size())
+                              : 1;  // Open MPI's or Slurm's numbers: the ranks check them
+    REPLICA_USAGE_CHECK(ranks < 1 || c.batch_size % ranks == 0,
+                        "--batch-size {} is the global batch: it must divide by the {} ranks",
+                        c.batch_size, ranks);
+  }
 }
 
 std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out) {
