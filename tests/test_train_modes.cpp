@@ -100,7 +100,7 @@ TEST_CASE("--print-config refuses what a run refuses, with the run's line") {
            {"--synthetic --lr -1", "learning rate must be a positive number, got -1"},
            {"--synthetic --lr nan", "learning rate must be a positive number, got nan"},
            {"--synthetic --optimizer sgd --momentum 1", "momentum must be in [0, 1), got 1"},
-           {"--synthetic --weight-decay -0.1", "weight decay must be a finite number >= 0, got -0.1"},
+           {"--synthetic --weight-decay -0.1", "must be a finite number >= 0, got -0.1"},
            {"--synthetic --weight-decay inf", "must be a finite number >= 0, got inf"},
            {"--synthetic --num-classes 1", "--num-classes must be at least 2"},
            {"--synthetic --devices cpu --cudnn-benchmark", "cpu:0 has no cuDNN: --cudnn-benchmark"},
