@@ -130,6 +130,12 @@ TEST_CASE("resume refuses a checkpoint of another model or batch size") {
   const std::string resume = "--data " + tmp.str("data") +
                              " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
                              tmp.str("ck");
+  // Other data, or drop_last, orders the epoch's batches otherwise: the position would point
+  // into another order (both were resumed before).
+  expect_train_error("--synthetic --synthetic-size 128 --quiet --max-steps 3 --batch-size 32 "
+                     "--resume --checkpoint " + tmp.str("ck"),
+                     "trained on '128 samples', this run reads 'synthetic, 128 samples'");
+  expect_train_error(resume + " --drop-last", "this run reads '128 samples, drop_last'");
   Checkpoint good = load_checkpoint(ck);
   for (const char* epoch : {"-1", "abc", "99999999999999999999"}) {
     Checkpoint bad = good;

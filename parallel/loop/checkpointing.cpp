@@ -73,7 +73,7 @@ std::string checkpoint_path(const std::string& dir) {
 }
 
 void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const RunPosition& pos,
-                              uint64_t seed, int64_t batch_size) {
+                              const RunIdentity& run) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   REPLICA_USAGE_CHECK(!ec, "cannot create checkpoint directory '{}': {}", dir, ec.message());
@@ -84,8 +84,9 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
                                 });
   c.metadata.insert({{"optimizer", engine.optimizer().name()},
                      {"optimizer_steps", std::to_string(engine.optimizer().steps())},
-                     {"seed", std::to_string(seed)},
-                     {"batch_size", std::to_string(batch_size)},
+                     {"seed", std::to_string(run.seed)},
+                     {"batch_size", std::to_string(run.batch_size)},
+                     {"data", run.data},
                      {"epoch", std::to_string(pos.epoch)},
                      {"batch_in_epoch", std::to_string(pos.batch_in_epoch)},
                      {"step", std::to_string(pos.global_step)},
@@ -103,8 +104,10 @@ void save_model_weights(const std::string& path, TrainEngine& engine) {
   save_checkpoint(path, c);
 }
 
-RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine, uint64_t seed,
-                                     int64_t batch_size) {
+RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine,
+                                     const RunIdentity& run) {
+  const uint64_t seed = run.seed;
+  const int64_t batch_size = run.batch_size;
   const std::string path = checkpoint_path(dir);
   REPLICA_USAGE_CHECK(std::filesystem::exists(path), "--resume: no checkpoint at '{}'", path);
   Checkpoint c = load_checkpoint(path);
@@ -126,6 +129,13 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
   if (meta_count(c, "seed", path) != seed)
     throw UsageError(fmt::format("{}: checkpoint was trained with --seed {}, this run uses {}",
                                  path, meta(c, "seed", path), seed));
+  // Another data set, size or drop_last orders the epoch's batches otherwise: the saved
+  // position would point into another order.
+  if (const auto it = c.metadata.find("data"); it != c.metadata.end())
+    REPLICA_USAGE_CHECK(it->second == run.data,
+                        "{}: checkpoint was trained on '{}', this run reads '{}': its position "
+                        "would point into another order of samples",
+                        path, it->second, run.data);
   // Weights and optimizer state alike: a NaN resumed would surface steps later as "training
   // diverged", blaming the learning rate.
   for (const auto& [name, t] : c.tensors) {

@@ -22,16 +22,26 @@ struct RunPosition {
 
 std::string checkpoint_path(const std::string& dir);  // dir/checkpoint.safetensors
 
+// What a resumed run must share with the run that wrote the checkpoint, beyond the model: the
+// order of the samples (the seed, and the data: its size and drop_last decide each epoch's
+// batches) and the batch, so that the saved position points at the same next batch.
+struct RunIdentity {
+  uint64_t seed = 0;
+  int64_t batch_size = 0;
+  std::string data;  // "synthetic, 512 samples", "60000 samples, drop_last", ...
+};
+
 // Writes atomically (never a half-written file). Tensors: "model.<param>", "buffer.<name>",
-// "optim.<state>"; metadata: format, model, optimizer, seed, epoch, batch_in_epoch, step,
-// precision and, once an epoch was evaluated, best_accuracy and best_epoch.
+// "optim.<state>"; metadata: format, model, optimizer, seed, batch_size, data, epoch,
+// batch_in_epoch, step, precision and, once an epoch was evaluated, best_accuracy and best_epoch.
 void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const RunPosition& pos,
-                              uint64_t seed, int64_t batch_size);
+                              const RunIdentity& run);
 
 // Restores into the engine (then engine.state_loaded()) and returns the position. Errors if the
-// checkpoint belongs to another model, optimizer or batch size.
-RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine, uint64_t seed,
-                                     int64_t batch_size);
+// checkpoint belongs to another model, optimizer, seed, batch size or data (checkpoints written
+// before the data was recorded are taken on trust).
+RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine,
+                                     const RunIdentity& run);
 
 // The trained model alone, as PyTorch's state_dict would hold it: parameters and buffers under
 // their torchvision names (e.g. "layer1.0.conv1.weight"), written atomically. Loads with

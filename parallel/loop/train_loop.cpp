@@ -79,7 +79,7 @@ TrainLoop::~TrainLoop() = default;
 
 // Restores the position, parameters and optimizer state from --checkpoint.
 void TrainLoop::resume() {
-  pos_ = load_training_checkpoint(c_.checkpoint_dir, *engine_, c_.engine.seed, c_.batch_size);
+  pos_ = load_training_checkpoint(c_.checkpoint_dir, *engine_, run_identity());
   report_->say(fmt::format("resumed from {} at epoch {}, step {}",
                            checkpoint_path(c_.checkpoint_dir), pos_.epoch + 1,
                            pos_.global_step));
@@ -213,7 +213,13 @@ void TrainLoop::run_epoch(int64_t epoch) {
 void TrainLoop::write_checkpoint() {
   if (c_.checkpoint_dir.empty() || !report_->lead()) return;
   TraceSpan span("host", "checkpoint");
-  save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, c_.engine.seed, c_.batch_size);
+  save_training_checkpoint(c_.checkpoint_dir, *engine_, pos_, run_identity());
+}
+
+RunIdentity TrainLoop::run_identity() const {
+  return {c_.engine.seed, c_.batch_size,
+          fmt::format("{}{} samples{}", c_.synthetic ? "synthetic, " : "", train_->size(),
+                      c_.drop_last ? ", drop_last" : "")};
 }
 
 int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start, Mark& steady) {

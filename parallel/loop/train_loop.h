@@ -47,6 +47,8 @@ class TrainLoop {
                                const Mark& steady) const;
   void log_step(int64_t epoch, int64_t batch, bool last_step);
   void write_checkpoint();
+  // What a checkpoint of this run records of it, and a resumed run must match.
+  RunIdentity run_identity() const;
   // Evaluation (evaluation.cpp): the test set's loss and accuracy into totals_; then whether the
   // epoch (1-based) is the best so far (pos_ then holds it, and --save-best's file its weights).
   void evaluate();
