@@ -54,6 +54,9 @@ TEST_CASE("bad flags and values are one-line errors") {
                      "a classifier of 100000000 classes: at most 1048576 (2^20)");
   expect_train_error(data + " --accumulate 99999999999",
                      "--accumulate '99999999999': the number is too large");
+  expect_train_error("--synthetic --synthetic-size 256 --mode ddp --devices cpu*2 --batch-size 32 "
+                     "--accumulate 100 --max-steps 1 --quiet",
+                     "--accumulate 100: each rank's batch of 16 samples splits into at most 16");
   expect_train_error(data + " --lr fast", "--lr 'fast': expected a number");
   expect_train_error(data + " --lr -0.1", "learning rate");
   expect_train_error(data + " --lr nan", "learning rate");

@@ -60,6 +60,12 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
                       "--batch-size {} is the global batch: it must divide by the {} ranks",
                       c.batch_size, rv.world_size);
+  // torch.chunk's sizes: a batch of B splits into at most B micro-batches, so a larger
+  // --accumulate would run fewer than it says (and the metrics would record the flag's).
+  REPLICA_USAGE_CHECK(c.accumulate <= c.batch_size / rv.world_size,
+                      "--accumulate {}: each rank's batch of {} samples splits into at most {} "
+                      "micro-batches",
+                      c.accumulate, c.batch_size / rv.world_size, c.batch_size / rv.world_size);
   const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
   const CommBackend backend =
       parse_comm_backend(c.backend != "auto" ? c.backend : own_gpu ? "nccl" : "gloo");
