@@ -50,16 +50,22 @@ bool channels_last_on_cpu() {
 
 }  // namespace
 
-DeviceContext::DeviceContext(Device device, ContextOptions options)
-    : device_(device), options_(options) {
-  REPLICA_USAGE_CHECK(!(options.cudnn_benchmark && options.deterministic),
+void check_cudnn_benchmark(bool benchmark, bool deterministic, const std::vector<Device>& devices) {
+  if (!benchmark) return;
+  REPLICA_USAGE_CHECK(!deterministic,
                       "--cudnn-benchmark times cuDNN's algorithms each run, so its pick can "
                       "change between runs: it cannot be combined with --deterministic");
+  for (const Device& d : devices)
+    REPLICA_USAGE_CHECK(d.is_cuda(), "{} has no cuDNN: --cudnn-benchmark needs a CUDA device",
+                        d.str());
+}
+
+DeviceContext::DeviceContext(Device device, ContextOptions options)
+    : device_(device), options_(options) {
+  check_cudnn_benchmark(options.cudnn_benchmark, options.deterministic, {device});
   if (device.is_cpu()) {
     REPLICA_USAGE_CHECK(options.precision != Precision::Tf32,
                         "{} has no TF32: --precision tf32 needs a CUDA device", device.str());
-    REPLICA_USAGE_CHECK(!options.cudnn_benchmark,
-                        "{} has no cuDNN: --cudnn-benchmark needs a CUDA device", device.str());
     // Tests lay CPU activations out NHWC (REPLICA_CHANNELS_LAST_ON_CPU=1): every CPU op then
     // runs on NCHW copies, which proves the layout's plumbing through the layers bit for bit.
     REPLICA_USAGE_CHECK(!options.channels_last || channels_last_on_cpu(),

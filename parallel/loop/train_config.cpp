@@ -138,10 +138,7 @@ void validate(const TrainConfig& c) {
   if (c.mode == "ddp" && c.backend == "nccl") check_nccl_usable(devices.at(0));
   // What the devices or the ranks would refuse later is said here too, so that --print-config
   // refuses what the run refuses.
-  if (c.engine.cudnn_benchmark)
-    for (const Device& d : devices)
-      REPLICA_USAGE_CHECK(d.is_cuda(), "{} has no cuDNN: --cudnn-benchmark needs a CUDA device",
-                          d.str());
+  check_cudnn_benchmark(c.engine.cudnn_benchmark, c.engine.deterministic, devices);
   if (c.synthetic)
     REPLICA_USAGE_CHECK(c.engine.num_classes >= 2,
                         "--num-classes must be at least 2 (a classifier's), got {}",
