@@ -23,6 +23,14 @@
 
 namespace replica {
 
+namespace {
+
+// Requests under kSmallRequest share segments of kSmallSegment; on a GPU larger segments are
+// rounded up to it (PyTorch's kSmallSize, kSmallBuffer and kRoundLarge).
+constexpr size_t kSmallRequest = size_t(1) << 20;
+constexpr size_t kSmallSegment = size_t(2) << 20;
+
+// MemAvailable + SwapFree from /proc/meminfo (0: unknown).
 size_t available_host_bytes() {
   std::FILE* f = std::fopen("/proc/meminfo", "r");
   if (!f) return 0;
@@ -36,23 +44,22 @@ size_t available_host_bytes() {
   return available == 0 ? 0 : size_t(available + swap) * 1024;
 }
 
-namespace {
-
-// Requests under kSmallRequest share segments of kSmallSegment; on a GPU larger segments are
-// rounded up to it (PyTorch's kSmallSize, kSmallBuffer and kRoundLarge).
-constexpr size_t kSmallRequest = size_t(1) << 20;
-constexpr size_t kSmallSegment = size_t(2) << 20;
-
 void check_host_room(size_t bytes) {
-  if (bytes < (size_t(256) << 20)) return;  // small blocks: not worth reading /proc
-  const size_t room = available_host_bytes();
-  if (room != 0 && bytes > room)
+  size_t room = 0;
+  if (!host_can_hold(bytes, &room))
     throw Error(fmt::format("out of host memory: a block of {:.1f} GiB is asked for and {:.1f} "
                             "GiB is available (a smaller --batch-size?)",
                             double(bytes) / (1 << 30), double(room) / (1 << 30)));
 }
 
 }  // namespace
+
+bool host_can_hold(size_t bytes, size_t* room) {
+  *room = 0;
+  if (bytes < (size_t(256) << 20)) return true;  // small blocks: not worth reading /proc
+  *room = available_host_bytes();
+  return *room == 0 || bytes <= *room;
+}
 
 Allocator::Allocator(Kind kind, Device device) : kind_(kind), device_(device) {}
 

@@ -105,11 +105,13 @@ class Allocator {
 
 // Process-wide host allocators (pinned is page-locked when a GPU is present, else plain host).
 Allocator& host_allocator();
-
-// MemAvailable + SwapFree from /proc/meminfo, in bytes (0: unknown). Host memory is committed
-// lazily, so a block the machine cannot hold is handed out and the kernel's OOM killer ends the
-// process later, with no message: large host blocks are checked against this first.
-size_t available_host_bytes();
 Allocator& pinned_allocator();
+
+// Whether this machine can hold `bytes` more of host memory (MemAvailable + SwapFree, from
+// /proc/meminfo, put in `room`). Host memory is committed lazily, so a block the machine cannot
+// hold is handed out and the kernel's OOM killer ends the process later, with no message: large
+// host blocks, and what will grow as large (a sampler's order), are checked here first. Under
+// 256 MiB, or where the machine does not say, the answer is yes.
+bool host_can_hold(size_t bytes, size_t* room);
 
 }  // namespace replica

@@ -59,15 +59,15 @@ Precision resolve_precision(const std::string& flag, const std::vector<Device>& 
 // UsageError for another word, or channels_last on CPU devices (they have no cuDNN).
 bool resolve_channels_last(const std::string& flag, Precision precision,
                            const std::vector<Device>& devices);
+// The resolved layout as the flag names it, for rows, metrics and ranks' command lines.
+inline const char* memory_format_name(bool channels_last) {
+  return channels_last ? "channels_last" : "nchw";
+}
 
 // --cudnn-benchmark with the devices and --deterministic it is given with: every device must be
 // a GPU (CPUs have no cuDNN), and timing algorithms each run cannot be deterministic. Checked by
 // each DeviceContext, and by a run's flags before any device is made (--print-config).
 void check_cudnn_benchmark(bool benchmark, bool deterministic, const std::vector<Device>& devices);
-// The resolved layout as the flag names it, for rows, metrics and ranks' command lines.
-inline const char* memory_format_name(bool channels_last) {
-  return channels_last ? "channels_last" : "nchw";
-}
 
 // Which cuDNN interface runs a GPU's convolutions (engine/cuda/conv.cu and conv_graph.h):
 //   Legacy  cudnnConvolutionForward and the backward calls, algorithms from cuDNN's *_v7

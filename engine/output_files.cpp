@@ -140,8 +140,7 @@ namespace {
 
 // What names one file: "dev:inode" where it exists, else its resolved absolute path; empty for
 // a device, pipe or descriptor, which are written in place and may be shared.
-std::string file_identity(const std::string& path) {
-  const OutputTarget t = output_target(path);
+std::string file_identity(const OutputTarget& t) {
   if (t.fd >= 0 || t.in_place) return "";
   struct stat st {};
   if (::stat(t.path.c_str(), &st) == 0) return fmt::format("{}:{}", st.st_dev, st.st_ino);
@@ -164,10 +163,10 @@ void check_outputs_apart(const std::vector<FlagPath>& outputs, const std::vector
                           "{} '{}' would replace a file of {} '{}', which the run reads: write "
                           "it elsewhere",
                           o.flag, o.path, in.flag, in.path);
-    const std::string id = file_identity(o.path);
+    const std::string id = file_identity(target);
     if (id.empty()) continue;
     for (const FlagPath& k : kept)
-      REPLICA_USAGE_CHECK(k.path.empty() || file_identity(k.path) != id,
+      REPLICA_USAGE_CHECK(k.path.empty() || file_identity(output_target(k.path)) != id,
                           "{} '{}' is the file that {} keeps: give another", o.flag, o.path,
                           k.flag);
     for (const auto& [other_id, other] : seen)

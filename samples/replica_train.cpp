@@ -37,12 +37,8 @@ constexpr const char* kDefaultData = "/usr/share/datasets/fashion-mnist";
 // (what `replica-launch --nproc-per-node N -- replica-train ...` does) and wait for them.
 // Returns the ranks' exit code, or nothing when this process should train as the only rank.
 std::optional<int> launch_ddp_ranks(const TrainConfig& c, int argc, char** argv) {
-  const char* rank_vars[] = {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
-  for (const char* v : rank_vars)
-    if (std::getenv(v)) return std::nullopt;  // a launcher (or mpirun/srun) started us
-  TrainConfig as_dp = c;
-  as_dp.mode = "dp";  // the devices DP would use: one rank each
-  const int n = int(resolve_devices(as_dp).size());
+  if (started_as_rank()) return std::nullopt;  // a launcher (or mpirun/srun) started us
+  const int n = self_launched_ranks(c);
   if (n <= 1) return std::nullopt;
   LaunchOptions o;
   o.name = "replica-train";

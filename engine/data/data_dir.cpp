@@ -34,18 +34,16 @@ DataSplits open_data_dir(const std::string& dir, bool with_test,
 bool data_dir_reads(const std::string& dir, const std::string& file) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  const fs::path root = fs::canonical(dir, ec);
-  if (ec) return false;
   const fs::path f = fs::canonical(file, ec);
   if (ec || !fs::is_regular_file(f, ec)) return false;
-  const fs::path rel = f.lexically_relative(root);
-  if (rel.empty() || *rel.begin() == "..") return false;
-  const std::string first = rel.begin()->string();
-  if (std::next(rel.begin()) != rel.end()) return first == "train" || first == "val";
-  for (const char* split : {"train", "t10k"})
-    for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
-      for (const char* gz : {"", ".gz"})
-        if (first == std::string(split) + kind + gz) return true;
+  for (const std::string& idx : mnist_files(dir))
+    if (fs::equivalent(idx, f, ec)) return true;
+  for (bool train : {true, false}) {
+    const fs::path split = fs::canonical(image_split_dir(dir, train), ec);
+    if (ec) continue;
+    const fs::path rel = f.lexically_relative(split);
+    if (!rel.empty() && *rel.begin() != "..") return true;
+  }
   return false;
 }
 

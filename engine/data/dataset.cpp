@@ -217,6 +217,15 @@ void check_mnist_dir(const std::string& dir, bool with_test) {
                                      : std::vector<std::string>{"train"});
 }
 
+std::vector<std::string> mnist_files(const std::string& dir) {
+  std::vector<std::string> files;
+  for (const char* split : {"train", "t10k"})
+    for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
+      if (std::string p = find_idx(dir, split + std::string(kind)); !p.empty())
+        files.push_back(std::move(p));
+  return files;
+}
+
 std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float mean, float stddev) {
   require_mnist_files(dir, {train ? "train" : "t10k"});
   REPLICA_USAGE_CHECK(stddev > 0.0f && std::isfinite(stddev) && std::isfinite(mean),

@@ -48,6 +48,10 @@ std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float me
 // split's and, `with_test`, the test split's, so a half-copied directory is named in one go.
 void check_mnist_dir(const std::string& dir, bool with_test);
 
+// The IDX files open_mnist reads in `dir` (of both splits, raw or .gz as it finds them): those
+// present, by path.
+std::vector<std::string> mnist_files(const std::string& dir);
+
 // `size` random samples of `sample_shape`: every element standard normal (like torch.randn),
 // labels uniform in [0, num_classes). A pure function of (seed, index, element): reading the
 // same index twice, from any thread, in any batch, gives the same bits. Nothing is stored.

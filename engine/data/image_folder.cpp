@@ -25,9 +25,6 @@ bool is_image_name(const fs::path& p) {
   return ext == ".jpg" || ext == ".jpeg" || ext == ".png";
 }
 
-fs::path split_dir(const std::string& dir, bool train) {
-  return fs::path(dir) / (train ? "train" : "val");
-}
 
 // The class directories of a split, sorted by name (ImageFolder's find_classes).
 std::vector<std::string> class_names(const fs::path& split) {
@@ -118,9 +115,13 @@ class ImageFolderDataset final : public Dataset {
 
 }  // namespace
 
+fs::path image_split_dir(const std::string& dir, bool train) {
+  return fs::path(dir) / (train ? "train" : "val");
+}
+
 bool is_image_folder(const std::string& dir) {
   std::error_code ec;
-  return fs::is_directory(split_dir(dir, true), ec);
+  return fs::is_directory(image_split_dir(dir, true), ec);
 }
 
 std::unique_ptr<Dataset> open_image_folder(const std::string& dir, bool train,
@@ -130,17 +131,17 @@ std::unique_ptr<Dataset> open_image_folder(const std::string& dir, bool train,
                           s[1] <= 4096 && s[2] <= 4096,
                       "an image folder's samples are 1 or 3 channels of at most 4096x4096 "
                       "pixels, not {}", shape_str(s));
-  const std::vector<std::string> classes = class_names(split_dir(dir, true));
+  const std::vector<std::string> classes = class_names(image_split_dir(dir, true));
   std::map<std::string, int32_t> label_of;
   for (size_t i = 0; i < classes.size(); ++i) label_of[classes[i]] = int32_t(i);
-  const fs::path split = split_dir(dir, train);
+  const fs::path split = image_split_dir(dir, train);
   std::vector<std::string> files;
   std::vector<int32_t> labels;
   for (const std::string& c : train ? classes : class_names(split)) {
     std::vector<std::string> images = class_images(split / c);  // an empty class named first
     auto it = label_of.find(c);
     REPLICA_USAGE_CHECK(it != label_of.end(), "{}: class '{}' is not among the {} classes of {}",
-                        split.string(), c, classes.size(), split_dir(dir, true).string());
+                        split.string(), c, classes.size(), image_split_dir(dir, true).string());
     for (std::string& f : images) {
       files.push_back(std::move(f));
       labels.push_back(it->second);

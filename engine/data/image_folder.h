@@ -10,6 +10,7 @@
 // samples with random crops and flips when augmenting, test samples centre-cropped.
 #pragma once
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -25,6 +26,8 @@ struct ImageFolderOptions {
 
 // Whether `dir` is laid out as an image folder (it has a train/ directory).
 bool is_image_folder(const std::string& dir);
+// Where a split's class directories are: DIR/train, or DIR/val for the test split.
+std::filesystem::path image_split_dir(const std::string& dir, bool train);
 
 // The split `train` (DIR/train) or the test split (DIR/val, never augmented), its files listed
 // once, here. Labels are the training split's class numbers in both. A UsageError names what is

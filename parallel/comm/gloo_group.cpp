@@ -82,7 +82,7 @@ class GlooGroup final : public ProcessGroup {
       // As a failed collective, whether the transport or the store (a peer's address never
       // published) gave up: the monitor names a rank that had stopped (one that exited on a
       // usage error, say), so the launcher reports that rank's error, not this consequence.
-      fail("gloo connecting to its peers", first_line(e.what()));
+      fail("gloo connecting to its peers", gloo_message(e.what()));
     }
   }
 
@@ -142,7 +142,7 @@ class GlooGroup final : public ProcessGroup {
   // Gloo's message, its first line, without the source location Gloo puts in front ("[./gloo/
   // transport/tcp/buffer.cc:73] Read timeout [127.0.0.1]:16297"): the user's error names the
   // peer and what timed out, not a file of Gloo's.
-  static std::string first_line(const std::string& s) {
+  static std::string gloo_message(const std::string& s) {
     std::string line = s.substr(0, s.find('\n'));
     if (line.rfind("[", 0) == 0) {
       const size_t end = line.find("] ");
@@ -169,7 +169,7 @@ class GlooGroup final : public ProcessGroup {
       f();
     } catch (const std::exception& e) {
       fail(what, fmt::format("after up to {} s: {}", timeout_.count() / 1000.0,
-                             first_line(e.what())));
+                             gloo_message(e.what())));
     }
   }
 

@@ -106,8 +106,6 @@ void save_model_weights(const std::string& path, TrainEngine& engine) {
 
 RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine,
                                      const RunIdentity& run) {
-  const uint64_t seed = run.seed;
-  const int64_t batch_size = run.batch_size;
   const std::string path = checkpoint_path(dir);
   REPLICA_USAGE_CHECK(std::filesystem::exists(path), "--resume: no checkpoint at '{}'", path);
   Checkpoint c = load_checkpoint(path);
@@ -123,12 +121,12 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
   REPLICA_USAGE_CHECK(meta(c, "optimizer", path) == engine.optimizer().name(),
                       "{}: checkpoint was trained with {}, this run uses {}", path,
                       meta(c, "optimizer", path), engine.optimizer().name());
-  REPLICA_USAGE_CHECK(int64_t(meta_count(c, "batch_size", path, 1)) == batch_size,
+  REPLICA_USAGE_CHECK(int64_t(meta_count(c, "batch_size", path, 1)) == run.batch_size,
                       "{}: checkpoint was trained with batch size {}, this run uses {}", path,
-                      meta(c, "batch_size", path), batch_size);
-  if (meta_count(c, "seed", path) != seed)
+                      meta(c, "batch_size", path), run.batch_size);
+  if (meta_count(c, "seed", path) != run.seed)
     throw UsageError(fmt::format("{}: checkpoint was trained with --seed {}, this run uses {}",
-                                 path, meta(c, "seed", path), seed));
+                                 path, meta(c, "seed", path), run.seed));
   // Another data set, size or drop_last orders the epoch's batches otherwise: the saved
   // position would point into another order.
   if (const auto it = c.metadata.find("data"); it != c.metadata.end())

@@ -1,5 +1,6 @@
 #include "parallel/loop/distributed_sampler.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "engine/allocator.h"
@@ -30,11 +31,12 @@ DistributedSampler::DistributedSampler(SamplerOptions o) : opt_(o) {
   // global order and this rank's share. A size the machine cannot hold is said now, not met
   // as std::bad_alloc or the OOM killer once the first epoch starts.
   const double need = 8.0 * (double(total_size_) + double(num_samples_));
-  const double room = double(available_host_bytes());
-  REPLICA_USAGE_CHECK(need < double(size_t(256) << 20) || room == 0 || need <= room,
+  size_t room = 0;
+  // (capped at 10^18 bytes, beyond any machine, so that the count fits a size_t)
+  REPLICA_USAGE_CHECK(host_can_hold(size_t(std::min(need, 1e18)), &room),
                       "a data set of {} samples: its shuffled order takes {:.1f} GiB and {:.1f} "
                       "GiB is available",
-                      n, need / (1 << 30), room / (1 << 30));
+                      n, need / (1 << 30), double(room) / (1 << 30));
 }
 
 std::vector<int64_t> DistributedSampler::global_indices() const {

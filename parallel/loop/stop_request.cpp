@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <iterator>
 #include <vector>
 
 #include "engine/output_files.h"
@@ -20,7 +21,7 @@ std::atomic<bool> g_installed{false};
 // SIGHUP too: a closed terminal or a dropped ssh session (and replica-launch passing either on)
 // would otherwise end a long run without the checkpoint a Ctrl-C writes.
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
-struct sigaction g_old[3];
+struct sigaction g_old[std::size(kStopSignals)];
 
 void on_signal(int sig) {
   if (g_signal != 0) {  // the second signal: the default action, now
@@ -44,12 +45,14 @@ StopRequest::StopRequest(bool on) {
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;  // blocking reads and collectives carry on; the loop checks the flag
-  for (int i = 0; i < 3; ++i) sigaction(kStopSignals[i], &sa, &g_old[i]);
+  for (size_t i = 0; i < std::size(kStopSignals); ++i)
+    sigaction(kStopSignals[i], &sa, &g_old[i]);
 }
 
 StopRequest::~StopRequest() {
   if (!installed_) return;
-  for (int i = 0; i < 3; ++i) sigaction(kStopSignals[i], &g_old[i], nullptr);
+  for (size_t i = 0; i < std::size(kStopSignals); ++i)
+    sigaction(kStopSignals[i], &g_old[i], nullptr);
   g_installed = false;
 }
 

@@ -1,5 +1,5 @@
-// Ctrl-C (SIGINT), SIGTERM and SIGHUP during training: the first signal asks the training loop to stop
-// after the step in progress (it then writes a checkpoint and exits 128 + signal); a second
+// Ctrl-C (SIGINT), SIGTERM and SIGHUP during training: the first signal asks the training loop
+// to stop after the step in progress (it then writes a checkpoint and exits 128 + signal); a second
 // one removes the temporary file being written, if any (engine/output_files.h), restores the
 // default action and re-raises it, which ends the process at once. Under DDP the ranks agree
 // on the step after which they all stop (StopAgreement).
@@ -10,8 +10,8 @@ namespace replica {
 
 class TrainEngine;  // parallel/engines/train_engine.h
 
-// While one lives (and `on`), SIGINT, SIGTERM and SIGHUP ask to stop; the handlers that were there
-// before come back however the scope ends.
+// While one lives (and `on`), SIGINT, SIGTERM and SIGHUP ask to stop; the handlers that were
+// there before come back however the scope ends.
 class StopRequest {
  public:
   explicit StopRequest(bool on);

@@ -1,5 +1,6 @@
 // Validating and describing a TrainConfig, and the devices it resolves to
 // (parallel/loop/trainer.h).
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -143,20 +144,28 @@ void validate(const TrainConfig& c) {
     REPLICA_USAGE_CHECK(c.engine.num_classes >= 2,
                         "--num-classes must be at least 2 (a classifier's), got {}",
                         c.engine.num_classes);
-  if (c.mode == "ddp" && c.batch_per_device == 0) {
-    // The ranks: a launcher's WORLD_SIZE, else the devices this process would start one each.
-    const char* world = std::getenv("WORLD_SIZE");
-    TrainConfig as_dp = c;
-    as_dp.mode = "dp";
-    const int64_t ranks = std::getenv("RANK") != nullptr && world != nullptr ? std::atoll(world)
-                          : std::getenv("OMPI_COMM_WORLD_RANK") == nullptr &&
-                                  std::getenv("SLURM_PROCID") == nullptr
-                              ? int64_t(resolve_devices(as_dp).size())
-                              : 1;  // Open MPI's or Slurm's numbers: the ranks check them
-    REPLICA_USAGE_CHECK(ranks < 1 || c.batch_size % ranks == 0,
-                        "--batch-size {} is the global batch: it must divide by the {} ranks",
-                        c.batch_size, ranks);
-  }
+  // The ranks: by hand, those this process would start; under a launcher its own numbers
+  // (the ranks check them when they meet).
+  if (c.mode == "ddp" && c.batch_per_device == 0 && !started_as_rank())
+    check_global_batch(c.batch_size, self_launched_ranks(c));
+}
+
+bool started_as_rank() {
+  for (const char* v : {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+    if (std::getenv(v) != nullptr) return true;
+  return false;
+}
+
+int self_launched_ranks(const TrainConfig& c) {
+  TrainConfig as_dp = c;
+  as_dp.mode = "dp";  // the devices DP would use: one rank each
+  return std::max(1, int(resolve_devices(as_dp).size()));
+}
+
+void check_global_batch(int64_t batch_size, int64_t ranks) {
+  REPLICA_USAGE_CHECK(batch_size % ranks == 0,
+                      "--batch-size {} is the global batch: it must divide by the {} ranks",
+                      batch_size, ranks);
 }
 
 std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out) {

@@ -57,9 +57,7 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   }
   if (c.batch_per_device > 0)
     c.batch_size = global_batch(c.batch_per_device, rv.world_size, "ranks");
-  REPLICA_USAGE_CHECK(c.batch_size % rv.world_size == 0,
-                      "--batch-size {} is the global batch: it must divide by the {} ranks",
-                      c.batch_size, rv.world_size);
+  check_global_batch(c.batch_size, rv.world_size);
   // torch.chunk's sizes: a batch of B splits into at most B micro-batches, so a larger
   // --accumulate would run fewer than it says (and the metrics would record the flag's).
   REPLICA_USAGE_CHECK(c.accumulate <= c.batch_size / rv.world_size,

@@ -77,4 +77,13 @@ const std::vector<ModeFlag>& mode_flags();
 // core (DP) / one CPU device (single).
 std::vector<Device> resolve_devices(const TrainConfig& config, std::string* spec = nullptr);
 
+// Whether a launcher started this process as one of its ranks: replica-launch or torchrun
+// (RANK), mpirun (OMPI_COMM_WORLD_RANK) or srun (SLURM_PROCID).
+bool started_as_rank();
+// --mode ddp started by hand: the ranks replica-train starts itself, one per device that DP
+// would use (1: it trains alone).
+int self_launched_ranks(const TrainConfig& config);
+// The global --batch-size is split evenly over the ranks.
+void check_global_batch(int64_t batch_size, int64_t ranks);
+
 }  // namespace replica

@@ -4,8 +4,8 @@
 // A signal sent to a process goes to any one of its threads that does not block it, and
 // blocking it in the launcher's thread says nothing of threads that were already there: by the
 // time `replica-train --mode ddp` launches its ranks, counting the GPUs has started the CUDA
-// driver's threads. A Ctrl-C one of them took would end the launcher at once and leave the ranks (in
-// process groups of their own, out of the terminal's reach) running. So besides blocking them
+// driver's threads. A Ctrl-C one of them took would end the launcher at once and leave the ranks
+// (in process groups of their own, out of the terminal's reach) running. So besides blocking them
 // here, a handler, whichever thread runs it, sends each of them on to the launcher's thread,
 // where it waits, pending, for sigtimedwait().
 #pragma once
