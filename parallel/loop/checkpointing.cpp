@@ -66,6 +66,69 @@ Checkpoint model_snapshot(TrainEngine& engine, const std::string& format,
   return c;
 }
 
+// The checkpoint was written by this run's model, optimizer, seed, batch and data: otherwise the
+// saved position would point into another run.
+void check_same_run(const Checkpoint& c, const std::string& path, TrainEngine& engine,
+                    const RunIdentity& run) {
+  REPLICA_USAGE_CHECK(meta(c, "format", path) == "replica-checkpoint-v1",
+                      "{}: unknown checkpoint format '{}'", path, meta(c, "format", path));
+  const ModelSpec& spec = engine.model().spec();
+  const std::string saved_model = meta(c, "model", path);
+  REPLICA_USAGE_CHECK(
+      saved_model == spec.name && meta(c, "input_shape", path) == shape_str(spec.input_shape),
+      "{}: checkpoint is of model {} {}, this run trains {} {}", path, saved_model,
+      meta(c, "input_shape", path), spec.name, shape_str(spec.input_shape));
+  REPLICA_USAGE_CHECK(meta(c, "optimizer", path) == engine.optimizer().name(),
+                      "{}: checkpoint was trained with {}, this run uses {}", path,
+                      meta(c, "optimizer", path), engine.optimizer().name());
+  REPLICA_USAGE_CHECK(int64_t(meta_count(c, "batch_size", path, 1)) == run.batch_size,
+                      "{}: checkpoint was trained with batch size {}, this run uses {}", path,
+                      meta(c, "batch_size", path), run.batch_size);
+  if (meta_count(c, "seed", path) != run.seed)
+    throw UsageError(fmt::format("{}: checkpoint was trained with --seed {}, this run uses {}",
+                                 path, meta(c, "seed", path), run.seed));
+  // Another data set, size or drop_last orders the epoch's batches otherwise.
+  if (const auto it = c.metadata.find("data"); it != c.metadata.end())
+    REPLICA_USAGE_CHECK(it->second == run.data,
+                        "{}: checkpoint was trained on '{}', this run reads '{}': its position "
+                        "would point into another order of samples",
+                        path, it->second, run.data);
+}
+
+// Weights and optimizer state alike: a NaN resumed would surface steps later as "training
+// diverged", blaming the learning rate.
+void check_finite(const Checkpoint& c, const std::string& path) {
+  for (const auto& [name, t] : c.tensors) {
+    if (t.dtype() != DType::F32) continue;
+    const float* v = t.f32();
+    for (int64_t i = 0; i < t.numel(); ++i)
+      REPLICA_USAGE_CHECK(std::isfinite(v[i]),
+                          "{}: tensor '{}' holds {} at element {}: the checkpoint cannot be "
+                          "resumed",
+                          path, name, v[i], i);
+  }
+}
+
+// The loop position, read before anything is restored: a corrupt field changes nothing.
+RunPosition read_position(const Checkpoint& c, const std::string& path) {
+  RunPosition pos;
+  pos.epoch = int64_t(meta_count(c, "epoch", path));
+  pos.batch_in_epoch = int64_t(meta_count(c, "batch_in_epoch", path));
+  pos.global_step = int64_t(meta_count(c, "step", path));
+  if (c.metadata.count("best_epoch")) {  // absent: no epoch evaluated (or an older checkpoint)
+    pos.best_epoch = int64_t(meta_count(c, "best_epoch", path, 1));
+    pos.best_accuracy = meta_number(c, "best_accuracy", path, 0.0, 1.0, "a number in [0, 1]");
+  }
+  if (c.metadata.count("precision")) {  // absent in checkpoints older than the field
+    pos.precision = meta(c, "precision", path);
+    REPLICA_USAGE_CHECK(pos.precision == "fp32" || pos.precision == "tf32" ||
+                            pos.precision == "bf16",
+                        "{}: corrupt checkpoint: metadata 'precision' is '{}', not fp32, tf32 or "
+                        "bf16", path, pos.precision);
+  }
+  return pos;
+}
+
 }  // namespace
 
 std::string checkpoint_path(const std::string& dir) {
@@ -108,43 +171,14 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
                                      const RunIdentity& run) {
   const std::string path = checkpoint_path(dir);
   REPLICA_USAGE_CHECK(std::filesystem::exists(path), "--resume: no checkpoint at '{}'", path);
-  Checkpoint c = load_checkpoint(path);
-  REPLICA_USAGE_CHECK(meta(c, "format", path) == "replica-checkpoint-v1",
-                      "{}: unknown checkpoint format '{}'", path, meta(c, "format", path));
-  Model& model = engine.model();
-  const std::string saved_model = meta(c, "model", path);
-  REPLICA_USAGE_CHECK(saved_model == model.spec().name && meta(c, "input_shape", path) ==
-                                                              shape_str(model.spec().input_shape),
-                      "{}: checkpoint is of model {} {}, this run trains {} {}", path, saved_model,
-                      meta(c, "input_shape", path), model.spec().name,
-                      shape_str(model.spec().input_shape));
-  REPLICA_USAGE_CHECK(meta(c, "optimizer", path) == engine.optimizer().name(),
-                      "{}: checkpoint was trained with {}, this run uses {}", path,
-                      meta(c, "optimizer", path), engine.optimizer().name());
-  REPLICA_USAGE_CHECK(int64_t(meta_count(c, "batch_size", path, 1)) == run.batch_size,
-                      "{}: checkpoint was trained with batch size {}, this run uses {}", path,
-                      meta(c, "batch_size", path), run.batch_size);
-  if (meta_count(c, "seed", path) != run.seed)
-    throw UsageError(fmt::format("{}: checkpoint was trained with --seed {}, this run uses {}",
-                                 path, meta(c, "seed", path), run.seed));
-  // Another data set, size or drop_last orders the epoch's batches otherwise: the saved
-  // position would point into another order.
-  if (const auto it = c.metadata.find("data"); it != c.metadata.end())
-    REPLICA_USAGE_CHECK(it->second == run.data,
-                        "{}: checkpoint was trained on '{}', this run reads '{}': its position "
-                        "would point into another order of samples",
-                        path, it->second, run.data);
-  // Weights and optimizer state alike: a NaN resumed would surface steps later as "training
-  // diverged", blaming the learning rate.
-  for (const auto& [name, t] : c.tensors) {
-    if (t.dtype() != DType::F32) continue;
-    const float* v = t.f32();
-    for (int64_t i = 0; i < t.numel(); ++i)
-      REPLICA_USAGE_CHECK(std::isfinite(v[i]),
-                          "{}: tensor '{}' holds {} at element {}: the checkpoint cannot be "
-                          "resumed",
-                          path, name, v[i], i);
-  }
+  const Checkpoint c = load_checkpoint(path);
+  check_same_run(c, path, engine, run);
+  check_finite(c, path);
+  const RunPosition pos = read_position(c, path);
+  const int64_t optimizer_steps = int64_t(meta_count(c, "optimizer_steps", path));
+  std::vector<std::pair<std::string, Tensor>> optim_state;
+  for (const auto& [name, t] : c.tensors)
+    if (name.rfind("optim.", 0) == 0) optim_state.emplace_back(name.substr(6), t);
   DeviceContext& ctx = engine.primary();
   auto restore = [&](const std::string& name, Tensor& dst) {
     const Tensor* src = c.find(name);
@@ -155,25 +189,7 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
                         name, dtype_name(src->dtype()), dtype_name(dst.dtype()));
     ctx.ops().copy(ctx, dst, *src);
   };
-  std::vector<std::pair<std::string, Tensor>> optim_state;
-  for (const auto& [name, t] : c.tensors)
-    if (name.rfind("optim.", 0) == 0) optim_state.emplace_back(name.substr(6), t);
-  RunPosition pos;  // read before anything is restored: a corrupt field changes nothing
-  pos.epoch = int64_t(meta_count(c, "epoch", path));
-  pos.batch_in_epoch = int64_t(meta_count(c, "batch_in_epoch", path));
-  pos.global_step = int64_t(meta_count(c, "step", path));
-  if (c.metadata.count("best_epoch")) {  // absent: no epoch evaluated (or an older checkpoint)
-    pos.best_epoch = int64_t(meta_count(c, "best_epoch", path, 1));
-    pos.best_accuracy = meta_number(c, "best_accuracy", path, 0.0, 1.0, "a number in [0, 1]");
-  }
-  if (c.metadata.count("precision")) {  // absent in checkpoints older than the field
-    pos.precision = meta(c, "precision", path);
-    REPLICA_USAGE_CHECK(pos.precision == "fp32" || pos.precision == "tf32" ||
-                            pos.precision == "bf16",
-                        "{}: corrupt checkpoint: metadata 'precision' is '{}', not fp32, tf32 or "
-                        "bf16", path, pos.precision);
-  }
-  const int64_t optimizer_steps = int64_t(meta_count(c, "optimizer_steps", path));
+  Model& model = engine.model();
   ctx.run([&] {
     for (Param* p : model.params()) restore("model." + p->name, p->value);
     for (Buffer* b : model.buffers()) restore("buffer." + b->name, b->value);
