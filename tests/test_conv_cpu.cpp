@@ -62,6 +62,72 @@ TEST_CASE("conv2d forward/backward are bit-identical for 1, 2 and 3 threads (bat
 }
 
 
+namespace {
+
+struct Layer {
+  int64_t n, c, k, h, w;
+  int r, stride, pad;
+};
+
+// Forward and input gradient against a direct convolution in double. The caching allocator's
+// blocks the column buffers will get are filled with NaN first: a column left unwritten shows.
+void check_against_direct(const Layer& l) {
+  CAPTURE(l.n);
+  CAPTURE(l.h);
+  CAPTURE(l.w);
+  CAPTURE(l.r);
+  CAPTURE(l.stride);
+  CAPTURE(l.pad);
+  const int64_t n = l.n, c = l.c, k = l.k, h = l.h, w = l.w;
+  const int64_t p = window_out(h, l.r, l.stride, l.pad);
+  const int64_t q = window_out(w, l.r, l.stride, l.pad);
+  const Shape xs = {n, c, h, w}, ws = {k, c, l.r, l.r}, ys = {n, k, p, q};
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
+  {
+    std::vector<Tensor> dirty;
+    for (int t = 0; t < 4; ++t) dirty.push_back(ctx.alloc({n * c * l.r * l.r * p * q}));
+    for (Tensor& t : dirty) ctx.ops().fill(ctx, t, std::numeric_limits<float>::quiet_NaN());
+  }
+  Tensor x = make(ctx, xs, 7), wt = make(ctx, ws, 8), b = make(ctx, {k}, 9);
+  Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 10), dx = ctx.alloc(xs);
+  Tensor dw = ctx.alloc(ws), db = ctx.alloc({k});
+  ctx.ops().fill(ctx, dw, 0.f);
+  ctx.ops().fill(ctx, db, 0.f);
+  const Conv2dParams prm{l.stride, l.pad};
+  ctx.run([&] {
+    ctx.ops().conv2d_forward(ctx, x, wt, b, y, prm);
+    ctx.ops().conv2d_backward(ctx, x, wt, dy, dx, dw, db, prm, InputGrad::Overwrite);
+  });
+  std::vector<double> ry(size_t(shape_numel(ys)), 0.0), rdx(size_t(shape_numel(xs)), 0.0);
+  auto at_x = [&](int64_t b_, int64_t c_, int64_t iy, int64_t ix) {
+    return size_t(((b_ * c + c_) * h + iy) * w + ix);
+  };
+  for (int64_t b_ = 0; b_ < n; ++b_)
+    for (int64_t k_ = 0; k_ < k; ++k_)
+      for (int64_t oy = 0; oy < p; ++oy)
+        for (int64_t ox = 0; ox < q; ++ox) {
+          const size_t yi = size_t(((b_ * k + k_) * p + oy) * q + ox);
+          double sum = b.f32()[k_];
+          for (int64_t c_ = 0; c_ < c; ++c_)
+            for (int64_t i = 0; i < l.r; ++i)
+              for (int64_t j = 0; j < l.r; ++j) {
+                const int64_t iy = oy * l.stride - l.pad + i;
+                const int64_t ix = ox * l.stride - l.pad + j;
+                if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
+                const float wv = wt.f32()[((k_ * c + c_) * l.r + i) * l.r + j];
+                sum += double(wv) * x.f32()[at_x(b_, c_, iy, ix)];
+                rdx[at_x(b_, c_, iy, ix)] += double(wv) * dy.f32()[yi];
+              }
+          ry[yi] = sum;
+        }
+  for (size_t i = 0; i < ry.size(); ++i)
+    REQUIRE(y.f32()[i] == doctest::Approx(ry[i]).epsilon(1e-4));
+  for (size_t i = 0; i < rdx.size(); ++i)
+    REQUIRE(dx.f32()[i] == doctest::Approx(rdx[i]).epsilon(1e-4));
+}
+
+}  // namespace
+
 TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct convolution") {
   // Stride-1 rows this wide go through im2col's and col2im's run loops: zero fill, contiguous
   // copy, zero fill, the bounds worked out per kernel column; the strided cases check the
@@ -70,57 +136,24 @@ TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct 
   struct Case { int r, stride, pad; };
   for (Case cs : {Case{3, 1, 1}, Case{5, 2, 2}, Case{3, 2, 0}, Case{1, 2, 0}, Case{7, 3, 3},
                   Case{4, 1, 4}, Case{5, 1, 0}}) {
-    CAPTURE(cs.r);
-    CAPTURE(cs.stride);
-    CAPTURE(cs.pad);
-    const int64_t n = 2, c = 2, k = 3, h = 22, w = 26;
-    const int64_t p = window_out(h, cs.r, cs.stride, cs.pad);
-    const int64_t q = window_out(w, cs.r, cs.stride, cs.pad);
-    REQUIRE(q >= 8);
-    const Shape xs = {n, c, h, w}, ws = {k, c, cs.r, cs.r}, ys = {n, k, p, q};
-    DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
-    {  // NaN in the blocks the kernels' column buffers (c*r*r x p*q per task) will get from the
-       // caching allocator: a column left unwritten shows.
-      std::vector<Tensor> dirty;
-      for (int t = 0; t < 4; ++t) dirty.push_back(ctx.alloc({c * cs.r * cs.r * p * q}));
-      for (Tensor& t : dirty) ctx.ops().fill(ctx, t, std::numeric_limits<float>::quiet_NaN());
-    }
-    Tensor x = make(ctx, xs, 7), wt = make(ctx, ws, 8), b = make(ctx, {k}, 9);
-    Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 10), dx = ctx.alloc(xs);
-    Tensor dw = ctx.alloc(ws), db = ctx.alloc({k});
-    ctx.ops().fill(ctx, dw, 0.f);
-    ctx.ops().fill(ctx, db, 0.f);
-    const Conv2dParams prm{cs.stride, cs.pad};
-    ctx.run([&] {
-      ctx.ops().conv2d_forward(ctx, x, wt, b, y, prm);
-      ctx.ops().conv2d_backward(ctx, x, wt, dy, dx, dw, db, prm, InputGrad::Overwrite);
-    });
-    std::vector<double> ry(size_t(shape_numel(ys)), 0.0), rdx(size_t(shape_numel(xs)), 0.0);
-    auto at_x = [&](int64_t b_, int64_t c_, int64_t iy, int64_t ix) {
-      return size_t(((b_ * c + c_) * h + iy) * w + ix);
-    };
-    for (int64_t b_ = 0; b_ < n; ++b_)
-      for (int64_t k_ = 0; k_ < k; ++k_)
-        for (int64_t oy = 0; oy < p; ++oy)
-          for (int64_t ox = 0; ox < q; ++ox) {
-            const size_t yi = size_t(((b_ * k + k_) * p + oy) * q + ox);
-            double sum = b.f32()[k_];
-            for (int64_t c_ = 0; c_ < c; ++c_)
-              for (int64_t i = 0; i < cs.r; ++i)
-                for (int64_t j = 0; j < cs.r; ++j) {
-                  const int64_t iy = oy * cs.stride - cs.pad + i;
-                  const int64_t ix = ox * cs.stride - cs.pad + j;
-                  if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
-                  const float wv = wt.f32()[((k_ * c + c_) * cs.r + i) * cs.r + j];
-                  sum += double(wv) * x.f32()[at_x(b_, c_, iy, ix)];
-                  rdx[at_x(b_, c_, iy, ix)] += double(wv) * dy.f32()[yi];
-                }
-            ry[yi] = sum;
-          }
-    for (size_t i = 0; i < ry.size(); ++i)
-      REQUIRE(y.f32()[i] == doctest::Approx(ry[i]).epsilon(1e-4));
-    for (size_t i = 0; i < rdx.size(); ++i)
-      REQUIRE(dx.f32()[i] == doctest::Approx(rdx[i]).epsilon(1e-4));
+    const Layer l{2, 2, 3, 22, 26, cs.r, cs.stride, cs.pad};
+    REQUIRE(window_out(l.w, l.r, l.stride, l.pad) >= 8);
+    check_against_direct(l);
+  }
+}
+
+TEST_CASE("conv2d on small outputs (the tap table) and pointwise layers (copies) equals a direct "
+          "convolution") {
+  // Outputs under 64 pixels read through a table of each kernel tap's source pixel (-1 for
+  // padding): a ResNet's late stages, 7x7 down to 1x1. Batches of 1 take the per-sample path,
+  // larger ones the batched GEMM. Pointwise layers copy channel planes, small or large.
+  for (int64_t n : {1, 3}) {
+    for (Layer l : {Layer{n, 3, 4, 2, 2, 3, 1, 1}, Layer{n, 3, 4, 1, 1, 3, 1, 1},
+                    Layer{n, 2, 5, 7, 7, 3, 1, 1}, Layer{n, 2, 5, 4, 5, 3, 2, 1},
+                    Layer{n, 2, 3, 3, 3, 2, 1, 2}, Layer{n, 2, 3, 8, 6, 5, 2, 3},
+                    Layer{n, 4, 6, 2, 2, 1, 1, 0}, Layer{n, 4, 6, 7, 7, 1, 1, 0},
+                    Layer{n, 4, 6, 12, 12, 1, 1, 0}, Layer{n, 4, 6, 7, 7, 1, 2, 0}})
+      check_against_direct(l);
   }
 }
 
