@@ -15,8 +15,9 @@ using namespace test;
 TEST_CASE("conv2d forward/backward are bit-identical for 1, 2 and 3 threads (batch 13)") {
   struct Case { int64_t c, k; int r, stride, pad; };
   // 9x9 input: 81 output pixels go one sample per GEMM; stride 2 (25 pixels) goes through the
-  // batched path, whose GEMMs split over output rows (k) and input rows (crr) in tasks of 32
-  // rows, or an eighth of them from 256 rows up (the last case: 520 and 576 rows).
+  // batched path, whose GEMMs split their larger dimension in tasks of 32, or an eighth of it
+  // from 256 up: over columns (13 x 25) for 70 output channels and the last case's weight
+  // gradient (576 columns), over rows for its 520 output channels.
   for (Case cs : {Case{3, 4, 3, 1, 1}, Case{3, 5, 3, 2, 1}, Case{6, 4, 1, 1, 0},
                   Case{8, 70, 3, 2, 1}, Case{40, 66, 1, 2, 0}, Case{64, 520, 3, 2, 1}}) {
     CAPTURE(cs.r);

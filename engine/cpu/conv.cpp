@@ -1,6 +1,6 @@
 // CPU convolution: im2col + OpenBLAS SGEMM (one thread per call), parallel over
-// samples; layers with few output pixels run one GEMM over the whole batch, split over output
-// rows. Weight gradients are accumulated per fixed chunk of samples (or in one GEMM over the
+// samples; layers with few output pixels run one GEMM over the whole batch, split in blocks of
+// its larger dimension. Weight gradients are accumulated per fixed chunk of samples (or in one GEMM over the
 // batch), then summed in order, so the result does not depend on the number of threads.
 #include <algorithm>
 #include <cstring>
@@ -55,15 +55,9 @@ void conv2d_bias_grad(const float* gp, const ConvGeometry& g, Tensor& db) {
 // Layers with few output pixels per sample (a ResNet's later stages: 7x7 down to 1x1 at 28x28
 // input) would make one GEMM per sample a thin product (N = pq columns), far below the BLAS's
 // speed. Below kBatchedPq output pixels the whole batch's columns sit side by side,
-// [crr, n*pq], and each product is one GEMM split over output rows across threads: every
+// [crr, n*pq], and each product is one GEMM split across threads (cpu::parallel_sgemm): every
 // element is the same sum whatever the thread count.
 constexpr int64_t kBatchedPq = 64;
-
-// Rows per GEMM call when a product is split over output rows: an eighth of them, at least 32
-// (fixed by the shape, not the machine). Every call packs the whole right-hand matrix again, so
-// 32-row calls on layers of 256 to 2,048 rows spent much of their time packing (conv forward
-// 3-7% and backward 8-12% slower over ResNet-101 at 28x28); 64-row layers still get two calls.
-int64_t row_grain(int64_t rows) { return std::max<int64_t>(32, rows / 8); }
 
 bool use_batched(const ConvGeometry& g) { return g.pq() < kBatchedPq && g.n > 1; }
 
@@ -87,10 +81,7 @@ void conv2d_forward_batched(DeviceContext& ctx, const float* x, const float* w, 
   Tensor out = scratch(ctx, g.k * ld);
   const float* cp = cols.f32();
   float* op = out.f32();
-  cpu::parallel_range(g.k, row_grain(g.k), [&](int64_t k0, int64_t k1) {
-    cpu::sgemm(false, false, k1 - k0, ld, g.crr(), 1.f, w + k0 * g.crr(), g.crr(), cp, ld, 0.f,
-               op + k0 * ld, ld);
-  });
+  cpu::parallel_sgemm(false, false, g.k, ld, g.crr(), 1.f, w, g.crr(), cp, ld, 0.f, op, ld);
   // [k, n*pq] -> y[n][k][pq], plus the bias
   cpu::parallel_range(g.n * g.k, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -119,16 +110,10 @@ void conv2d_backward_batched(DeviceContext& ctx, const float* x, const float* w,
   Tensor cols = batch_im2col(ctx, x, g, layout);
   float* cp = cols.f32();
   // dW[k, crr] += gy[k, n*pq] cols[crr, n*pq]^T
-  cpu::parallel_range(g.k, row_grain(g.k), [&](int64_t k0, int64_t k1) {
-    cpu::sgemm(false, true, k1 - k0, g.crr(), ld, 1.f, gy + k0 * ld, ld, cp, ld, 1.f,
-               dw + k0 * g.crr(), g.crr());
-  });
+  cpu::parallel_sgemm(false, true, g.k, g.crr(), ld, 1.f, gy, ld, cp, ld, 1.f, dw, g.crr());
   if (!dx) return;
   // dcols[crr, n*pq] = W^T gy (into the cols buffer, whose columns are no longer needed)
-  cpu::parallel_range(g.crr(), row_grain(g.crr()), [&](int64_t r0, int64_t r1) {
-    cpu::sgemm(true, false, r1 - r0, ld, g.k, 1.f, w + r0, g.crr(), gy, ld, 0.f, cp + r0 * ld,
-               ld);
-  });
+  cpu::parallel_sgemm(true, false, g.crr(), ld, g.k, 1.f, w, g.crr(), gy, ld, 0.f, cp, ld);
   cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       layout.col2im(cp + n * g.pq(), dx + n * g.c * g.h * g.w, ld);

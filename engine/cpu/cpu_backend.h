@@ -51,6 +51,15 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
            int64_t ldc);
 
+// sgemm as GEMM calls run in parallel, over blocks of C's larger dimension fixed by the shape (an
+// eighth of it, at least 32): every element of C is the same sum whatever the thread count. Each
+// call packs the whole operand the split does not cut (all of B for a block of rows, all of A
+// for a block of columns), so cutting the larger dimension repacks the smaller operand: at batch
+// 256, ResNet-101's row blocks spent a third as long repacking columns as multiplying them.
+void parallel_sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                    float* C, int64_t ldc);
+
 // Precision::Bf16 around an fp32 product (bf16.cpp). `product` computes without a bias, on F32
 // tensors: forward y = f(x, w); backward dx = ... (overwritten, skipped if undefined) and
 // dw += .... x, dy, y and dx may be BF16 (bf16 storage); w, dw and the bias are F32.

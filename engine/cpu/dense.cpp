@@ -1,6 +1,7 @@
 // CPU GEMM (OpenBLAS, one thread per call) and the linear layer on it.
 #include <cblas.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "engine/context.h"
@@ -28,6 +29,23 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, int(M), int(N), int(K), alpha, A, int(lda), B,
               int(ldb), beta, C, int(ldc));
+}
+
+void parallel_sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                    float* C, int64_t ldc) {
+  const auto grain = [](int64_t extent) { return std::max<int64_t>(32, extent / 8); };
+  if (M >= N) {
+    parallel_range(M, grain(M), [&](int64_t i0, int64_t i1) {
+      sgemm(trans_a, trans_b, i1 - i0, N, K, alpha, trans_a ? A + i0 : A + i0 * lda, lda, B, ldb,
+            beta, C + i0 * ldc, ldc);
+    });
+  } else {
+    parallel_range(N, grain(N), [&](int64_t j0, int64_t j1) {
+      sgemm(trans_a, trans_b, M, j1 - j0, K, alpha, A, lda, trans_b ? B + j0 * ldb : B + j0, ldb,
+            beta, C + j0, ldc);
+    });
+  }
 }
 
 }  // namespace cpu
