@@ -70,7 +70,7 @@ struct Layer {
   int r, stride, pad;
 };
 
-// Forward and input gradient against a direct convolution in double. The caching allocator's
+// Forward, input and weight gradients against a direct convolution in double. The caching allocator's
 // blocks the column buffers will get are filled with NaN first: a column left unwritten shows.
 void check_against_direct(const Layer& l) {
   CAPTURE(l.n);
@@ -100,6 +100,7 @@ void check_against_direct(const Layer& l) {
     ctx.ops().conv2d_backward(ctx, x, wt, dy, dx, dw, db, prm, InputGrad::Overwrite);
   });
   std::vector<double> ry(size_t(shape_numel(ys)), 0.0), rdx(size_t(shape_numel(xs)), 0.0);
+  std::vector<double> rdw(size_t(shape_numel(ws)), 0.0);
   auto at_x = [&](int64_t b_, int64_t c_, int64_t iy, int64_t ix) {
     return size_t(((b_ * c + c_) * h + iy) * w + ix);
   };
@@ -115,9 +116,11 @@ void check_against_direct(const Layer& l) {
                 const int64_t iy = oy * l.stride - l.pad + i;
                 const int64_t ix = ox * l.stride - l.pad + j;
                 if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
-                const float wv = wt.f32()[((k_ * c + c_) * l.r + i) * l.r + j];
+                const size_t wi = size_t(((k_ * c + c_) * l.r + i) * l.r + j);
+                const float wv = wt.f32()[wi];
                 sum += double(wv) * x.f32()[at_x(b_, c_, iy, ix)];
                 rdx[at_x(b_, c_, iy, ix)] += double(wv) * dy.f32()[yi];
+                rdw[wi] += double(dy.f32()[yi]) * x.f32()[at_x(b_, c_, iy, ix)];
               }
           ry[yi] = sum;
         }
@@ -125,6 +128,8 @@ void check_against_direct(const Layer& l) {
     REQUIRE(y.f32()[i] == doctest::Approx(ry[i]).epsilon(1e-4));
   for (size_t i = 0; i < rdx.size(); ++i)
     REQUIRE(dx.f32()[i] == doctest::Approx(rdx[i]).epsilon(1e-4));
+  for (size_t i = 0; i < rdw.size(); ++i)
+    REQUIRE(dw.f32()[i] == doctest::Approx(rdw[i]).epsilon(1e-4));
 }
 
 }  // namespace
@@ -147,13 +152,15 @@ TEST_CASE("conv2d on small outputs (the tap table) and pointwise layers (copies)
           "convolution") {
   // Outputs under 64 pixels read through a table of each kernel tap's source pixel (-1 for
   // padding): a ResNet's late stages, 7x7 down to 1x1. Batches of 1 take the per-sample path,
-  // larger ones the batched GEMM. Pointwise layers copy channel planes, small or large.
+  // larger ones the batched GEMMs, which the last two layers split in several blocks of rows and
+  // of columns, each way round. Pointwise layers copy channel planes, small or large.
   for (int64_t n : {1, 3}) {
     for (Layer l : {Layer{n, 3, 4, 2, 2, 3, 1, 1}, Layer{n, 3, 4, 1, 1, 3, 1, 1},
                     Layer{n, 2, 5, 7, 7, 3, 1, 1}, Layer{n, 2, 5, 4, 5, 3, 2, 1},
                     Layer{n, 2, 3, 3, 3, 2, 1, 2}, Layer{n, 2, 3, 8, 6, 5, 2, 3},
                     Layer{n, 4, 6, 2, 2, 1, 1, 0}, Layer{n, 4, 6, 7, 7, 1, 1, 0},
-                    Layer{n, 4, 6, 12, 12, 1, 1, 0}, Layer{n, 4, 6, 7, 7, 1, 2, 0}})
+                    Layer{n, 4, 6, 12, 12, 1, 1, 0}, Layer{n, 4, 6, 7, 7, 1, 2, 0},
+                    Layer{n, 8, 20, 4, 4, 3, 1, 1}, Layer{n, 8, 70, 4, 4, 3, 1, 1}})
       check_against_direct(l);
   }
 }
