@@ -115,6 +115,11 @@ std::vector<Device> parse_devices(const std::string& spec_in, bool allow_multi) 
     }
     for (int o : ordinals)
       for (int c = 0; c < copies; ++c) devices.push_back({DeviceType::CUDA, o, c});
+  } else if (base.rfind("cpu:", 0) == 0) {
+    // The tables name virtual CPU devices cpu:0, cpu:1, ...; the flag counts them instead.
+    throw UsageError(fmt::format("unknown device '{}': CPU devices are counted, not numbered: "
+                                 "cpu for one, cpu*N for N (cpu:0 .. cpu:N-1 in the tables)",
+                                 spec));
   } else {
     throw UsageError(fmt::format(
         "unknown device '{}' (try cpu, cpu*4, cuda, cuda:0, cuda:0,1, cuda:0*2)", spec));

@@ -64,6 +64,8 @@ TEST_CASE("bad flags and values are one-line errors") {
   expect_train_error(data + " --model transformer", "unknown model");
   expect_train_error(data + " --optimizer rmsprop", "rmsprop");
   expect_train_error(data + " --devices tpu", "unknown device");
+  expect_train_error(data + " --devices cpu:0",
+                     "CPU devices are counted, not numbered: cpu for one");
   expect_train_error(data + " --devices cuda:7", "GPU 7 does not exist");
   expect_train_error(data + " --devices cpu*0", "must be >= 1");
   expect_train_error(data + " --threads-per-device 0", "--threads-per-device");
