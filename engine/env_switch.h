@@ -50,10 +50,13 @@ inline constexpr EnvSwitch kChannelsLastOnCpu{"REPLICA_CHANNELS_LAST_ON_CPU", fa
 inline constexpr EnvSwitch kPrefetchOnCpu{"REPLICA_PREFETCH_ON_CPU", false};
 // DDP: every rank checks its parameters are bit-identical to rank 0's after each step.
 inline constexpr EnvSwitch kDdpCheckSync{"REPLICA_DDP_CHECK_SYNC", false};
+// Gloo groups whose ranks share a machine all-reduce through shared memory (0: Gloo's TCP).
+inline constexpr EnvSwitch kShmAllreduce{"REPLICA_SHM_ALLREDUCE", true};
 
 inline constexpr const EnvSwitch* kAll[] = {
     &kCudnnHeuristicOrder, &kCudnnLog,          &kCudaSlicedSums, &kCudaWideIndex,
-    &kPadChannels,         &kChannelsLastOnCpu, &kPrefetchOnCpu,  &kDdpCheckSync};
+    &kPadChannels,         &kChannelsLastOnCpu, &kPrefetchOnCpu,  &kDdpCheckSync,
+    &kShmAllreduce};
 // The variables a run reads that take a word rather than 1 or 0: a name one letter from these
 // is a typo too.
 inline constexpr const char* kChoices[] = {"REPLICA_CUDNN_API", "REPLICA_RESIDUAL_SUM"};

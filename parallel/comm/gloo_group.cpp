@@ -1,4 +1,5 @@
-// The Gloo process group: TCP transport, chunked ring all-reduce, one-to-all broadcast.
+// The Gloo process group: TCP transport, chunked ring all-reduce, one-to-all broadcast; where
+// every rank is on one machine, the all-reduce goes through shared memory (shm_allreduce.h).
 // AllreduceRingChunked reduce-scatters then all-gathers, so each element is summed once, in one
 // order, and every rank receives the same bits. (Plain AllreduceRing passes whole buffers
 // around the ring and each rank sums in its own order: with 3+ ranks the replicas drift apart
@@ -23,6 +24,7 @@
 #include "engine/ops.h"
 #include "parallel/comm/peer_monitor.h"
 #include "parallel/comm/process_group.h"
+#include "parallel/comm/shm_allreduce.h"
 #include "parallel/rendezvous/store.h"
 
 namespace replica {
@@ -74,6 +76,7 @@ class GlooGroup final : public ProcessGroup {
       GlooStore adapter(*o.store, o.timeout);
       ctx->connectFullMesh(adapter, device_);
       context_ = ctx;
+      shm_ = ShmAllreduce::connect(*o.store, rank, size, o.address, o.timeout);
     } catch (const UsageError&) {
       throw;
     } catch (const PeerFailure&) {
@@ -86,11 +89,14 @@ class GlooGroup final : public ProcessGroup {
     }
   }
 
-  std::string describe() const override { return "gloo"; }
+  std::string describe() const override {
+    return shm_ ? "gloo, all-reduce through shared memory (ranks on one machine)" : "gloo";
+  }
 
   void allreduce_sum(DeviceContext& ctx, Tensor& t, int slot) override {
     if (t.numel() == 0) return;
     with_host_view(ctx, t, [&](float* p) {
+      if (shm_) return run("shared-memory all-reduce", [&] { shm_->sum(p, t.numel()); });
       // Algorithm objects register their buffers with the transport: one is cached per
       // persistent buffer (made in the same order on every rank, since buckets launch in
       // order); for any other tensor a fresh one takes the next slot on every rank alike. A
@@ -195,6 +201,7 @@ class GlooGroup final : public ProcessGroup {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
   std::map<std::pair<void*, int64_t>, std::unique_ptr<gloo::Algorithm>> allreduce_;
+  std::unique_ptr<ShmAllreduce> shm_;  // ranks on one machine: all-reduce through shared memory
   int64_t max_piece_;
   std::map<int64_t, Tensor> staging_;
 };

@@ -37,10 +37,12 @@ bool loopback(const std::string& address) {
 
 }  // namespace
 
+std::string machine_id() { return hostname() + ":" + boot_id(); }
+
 NcclPlacement agree_on_placement(Store& store, const std::string& prefix, int rank, int size,
                                  const std::string& gpu_bus_id, const std::string& address) {
   // "host:boot/bus address": two ranks with the same text before the space use one GPU.
-  const std::string gpu = hostname() + ":" + boot_id() + "/" + gpu_bus_id;
+  const std::string gpu = machine_id() + "/" + gpu_bus_id;
   store.set(prefix + fmt::format("gpu/{}", rank), to_bytes(gpu + " " + address));
   std::set<std::string> gpus;
   bool all_loopback = true;

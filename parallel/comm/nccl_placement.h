@@ -13,6 +13,11 @@
 
 namespace replica {
 
+// This boot of this machine ("host:boot id"), as NCCL tells hosts apart: cloned machines may
+// share a hostname, never a boot id. Also what tells the shared-memory all-reduce that ranks
+// share a machine.
+std::string machine_id();
+
 struct NcclPlacement {
   int gpus = 1;             // distinct GPUs among the ranks
   bool shared_gpu = false;  // fewer GPUs than ranks
