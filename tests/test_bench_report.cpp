@@ -64,6 +64,8 @@ TEST_CASE("replica-bench: DP and DDP rows, traces and CSV from a short run") {
     if (n == 2) CHECK(row["busbw_gbps"].get<double>() > 0);
     CHECK(row["precision"] == "fp32");  // CPU devices
     CHECK(row["comm_timing"] == "host");  // Gloo: the communication thread's busy time
+    // Two ranks on one machine all-reduce through shared memory (one rank has no collectives).
+    if (row["mode"] == "ddp") CHECK(row["backend"] == (n == 2 ? "gloo-shm" : "gloo"));
   }
   const std::string csv = read_text(tmp.str("rows.csv"));
   CHECK(test::count_lines(csv) == 5);

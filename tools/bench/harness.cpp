@@ -168,6 +168,7 @@ Measurement measure(TrainEngine& engine, const std::vector<Batch>& batches, cons
   m.peak_held = engine.peak_held_bytes();
   for (int64_t b : engine.forward_kept_bytes()) m.forward_kept.push_back(size_t(b));
   m.comm_bytes = engine.comm_bytes_per_step();
+  m.collectives = engine.comm_description();
   return m;
 }
 
@@ -230,6 +231,7 @@ void merge(Measurement& into, const Measurement& next) {
     for (size_t i = 0; i < b.size(); ++i) a[i] = std::max(a[i], b[i]);
   }
   into.comm_bytes = std::max(into.comm_bytes, next.comm_bytes);
+  if (!next.collectives.empty()) into.collectives = next.collectives;
 }
 
 nlohmann::json to_json(const Measurement& m) {
@@ -239,7 +241,7 @@ nlohmann::json to_json(const Measurement& m) {
           {"track_ms", m.track_ms},             {"trace", trace},
           {"final_loss", m.final_loss},         {"peak_memory", m.peak_memory},
           {"peak_held", m.peak_held},           {"forward_kept", m.forward_kept},
-          {"comm_bytes", m.comm_bytes}};
+          {"comm_bytes", m.comm_bytes},         {"collectives", m.collectives}};
 }
 
 Measurement measurement_from_json(const nlohmann::json& j) {
@@ -255,6 +257,7 @@ Measurement measurement_from_json(const nlohmann::json& j) {
   m.peak_held = j.at("peak_held").get<std::vector<size_t>>();
   m.forward_kept = j.at("forward_kept").get<std::vector<size_t>>();
   m.comm_bytes = j.at("comm_bytes").get<int64_t>();
+  m.collectives = j.value("collectives", "");
   return m;
 }
 

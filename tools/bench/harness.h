@@ -78,6 +78,7 @@ struct Measurement {
   std::vector<size_t> peak_held;       // and bytes held (in use plus cached)
   std::vector<size_t> forward_kept;    // and what a training forward kept for backward
   int64_t comm_bytes = 0;              // engine->comm_bytes_per_step()
+  std::string collectives;             // engine->comm_description(): the transport measured
 };
 
 // Runs warm-up, `repeat` timed windows of `steps` steps, then the traced window. `batches` are

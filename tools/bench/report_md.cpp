@@ -53,6 +53,13 @@ std::string intro_section(const ReportInputs& in) {
           "these rows are a correctness and teaching run, not a scaling measurement. DDP over "
           "NCCL on them (`nccl-sockets`) gives each rank an NCCL host id of its own and talks "
           "over sockets: it measures no interconnect.\n\n";
+  for (const json& r : in.rows)
+    if (text(r, "backend") == "gloo-shm") {
+      md += "> **DDP over Gloo on one machine** (`gloo-shm`): the ranks all-reduce through shared "
+            "memory, not over TCP (`REPLICA_SHM_ALLREDUCE=0` measures Gloo's TCP over "
+            "loopback instead).\n\n";
+      break;
+    }
   if (num(env, "others_cpu_share") >= 0.05)
     md += fmt::format(
         "> **The machine was not idle**: other processes used {:.0f}% of its CPU time while this "

@@ -206,9 +206,12 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
   };
   row.update(comm_fields(c, facts, ranks));
   if (c.mode == "ddp") {
-    // NCCL between ranks that share a GPU runs over sockets (parallel/comm/nccl_placement.h).
+    // NCCL between ranks that share a GPU runs over sockets (parallel/comm/nccl_placement.h);
+    // Gloo between ranks on one machine all-reduces through shared memory (shm_allreduce.h).
+    const bool shm = m0.collectives.find("shared memory") != std::string::npos;
     row["backend"] = c.backend == "nccl" && devices_share_hardware(c.devices) ? "nccl-sockets"
-                                                                                : c.backend;
+                     : c.backend == "gloo" && shm                             ? "gloo-shm"
+                                                                              : c.backend;
     nlohmann::json rank_windows = nlohmann::json::array();
     for (const auto& r : ranks) rank_windows.push_back(r.window_seconds);
     row["rank_window_seconds"] = rank_windows;

@@ -71,7 +71,8 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
     auto group = make_process_group(go, ctx);
     const double grad_bytes = double(model_facts(o.run.model, o.run.input_shape).params) * 4;
     nlohmann::json points = allreduce_sweep(*group, ctx, sweep_sizes(grad_bytes));
-    if (rv.rank == 0) write_json_file(out + ".json", {{"points", points}});
+    if (rv.rank == 0)
+      write_json_file(out + ".json", {{"points", points}, {"collectives", group->describe()}});
     group->leave(ctx);  // rank 0 hosts the store: nobody leaves while another still uses it
     return 0;
   }
