@@ -56,6 +56,14 @@ bool exited(int pid) {
   return read == 1 && (state == 'Z' || state == 'X');
 }
 
+// "pid:[4026531836]": processes in other pid namespaces (containers sharing /dev/shm and the
+// network) cannot look each other up by pid.
+std::string pid_namespace() {
+  char link[128] = {0};
+  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof link - 1);
+  return n > 0 ? std::string(link, size_t(n)) : "unknown";
+}
+
 }  // namespace
 
 ShmAllreduce::ShmAllreduce(int rank, int size, std::chrono::milliseconds timeout)
@@ -91,9 +99,10 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int 
       }
     }
   }
-  // Round 1: every rank's segment (or "-"), its machine and address. All ranks read the same
-  // entries, so all decide alike whether to go on.
-  const std::string where = machine_id() + " " + address;
+  // Round 1: every rank's segment (or "-"), its machine, address and process namespace (a
+  // peer's pid is looked up to see whether it exited). All ranks read the same entries, so all
+  // decide alike whether to go on.
+  const std::string where = machine_id() + " " + address + " " + pid_namespace();
   store.set(fmt::format("shm/made/{}", rank),
             to_bytes(made ? fmt::format("{} {} {}", name, getpid(), where) : "-"));
   std::vector<std::string> names(static_cast<size_t>(size));
