@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <filesystem>
 #include <thread>
 
 #include "engine/context.h"
@@ -23,16 +25,17 @@ std::shared_ptr<Store> client(const TcpStoreServer& server) {
 }
 
 // `ranks` Gloo groups, one thread each, rank r at address `address(r)`: each all-reduces a
-// tensor of `numel` floats twice as one bucket (rank r holds r + i at i) and once as a one-off
-// tensor. Returns the wrong values per rank (-1: the rank failed) and rank 0's describe().
+// tensor of `numel` floats twice as one bucket and once as a one-off tensor. Rank r holds
+// 0.1 r + 0.001 (i mod 1000) at i: fractions, so that the order of the sum shows in the bits.
 struct Outcome {
-  std::vector<int64_t> wrong;
-  std::string described;
+  std::vector<std::vector<float>> bucket, once;  // each rank's results (empty: it failed)
+  std::string described;                         // rank 0's group
 };
 template <class Address>
 Outcome sum_on_ranks(int ranks, int64_t numel, Address address) {
   TcpStoreServer server("127.0.0.1", 0);
-  Outcome out{std::vector<int64_t>(size_t(ranks), -1), ""};
+  Outcome out{std::vector<std::vector<float>>(size_t(ranks)),
+              std::vector<std::vector<float>>(size_t(ranks)), ""};
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r)
     threads.emplace_back([&, r] {
@@ -43,25 +46,55 @@ Outcome sum_on_ranks(int ranks, int64_t numel, Address address) {
         auto pg = make_process_group(o, ctx);
         if (r == 0) out.described = pg->describe();
         Tensor bucket = ctx.alloc({numel}), once = ctx.alloc({numel});
-        for (int64_t i = 0; i < numel; ++i) bucket.f32()[i] = once.f32()[i] = float(r + i % 1000);
+        for (int64_t i = 0; i < numel; ++i)
+          bucket.f32()[i] = once.f32()[i] = 0.1f * float(r) + 0.001f * float(i % 1000);
         pg->allreduce_sum(ctx, bucket, /*slot=*/0);
         pg->allreduce_sum(ctx, bucket, /*slot=*/0);
         pg->allreduce_sum(ctx, once);
-        const float base = float(ranks * (ranks - 1) / 2);
-        int64_t bad = 0;
-        for (int64_t i = 0; i < numel; ++i) {
-          const float once_sum = float(ranks) * float(i % 1000) + base;
-          bad += once.f32()[i] != once_sum;
-          bad += bucket.f32()[i] != float(ranks) * once_sum;
-        }
         pg->barrier();
-        out.wrong[size_t(r)] = bad;
+        out.bucket[size_t(r)].assign(bucket.f32(), bucket.f32() + numel);
+        out.once[size_t(r)].assign(once.f32(), once.f32() + numel);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d: %s\n", r, e.what());
       }
     });
   for (auto& t : threads) t.join();
   return out;
+}
+
+// Every rank the same bits, close to the sum; with `rank_order`, exactly the float sum in rank
+// order (the shared-memory all-reduce's promise).
+void check_sums(const Outcome& o, int ranks, int64_t numel, bool rank_order) {
+  for (int r = 0; r < ranks; ++r) {
+    REQUIRE(o.once[size_t(r)].size() == size_t(numel));
+    CHECK(o.once[size_t(r)] == o.once[0]);
+    CHECK(o.bucket[size_t(r)] == o.bucket[0]);
+  }
+  int64_t off = 0, not_in_order = 0;
+  for (int64_t i = 0; i < numel; ++i) {
+    float in_order = 0.f;
+    double exact = 0.0;
+    for (int q = 0; q < ranks; ++q) {
+      const float v = 0.1f * float(q) + 0.001f * float(i % 1000);
+      in_order = q ? in_order + v : v;
+      exact += v;
+    }
+    float twice = in_order;
+    for (int q = 1; q < ranks; ++q) twice += in_order;
+    off += std::abs(o.once[0][size_t(i)] - exact) > 1e-5 * (1 + std::abs(exact));
+    not_in_order += o.once[0][size_t(i)] != in_order || o.bucket[0][size_t(i)] != twice;
+  }
+  CHECK(off == 0);
+  if (rank_order) CHECK(not_in_order == 0);
+}
+
+// This process's segment names left in /dev/shm (none once the groups are set up).
+int names_left() {
+  const std::string prefix = fmt::format("replica-allreduce-{}-", getpid());
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+    n += e.path().filename().string().rfind(prefix, 0) == 0;
+  return n;
 }
 
 std::string loopback(int) { return "127.0.0.1"; }
@@ -81,7 +114,8 @@ TEST_CASE("shared-memory all-reduce: every value right over rounds and uneven sh
       CAPTURE(ranks);
       const Outcome o = sum_on_ranks(ranks, numel, loopback);
       CHECK(o.described.find("shared memory") != std::string::npos);
-      for (int64_t w : o.wrong) CHECK(w == 0);
+      check_sums(o, ranks, numel, /*rank_order=*/true);
+      CHECK(names_left() == 0);
     }
 }
 
@@ -94,13 +128,13 @@ TEST_CASE("Gloo's TCP all-reduce where shared memory is off or the ranks' addres
     test::ScopedEnv off("REPLICA_SHM_ALLREDUCE", "0");
     const Outcome o = sum_on_ranks(3, 4097, loopback);
     CHECK(o.described == "gloo");
-    for (int64_t w : o.wrong) CHECK(w == 0);
+    check_sums(o, 3, 4097, /*rank_order=*/false);
   }
   SUBCASE("ranks at other addresses (as nodes in network namespaces of one machine)") {
     test::EnvGuard env({"REPLICA_SHM_ALLREDUCE"});
     const Outcome o = sum_on_ranks(2, 4097, [](int r) { return r ? "127.0.0.2" : "127.0.0.1"; });
     CHECK(o.described == "gloo");
-    for (int64_t w : o.wrong) CHECK(w == 0);
+    check_sums(o, 2, 4097, /*rank_order=*/false);
   }
 }
 
@@ -143,4 +177,32 @@ TEST_CASE("shared-memory all-reduce: a rank that exits is named at once, one tha
     CHECK_THROWS_WITH_AS(shm->sum(v.data(), 100), doctest::Contains("waited 1 s for rank 1"),
                          Error);
   }
+}
+
+TEST_CASE("shared-memory all-reduce: ranks whose calls differ in length both fail, and stay failed") {
+  test::EnvGuard env({"REPLICA_SHM_ALLREDUCE"});
+  TcpStoreServer server("127.0.0.1", 0);
+  std::string error1;
+  std::thread rank1([&] {
+    auto store = client(server);
+    auto shm = ShmAllreduce::connect(*store, 1, 2, "127.0.0.1", std::chrono::seconds(10));
+    std::vector<float> v(12, 1.f);
+    try {
+      shm->sum(v.data(), 12);
+    } catch (const Error& e) {
+      error1 = e.what();
+    }
+  });
+  auto store = client(server);
+  auto shm = ShmAllreduce::connect(*store, 0, 2, "127.0.0.1", std::chrono::seconds(10));
+  REQUIRE(shm);
+  std::vector<float> v(10, 1.f);
+  CHECK_THROWS_WITH_AS(shm->sum(v.data(), 10),
+                       "rank 1 all-reduces 12 values where this rank has 10: the ranks' calls "
+                       "differ",
+                       Error);
+  rank1.join();
+  CHECK(error1 == "rank 0 all-reduces 10 values where this rank has 12: the ranks' calls differ");
+  CHECK_THROWS_WITH_AS(shm->sum(v.data(), 10), "an earlier shared-memory all-reduce failed",
+                       Error);
 }

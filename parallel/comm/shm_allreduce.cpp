@@ -32,6 +32,9 @@ struct ShmAllreduce::Segment {
     std::atomic<uint32_t> value{0};
   };
   Counter counters[2];
+  // Per area, what this rank put there: the length of its call and of the round. Peers check
+  // them: ranks whose calls differ would otherwise sum unlike tensors without a word.
+  alignas(64) int64_t shape[2][2];
   alignas(4096) float areas[2][kAreaFloats];
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "counters shared between processes");
@@ -49,7 +52,7 @@ bool exited(int pid) {
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
   FILE* f = std::fopen(path, "r");
-  if (!f) return true;
+  if (!f) return errno == ENOENT;  // gone since kill(); not for want of a descriptor
   char state = '?';
   const int read = std::fscanf(f, "%*d (%*[^)]) %c", &state);
   std::fclose(f);
@@ -84,6 +87,14 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int 
   const std::string name = fmt::format("/replica-allreduce-{}-{}-{:08x}", getpid(), rank,
                                        uint32_t(entropy()));
   bool made = false;
+  // The name goes however this function ends: once every rank has mapped the segment, or when
+  // the set-up fails (a peer or the store gone).
+  struct Unlink {
+    std::string name;
+    ~Unlink() {
+      if (!name.empty()) shm_unlink(name.c_str());
+    }
+  } unlink_own;
   if (switches::kShmAllreduce.on()) {
     const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd >= 0) {
@@ -91,11 +102,10 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int 
       if (posix_fallocate(fd, 0, sizeof(Segment)) == 0)
         m = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       close(fd);
+      unlink_own.name = name;
       if (m != MAP_FAILED) {
         shm->segments_[size_t(rank)] = new (m) Segment;
         made = true;
-      } else {
-        shm_unlink(name.c_str());
       }
     }
   }
@@ -135,27 +145,42 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int 
   bool all_mapped = true;
   for (int r = 0; r < size; ++r)
     all_mapped &= to_string(store.get(fmt::format("shm/mapped/{}", r))) == "1";
-  if (made) shm_unlink(name.c_str());
   if (!all_mapped) return nullptr;  // the destructor unmaps what was mapped
   return shm;
 }
 
 void ShmAllreduce::sum(float* p, int64_t n) {
-  for (int64_t off = 0; off < n; off += kAreaFloats)
-    round(p + off, std::min(kAreaFloats, n - off));
+  // After a failure the ranks' rounds are out of step: every later call fails too.
+  if (failed_) throw Error("an earlier shared-memory all-reduce failed");
+  try {
+    for (int64_t off = 0; off < n; off += kAreaFloats)
+      round(p + off, std::min(kAreaFloats, n - off), n);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
 }
 
-void ShmAllreduce::round(float* p, int64_t n) {
+void ShmAllreduce::round(float* p, int64_t n, int64_t call_n) {
   const uint32_t r = ++rounds_;
   const int area = int(r % 2);
   Segment& mine = *segments_[size_t(rank_)];
+  mine.shape[area][0] = call_n;
+  mine.shape[area][1] = n;
   // In place: the tensor into this rank's area. A rank two rounds ahead would reuse this area,
   // but it cannot be: it waited in the round between for every rank to arrive.
   std::memcpy(mine.areas[area], p, size_t(n) * sizeof(float));
   mine.counters[0].value.store(r, std::memory_order_release);
   futex(&mine.counters[0].value, FUTEX_WAKE, INT_MAX, nullptr);
-  for (int q = 0; q < size_; ++q)
-    if (q != rank_) wait_for(q, 0, r);
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    wait_for(q, 0, r);
+    const int64_t* theirs = segments_[size_t(q)]->shape[area];
+    if (theirs[0] != call_n || theirs[1] != n)
+      throw Error(fmt::format("rank {} all-reduces {} values where this rank has {}: the ranks' "
+                              "calls differ",
+                              q, theirs[0], call_n));
+  }
   // This rank's 1/n, summed over the ranks in rank order, into its own area (which no other
   // rank reads until this rank's counter says it is summed).
   const int64_t begin = n * rank_ / size_, end = n * (rank_ + 1) / size_;

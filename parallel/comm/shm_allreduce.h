@@ -34,7 +34,7 @@ class ShmAllreduce {
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
 
   // p[0, n) <- the sum over ranks of p. Throws replica::Error naming the rank waited for when
-  // it exited or the timeout passed.
+  // it exited or the timeout passed, or one whose call has another length.
   void sum(float* p, int64_t n);
 
   // Floats a round carries (larger tensors go in rounds): each rank's segment holds two areas
@@ -44,7 +44,7 @@ class ShmAllreduce {
  private:
   struct Segment;
   ShmAllreduce(int rank, int size, std::chrono::milliseconds timeout);
-  void round(float* p, int64_t n);
+  void round(float* p, int64_t n, int64_t call_n);  // n <= kAreaFloats of a call of call_n
   // Waits until rank `peer`'s counter `which` (0 arrived, 1 summed) reaches `target`.
   void wait_for(int peer, int which, uint32_t target) const;
 
@@ -53,6 +53,7 @@ class ShmAllreduce {
   std::vector<Segment*> segments_;  // every rank's, mapped here; segments_[rank_] is ours
   std::vector<int> pids_;
   uint32_t rounds_ = 0;
+  bool failed_ = false;
 };
 
 }  // namespace replica
