@@ -2,7 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <signal.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -46,21 +46,8 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
 }
 
-// A process that has exited: gone, or a zombie its parent has not reaped yet.
-bool exited(int pid) {
-  if (kill(pid, 0) != 0) return errno == ESRCH;
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  FILE* f = std::fopen(path, "r");
-  if (!f) return errno == ENOENT;  // gone since kill(); not for want of a descriptor
-  char state = '?';
-  const int read = std::fscanf(f, "%*d (%*[^)]) %c", &state);
-  std::fclose(f);
-  return read == 1 && (state == 'Z' || state == 'X');
-}
-
-// "pid:[4026531836]": processes in other pid namespaces (containers sharing /dev/shm and the
-// network) cannot look each other up by pid.
+// "pid:[4026531836]": a pid means another process, or none, in another pid namespace
+// (containers sharing /dev/shm and the network).
 std::string pid_namespace() {
   char link[128] = {0};
   const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof link - 1);
@@ -70,11 +57,18 @@ std::string pid_namespace() {
 }  // namespace
 
 ShmAllreduce::ShmAllreduce(int rank, int size, std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), timeout_(timeout), segments_(size, nullptr), pids_(size, 0) {}
+    : rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      segments_(size, nullptr),
+      pids_(size, 0),
+      pidfds_(size, -1) {}
 
 ShmAllreduce::~ShmAllreduce() {
   for (Segment* s : segments_)
     if (s) munmap(s, sizeof(Segment));
+  for (int fd : pidfds_)
+    if (fd >= 0) close(fd);
 }
 
 std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int size,
@@ -140,6 +134,12 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int 
       break;
     }
     shm->segments_[size_t(r)] = static_cast<Segment*>(m);
+    // The peer's process, to see whether it exited: readable once it has (no pid reuse race).
+    shm->pidfds_[size_t(r)] = int(syscall(SYS_pidfd_open, shm->pids_[size_t(r)], 0));
+    if (shm->pidfds_[size_t(r)] < 0) {
+      mapped = false;
+      break;
+    }
   }
   store.set(fmt::format("shm/mapped/{}", rank), to_bytes(mapped ? "1" : "0"));
   bool all_mapped = true;
@@ -217,7 +217,8 @@ void ShmAllreduce::wait_for(int peer, int which, uint32_t target) const {
     if (reached(v)) return;
     futex(&word, FUTEX_WAIT, v, &slice);
     if (reached(word.load(std::memory_order_acquire))) return;
-    if (exited(pids_[size_t(peer)]))
+    pollfd gone{pidfds_[size_t(peer)], POLLIN, 0};
+    if (poll(&gone, 1, 0) > 0)
       throw Error(fmt::format("rank {} (pid {}) exited during the all-reduce", peer,
                               pids_[size_t(peer)]));
     if (std::chrono::steady_clock::now() > deadline)

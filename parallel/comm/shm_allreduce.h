@@ -52,6 +52,7 @@ class ShmAllreduce {
   std::chrono::milliseconds timeout_;
   std::vector<Segment*> segments_;  // every rank's, mapped here; segments_[rank_] is ours
   std::vector<int> pids_;
+  std::vector<int> pidfds_;  // each peer's process (pidfd_open), -1 for this rank
   uint32_t rounds_ = 0;
   bool failed_ = false;
 };
