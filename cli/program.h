@@ -165,10 +165,11 @@ inline std::optional<int> parse_cli(CLI::App& app, int argc, char** argv) {
     const size_t colon = msg.find(": ");
     if (colon != std::string::npos && msg.rfind("--", 0) == 0) {
       const std::string flag = msg.substr(0, colon), rest = msg.substr(colon + 2);
+      const std::string at_most = "At Most 1 required but received ";
       if (rest.find("required") != std::string::npos && rest.find("missing") != std::string::npos)
         msg = flag + " needs a value";
-      else if (rest.rfind("At Most 1 required but received ", 0) == 0)
-        msg = flag + " is given " + rest.substr(32) + " times: give it once";
+      else if (rest.rfind(at_most, 0) == 0)
+        msg = flag + " is given " + rest.substr(at_most.size()) + " times: give it once";
     }
     std::replace(msg.begin(), msg.end(), '\n', ' ');
     throw UsageError(msg + " (see --help)");

@@ -25,7 +25,6 @@ bool is_image_name(const fs::path& p) {
   return ext == ".jpg" || ext == ".jpeg" || ext == ".png";
 }
 
-
 // The class directories of a split, sorted by name (ImageFolder's find_classes).
 std::vector<std::string> class_names(const fs::path& split) {
   std::error_code ec;

@@ -41,7 +41,6 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free, "counters shared betwe
 
 namespace {
 
-
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
 }
@@ -80,7 +79,6 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int 
   std::random_device entropy;
   const std::string name = fmt::format("/replica-allreduce-{}-{}-{:08x}", getpid(), rank,
                                        uint32_t(entropy()));
-  bool made = false;
   // The name goes however this function ends: once every rank has mapped the segment, or when
   // the set-up fails (a peer or the store gone).
   struct Unlink {
@@ -97,16 +95,14 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int 
         m = mmap(nullptr, sizeof(Segment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       close(fd);
       unlink_own.name = name;
-      if (m != MAP_FAILED) {
-        shm->segments_[size_t(rank)] = new (m) Segment;
-        made = true;
-      }
+      if (m != MAP_FAILED) shm->segments_[size_t(rank)] = new (m) Segment;
     }
   }
   // Round 1: every rank's segment (or "-"), its machine, address and process namespace (a
   // peer's pid is looked up to see whether it exited). All ranks read the same entries, so all
   // decide alike whether to go on.
   const std::string where = machine_id() + " " + address + " " + pid_namespace();
+  const bool made = shm->segments_[size_t(rank)] != nullptr;
   store.set(fmt::format("shm/made/{}", rank),
             to_bytes(made ? fmt::format("{} {} {}", name, getpid(), where) : "-"));
   std::vector<std::string> names(static_cast<size_t>(size));
@@ -114,9 +110,9 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(Store& store, int rank, int 
   for (int r = 0; r < size; ++r) {
     const std::string entry = to_string(store.get(fmt::format("shm/made/{}", r)));
     char peer[256] = {0};
-    int pid = 0;
-    usable &= entry != "-" && std::sscanf(entry.c_str(), "%255s %d", peer, &pid) == 2 &&
-              entry.substr(entry.find(' ', entry.find(' ') + 1) + 1) == where;
+    int pid = 0, rest = 0;  // "name pid where": `rest` is where `where` starts
+    usable &= entry != "-" && std::sscanf(entry.c_str(), "%255s %d %n", peer, &pid, &rest) == 2 &&
+              entry.compare(size_t(rest), std::string::npos, where) == 0;
     names[size_t(r)] = peer;
     shm->pids_[size_t(r)] = pid;
   }

@@ -111,12 +111,12 @@ void validate(const TrainConfig& c) {
   // process they start) without --mode ddp, every rank would train the whole job alone and
   // write the same outputs. Slurm's and Open MPI's variables are left alone: a batch script's
   // own environment has them.
-  if (c.mode != "ddp" && std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr &&
-      std::atoi(std::getenv("WORLD_SIZE")) > 1)
+  const char* world = std::getenv("WORLD_SIZE");
+  if (c.mode != "ddp" && std::getenv("RANK") != nullptr && world != nullptr && std::atoi(world) > 1)
     throw UsageError(fmt::format(
         "started as one of {} ranks (RANK and WORLD_SIZE are set, as replica-launch sets them) "
         "but --mode is {}: each rank would train the whole job alone; give --mode ddp",
-        std::getenv("WORLD_SIZE"), c.mode));
+        world, c.mode));
   REPLICA_USAGE_CHECK(c.backend == "auto" || c.backend == "gloo" || c.backend == "nccl",
                       "unknown --backend '{}' (auto, gloo, nccl)", c.backend);
   timeout_from_seconds(c.timeout_s, "--timeout");

@@ -60,10 +60,11 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   check_global_batch(c.batch_size, rv.world_size);
   // torch.chunk's sizes: a batch of B splits into at most B micro-batches, so a larger
   // --accumulate would run fewer than it says (and the metrics would record the flag's).
-  REPLICA_USAGE_CHECK(c.accumulate <= c.batch_size / rv.world_size,
+  const int64_t per_rank = c.batch_size / rv.world_size;
+  REPLICA_USAGE_CHECK(c.accumulate <= per_rank,
                       "--accumulate {}: each rank's batch of {} samples splits into at most {} "
                       "micro-batches",
-                      c.accumulate, c.batch_size / rv.world_size, c.batch_size / rv.world_size);
+                      c.accumulate, per_rank, per_rank);
   const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
   const CommBackend backend =
       parse_comm_backend(c.backend != "auto" ? c.backend : own_gpu ? "nccl" : "gloo");

@@ -7,6 +7,7 @@
 #include "engine/error.h"
 #include "engine/ops.h"
 #include "tools/bench/report_math.h"
+#include "tools/bench/rows.h"
 
 namespace replica::bench {
 
@@ -165,13 +166,14 @@ nlohmann::json measure_ddp_allreduce(const SuiteOptions& o, const std::vector<in
   }
   const AlphaBeta whole = fit_alpha_beta(bytes, seconds);
   const AlphaBeta ring = ring_alpha_beta(whole, n);
-  // Gloo's ranks on one machine all-reduce through shared memory: a reduce-scatter and an
-  // all-gather over memory, modelled as the ring is.
-  const bool shm = j.value("collectives", "").find("shared memory") != std::string::npos;
-  const std::string backend = ddp_backend(o, n);
+  // (Gloo's ranks on one machine all-reduce through shared memory: a reduce-scatter and an
+  // all-gather over memory, modelled as the ring is.) Rank r ran on device r (mod the list).
+  std::vector<Device> ranks_devices;
+  for (int r = 0; r < n; ++r) ranks_devices.push_back(o.devices[size_t(r) % o.devices.size()]);
   return {{"what", "all-reduce across 2 ranks (ring: 2(n-1) messages of S/n each)"},
           {"ranks", n},
-          {"backend", backend == "gloo" && shm ? "gloo-shm" : backend},
+          {"backend", ddp_transport(ddp_backend(o, n), j.value("collectives", ""),
+                                    devices_share_hardware(ranks_devices))},
           {"points", j.at("points")},
           {"whole_alpha_s", whole.alpha_s},
           {"whole_beta_bytes_per_s", whole.beta_bytes_per_s},

@@ -145,6 +145,14 @@ nlohmann::json comm_fields(const Config& c, const ModelFacts& facts,
 
 }  // namespace
 
+std::string ddp_transport(const std::string& backend, const std::string& collectives,
+                          bool share_gpu) {
+  if (backend == "nccl" && share_gpu) return "nccl-sockets";
+  if (backend == "gloo" && collectives.find("shared memory") != std::string::npos)
+    return "gloo-shm";
+  return backend;
+}
+
 nlohmann::json make_row(const Config& c, const ModelFacts& facts,
                         const std::vector<Measurement>& ranks, const nlohmann::json& env) {
   REPLICA_CHECK(!ranks.empty(), "no measurements for {} on {} devices", c.mode, c.devices.size());
@@ -206,12 +214,7 @@ nlohmann::json make_row(const Config& c, const ModelFacts& facts,
   };
   row.update(comm_fields(c, facts, ranks));
   if (c.mode == "ddp") {
-    // NCCL between ranks that share a GPU runs over sockets (parallel/comm/nccl_placement.h);
-    // Gloo between ranks on one machine all-reduces through shared memory (shm_allreduce.h).
-    const bool shm = m0.collectives.find("shared memory") != std::string::npos;
-    row["backend"] = c.backend == "nccl" && devices_share_hardware(c.devices) ? "nccl-sockets"
-                     : c.backend == "gloo" && shm                             ? "gloo-shm"
-                                                                              : c.backend;
+    row["backend"] = ddp_transport(c.backend, m0.collectives, devices_share_hardware(c.devices));
     nlohmann::json rank_windows = nlohmann::json::array();
     for (const auto& r : ranks) rank_windows.push_back(r.window_seconds);
     row["rank_window_seconds"] = rank_windows;

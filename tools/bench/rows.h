@@ -45,6 +45,12 @@ void append_rows(const std::string& path, const std::vector<nlohmann::json>& row
 void write_rows(const std::string& path, const std::vector<nlohmann::json>& rows);
 void write_csv(const std::string& path, const std::vector<nlohmann::json>& rows);
 
+// How rows and the all-reduce fit name what DDP's collectives ran over: `backend`, or
+// "nccl-sockets" where NCCL's ranks share a GPU (parallel/comm/nccl_placement.h), "gloo-shm"
+// where Gloo's ranks all-reduced through shared memory (`collectives`: the group's describe()).
+std::string ddp_transport(const std::string& backend, const std::string& collectives,
+                          bool share_gpu);
+
 // The fields every row has (replica's and PyTorch's).
 const std::vector<std::string>& required_fields();
 
