@@ -1,5 +1,5 @@
-// The CPU convolution: the same bits for 1, 2 and 3 threads, rows copied as runs equal to a
-// direct convolution, and a backward adding onto dx the bits of a backward then an add.
+// The CPU convolution: the same bits for 1, 2 and 3 threads, rows copied as runs, the tap
+// table and the plane matrix equal to a direct convolution, and a backward adding onto dx the bits of a backward then an add.
 #include <doctest/doctest.h>
 
 #include <limits>
@@ -7,6 +7,7 @@
 
 #include "cpu_kernel_helpers.h"
 #include "engine/context.h"
+#include "engine/cpu/plane_matrix.h"
 #include "engine/ops.h"
 
 using namespace replica;
@@ -91,16 +92,15 @@ void check_against_direct(const Layer& l) {
   }
   Tensor x = make(ctx, xs, 7), wt = make(ctx, ws, 8), b = make(ctx, {k}, 9);
   Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 10), dx = ctx.alloc(xs);
-  Tensor dw = ctx.alloc(ws), db = ctx.alloc({k});
-  ctx.ops().fill(ctx, dw, 0.f);
+  Tensor dw = make(ctx, ws, 11), db = ctx.alloc({k});  // dw += onto what is there
   ctx.ops().fill(ctx, db, 0.f);
   const Conv2dParams prm{l.stride, l.pad};
+  std::vector<double> rdw(dw.f32(), dw.f32() + dw.numel());
   ctx.run([&] {
     ctx.ops().conv2d_forward(ctx, x, wt, b, y, prm);
     ctx.ops().conv2d_backward(ctx, x, wt, dy, dx, dw, db, prm, InputGrad::Overwrite);
   });
   std::vector<double> ry(size_t(shape_numel(ys)), 0.0), rdx(size_t(shape_numel(xs)), 0.0);
-  std::vector<double> rdw(size_t(shape_numel(ws)), 0.0);
   auto at_x = [&](int64_t b_, int64_t c_, int64_t iy, int64_t ix) {
     return size_t(((b_ * c + c_) * h + iy) * w + ix);
   };
@@ -165,6 +165,35 @@ TEST_CASE("conv2d on small outputs (the tap table) and pointwise layers (copies)
   }
 }
 
+TEST_CASE("conv2d on planes smaller than the kernel (the plane matrix) equals a direct "
+          "convolution, with the same bits for 1, 2 and 3 threads") {
+  // A ResNet at 28x28 input: 3x3 on 2x2 planes, the stride-2 step to 1x1, and 3x3 on 1x1; then
+  // a plane that is not square, and a 5x5 kernel on 3x3 planes with no padding reaching past it.
+  // The last has 70 output channels: M's 280 rows split in blocks, and its gradient folds taps
+  // from several pixels into one weight.
+  for (Layer l : {Layer{5, 6, 4, 2, 2, 3, 1, 1}, Layer{5, 6, 4, 2, 2, 3, 2, 1},
+                  Layer{5, 6, 4, 1, 1, 3, 1, 1}, Layer{3, 4, 5, 1, 2, 3, 1, 1},
+                  Layer{4, 3, 70, 3, 3, 5, 1, 2}, Layer{1, 5, 4, 1, 1, 3, 1, 1}}) {
+    const Shape xs = {l.n, l.c, l.h, l.w}, ws = {l.k, l.c, l.r, l.r};
+    DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
+    const cpu::ConvGeometry g =
+        cpu::conv_geometry(probe.alloc(xs), probe.alloc(ws), Conv2dParams{l.stride, l.pad});
+    REQUIRE(cpu::use_plane_matrix(g));
+    check_against_direct(l);
+    const Shape ys = {l.n, l.k, g.p, g.q};
+    same_for_all_thread_counts([&](DeviceContext& ctx) {
+      Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), b = make(ctx, {l.k}, 3);
+      Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 4), dx = ctx.alloc(xs);
+      Tensor dw = make(ctx, ws, 5), db = make(ctx, {l.k}, 6);
+      const Conv2dParams prm{l.stride, l.pad};
+      ctx.ops().conv2d_forward(ctx, x, w, b, y, prm);
+      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm, InputGrad::Overwrite);
+      std::vector<float> r;
+      for (const Tensor* t : {&y, &dx, &dw, &db}) append(r, *t);
+      return r;
+    });
+  }
+}
 
 TEST_CASE("conv2d backward adding onto dx: the bits of a backward and an add, dw and db once") {
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {

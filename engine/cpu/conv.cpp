@@ -1,6 +1,7 @@
 // CPU convolution: im2col + OpenBLAS SGEMM (one thread per call), parallel over
 // samples; layers with few output pixels run one GEMM over the whole batch, split in blocks of
-// its larger dimension. Weight gradients are accumulated per fixed chunk of samples (or in one GEMM over the
+// its larger dimension; planes smaller than the kernel multiply their plane matrix instead
+// (plane_matrix.h). Weight gradients are accumulated per fixed chunk of samples (or in one GEMM over the
 // batch), then summed in order, so the result does not depend on the number of threads.
 #include <algorithm>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
 #include "engine/cpu/im2col.h"
+#include "engine/cpu/plane_matrix.h"
 #include "engine/error.h"
 
 namespace replica {
@@ -128,6 +130,7 @@ void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, c
   const float* wp = w.f32();
   const float* bp = b.defined() ? b.f32() : nullptr;
   float* yp = y.f32();
+  if (cpu::use_plane_matrix(g)) return cpu::plane_matrix_forward(ctx, xp, wp, bp, yp, g);
   if (use_batched(g)) return conv2d_forward_batched(ctx, xp, wp, bp, yp, g);
   const ColumnLayout layout(g);
   cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
@@ -155,8 +158,12 @@ void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
   const float* xp = x.f32();
   const float* wp = w.f32();
   const float* gp = dy.f32();
-  if (use_batched(g)) {
-    conv2d_backward_batched(ctx, xp, wp, gp, dx.defined() ? dx.f32() : nullptr, dw.f32(), g);
+  float* dxp = dx.defined() ? dx.f32() : nullptr;
+  if (cpu::use_plane_matrix(g) || use_batched(g)) {
+    if (cpu::use_plane_matrix(g))
+      cpu::plane_matrix_backward(ctx, xp, wp, gp, dxp, dw.f32(), g);
+    else
+      conv2d_backward_batched(ctx, xp, wp, gp, dxp, dw.f32(), g);
     conv2d_bias_grad(gp, g, db);
     return;
   }
@@ -165,7 +172,6 @@ void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
   const int64_t per_chunk = chunks ? (g.n + chunks - 1) / chunks : 0;
   Tensor partial = scratch(ctx, chunks * wsize);
   float* pw = partial.f32();
-  float* dxp = dx.defined() ? dx.f32() : nullptr;
 
   const ColumnLayout layout(g);
   // Each chunk of samples: its weight-gradient partial, and each sample's input gradient.
