@@ -52,11 +52,16 @@ inline constexpr EnvSwitch kPrefetchOnCpu{"REPLICA_PREFETCH_ON_CPU", false};
 inline constexpr EnvSwitch kDdpCheckSync{"REPLICA_DDP_CHECK_SYNC", false};
 // Gloo groups whose ranks share a machine all-reduce through shared memory (0: Gloo's TCP).
 inline constexpr EnvSwitch kShmAllreduce{"REPLICA_SHM_ALLREDUCE", true};
+// Convolutions on planes smaller than their kernel multiply the plane matrix
+// (engine/conv_geometry.h) instead of im2col's columns (CPU) or cuDNN's kernels (CUDA: off
+// until it has been timed against cuDNN on a GPU).
+inline constexpr EnvSwitch kPlaneMatrix{"REPLICA_PLANE_MATRIX", true};
+inline constexpr EnvSwitch kCudaPlaneMatrix{"REPLICA_CUDA_PLANE_MATRIX", false};
 
 inline constexpr const EnvSwitch* kAll[] = {
     &kCudnnHeuristicOrder, &kCudnnLog,          &kCudaSlicedSums, &kCudaWideIndex,
     &kPadChannels,         &kChannelsLastOnCpu, &kPrefetchOnCpu,  &kDdpCheckSync,
-    &kShmAllreduce};
+    &kShmAllreduce,        &kPlaneMatrix,       &kCudaPlaneMatrix};
 // The variables a run reads that take a word rather than 1 or 0: a name one letter from these
 // is a typo too.
 inline constexpr const char* kChoices[] = {"REPLICA_CUDNN_API", "REPLICA_RESIDUAL_SUM"};

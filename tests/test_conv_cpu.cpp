@@ -7,7 +7,7 @@
 
 #include "cpu_kernel_helpers.h"
 #include "engine/context.h"
-#include "engine/cpu/plane_matrix.h"
+#include "engine/conv_geometry.h"
 #include "engine/ops.h"
 
 using namespace replica;
@@ -168,19 +168,20 @@ TEST_CASE("conv2d on small outputs (the tap table) and pointwise layers (copies)
 TEST_CASE("conv2d on planes smaller than the kernel (the plane matrix) equals a direct "
           "convolution, with the same bits for 1, 2 and 3 threads") {
   // A ResNet at 28x28 input: 3x3 on 2x2 planes, the stride-2 step to 1x1, and 3x3 on 1x1; then
-  // planes that are not square: 1x2, and 2x3 at stride 2, where the second output's window
-  // starts past column 0 and runs past the right edge (a pixel joined through the edge would
-  // show); a 5x5 kernel on 3x3 planes with 70 output channels: M's 630 rows split in blocks,
-  // and its gradient folds taps from several pixels into one weight; a batch of 1.
+  // planes that are not square: 1x2; 2x3 at stride 2, where the second output's window starts
+  // past column 0 and runs past the right edge; 4x1, where the first output row's window ends
+  // above the last input rows (a pixel joined from beyond the kernel's reach would show); a 5x5
+  // kernel on 3x3 planes with 70 output channels: M's 630 rows split in blocks, and its
+  // gradient folds taps from several pixels into one weight; a batch of 1.
   for (Layer l : {Layer{5, 6, 4, 2, 2, 3, 1, 1}, Layer{5, 6, 4, 2, 2, 3, 2, 1},
                   Layer{5, 6, 4, 1, 1, 3, 1, 1}, Layer{3, 4, 5, 1, 2, 3, 1, 1},
-                  Layer{4, 3, 5, 2, 3, 3, 2, 1}, Layer{4, 3, 70, 3, 3, 5, 1, 2},
-                  Layer{1, 5, 4, 1, 1, 3, 1, 1}}) {
+                  Layer{4, 3, 5, 2, 3, 3, 2, 1}, Layer{3, 3, 5, 4, 1, 3, 1, 1},
+                  Layer{4, 3, 70, 3, 3, 5, 1, 2}, Layer{1, 5, 4, 1, 1, 3, 1, 1}}) {
     const Shape xs = {l.n, l.c, l.h, l.w}, ws = {l.k, l.c, l.r, l.r};
     DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
-    const cpu::ConvGeometry g =
-        cpu::conv_geometry(probe.alloc(xs), probe.alloc(ws), Conv2dParams{l.stride, l.pad});
-    REQUIRE(cpu::use_plane_matrix(g));
+    const ConvGeometry g =
+        conv_geometry(probe.alloc(xs), probe.alloc(ws), Conv2dParams{l.stride, l.pad});
+    REQUIRE(plane_matrix_pays(g));
     check_against_direct(l);
     const Shape ys = {l.n, l.k, g.p, g.q};
     same_for_all_thread_counts([&](DeviceContext& ctx) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda_parity_rig.h"
+#include "engine/op_profile.h"
 #include "env_guard.h"
 #include "gpu_skip.h"
 
@@ -130,6 +131,35 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
   Tensor y0 = r.gpu.alloc({0, 6, 5, 7});
   CHECK_NOTHROW(r.g().conv2d_forward(r.gpu, x0, w, Tensor(), y0, Conv2dParams{1, 1}));
   CHECK_NOTHROW(r.gpu.synchronize());
+}
+
+TEST_CASE("cuda parity: conv2d on planes smaller than the kernel, through the plane matrix") {
+  if (!test::have_gpu()) return;
+  const ScopedEnv on("REPLICA_CUDA_PLANE_MATRIX", "1");
+  const ContextOptions heuristic, deterministic{0, true};
+  // The seed recipe's 2x2 and 1x1 planes and the stride-2 step between; a 4x1 plane; a 5x5
+  // kernel on 3x3 planes, whose 630 rows of M fold several pixels onto each weight.
+  conv_case(heuristic, 5, 6, 2, 2, 4, 3, Conv2dParams{1, 1}, true);
+  conv_case(deterministic, 5, 6, 2, 2, 4, 3, Conv2dParams{2, 1}, true);
+  conv_case(heuristic, 5, 6, 1, 1, 4, 3, Conv2dParams{1, 1}, false);
+  conv_case(heuristic, 3, 3, 4, 1, 5, 3, Conv2dParams{1, 1}, true);
+  conv_case(deterministic, 4, 3, 3, 3, 70, 5, Conv2dParams{1, 2}, false);
+  // It is the plane matrix that ran: its kernels are an op part of each call.
+  Rig r;
+  OpProfile profile;
+  r.gpu.set_op_profile(&profile);
+  Pair x = make_random(r, {5, 6, 2, 2}, 40), w = make_random(r, {4, 6, 3, 3}, 41);
+  Pair y = make_random(r, {5, 4, 2, 2}, 42), dx = make_random(r, {5, 6, 2, 2}, 43);
+  Pair dw = make_random(r, {4, 6, 3, 3}, 44);
+  Tensor no_b;
+  r.g().conv2d_forward(r.gpu, x.g, w.g, no_b, y.g, Conv2dParams{1, 1});
+  r.g().conv2d_backward(r.gpu, x.g, w.g, y.g, dx.g, dw.g, no_b, Conv2dParams{1, 1},
+                        InputGrad::Overwrite);
+  r.gpu.set_op_profile(nullptr);
+  int calls = 0;
+  for (const auto& [key, parts] : profile.parts())
+    if (parts.count("plane matrix (built, folded)")) calls += 1;
+  CHECK(calls == 2);
 }
 
 namespace {

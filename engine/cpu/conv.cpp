@@ -1,7 +1,7 @@
 // CPU convolution: im2col + OpenBLAS SGEMM (one thread per call), parallel over
 // samples; layers with few output pixels run one GEMM over the whole batch, split in blocks of
 // its larger dimension; planes smaller than the kernel multiply their plane matrix instead
-// (plane_matrix.h). Weight gradients are accumulated per fixed chunk of samples (or in one GEMM over the
+// (engine/conv_geometry.h). Weight gradients are accumulated per fixed chunk of samples (or in one GEMM over the
 // batch), then summed in order, so the result does not depend on the number of threads.
 #include <algorithm>
 #include <cstring>
@@ -11,6 +11,7 @@
 #include "engine/cpu/cpu_backend.h"
 #include "engine/cpu/im2col.h"
 #include "engine/cpu/plane_matrix.h"
+#include "engine/env_switch.h"
 #include "engine/error.h"
 
 namespace replica {
@@ -21,7 +22,6 @@ namespace {
 constexpr int64_t kMaxWeightChunks = 8;
 
 using cpu::ColumnLayout;
-using cpu::ConvGeometry;
 
 // A per-task scratch buffer from the device's caching allocator.
 Tensor scratch(DeviceContext& ctx, int64_t n) { return ctx.alloc({std::max<int64_t>(n, 1)}); }
@@ -62,6 +62,10 @@ void conv2d_bias_grad(const float* gp, const ConvGeometry& g, Tensor& db) {
 constexpr int64_t kBatchedPq = 64;
 
 bool use_batched(const ConvGeometry& g) { return g.pq() < kBatchedPq && g.n > 1; }
+
+bool use_plane_matrix(const ConvGeometry& g) {
+  return plane_matrix_pays(g) && switches::kPlaneMatrix.on();
+}
 
 // cols[:, n*pq ...] = im2col(x_n) for every sample n.
 Tensor batch_im2col(DeviceContext& ctx, const float* x, const ConvGeometry& g,
@@ -124,13 +128,13 @@ void conv2d_backward_batched(DeviceContext& ctx, const float* x, const float* w,
 
 void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
                         Tensor& y, const Conv2dParams& prm) {
-  const ConvGeometry g = cpu::conv_geometry(x, w, prm);
+  const ConvGeometry g = conv_geometry(x, w, prm);
   REPLICA_CHECK(y.numel() == g.n * g.k * g.pq(), "conv2d: output has the wrong size");
   const float* xp = x.f32();
   const float* wp = w.f32();
   const float* bp = b.defined() ? b.f32() : nullptr;
   float* yp = y.f32();
-  if (cpu::use_plane_matrix(g)) return cpu::plane_matrix_forward(ctx, xp, wp, bp, yp, g);
+  if (use_plane_matrix(g)) return cpu::plane_matrix_forward(ctx, xp, wp, bp, yp, g);
   if (use_batched(g)) return conv2d_forward_batched(ctx, xp, wp, bp, yp, g);
   const ColumnLayout layout(g);
   cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
@@ -154,13 +158,14 @@ void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, c
 void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                           const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
                           const Conv2dParams& prm) {
-  const ConvGeometry g = cpu::conv_geometry(x, w, prm);
+  const ConvGeometry g = conv_geometry(x, w, prm);
   const float* xp = x.f32();
   const float* wp = w.f32();
   const float* gp = dy.f32();
   float* dxp = dx.defined() ? dx.f32() : nullptr;
-  if (cpu::use_plane_matrix(g) || use_batched(g)) {
-    if (cpu::use_plane_matrix(g))
+  const bool plane = use_plane_matrix(g);
+  if (plane || use_batched(g)) {
+    if (plane)
       cpu::plane_matrix_backward(ctx, xp, wp, gp, dxp, dw.f32(), g);
     else
       conv2d_backward_batched(ctx, xp, wp, gp, dxp, dw.f32(), g);
@@ -215,7 +220,7 @@ void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
 void CpuBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                                 const Tensor& b, Tensor& y, const Conv2dParams& prm) {
   if (ctx.precision() != Precision::Bf16) return conv2d_forward_fp32(ctx, x, w, b, y, prm);
-  const ConvGeometry g = cpu::conv_geometry(x, w, prm);
+  const ConvGeometry g = conv_geometry(x, w, prm);
   cpu::bf16_forward(ctx, x, w, b, y, g.pq(), [&](const Tensor& xr, const Tensor& wr, Tensor& out) {
     conv2d_forward_fp32(ctx, xr, wr, Tensor(), out, prm);
   });
@@ -240,7 +245,7 @@ void CpuBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tens
         conv2d_backward_fp32(ctx, xr, wr, dyr, dxo, dwo, no_bias, prm);
       });
   // From dy's own values, as in fp32.
-  conv2d_bias_grad(dy32.f32(), cpu::conv_geometry(x, w, prm), db);
+  conv2d_bias_grad(dy32.f32(), conv_geometry(x, w, prm), db);
 }
 
 }  // namespace replica

@@ -6,20 +6,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/ops.h"
-#include "engine/tensor.h"
+#include "engine/conv_geometry.h"
 
 namespace replica::cpu {
-
-struct ConvGeometry {
-  int64_t n, c, h, w, k, r, p, q;
-  int stride, pad;
-  int64_t crr() const { return c * r * r; }
-  int64_t pq() const { return p * q; }
-  bool pointwise() const { return r == 1 && stride == 1 && pad == 0; }
-};
-
-ConvGeometry conv_geometry(const Tensor& x, const Tensor& w, const Conv2dParams& prm);
 
 // How one sample's input becomes its columns and back, chosen once per convolution and shared
 // by every sample: pointwise layers copy channel planes; stride-1 rows of 8+ columns go as runs;

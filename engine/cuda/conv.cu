@@ -239,6 +239,7 @@ void CudaBackend::conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tens
   if (y.numel() == 0) return;
   CudaState& s = cuda_state(ctx);
   if (padded_conv2d_forward(ctx, x, w, b, y, p)) return;  // a first layer's few channels
+  if (plane_matrix_conv2d_forward(ctx, x, w, b, y, p)) return;  // planes under the kernel
   if ((x.nhwc_memory() || y.nhwc_memory()) && !ctx.nhwc_convolution(x.dim(1), K)) {
     Tensor yn = y.nhwc_memory() ? ctx.alloc(y.shape(), y.dtype()) : y;
     const Tensor xn = op_part(ctx, kCopiesPart, [&] { return nchw_of(ctx, x); });
@@ -284,6 +285,7 @@ void CudaBackend::conv2d_backward(DeviceContext& ctx, const Tensor& x, const Ten
   }
   const bool add_to_dx = dx_mode == InputGrad::Accumulate;
   if (padded_conv2d_backward(ctx, x, w, dy, dx, dw, db, p, dx_mode)) return;
+  if (plane_matrix_conv2d_backward(ctx, x, w, dy, dx, dw, db, p, dx_mode)) return;
   if ((x.nhwc_memory() || dy.nhwc_memory() || dx.nhwc_memory()) &&
       !ctx.nhwc_convolution(x.dim(1), K)) {
     Tensor dxn, xn, dyn;

@@ -138,6 +138,9 @@ Tensor nchw_copy(DeviceContext& ctx, const Tensor& t);
 // zero channels to 8 and its gradients brought back without them (conv_padded.cu).
 inline constexpr const char* kCopiesPart = "operand copies (bf16, layout)";
 inline constexpr const char* kPaddingPart = "operand copies (channels padded to 8)";
+// The plane matrix's own kernels: M written from the weights, its gradient folded onto them
+// (conv_plane_matrix.cu); its GEMMs are the linear layer's.
+inline constexpr const char* kPlaneMatrixPart = "plane matrix (built, folded)";
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
 template <class T>
@@ -266,6 +269,14 @@ class CudaBackend final : public Backend {
   bool padded_conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                               const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
                               const Conv2dParams& p, InputGrad dx_mode);
+  // A convolution on planes smaller than its kernel, as one GEMM over the batch with its plane
+  // matrix (engine/conv_geometry.h), where REPLICA_CUDA_PLANE_MATRIX=1 and every operand is
+  // NCHW (conv_plane_matrix.cu): false, having done nothing, for any other.
+  bool plane_matrix_conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                   const Tensor& b, Tensor& y, const Conv2dParams& p);
+  bool plane_matrix_conv2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                                    const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
+                                    const Conv2dParams& p, InputGrad dx_mode);
   std::map<ConvKey, ConvPlan> conv_plans_;
 
   // A product's operands and results (bf16.cu); backward: dx, dw null when not wanted. `nhwc`:

@@ -1,0 +1,123 @@
+// Convolutions on planes smaller than their kernel as one GEMM over the batch with their plane
+// matrix (engine/conv_geometry.h): CudaBackend::plane_matrix_conv2d_forward and _backward, with
+// REPLICA_CUDA_PLANE_MATRIX=1.
+//
+// The seed recipe (ResNet-101 at 28x28) runs 22 of its 3x3 convolutions on 2x2 planes, where an
+// implicit-GEMM convolution multiplies 9 taps per output pixel and 5 of them fall on padding,
+// and three on 1x1 planes (8 of 9 on padding). Here a kernel writes M from the weights, the
+// products are the linear layer's cuBLAS calls on the NCHW tensors seen as [n, c*h*w] (fp32,
+// tf32 and bf16 alike: linear_forward/backward stage and round their operands), and a second
+// kernel folds M's gradient back onto the taps. Off by default: it has not yet been timed
+// against cuDNN on a GPU. NHWC operands keep cuDNN (a sample's values are then not M's row).
+#include "engine/conv_geometry.h"
+#include "engine/cuda/channel_pass.h"
+#include "engine/op_profile.h"
+
+namespace replica {
+
+namespace {
+
+// m[k*pq, c*hw] = the plane matrix of w[k, c, r, r]: a thread an entry.
+__global__ void build_plane_matrix(const float* w, float* m, ConvGeometry g) {
+  const int64_t cols = g.c * g.hw(), rr = g.r * g.r;
+  REPLICA_GRID_STRIDE(e, g.k * g.pq() * cols) {
+    const int64_t row = e / cols, col = e % cols;
+    const int tap = plane_tap(g, row % g.pq(), col % g.hw());
+    m[e] = tap >= 0 ? w[(row / g.pq() * g.c + col / g.hw()) * rr + tap] : 0.f;
+  }
+}
+
+// dw[k, c, r, r] += the sum of M's gradient dm over the entries of each weight's tap, output
+// pixel by output pixel, then input pixel by input pixel (a fixed order): a thread a weight.
+__global__ void fold_plane_matrix(const float* dm, float* dw, ConvGeometry g) {
+  const int64_t cols = g.c * g.hw(), rr = g.r * g.r;
+  REPLICA_GRID_STRIDE(e, g.k * g.c * rr) {
+    const int64_t kk = e / (g.c * rr), cc = e / rr % g.c;
+    const int tap = int(e % rr);
+    float sum = 0.f;
+    for (int64_t t = 0; t < g.pq(); ++t) {
+      const float* row = dm + (kk * g.pq() + t) * cols + cc * g.hw();
+      for (int64_t u = 0; u < g.hw(); ++u)
+        if (plane_tap(g, t, u) == tap) sum += row[u];
+    }
+    dw[e] += sum;
+  }
+}
+
+// Whether this convolution runs through M: switched on, cheaper than the taps, F32 weights and
+// every activation NCHW.
+bool takes_plane_matrix(const ConvGeometry& g, const Tensor& w,
+                        std::initializer_list<const Tensor*> activations) {
+  if (!switches::kCudaPlaneMatrix.on() || g.n == 0 || g.c == 0 || g.k == 0 ||
+      !plane_matrix_pays(g) || w.dtype() != DType::F32)
+    return false;
+  for (const Tensor* t : activations)
+    if (t->nhwc_memory()) return false;
+  return true;
+}
+
+}  // namespace
+
+bool CudaBackend::plane_matrix_conv2d_forward(DeviceContext& ctx, const Tensor& x,
+                                              const Tensor& w, const Tensor& b, Tensor& y,
+                                              const Conv2dParams& p) {
+  const ConvGeometry g = conv_geometry(x, w, p);
+  if (!takes_plane_matrix(g, w, {&x, &y})) return false;
+  const cudaStream_t stream = cuda_state(ctx).stream;
+  const int64_t rows = g.k * g.pq(), cols = g.c * g.hw();
+  Tensor m = ctx.alloc({rows, cols});
+  op_part(ctx, cuda::kPlaneMatrixPart, [&] {
+    build_plane_matrix<<<cuda::grid_for(rows * cols), cuda::kThreads, 0, stream>>>(
+        w.f32(), m.f32(), g);
+    REPLICA_LAUNCH_CHECK();
+  });
+  Tensor ys = y.reshape({g.n, rows});
+  linear_forward(ctx, x.reshape({g.n, cols}), m, Tensor(), ys);
+  if (b.defined()) cuda::add_channel_bias({g.n, g.k, g.pq()}, y, b, stream);
+  return true;
+}
+
+bool CudaBackend::plane_matrix_conv2d_backward(DeviceContext& ctx, const Tensor& x,
+                                               const Tensor& w, const Tensor& dy, Tensor& dx,
+                                               Tensor& dw, Tensor& db, const Conv2dParams& p,
+                                               InputGrad dx_mode) {
+  const ConvGeometry g = conv_geometry(x, w, p);
+  if (!takes_plane_matrix(g, w, {&x, &dy, &dx})) return false;
+  const cuda::ChannelDims bias{g.n, g.k, g.pq()};
+  const int bias_slices = db.defined() ? cuda::channel_slices(bias, "conv2d_backward") : 0;
+  const cudaStream_t stream = cuda_state(ctx).stream;
+  const int64_t rows = g.k * g.pq(), cols = g.c * g.hw();
+  const bool want_dx = dx.defined() && dx.numel() > 0;
+  // M for dx; M's gradient, from zero (the linear layer's dw adds onto what it holds).
+  Tensor m = ctx.alloc({rows, cols}), dm;
+  op_part(ctx, cuda::kPlaneMatrixPart, [&] {
+    if (want_dx) {
+      build_plane_matrix<<<cuda::grid_for(rows * cols), cuda::kThreads, 0, stream>>>(
+          w.f32(), m.f32(), g);
+      REPLICA_LAUNCH_CHECK();
+    }
+    if (dw.defined()) {
+      dm = ctx.alloc({rows, cols});
+      REPLICA_CUDA_CHECK(cudaMemsetAsync(dm.raw(), 0, dm.bytes(), stream));
+    }
+  });
+  // dx added onto: this call's gradient in a buffer of its own, then added.
+  const bool adds = want_dx && dx_mode == InputGrad::Accumulate;
+  Tensor own = adds ? ctx.alloc(dx.shape(), dx.dtype()) : dx;
+  Tensor dx_rows = want_dx ? own.reshape({g.n, cols}) : Tensor(), no_db;
+  linear_backward(ctx, x.reshape({g.n, cols}), m, dy.reshape({g.n, rows}), dx_rows, dm, no_db);
+  if (adds) add(ctx, dx, own, 1.f);
+  if (dw.defined())
+    op_part(ctx, cuda::kPlaneMatrixPart, [&] {
+      fold_plane_matrix<<<cuda::grid_for(dw.numel()), cuda::kThreads, 0, stream>>>(
+          dm.f32(), dw.f32(), g);
+      REPLICA_LAUNCH_CHECK();
+    });
+  if (db.defined())
+    cuda::accumulate_bias_grad(bias, bias_slices, dy,
+                               scratch(ctx, cuda::channel_sum_scratch(bias, bias_slices)), db,
+                               stream);
+  return true;
+}
+
+}  // namespace replica
