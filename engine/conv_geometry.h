@@ -39,7 +39,9 @@ inline constexpr int64_t kMaxPlaneMatrixFloats = int64_t(1) << 24;
 
 // Whether M costs fewer multiply-adds than the taps: per output channel, input channel and
 // output pixel, hw a sample plus one write of M a call, against r*r a sample; and M fits the cap.
+// Never for an empty product (no samples, channels or pixels): the other paths handle those.
 inline bool plane_matrix_pays(const ConvGeometry& g) {
+  if (g.n <= 0 || g.c <= 0 || g.k <= 0 || g.hw() <= 0) return false;
   return g.hw() * (g.n + 1) < g.r * g.r * g.n &&
          g.k * g.pq() * g.c * g.hw() <= kMaxPlaneMatrixFloats;
 }

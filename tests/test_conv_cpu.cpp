@@ -198,6 +198,33 @@ TEST_CASE("conv2d on planes smaller than the kernel (the plane matrix) equals a 
   }
 }
 
+TEST_CASE("conv2d on small planes with no input channels or no samples: the bias, no crash") {
+  // Shapes the plane matrix would divide by (no channels, no pixels): they keep the batched path.
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
+  ctx.run([&] {
+    Tensor x = ctx.alloc({3, 0, 2, 2}), w = ctx.alloc({4, 0, 3, 3}), b = make(ctx, {4}, 1);
+    Tensor y = ctx.alloc({3, 4, 2, 2}), dy = make(ctx, {3, 4, 2, 2}, 2);
+    Tensor dx = ctx.alloc({3, 0, 2, 2}), dw = ctx.alloc({4, 0, 3, 3}), db = ctx.alloc({4});
+    ctx.ops().fill(ctx, db, 0.f);
+    ctx.ops().conv2d_forward(ctx, x, w, b, y, Conv2dParams{1, 1});
+    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, Conv2dParams{1, 1}, InputGrad::Overwrite);
+    for (int64_t i = 0; i < y.numel(); ++i) CHECK(y.f32()[i] == b.f32()[i / 4 % 4]);
+    for (int64_t k = 0; k < 4; ++k) {
+      double s = 0;
+      for (int64_t n = 0; n < 3; ++n)
+        for (int64_t j = 0; j < 4; ++j) s += dy.f32()[(n * 4 + k) * 4 + j];
+      CHECK(db.f32()[k] == doctest::Approx(s).epsilon(1e-5));
+    }
+    Tensor x0 = ctx.alloc({0, 3, 2, 2}), w0 = make(ctx, {4, 3, 3, 3}, 3);
+    Tensor y0 = ctx.alloc({0, 4, 2, 2}), dx0 = ctx.alloc({0, 3, 2, 2});
+    Tensor dw0 = make(ctx, {4, 3, 3, 3}, 4), kept = make(ctx, {4, 3, 3, 3}, 4), no_db;
+    ctx.ops().conv2d_forward(ctx, x0, w0, Tensor(), y0, Conv2dParams{1, 1});
+    ctx.ops().conv2d_backward(ctx, x0, w0, y0, dx0, dw0, no_db, Conv2dParams{1, 1},
+                              InputGrad::Overwrite);
+    CHECK(values(dw0) == values(kept));
+  });
+}
+
 TEST_CASE("conv2d backward adding onto dx: the bits of a backward and an add, dw and db once") {
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
     for (int stride : {1, 2}) {  // 9x9 stride 1: a GEMM per sample (81 pixels); 2: batched

@@ -135,7 +135,8 @@ TEST_CASE("cuda parity: conv2d forward and backward") {
 
 TEST_CASE("cuda parity: conv2d on planes smaller than the kernel, through the plane matrix") {
   if (!test::have_gpu()) return;
-  const ScopedEnv on("REPLICA_CUDA_PLANE_MATRIX", "1");
+  // The GPU through M, the CPU's reference through im2col's columns: a wrong tap shows.
+  const ScopedEnv on("REPLICA_CUDA_PLANE_MATRIX", "1"), columns("REPLICA_PLANE_MATRIX", "0");
   const ContextOptions heuristic, deterministic{0, true};
   // The seed recipe's 2x2 and 1x1 planes and the stride-2 step between; a 4x1 plane; a 5x5
   // kernel on 3x3 planes, whose 630 rows of M fold several pixels onto each weight.

@@ -6,9 +6,12 @@
 // implicit-GEMM convolution multiplies 9 taps per output pixel and 5 of them fall on padding,
 // and three on 1x1 planes (8 of 9 on padding). Here a kernel writes M from the weights, the
 // products are the linear layer's cuBLAS calls on the NCHW tensors seen as [n, c*h*w] (fp32,
-// tf32 and bf16 alike: linear_forward/backward stage and round their operands), and a second
+// tf32 as the handle's math mode says), and a second
 // kernel folds M's gradient back onto the taps. Off by default: it has not yet been timed
-// against cuDNN on a GPU. NHWC operands keep cuDNN (a sample's values are then not M's row).
+// against cuDNN on a GPU. fp32 and tf32 only: in bf16 the weight gradient would be rounded per
+// entry of M before the fold rather than once per weight as cuDNN's and the CPU's are, and a dx
+// added onto would need the staged add; bf16 runs channels_last, where cuDNN's tensor-core
+// kernels take these layers anyway. NHWC operands keep cuDNN (a sample is then not M's row).
 #include "engine/conv_geometry.h"
 #include "engine/cuda/channel_pass.h"
 #include "engine/op_profile.h"
@@ -44,15 +47,15 @@ __global__ void fold_plane_matrix(const float* dm, float* dw, ConvGeometry g) {
   }
 }
 
-// Whether this convolution runs through M: switched on, cheaper than the taps, F32 weights and
-// every activation NCHW.
-bool takes_plane_matrix(const ConvGeometry& g, const Tensor& w,
-                        std::initializer_list<const Tensor*> activations) {
-  if (!switches::kCudaPlaneMatrix.on() || g.n == 0 || g.c == 0 || g.k == 0 ||
-      !plane_matrix_pays(g) || w.dtype() != DType::F32)
+// Whether this convolution runs through M: switched on, cheaper than the taps, fp32 or tf32,
+// and every tensor F32 and NCHW.
+bool takes_plane_matrix(const DeviceContext& ctx, const ConvGeometry& g,
+                        std::initializer_list<const Tensor*> tensors) {
+  if (!switches::kCudaPlaneMatrix.on() || !plane_matrix_pays(g) ||
+      ctx.precision() == Precision::Bf16)
     return false;
-  for (const Tensor* t : activations)
-    if (t->nhwc_memory()) return false;
+  for (const Tensor* t : tensors)
+    if (t->defined() && (t->dtype() != DType::F32 || t->nhwc_memory())) return false;
   return true;
 }
 
@@ -62,7 +65,7 @@ bool CudaBackend::plane_matrix_conv2d_forward(DeviceContext& ctx, const Tensor& 
                                               const Tensor& w, const Tensor& b, Tensor& y,
                                               const Conv2dParams& p) {
   const ConvGeometry g = conv_geometry(x, w, p);
-  if (!takes_plane_matrix(g, w, {&x, &y})) return false;
+  if (!takes_plane_matrix(ctx, g, {&x, &w, &y})) return false;
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int64_t rows = g.k * g.pq(), cols = g.c * g.hw();
   Tensor m = ctx.alloc({rows, cols});
@@ -82,16 +85,17 @@ bool CudaBackend::plane_matrix_conv2d_backward(DeviceContext& ctx, const Tensor&
                                                Tensor& dw, Tensor& db, const Conv2dParams& p,
                                                InputGrad dx_mode) {
   const ConvGeometry g = conv_geometry(x, w, p);
-  if (!takes_plane_matrix(g, w, {&x, &dy, &dx})) return false;
+  if (!takes_plane_matrix(ctx, g, {&x, &w, &dy, &dx, &dw})) return false;
   const cuda::ChannelDims bias{g.n, g.k, g.pq()};
   const int bias_slices = db.defined() ? cuda::channel_slices(bias, "conv2d_backward") : 0;
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int64_t rows = g.k * g.pq(), cols = g.c * g.hw();
   const bool want_dx = dx.defined() && dx.numel() > 0;
   // M for dx; M's gradient, from zero (the linear layer's dw adds onto what it holds).
-  Tensor m = ctx.alloc({rows, cols}), dm;
+  Tensor m, dm;
   op_part(ctx, cuda::kPlaneMatrixPart, [&] {
     if (want_dx) {
+      m = ctx.alloc({rows, cols});
       build_plane_matrix<<<cuda::grid_for(rows * cols), cuda::kThreads, 0, stream>>>(
           w.f32(), m.f32(), g);
       REPLICA_LAUNCH_CHECK();
@@ -101,12 +105,16 @@ bool CudaBackend::plane_matrix_conv2d_backward(DeviceContext& ctx, const Tensor&
       REPLICA_CUDA_CHECK(cudaMemsetAsync(dm.raw(), 0, dm.bytes(), stream));
     }
   });
-  // dx added onto: this call's gradient in a buffer of its own, then added.
-  const bool adds = want_dx && dx_mode == InputGrad::Accumulate;
-  Tensor own = adds ? ctx.alloc(dx.shape(), dx.dtype()) : dx;
-  Tensor dx_rows = want_dx ? own.reshape({g.n, cols}) : Tensor(), no_db;
-  linear_backward(ctx, x.reshape({g.n, cols}), m, dy.reshape({g.n, rows}), dx_rows, dm, no_db);
-  if (adds) add(ctx, dx, own, 1.f);
+  if (want_dx || dw.defined()) {
+    // dx added onto: this call's gradient in a buffer of its own, then added.
+    const bool adds = want_dx && dx_mode == InputGrad::Accumulate;
+    Tensor own = adds ? ctx.alloc(dx.shape(), dx.dtype()) : dx;
+    Tensor dx_rows = want_dx ? own.reshape({g.n, cols}) : Tensor(), no_db;
+    // Without dx, M's gradient stands in for M: the linear layer reads its weights for dx only.
+    linear_backward(ctx, x.reshape({g.n, cols}), want_dx ? m : dm, dy.reshape({g.n, rows}),
+                    dx_rows, dm, no_db);
+    if (adds) add(ctx, dx, own, 1.f);
+  }
   if (dw.defined())
     op_part(ctx, cuda::kPlaneMatrixPart, [&] {
       fold_plane_matrix<<<cuda::grid_for(dw.numel()), cuda::kThreads, 0, stream>>>(
