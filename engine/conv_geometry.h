@@ -54,4 +54,27 @@ REPLICA_HOST_DEVICE int plane_tap(const ConvGeometry& g, int64_t t, int64_t u) {
   return i >= 0 && i < g.r && j >= 0 && j < g.r ? int(i * g.r + j) : -1;
 }
 
+// Entry e of M (row-major [k*pq, c*hw]) for the weights w[k, c, r, r]: a GPU thread's work.
+REPLICA_HOST_DEVICE float plane_matrix_entry(const float* w, const ConvGeometry& g, int64_t e) {
+  const int64_t cols = g.c * g.hw(), row = e / cols, col = e % cols;
+  const int tap = plane_tap(g, row % g.pq(), col % g.hw());
+  return tap >= 0 ? w[(row / g.pq() * g.c + col / g.hw()) * g.r * g.r + tap] : 0.f;
+}
+
+// Weight e's gradient (w's layout [k, c, r, r]) from M's gradient dm: the sum of dm over the
+// entries of e's tap, output pixel by output pixel, then input pixel by input pixel (a fixed
+// order): a GPU thread's work.
+REPLICA_HOST_DEVICE float plane_matrix_weight_grad(const float* dm, const ConvGeometry& g,
+                                                   int64_t e) {
+  const int64_t rr = g.r * g.r, kk = e / (g.c * rr), cc = e / rr % g.c;
+  const int tap = int(e % rr);
+  float sum = 0.f;
+  for (int64_t t = 0; t < g.pq(); ++t) {
+    const float* row = dm + (kk * g.pq() + t) * g.c * g.hw() + cc * g.hw();
+    for (int64_t u = 0; u < g.hw(); ++u)
+      if (plane_tap(g, t, u) == tap) sum += row[u];
+  }
+  return sum;
+}
+
 }  // namespace replica

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "cpu_kernel_helpers.h"
@@ -196,6 +197,56 @@ TEST_CASE("conv2d on planes smaller than the kernel (the plane matrix) equals a 
       return r;
     });
   }
+}
+
+TEST_CASE("the plane matrix's entries and weight gradients as GPU threads compute them, against "
+          "their definition through the kernel's taps") {
+  // plane_matrix_entry and plane_matrix_weight_grad are the whole work of the CUDA kernels
+  // (engine/cuda/conv_plane_matrix.cu); here they run on the host over random geometries,
+  // whether or not the plane matrix would pay for them, against loops over kernel taps that
+  // share no code with them. Sums are in the same order, so the bits must match.
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  int checked = 0;
+  for (int it = 0; it < 400; ++it) {
+    ConvGeometry g{};
+    g.n = 1, g.c = 1 + rng() % 4, g.k = 1 + rng() % 4, g.r = 1 + rng() % 6;
+    g.stride = 1 + int(rng() % 3), g.pad = int(rng() % (g.r + 1));
+    g.h = 1 + rng() % 5, g.w = 1 + rng() % 5;
+    g.p = window_out(g.h, int(g.r), g.stride, g.pad);
+    g.q = window_out(g.w, int(g.r), g.stride, g.pad);
+    if (g.p <= 0 || g.q <= 0) continue;
+    CAPTURE(g.h);
+    CAPTURE(g.w);
+    CAPTURE(g.r);
+    CAPTURE(g.stride);
+    CAPTURE(g.pad);
+    const int64_t rr = g.r * g.r, cols = g.c * g.hw(), entries = g.k * g.pq() * cols;
+    std::vector<float> w(static_cast<size_t>(g.k * g.c * rr));
+    std::vector<float> dm(static_cast<size_t>(entries));
+    for (float& v : w) v = uniform(rng);
+    for (float& v : dm) v = uniform(rng);
+    std::vector<float> m(static_cast<size_t>(entries), 0.f), dw(w.size(), 0.f);
+    for (int64_t kk = 0; kk < g.k; ++kk)
+      for (int64_t cc = 0; cc < g.c; ++cc)
+        for (int64_t i = 0; i < g.r; ++i)
+          for (int64_t j = 0; j < g.r; ++j)
+            for (int64_t oy = 0; oy < g.p; ++oy)
+              for (int64_t ox = 0; ox < g.q; ++ox) {
+                const int64_t iy = oy * g.stride - g.pad + i, ix = ox * g.stride - g.pad + j;
+                if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+                const size_t at = size_t((kk * g.pq() + oy * g.q + ox) * cols + cc * g.hw() +
+                                         iy * g.w + ix);
+                const size_t wi = size_t((kk * g.c + cc) * rr + i * g.r + j);
+                m[at] = w[wi];
+                dw[wi] += dm[at];
+              }
+    for (int64_t e = 0; e < entries; ++e) REQUIRE(plane_matrix_entry(w.data(), g, e) == m[size_t(e)]);
+    for (int64_t e = 0; e < int64_t(w.size()); ++e)
+      REQUIRE(plane_matrix_weight_grad(dm.data(), g, e) == dw[size_t(e)]);
+    ++checked;
+  }
+  CHECK(checked > 300);
 }
 
 TEST_CASE("conv2d on small planes with no input channels or no samples: the bias, no crash") {

@@ -22,29 +22,12 @@ namespace {
 
 // m[k*pq, c*hw] = the plane matrix of w[k, c, r, r]: a thread an entry.
 __global__ void build_plane_matrix(const float* w, float* m, ConvGeometry g) {
-  const int64_t cols = g.c * g.hw(), rr = g.r * g.r;
-  REPLICA_GRID_STRIDE(e, g.k * g.pq() * cols) {
-    const int64_t row = e / cols, col = e % cols;
-    const int tap = plane_tap(g, row % g.pq(), col % g.hw());
-    m[e] = tap >= 0 ? w[(row / g.pq() * g.c + col / g.hw()) * rr + tap] : 0.f;
-  }
+  REPLICA_GRID_STRIDE(e, g.k * g.pq() * g.c * g.hw()) m[e] = plane_matrix_entry(w, g, e);
 }
 
-// dw[k, c, r, r] += the sum of M's gradient dm over the entries of each weight's tap, output
-// pixel by output pixel, then input pixel by input pixel (a fixed order): a thread a weight.
+// dw[k, c, r, r] += its gradient from M's gradient dm: a thread a weight.
 __global__ void fold_plane_matrix(const float* dm, float* dw, ConvGeometry g) {
-  const int64_t cols = g.c * g.hw(), rr = g.r * g.r;
-  REPLICA_GRID_STRIDE(e, g.k * g.c * rr) {
-    const int64_t kk = e / (g.c * rr), cc = e / rr % g.c;
-    const int tap = int(e % rr);
-    float sum = 0.f;
-    for (int64_t t = 0; t < g.pq(); ++t) {
-      const float* row = dm + (kk * g.pq() + t) * cols + cc * g.hw();
-      for (int64_t u = 0; u < g.hw(); ++u)
-        if (plane_tap(g, t, u) == tap) sum += row[u];
-    }
-    dw[e] += sum;
-  }
+  REPLICA_GRID_STRIDE(e, g.k * g.c * g.r * g.r) dw[e] += plane_matrix_weight_grad(dm, g, e);
 }
 
 // Whether this convolution runs through M: switched on, cheaper than the taps, fp32 or tf32,
