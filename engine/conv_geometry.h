@@ -62,17 +62,18 @@ REPLICA_HOST_DEVICE float plane_matrix_entry(const float* w, const ConvGeometry&
 }
 
 // Weight e's gradient (w's layout [k, c, r, r]) from M's gradient dm: the sum of dm over the
-// entries of e's tap, output pixel by output pixel, then input pixel by input pixel (a fixed
-// order): a GPU thread's work.
+// entries of e's tap, output pixel by output pixel (a fixed order): a GPU thread's work. Each
+// output pixel meets through the tap the one input pixel plane_tap maps back to it, or none.
 REPLICA_HOST_DEVICE float plane_matrix_weight_grad(const float* dm, const ConvGeometry& g,
                                                    int64_t e) {
   const int64_t rr = g.r * g.r, kk = e / (g.c * rr), cc = e / rr % g.c;
-  const int tap = int(e % rr);
+  const int64_t i = e % rr / g.r, j = e % g.r;
   float sum = 0.f;
   for (int64_t t = 0; t < g.pq(); ++t) {
+    const int64_t iy = t / g.q * g.stride - g.pad + i, ix = t % g.q * g.stride - g.pad + j;
+    if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
     const float* row = dm + (kk * g.pq() + t) * g.c * g.hw() + cc * g.hw();
-    for (int64_t u = 0; u < g.hw(); ++u)
-      if (plane_tap(g, t, u) == tap) sum += row[u];
+    sum += row[iy * g.w + ix];
   }
   return sum;
 }

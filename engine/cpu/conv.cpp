@@ -155,23 +155,10 @@ void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, c
   });
 }
 
-void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
-                          const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
-                          const Conv2dParams& prm) {
-  const ConvGeometry g = conv_geometry(x, w, prm);
-  const float* xp = x.f32();
-  const float* wp = w.f32();
-  const float* gp = dy.f32();
-  float* dxp = dx.defined() ? dx.f32() : nullptr;
-  const bool plane = use_plane_matrix(g);
-  if (plane || use_batched(g)) {
-    if (plane)
-      cpu::plane_matrix_backward(ctx, xp, wp, gp, dxp, dw.f32(), g);
-    else
-      conv2d_backward_batched(ctx, xp, wp, gp, dxp, dw.f32(), g);
-    conv2d_bias_grad(gp, g, db);
-    return;
-  }
+// One GEMM per sample (im2col's columns, or the input itself for pointwise layers): dW per fixed
+// chunk of samples, summed in order; dx (may be null) overwritten.
+void conv2d_backward_per_sample(DeviceContext& ctx, const float* xp, const float* wp,
+                                const float* gp, float* dxp, float* dw, const ConvGeometry& g) {
   const int64_t wsize = g.k * g.crr();
   const int64_t chunks = std::min<int64_t>(g.n, kMaxWeightChunks);
   const int64_t per_chunk = chunks ? (g.n + chunks - 1) / chunks : 0;
@@ -211,7 +198,23 @@ void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
       }
     }
   });
-  sum_chunks_into(pw, chunks, wsize, dw.f32());
+  sum_chunks_into(pw, chunks, wsize, dw);
+}
+
+void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
+                          const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
+                          const Conv2dParams& prm) {
+  const ConvGeometry g = conv_geometry(x, w, prm);
+  const float* xp = x.f32();
+  const float* wp = w.f32();
+  const float* gp = dy.f32();
+  float* dxp = dx.defined() ? dx.f32() : nullptr;
+  if (use_plane_matrix(g))
+    cpu::plane_matrix_backward(ctx, xp, wp, gp, dxp, dw.f32(), g);
+  else if (use_batched(g))
+    conv2d_backward_batched(ctx, xp, wp, gp, dxp, dw.f32(), g);
+  else
+    conv2d_backward_per_sample(ctx, xp, wp, gp, dxp, dw.f32(), g);
   conv2d_bias_grad(gp, g, db);
 }
 

@@ -12,6 +12,8 @@
 // entry of M before the fold rather than once per weight as cuDNN's and the CPU's are, and a dx
 // added onto would need the staged add; bf16 runs channels_last, where cuDNN's tensor-core
 // kernels take these layers anyway. NHWC operands keep cuDNN (a sample is then not M's row).
+#include <optional>
+
 #include "engine/conv_geometry.h"
 #include "engine/cuda/channel_pass.h"
 #include "engine/op_profile.h"
@@ -30,16 +32,17 @@ __global__ void fold_plane_matrix(const float* dm, float* dw, ConvGeometry g) {
   REPLICA_GRID_STRIDE(e, g.k * g.c * g.r * g.r) dw[e] += plane_matrix_weight_grad(dm, g, e);
 }
 
-// Whether this convolution runs through M: switched on, cheaper than the taps, fp32 or tf32,
-// and every tensor F32 and NCHW.
-bool takes_plane_matrix(const DeviceContext& ctx, const ConvGeometry& g,
-                        std::initializer_list<const Tensor*> tensors) {
-  if (!switches::kCudaPlaneMatrix.on() || !plane_matrix_pays(g) ||
-      ctx.precision() == Precision::Bf16)
-    return false;
+// The convolution's geometry where it runs through M: switched on, fp32 or tf32, every tensor
+// F32 and NCHW, and M cheaper than the taps; else none.
+std::optional<ConvGeometry> plane_matrix_geometry(const DeviceContext& ctx, const Tensor& x,
+                                                  const Tensor& w, const Conv2dParams& p,
+                                                  std::initializer_list<const Tensor*> tensors) {
+  if (!switches::kCudaPlaneMatrix.on() || ctx.precision() == Precision::Bf16) return {};
   for (const Tensor* t : tensors)
-    if (t->defined() && (t->dtype() != DType::F32 || t->nhwc_memory())) return false;
-  return true;
+    if (t->defined() && (t->dtype() != DType::F32 || t->nhwc_memory())) return {};
+  const ConvGeometry g = conv_geometry(x, w, p);
+  if (!plane_matrix_pays(g)) return {};
+  return g;
 }
 
 }  // namespace
@@ -47,8 +50,9 @@ bool takes_plane_matrix(const DeviceContext& ctx, const ConvGeometry& g,
 bool CudaBackend::plane_matrix_conv2d_forward(DeviceContext& ctx, const Tensor& x,
                                               const Tensor& w, const Tensor& b, Tensor& y,
                                               const Conv2dParams& p) {
-  const ConvGeometry g = conv_geometry(x, w, p);
-  if (!takes_plane_matrix(ctx, g, {&x, &w, &y})) return false;
+  const std::optional<ConvGeometry> taken = plane_matrix_geometry(ctx, x, w, p, {&x, &w, &y});
+  if (!taken) return false;
+  const ConvGeometry& g = *taken;
   const cudaStream_t stream = cuda_state(ctx).stream;
   const int64_t rows = g.k * g.pq(), cols = g.c * g.hw();
   Tensor m = ctx.alloc({rows, cols});
@@ -67,8 +71,10 @@ bool CudaBackend::plane_matrix_conv2d_backward(DeviceContext& ctx, const Tensor&
                                                const Tensor& w, const Tensor& dy, Tensor& dx,
                                                Tensor& dw, Tensor& db, const Conv2dParams& p,
                                                InputGrad dx_mode) {
-  const ConvGeometry g = conv_geometry(x, w, p);
-  if (!takes_plane_matrix(ctx, g, {&x, &w, &dy, &dx, &dw})) return false;
+  const std::optional<ConvGeometry> taken =
+      plane_matrix_geometry(ctx, x, w, p, {&x, &w, &dy, &dx, &dw});
+  if (!taken) return false;
+  const ConvGeometry& g = *taken;
   const cuda::ChannelDims bias{g.n, g.k, g.pq()};
   const int bias_slices = db.defined() ? cuda::channel_slices(bias, "conv2d_backward") : 0;
   const cudaStream_t stream = cuda_state(ctx).stream;

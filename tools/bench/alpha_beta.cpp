@@ -8,6 +8,7 @@
 #include "engine/ops.h"
 #include "tools/bench/report_math.h"
 #include "tools/bench/rows.h"
+#include "tools/bench/suites.h"
 
 namespace replica::bench {
 
@@ -167,9 +168,9 @@ nlohmann::json measure_ddp_allreduce(const SuiteOptions& o, const std::vector<in
   const AlphaBeta whole = fit_alpha_beta(bytes, seconds);
   const AlphaBeta ring = ring_alpha_beta(whole, n);
   // (Gloo's ranks on one machine all-reduce through shared memory: a reduce-scatter and an
-  // all-gather over memory, modelled as the ring is.) Rank r ran on device r (mod the list).
+  // all-gather over memory, modelled as the ring is.)
   std::vector<Device> ranks_devices;
-  for (int r = 0; r < n; ++r) ranks_devices.push_back(o.devices[size_t(r) % o.devices.size()]);
+  for (int r = 0; r < n; ++r) ranks_devices.push_back(rank_device(o, r));
   return {{"what", "all-reduce across 2 ranks (ring: 2(n-1) messages of S/n each)"},
           {"ranks", n},
           {"backend", ddp_transport(ddp_backend(o, n), j.value("collectives", ""),

@@ -31,6 +31,10 @@ Rendezvous join(const SuiteOptions& o) {
 
 }  // namespace
 
+Device rank_device(const SuiteOptions& o, int rank) {
+  return o.devices[size_t(rank) % o.devices.size()];
+}
+
 std::string ddp_backend(const SuiteOptions& o, int n) {
   if (o.backend != "auto") return o.backend;
   if (n <= 1 || !o.devices[0].is_cuda() || !nccl_available()) return "gloo";
@@ -60,7 +64,7 @@ int run_rank_worker(const std::string& kind, const SuiteOptions& o, const std::s
   REPLICA_USAGE_CHECK(kind == "ddp" || kind == "allreduce", "unknown --worker '{}'", kind);
   REPLICA_USAGE_CHECK(!out.empty(), "--worker needs --worker-out");
   Rendezvous rv = join(o);
-  const Device device = o.devices[rv.rank % int(o.devices.size())];
+  const Device device = rank_device(o, rv.rank);
   const GroupOptions go =
       group_options(rv, parse_comm_backend(ddp_backend(o, rv.world_size)),
                     timeout_from_seconds(o.timeout_s, "--timeout"));

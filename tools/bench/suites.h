@@ -38,6 +38,9 @@ void run_suites(const SuiteOptions& o, const std::vector<std::string>& suites,
 std::vector<Measurement> measure_dp(const SuiteOptions& o, int n, const RunOptions& run);
 std::vector<Measurement> measure_ddp(const SuiteOptions& o, int n, const RunOptions& run);
 
+// The device DDP rank `rank` runs on: the list's rank-th, wrapping round.
+Device rank_device(const SuiteOptions& o, int rank);
+
 // The DDP backend for n ranks on these devices: "nccl" when each rank has a GPU of its own and
 // NCCL is built, else "gloo" (unless o.backend names one).
 std::string ddp_backend(const SuiteOptions& o, int n);
