@@ -57,11 +57,14 @@ inline constexpr EnvSwitch kShmAllreduce{"REPLICA_SHM_ALLREDUCE", true};
 // until it has been timed against cuDNN on a GPU).
 inline constexpr EnvSwitch kPlaneMatrix{"REPLICA_PLANE_MATRIX", true};
 inline constexpr EnvSwitch kCudaPlaneMatrix{"REPLICA_CUDA_PLANE_MATRIX", false};
+// CPU: stride-1 convolutions with few output channels run the direct convolution
+// (engine/cpu/direct_conv.h) instead of im2col + GEMM.
+inline constexpr EnvSwitch kDirectConv{"REPLICA_DIRECT_CONV", true};
 
 inline constexpr const EnvSwitch* kAll[] = {
     &kCudnnHeuristicOrder, &kCudnnLog,          &kCudaSlicedSums, &kCudaWideIndex,
     &kPadChannels,         &kChannelsLastOnCpu, &kPrefetchOnCpu,  &kDdpCheckSync,
-    &kShmAllreduce,        &kPlaneMatrix,       &kCudaPlaneMatrix};
+    &kShmAllreduce,        &kPlaneMatrix,       &kCudaPlaneMatrix, &kDirectConv};
 // The variables a run reads that take a word rather than 1 or 0: a name one letter from these
 // is a typo too.
 inline constexpr const char* kChoices[] = {"REPLICA_CUDNN_API", "REPLICA_RESIDUAL_SUM"};

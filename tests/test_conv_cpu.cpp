@@ -1,5 +1,6 @@
 // The CPU convolution: the same bits for 1, 2 and 3 threads, rows copied as runs, the tap
-// table and the plane matrix equal to a direct convolution, and a backward adding onto dx the bits of a backward then an add.
+// table, the plane matrix and the direct convolution equal to a convolution summed in double,
+// and a backward adding onto dx the bits of a backward then an add.
 #include <doctest/doctest.h>
 
 #include <limits>
@@ -7,8 +8,10 @@
 #include <vector>
 
 #include "cpu_kernel_helpers.h"
+#include "env_guard.h"
 #include "engine/context.h"
 #include "engine/conv_geometry.h"
+#include "engine/cpu/direct_conv.h"
 #include "engine/ops.h"
 
 using namespace replica;
@@ -139,7 +142,9 @@ TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct 
   // Stride-1 rows this wide go through im2col's and col2im's run loops: zero fill, contiguous
   // copy, zero fill, the bounds worked out per kernel column; the strided cases check the
   // element loops on the same shapes. Non-square input, so the column bounds come from the
-  // width; padding up to and beyond the kernel's reach.
+  // width; padding up to and beyond the kernel's reach. The direct convolution is off, so that
+  // these layers stay im2col's whichever layers it takes.
+  test::ScopedEnv no_direct("REPLICA_DIRECT_CONV", "0");
   struct Case { int r, stride, pad; };
   for (Case cs : {Case{3, 1, 1}, Case{5, 2, 2}, Case{3, 2, 0}, Case{1, 2, 0}, Case{7, 3, 3},
                   Case{4, 1, 4}, Case{5, 1, 0}}) {
@@ -154,7 +159,9 @@ TEST_CASE("conv2d on small outputs (the tap table) and pointwise layers (copies)
   // Outputs under 64 pixels read through a table of each kernel tap's source pixel (-1 for
   // padding): a ResNet's late stages, 7x7 down to 1x1. Batches of 1 take the per-sample path,
   // larger ones the batched GEMMs, which the last two layers split in several blocks of rows and
-  // of columns, each way round. Pointwise layers copy channel planes, small or large.
+  // of columns, each way round. Pointwise layers copy channel planes, small or large. The direct
+  // convolution is off, so that these layers stay im2col's whichever layers it takes.
+  test::ScopedEnv no_direct("REPLICA_DIRECT_CONV", "0");
   for (int64_t n : {1, 3}) {
     for (Layer l : {Layer{n, 3, 4, 2, 2, 3, 1, 1}, Layer{n, 3, 4, 1, 1, 3, 1, 1},
                     Layer{n, 2, 5, 7, 7, 3, 1, 1}, Layer{n, 2, 5, 4, 5, 3, 2, 1},
@@ -197,6 +204,52 @@ TEST_CASE("conv2d on planes smaller than the kernel (the plane matrix) equals a 
       return r;
     });
   }
+}
+
+TEST_CASE("conv2d at stride 1 with few output channels (the direct convolution) equals a "
+          "convolution summed in double, with the same bits for 1, 2 and 3 threads") {
+  // The CNN's second layer (5x5, 20 channels in and out) and a 5x5 layer of 4 inputs; 3x3 with
+  // padding on 10x10; 7 output channels (a block of 5 and two rows alone; weight gradients in
+  // blocks of 4 or 2 and the rest alone) and 45 taps (blocks of 4 and one alone); a 2x2 kernel
+  // on a 9x11 plane, padded; padding past the kernel's reach (outputs that see only zeros); 32
+  // output channels, the most it takes; batches of 1 and 13 (two samples in some chunks of the
+  // weight gradient).
+  for (Layer l : {Layer{3, 20, 20, 24, 24, 5, 1, 0}, Layer{2, 4, 20, 28, 28, 5, 1, 0},
+                  Layer{3, 6, 5, 10, 10, 3, 1, 1}, Layer{2, 5, 7, 10, 12, 3, 1, 1},
+                  Layer{2, 4, 4, 9, 11, 2, 1, 1}, Layer{2, 4, 3, 4, 5, 3, 1, 4},
+                  Layer{1, 4, 32, 10, 10, 3, 1, 1}, Layer{13, 4, 6, 10, 11, 3, 1, 1}}) {
+    const Shape xs = {l.n, l.c, l.h, l.w}, ws = {l.k, l.c, l.r, l.r};
+    DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
+    const ConvGeometry g =
+        conv_geometry(probe.alloc(xs), probe.alloc(ws), Conv2dParams{l.stride, l.pad});
+    REQUIRE(cpu::direct_conv_pays(g));
+    REQUIRE_FALSE(plane_matrix_pays(g));
+    check_against_direct(l);
+    const Shape ys = {l.n, l.k, g.p, g.q};
+    same_for_all_thread_counts([&](DeviceContext& ctx) {
+      Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), b = make(ctx, {l.k}, 3);
+      Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 4), dx = ctx.alloc(xs);
+      Tensor dw = make(ctx, ws, 5), db = make(ctx, {l.k}, 6);
+      const Conv2dParams prm{l.stride, l.pad};
+      ctx.ops().conv2d_forward(ctx, x, w, b, y, prm);
+      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm, InputGrad::Overwrite);
+      std::vector<float> r;
+      for (const Tensor* t : {&y, &dx, &dw, &db}) append(r, *t);
+      return r;
+    });
+  }
+  // It leaves to im2col strided layers, 1x1 kernels, more than 32 output channels, fewer than
+  // 4 input channels (the CNN's first layer) and planes under 100 output pixels.
+  DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
+  auto takes = [&](Shape xs, Shape ws, Conv2dParams prm) {
+    return cpu::direct_conv_pays(conv_geometry(probe.alloc(xs), probe.alloc(ws), prm));
+  };
+  CHECK_FALSE(takes({2, 20, 24, 24}, {20, 20, 5, 5}, Conv2dParams{2, 0}));
+  CHECK_FALSE(takes({2, 20, 24, 24}, {20, 20, 1, 1}, Conv2dParams{1, 0}));
+  CHECK_FALSE(takes({2, 20, 24, 24}, {33, 20, 3, 3}, Conv2dParams{1, 1}));
+  CHECK_FALSE(takes({2, 1, 28, 28}, {20, 1, 5, 5}, Conv2dParams{1, 0}));
+  CHECK_FALSE(takes({2, 64, 8, 8}, {32, 64, 3, 3}, Conv2dParams{1, 1}));
+  CHECK(takes({2, 4, 10, 10}, {32, 4, 3, 3}, Conv2dParams{1, 1}));
 }
 
 TEST_CASE("the plane matrix's entries and weight gradients as GPU threads compute them, against "

@@ -10,7 +10,9 @@
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
 #include "engine/cpu/im2col.h"
+#include "engine/cpu/direct_conv.h"
 #include "engine/cpu/plane_matrix.h"
+#include "engine/cpu/weight_chunks.h"
 #include "engine/env_switch.h"
 #include "engine/error.h"
 
@@ -18,23 +20,8 @@ namespace replica {
 
 namespace {
 
-// Chunks a weight-gradient reduction is split into: fixed by the batch, not the machine.
-constexpr int64_t kMaxWeightChunks = 8;
-
 using cpu::ColumnLayout;
-
-// A per-task scratch buffer from the device's caching allocator.
-Tensor scratch(DeviceContext& ctx, int64_t n) { return ctx.alloc({std::max<int64_t>(n, 1)}); }
-
-// Sums `chunks` partial buffers of `n` floats (laid out one after another) into dst, in order.
-void sum_chunks_into(const float* partial, int64_t chunks, int64_t n, float* dst) {
-  cpu::parallel_range(n, cpu::kGrain, [&](int64_t b, int64_t e) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* src = partial + c * n;
-      for (int64_t i = b; i < e; ++i) dst[i] += src[i];
-    }
-  });
-}
+using cpu::scratch;
 
 // db[k] += the sum of dy over samples and pixels (in double, in sample order)
 void conv2d_bias_grad(const float* gp, const ConvGeometry& g, Tensor& db) {
@@ -65,6 +52,10 @@ bool use_batched(const ConvGeometry& g) { return g.pq() < kBatchedPq && g.n > 1;
 
 bool use_plane_matrix(const ConvGeometry& g) {
   return plane_matrix_pays(g) && switches::kPlaneMatrix.on();
+}
+
+bool use_direct(const ConvGeometry& g) {
+  return cpu::direct_conv_pays(g) && switches::kDirectConv.on();
 }
 
 // cols[:, n*pq ...] = im2col(x_n) for every sample n.
@@ -135,6 +126,7 @@ void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, c
   const float* bp = b.defined() ? b.f32() : nullptr;
   float* yp = y.f32();
   if (use_plane_matrix(g)) return cpu::plane_matrix_forward(ctx, xp, wp, bp, yp, g);
+  if (use_direct(g)) return cpu::direct_conv_forward(ctx, xp, wp, bp, yp, g);
   if (use_batched(g)) return conv2d_forward_batched(ctx, xp, wp, bp, yp, g);
   const ColumnLayout layout(g);
   cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
@@ -159,46 +151,33 @@ void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, c
 // chunk of samples, summed in order; dx (may be null) overwritten.
 void conv2d_backward_per_sample(DeviceContext& ctx, const float* xp, const float* wp,
                                 const float* gp, float* dxp, float* dw, const ConvGeometry& g) {
-  const int64_t wsize = g.k * g.crr();
-  const int64_t chunks = std::min<int64_t>(g.n, kMaxWeightChunks);
-  const int64_t per_chunk = chunks ? (g.n + chunks - 1) / chunks : 0;
-  Tensor partial = scratch(ctx, chunks * wsize);
-  float* pw = partial.f32();
-
   const ColumnLayout layout(g);
-  // Each chunk of samples: its weight-gradient partial, and each sample's input gradient.
-  cpu::parallel_range(chunks, 1, [&](int64_t c0, int64_t c1) {
+  cpu::for_weight_chunks(ctx, g.n, g.k * g.crr(), dw, [&](int64_t first, int64_t last, float* pc) {
     Tensor cols = g.pointwise() ? Tensor() : scratch(ctx, g.crr() * g.pq());
-    for (int64_t c = c0; c < c1; ++c) {
-      float* pc = pw + c * wsize;
-      std::fill(pc, pc + wsize, 0.f);
-      for (int64_t n = c * per_chunk; n < std::min(g.n, (c + 1) * per_chunk); ++n) {
-        const float* xn = xp + n * g.c * g.h * g.w;
-        const float* gn = gp + n * g.k * g.pq();
-        const float* src = xn;
-        if (!g.pointwise()) {
-          layout.im2col(xn, cols.f32(), g.pq());
-          src = cols.f32();
-        }
-        // dW[k, crr] += dY_n[k, pq] * cols[crr, pq]^T
-        cpu::sgemm(false, true, g.k, g.crr(), g.pq(), 1.f, gn, g.pq(), src, g.pq(), 1.f, pc,
-                   g.crr());
-        if (dxp) {
-          float* dxn = dxp + n * g.c * g.h * g.w;
-          if (g.pointwise()) {
-            cpu::sgemm(true, false, g.crr(), g.pq(), g.k, 1.f, wp, g.crr(), gn, g.pq(), 0.f, dxn,
-                       g.pq());
-          } else {
-            // dcols = W^T dY_n, reusing the cols buffer after the weight gradient is done
-            cpu::sgemm(true, false, g.crr(), g.pq(), g.k, 1.f, wp, g.crr(), gn, g.pq(), 0.f,
-                       cols.f32(), g.pq());
-            layout.col2im(cols.f32(), dxn, g.pq());
-          }
-        }
+    for (int64_t n = first; n < last; ++n) {
+      const float* xn = xp + n * g.c * g.h * g.w;
+      const float* gn = gp + n * g.k * g.pq();
+      const float* src = xn;
+      if (!g.pointwise()) {
+        layout.im2col(xn, cols.f32(), g.pq());
+        src = cols.f32();
+      }
+      // dW[k, crr] += dY_n[k, pq] * cols[crr, pq]^T
+      cpu::sgemm(false, true, g.k, g.crr(), g.pq(), 1.f, gn, g.pq(), src, g.pq(), 1.f, pc,
+                 g.crr());
+      if (!dxp) continue;
+      float* dxn = dxp + n * g.c * g.h * g.w;
+      if (g.pointwise()) {
+        cpu::sgemm(true, false, g.crr(), g.pq(), g.k, 1.f, wp, g.crr(), gn, g.pq(), 0.f, dxn,
+                   g.pq());
+      } else {
+        // dcols = W^T dY_n, reusing the cols buffer after the weight gradient is done
+        cpu::sgemm(true, false, g.crr(), g.pq(), g.k, 1.f, wp, g.crr(), gn, g.pq(), 0.f,
+                   cols.f32(), g.pq());
+        layout.col2im(cols.f32(), dxn, g.pq());
       }
     }
   });
-  sum_chunks_into(pw, chunks, wsize, dw);
 }
 
 void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
@@ -211,6 +190,8 @@ void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
   float* dxp = dx.defined() ? dx.f32() : nullptr;
   if (use_plane_matrix(g))
     cpu::plane_matrix_backward(ctx, xp, wp, gp, dxp, dw.f32(), g);
+  else if (use_direct(g))
+    cpu::direct_conv_backward(ctx, xp, wp, gp, dxp, dw.f32(), g);
   else if (use_batched(g))
     conv2d_backward_batched(ctx, xp, wp, gp, dxp, dw.f32(), g);
   else
