@@ -213,7 +213,14 @@ TEST_CASE("conv2d at stride 1 with few output channels (the direct convolution) 
   // blocks of 4 or 2 and the rest alone) and 45 taps (blocks of 4 and one alone); a 2x2 kernel
   // on a 9x11 plane, padded; padding past the kernel's reach (outputs that see only zeros); 32
   // output channels, the most it takes; batches of 1 and 13 (two samples in some chunks of the
-  // weight gradient).
+  // weight gradient). Builds for CPUs without AVX-512 leave every layer to im2col.
+  if (!cpu::direct_conv_built()) {
+    MESSAGE("skipped: this build is not for AVX-512, and the direct convolution is off in it");
+    DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
+    CHECK_FALSE(cpu::direct_conv_pays(conv_geometry(
+        probe.alloc({2, 20, 24, 24}), probe.alloc({20, 20, 5, 5}), Conv2dParams{1, 0})));
+    return;
+  }
   for (Layer l : {Layer{3, 20, 20, 24, 24, 5, 1, 0}, Layer{2, 4, 20, 28, 28, 5, 1, 0},
                   Layer{3, 6, 5, 10, 10, 3, 1, 1}, Layer{2, 5, 7, 10, 12, 3, 1, 1},
                   Layer{2, 4, 4, 9, 11, 2, 1, 1}, Layer{2, 4, 3, 4, 5, 3, 1, 4},

@@ -1,16 +1,18 @@
-// CPU convolution: im2col + OpenBLAS SGEMM (one thread per call), parallel over
-// samples; layers with few output pixels run one GEMM over the whole batch, split in blocks of
-// its larger dimension; planes smaller than the kernel multiply their plane matrix instead
-// (engine/conv_geometry.h). Weight gradients are accumulated per fixed chunk of samples (or in one GEMM over the
-// batch), then summed in order, so the result does not depend on the number of threads.
+// CPU convolution: im2col + OpenBLAS SGEMM (one thread per call), parallel over samples; layers
+// with few output pixels run one GEMM over the whole batch, split in blocks of its larger
+// dimension. Two kinds of layer skip the columns: planes smaller than the kernel multiply their
+// plane matrix (engine/conv_geometry.h), and stride-1 layers of few output channels run the
+// direct convolution (engine/cpu/direct_conv.h). Weight gradients are accumulated per fixed
+// chunk of samples (engine/cpu/weight_chunks.h) or in one GEMM over the batch, then summed in
+// order, so the result does not depend on the number of threads.
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
-#include "engine/cpu/im2col.h"
 #include "engine/cpu/direct_conv.h"
+#include "engine/cpu/im2col.h"
 #include "engine/cpu/plane_matrix.h"
 #include "engine/cpu/weight_chunks.h"
 #include "engine/env_switch.h"

@@ -6,35 +6,50 @@
 
 #include "engine/cpu/cpu_backend.h"
 #include "engine/cpu/weight_chunks.h"
+#include "engine/error.h"
 
 namespace replica::cpu {
 
 namespace {
 
-// Register blocks, sized to the vector registers the build has: 32 with AVX-512, 16 with AVX2.
-// Forward and input gradient: kRows channels by kVecs vectors of pixels held as sums. Weight
-// gradient: kGradRows output channels by kGradTaps taps (kLanes sums, added across lanes
-// together), one vector of pixels at a time.
+// Where direct_conv_pays says yes, measured against im2col + GEMM forward and backward
+// (bench/results/2026-11-29-cpu-direct-convolution.md): up to 32 output channels, from 4 input
+// channels (with 1 to 3 the columns are few and cheap to build), on planes of 10x10 outputs and
+// more (on 8x8 the wide rows' blocks of 64 are half padding and the weight gradient's loops too
+// short); and in builds for AVX-512 only. Built for AVX2 (the GPU machine's package,
+// -march=x86-64-v3) the 16-lane vectors run as pairs of 8 in half the registers, and it measured
+// 0.5-0.8x im2col + GEMM on the same layers.
+constexpr int64_t kMaxDirectChannels = 32, kMinDirectInputs = 4, kMinDirectPixels = 100;
+
+}  // namespace
+
+bool direct_conv_built() {
 #if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool direct_conv_pays(const ConvGeometry& g) {
+  return direct_conv_built() && g.stride == 1 && g.r > 1 && g.n > 0 && g.k > 0 &&
+         g.k <= kMaxDirectChannels && g.c >= kMinDirectInputs && g.pq() >= kMinDirectPixels;
+}
+
+#if defined(__AVX512F__)
+
+namespace {
+
+// Register blocks for AVX-512's 32 vector registers. Forward and input gradient: kRows
+// channels by kVecs vectors of pixels held as sums. Weight gradient: kGradRows output channels
+// by kGradTaps taps (kLanes sums, added across lanes together), one vector of pixels at a time.
 constexpr int kLanes = 16, kVecs = 4, kGradRows = 4;
 typedef int Lanes __attribute__((vector_size(kLanes * sizeof(int))));
 const Lanes kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 const Lanes kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-#else
-constexpr int kLanes = 8, kVecs = 2, kGradRows = 2;
-typedef int Lanes __attribute__((vector_size(kLanes * sizeof(int))));
-const Lanes kEven = {0, 2, 4, 6, 8, 10, 12, 14};
-const Lanes kOdd = {1, 3, 5, 7, 9, 11, 13, 15};
-#endif
 constexpr int kRows = 5, kGradTaps = kLanes / kGradRows;
 constexpr int64_t kPixelBlock = int64_t(kLanes) * kVecs;
 
-// Where direct_conv_pays says yes (measured against im2col + GEMM, forward and backward, on
-// bench/results/2026-11-29-cpu-direct-convolution.md's layers): up to 32 output channels, from
-// 4 input channels (with 1 to 3 the columns are few and cheap to build), and on planes of 10x10
-// outputs and more (on 8x8 the wide rows' blocks of 64 are half padding and the weight
-// gradient's loops too short).
-constexpr int64_t kMaxDirectChannels = 32, kMinDirectInputs = 4, kMinDirectPixels = 100;
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -166,7 +181,8 @@ void weight_grad(const Frame& f, const float* xs, const float* dyw, const int64_
                  int64_t k, float* dw) {
   const int64_t crr = f.c * f.r * f.r;
   int64_t k0 = 0;
-  for (; k0 + kGradRows <= k; k0 += kGradRows) weight_grad_rows<kGradRows>(f, xs, dyw, at, k0, crr, dw);
+  for (; k0 + kGradRows <= k; k0 += kGradRows)
+    weight_grad_rows<kGradRows>(f, xs, dyw, at, k0, crr, dw);
   for (; k0 < k; ++k0) weight_grad_rows<1>(f, xs, dyw, at, k0, crr, dw);
 }
 
@@ -207,11 +223,6 @@ void scatter(const Frame& f, const float* dyw, const float* w, int64_t k, float*
 }
 
 }  // namespace
-
-bool direct_conv_pays(const ConvGeometry& g) {
-  return g.stride == 1 && g.r > 1 && g.n > 0 && g.k > 0 && g.k <= kMaxDirectChannels &&
-         g.c >= kMinDirectInputs && g.pq() >= kMinDirectPixels;
-}
 
 void direct_conv_forward(DeviceContext& ctx, const float* x, const float* w, const float* b,
                          float* y, const ConvGeometry& g) {
@@ -264,5 +275,19 @@ void direct_conv_backward(DeviceContext& ctx, const float* x, const float* w, co
     }
   });
 }
+
+#else  // builds without AVX-512 never take the direct path (direct_conv_pays)
+
+void direct_conv_forward(DeviceContext&, const float*, const float*, const float*, float*,
+                         const ConvGeometry&) {
+  REPLICA_CHECK(false, "the direct convolution is not in builds without AVX-512");
+}
+
+void direct_conv_backward(DeviceContext&, const float*, const float*, const float*, float*,
+                          float*, const ConvGeometry&) {
+  REPLICA_CHECK(false, "the direct convolution is not in builds without AVX-512");
+}
+
+#endif
 
 }  // namespace replica::cpu
