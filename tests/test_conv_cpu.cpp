@@ -136,6 +136,31 @@ void check_against_direct(const Layer& l) {
     REQUIRE(dw.f32()[i] == doctest::Approx(rdw[i]).epsilon(1e-4));
 }
 
+// The layer's geometry, as the convolution works it out.
+ConvGeometry geometry_of(const Layer& l) {
+  DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
+  return conv_geometry(probe.alloc({l.n, l.c, l.h, l.w}), probe.alloc({l.k, l.c, l.r, l.r}),
+                       Conv2dParams{l.stride, l.pad});
+}
+
+// check_against_direct, then forward and backward with the same bits for 1, 2 and 3 threads.
+void check_layer(const Layer& l) {
+  check_against_direct(l);
+  const ConvGeometry g = geometry_of(l);
+  const Shape xs = {l.n, l.c, l.h, l.w}, ws = {l.k, l.c, l.r, l.r}, ys = {l.n, l.k, g.p, g.q};
+  same_for_all_thread_counts([&](DeviceContext& ctx) {
+    Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), b = make(ctx, {l.k}, 3);
+    Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 4), dx = ctx.alloc(xs);
+    Tensor dw = make(ctx, ws, 5), db = make(ctx, {l.k}, 6);
+    const Conv2dParams prm{l.stride, l.pad};
+    ctx.ops().conv2d_forward(ctx, x, w, b, y, prm);
+    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm, InputGrad::Overwrite);
+    std::vector<float> r;
+    for (const Tensor* t : {&y, &dx, &dw, &db}) append(r, *t);
+    return r;
+  });
+}
+
 }  // namespace
 
 TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct convolution") {
@@ -185,78 +210,59 @@ TEST_CASE("conv2d on planes smaller than the kernel (the plane matrix) equals a 
                   Layer{5, 6, 4, 1, 1, 3, 1, 1}, Layer{3, 4, 5, 1, 2, 3, 1, 1},
                   Layer{4, 3, 5, 2, 3, 3, 2, 1}, Layer{3, 3, 5, 4, 1, 3, 1, 1},
                   Layer{4, 3, 70, 3, 3, 5, 1, 2}, Layer{1, 5, 4, 1, 1, 3, 1, 1}}) {
-    const Shape xs = {l.n, l.c, l.h, l.w}, ws = {l.k, l.c, l.r, l.r};
-    DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
-    const ConvGeometry g =
-        conv_geometry(probe.alloc(xs), probe.alloc(ws), Conv2dParams{l.stride, l.pad});
-    REQUIRE(plane_matrix_pays(g));
-    check_against_direct(l);
-    const Shape ys = {l.n, l.k, g.p, g.q};
-    same_for_all_thread_counts([&](DeviceContext& ctx) {
-      Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), b = make(ctx, {l.k}, 3);
-      Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 4), dx = ctx.alloc(xs);
-      Tensor dw = make(ctx, ws, 5), db = make(ctx, {l.k}, 6);
-      const Conv2dParams prm{l.stride, l.pad};
-      ctx.ops().conv2d_forward(ctx, x, w, b, y, prm);
-      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm, InputGrad::Overwrite);
-      std::vector<float> r;
-      for (const Tensor* t : {&y, &dx, &dw, &db}) append(r, *t);
-      return r;
-    });
+    REQUIRE(plane_matrix_pays(geometry_of(l)));
+    check_layer(l);
   }
 }
 
 TEST_CASE("conv2d at stride 1 with few output channels (the direct convolution) equals a "
           "convolution summed in double, with the same bits for 1, 2 and 3 threads") {
   // The CNN's second layer (5x5, 20 channels in and out) and a 5x5 layer of 4 inputs; 3x3 with
-  // padding on 10x10; 7 output channels (a block of 5 and two rows alone; weight gradients in
-  // blocks of 4 or 2 and the rest alone) and 45 taps (blocks of 4 and one alone); a 2x2 kernel
-  // on a 9x11 plane, padded; padding past the kernel's reach (outputs that see only zeros); 32
-  // output channels, the most it takes; batches of 1 and 13 (two samples in some chunks of the
-  // weight gradient). Builds for CPUs without AVX-512 leave every layer to im2col.
+  // padding on 10x10; 7 output channels (a block of 5 and two rows alone; weight gradients in a
+  // block of 4 and three rows alone) and 45 taps (blocks of 4 and one alone); a 2x2 kernel on a
+  // 9x11 plane, padded; padding past the kernel's reach (outputs that see only zeros); 32 output
+  // channels, the most it takes; 4x4 and 7x7 kernels; a plane one output column wide (every
+  // wide row but its first pixel dropped); batches of 1 and 13 (two samples in some chunks of
+  // the weight gradient). Builds for CPUs without AVX-512 leave every layer to im2col.
   if (!cpu::direct_conv_built()) {
     MESSAGE("skipped: this build is not for AVX-512, and the direct convolution is off in it");
-    DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
-    CHECK_FALSE(cpu::direct_conv_pays(conv_geometry(
-        probe.alloc({2, 20, 24, 24}), probe.alloc({20, 20, 5, 5}), Conv2dParams{1, 0})));
+    CHECK_FALSE(cpu::direct_conv_pays(geometry_of(Layer{2, 20, 20, 24, 24, 5, 1, 0})));
     return;
   }
   for (Layer l : {Layer{3, 20, 20, 24, 24, 5, 1, 0}, Layer{2, 4, 20, 28, 28, 5, 1, 0},
                   Layer{3, 6, 5, 10, 10, 3, 1, 1}, Layer{2, 5, 7, 10, 12, 3, 1, 1},
                   Layer{2, 4, 4, 9, 11, 2, 1, 1}, Layer{2, 4, 3, 4, 5, 3, 1, 4},
-                  Layer{1, 4, 32, 10, 10, 3, 1, 1}, Layer{13, 4, 6, 10, 11, 3, 1, 1}}) {
-    const Shape xs = {l.n, l.c, l.h, l.w}, ws = {l.k, l.c, l.r, l.r};
-    DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
-    const ConvGeometry g =
-        conv_geometry(probe.alloc(xs), probe.alloc(ws), Conv2dParams{l.stride, l.pad});
+                  Layer{1, 4, 32, 10, 10, 3, 1, 1}, Layer{2, 4, 5, 12, 13, 4, 1, 2},
+                  Layer{2, 4, 5, 12, 12, 7, 1, 3}, Layer{2, 4, 6, 104, 3, 3, 1, 0},
+                  Layer{13, 4, 6, 10, 11, 3, 1, 1}}) {
+    const ConvGeometry g = geometry_of(l);
     REQUIRE(cpu::direct_conv_pays(g));
     REQUIRE_FALSE(plane_matrix_pays(g));
-    check_against_direct(l);
-    const Shape ys = {l.n, l.k, g.p, g.q};
-    same_for_all_thread_counts([&](DeviceContext& ctx) {
-      Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), b = make(ctx, {l.k}, 3);
-      Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 4), dx = ctx.alloc(xs);
-      Tensor dw = make(ctx, ws, 5), db = make(ctx, {l.k}, 6);
-      const Conv2dParams prm{l.stride, l.pad};
-      ctx.ops().conv2d_forward(ctx, x, w, b, y, prm);
-      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm, InputGrad::Overwrite);
-      std::vector<float> r;
-      for (const Tensor* t : {&y, &dx, &dw, &db}) append(r, *t);
-      return r;
-    });
+    check_layer(l);
   }
+  // Without an input gradient (a network's first layer) the weight gradient keeps its bits.
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
+  ctx.run([&] {
+    const Shape xs = {3, 20, 24, 24}, ws = {20, 20, 5, 5}, ys = {3, 20, 20, 20};
+    Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), dy = make(ctx, ys, 3);
+    Tensor dx = ctx.alloc(xs), no_dx, db1 = make(ctx, {20}, 4), db2 = make(ctx, {20}, 4);
+    Tensor dw1 = make(ctx, ws, 5), dw2 = make(ctx, ws, 5);
+    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw1, db1, Conv2dParams{1, 0},
+                              InputGrad::Overwrite);
+    ctx.ops().conv2d_backward(ctx, x, w, dy, no_dx, dw2, db2, Conv2dParams{1, 0},
+                              InputGrad::Overwrite);
+    CHECK(values(dw2) == values(dw1));
+    CHECK(values(db2) == values(db1));
+  });
   // It leaves to im2col strided layers, 1x1 kernels, more than 32 output channels, fewer than
   // 4 input channels (the CNN's first layer) and planes under 100 output pixels.
-  DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
-  auto takes = [&](Shape xs, Shape ws, Conv2dParams prm) {
-    return cpu::direct_conv_pays(conv_geometry(probe.alloc(xs), probe.alloc(ws), prm));
-  };
-  CHECK_FALSE(takes({2, 20, 24, 24}, {20, 20, 5, 5}, Conv2dParams{2, 0}));
-  CHECK_FALSE(takes({2, 20, 24, 24}, {20, 20, 1, 1}, Conv2dParams{1, 0}));
-  CHECK_FALSE(takes({2, 20, 24, 24}, {33, 20, 3, 3}, Conv2dParams{1, 1}));
-  CHECK_FALSE(takes({2, 1, 28, 28}, {20, 1, 5, 5}, Conv2dParams{1, 0}));
-  CHECK_FALSE(takes({2, 64, 8, 8}, {32, 64, 3, 3}, Conv2dParams{1, 1}));
-  CHECK(takes({2, 4, 10, 10}, {32, 4, 3, 3}, Conv2dParams{1, 1}));
+  auto takes = [](Layer l) { return cpu::direct_conv_pays(geometry_of(l)); };
+  CHECK_FALSE(takes(Layer{2, 20, 20, 24, 24, 5, 2, 0}));
+  CHECK_FALSE(takes(Layer{2, 20, 20, 24, 24, 1, 1, 0}));
+  CHECK_FALSE(takes(Layer{2, 20, 33, 24, 24, 3, 1, 1}));
+  CHECK_FALSE(takes(Layer{2, 1, 20, 28, 28, 5, 1, 0}));
+  CHECK_FALSE(takes(Layer{2, 64, 32, 8, 8, 3, 1, 1}));
+  CHECK(takes(Layer{2, 4, 32, 10, 10, 3, 1, 1}));
 }
 
 TEST_CASE("the plane matrix's entries and weight gradients as GPU threads compute them, against "
@@ -338,15 +344,19 @@ TEST_CASE("conv2d on small planes with no input channels or no samples: the bias
 
 TEST_CASE("conv2d backward adding onto dx: the bits of a backward and an add, dw and db once") {
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
-    for (int stride : {1, 2}) {  // 9x9 stride 1: a GEMM per sample (81 pixels); 2: batched
+    // 9x9 stride 1: a GEMM per sample (81 pixels); stride 2: batched; 4 input channels on 12x12
+    // at stride 1: the direct convolution (in AVX-512 builds).
+    struct Case { int64_t c, h; int stride; };
+    for (Case cs : {Case{3, 9, 1}, Case{3, 9, 2}, Case{4, 12, 1}}) {
       CAPTURE(int(precision));
-      CAPTURE(stride);
+      CAPTURE(cs.c);
+      CAPTURE(cs.stride);
       ContextOptions o;
       o.precision = precision;
       DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, o);
-      const Shape xs = {5, 3, 9, 9}, ws = {4, 3, 3, 3};
-      const Conv2dParams prm{stride, 1};
-      const int64_t q = window_out(9, 3, stride, 1);
+      const Shape xs = {5, cs.c, cs.h, cs.h}, ws = {4, cs.c, 3, 3};
+      const Conv2dParams prm{cs.stride, 1};
+      const int64_t q = window_out(cs.h, 3, cs.stride, 1);
       const Shape ys = {5, 4, q, q};
       ctx.run([&] {
         Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), dy = make(ctx, ys, 3);

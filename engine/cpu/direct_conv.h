@@ -5,8 +5,8 @@
 // im2col + GEMM makes such a layer a thin product: M = k = 20 rows, against OpenBLAS's tiles of
 // 32 and more, and the columns it multiplies are r*r = 25 copies of the input, written and read
 // again once a sample (a quarter of the CNN's step went to im2col and col2im). Here each output
-// row of the padded plane is computed "wide", across the whole padded width: output pixel
-// t = oy*wp + ox reads input pixel t + i*wp + j through tap (i, j), so every tap is one shifted,
+// row of the padded plane is computed "wide", across the whole padded width wi: output pixel
+// t = oy*wi + ox reads input pixel t + i*wi + j through tap (i, j), so every tap is one shifted,
 // contiguous run of the input plane, and a block of 5 output channels by 64 pixels stays in
 // vector registers while the taps stream past. The columns ox >= q of the wide rows, and the
 // last block's tail, are computed and dropped: 22% of the work on the CNN's 24x24 planes.
@@ -16,6 +16,11 @@
 // read. The weight gradient is one dot product per weight and sample between dy's rows and the
 // tap's shifted input run, its lanes added in one fixed tree; per fixed chunk of samples and
 // summed in order (engine/cpu/weight_chunks.h), so the bits do not depend on the thread count.
+//
+// The dropped columns add exact zeros only while every value is finite: an Inf in the input or
+// the weights meets the zeros there (0 x Inf is NaN), and NaN reaches weight or input gradients
+// im2col would have left finite. A run with an Inf has diverged either way (the training loop
+// stops on a non-finite loss).
 #pragma once
 #include "engine/context.h"
 #include "engine/conv_geometry.h"
