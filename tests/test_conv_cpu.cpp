@@ -1,6 +1,6 @@
 // The CPU convolution: the same bits for 1, 2 and 3 threads, rows copied as runs, the tap
 // table, the plane matrix and the direct convolution equal to a convolution summed in double,
-// and a backward adding onto dx the bits of a backward then an add.
+// a backward adding onto dx the bits of a backward then an add, and which way each layer ran.
 #include <doctest/doctest.h>
 
 #include <limits>
@@ -11,7 +11,9 @@
 #include "env_guard.h"
 #include "engine/context.h"
 #include "engine/conv_geometry.h"
+#include "engine/cpu/cpu_backend.h"
 #include "engine/cpu/direct_conv.h"
+#include "engine/op_profile.h"
 #include "engine/ops.h"
 
 using namespace replica;
@@ -373,5 +375,41 @@ TEST_CASE("conv2d backward adding onto dx: the bits of a backward and an add, dw
         CHECK(values(sum) != values(dx));  // it added: the random start is not lost
       });
     }
+  }
+}
+
+TEST_CASE("each convolution says which way it ran: its op part, forward and backward alike") {
+  // What replica-bench --suite ops prints under conv2d_forward and conv2d_backward. A 3x3 layer
+  // on 2x2 planes takes the plane matrix; the CNN's second layer the direct convolution (AVX-512
+  // builds), or one GEMM per sample with it switched off; 7x7 outputs, the batched GEMMs.
+  struct Case { Layer l; const char* part; const char* direct; };
+  const char* direct_part = cpu::direct_conv_built() ? cpu::kConvDirectPart
+                                                     : cpu::kConvPerSamplePart;
+  for (const Case& cs : {Case{Layer{3, 6, 4, 2, 2, 3, 1, 1}, cpu::kConvPlaneMatrixPart, "1"},
+                         Case{Layer{3, 20, 20, 24, 24, 5, 1, 0}, direct_part, "1"},
+                         Case{Layer{3, 20, 20, 24, 24, 5, 1, 0}, cpu::kConvPerSamplePart, "0"},
+                         Case{Layer{3, 64, 64, 7, 7, 3, 1, 1}, cpu::kConvBatchedPart, "1"}}) {
+    CAPTURE(cs.part);
+    test::ScopedEnv direct("REPLICA_DIRECT_CONV", cs.direct);
+    const Layer& l = cs.l;
+    const ConvGeometry g = geometry_of(l);
+    DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
+    OpProfile profile;
+    ctx.run([&] {
+      Tensor x = make(ctx, {l.n, l.c, l.h, l.w}, 1), w = make(ctx, {l.k, l.c, l.r, l.r}, 2);
+      Tensor y = ctx.alloc({l.n, l.k, g.p, g.q}), dy = make(ctx, {l.n, l.k, g.p, g.q}, 3);
+      Tensor dx = ctx.alloc({l.n, l.c, l.h, l.w}), dw = make(ctx, {l.k, l.c, l.r, l.r}, 4);
+      Tensor no_b;
+      ctx.set_op_profile(&profile);
+      ctx.ops().conv2d_forward(ctx, x, w, no_b, y, Conv2dParams{l.stride, l.pad});
+      ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, no_b, Conv2dParams{l.stride, l.pad},
+                                InputGrad::Overwrite);
+      ctx.set_op_profile(nullptr);
+    });
+    auto parts = profile.parts();
+    REQUIRE(parts["conv2d_forward"].size() == 1);
+    REQUIRE(parts["conv2d_backward"].size() == 1);
+    CHECK(parts["conv2d_forward"][cs.part].calls == 1);
+    CHECK(parts["conv2d_backward"][cs.part].calls == 1);
   }
 }

@@ -17,6 +17,7 @@
 #include "engine/cpu/weight_chunks.h"
 #include "engine/env_switch.h"
 #include "engine/error.h"
+#include "engine/op_profile.h"
 
 namespace replica {
 
@@ -25,19 +26,29 @@ namespace {
 using cpu::ColumnLayout;
 using cpu::scratch;
 
-// db[k] += the sum of dy over samples and pixels (in double, in sample order)
+// The sum of a row of n floats in a fixed order that vectorises: 16 running sums (sum j takes
+// elements j, j + 16, ...), added in order, then the tail. One running sum would wait on each
+// add in turn: the bias gradient then took half of the CNN's first backward convolution.
+float row_sum(const float* p, int64_t n) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += p[i + j];
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += lanes[j];
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
+// db[k] += the sum of dy over samples and pixels (each sample's row in float, the rows in
+// double, in sample order)
 void conv2d_bias_grad(const float* gp, const ConvGeometry& g, Tensor& db) {
   if (!db.defined()) return;
   float* dbp = db.f32();
   cpu::parallel_range(g.k, 1, [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       double s = 0.0;
-      for (int64_t n = 0; n < g.n; ++n) {
-        const float* row = gp + (n * g.k + k) * g.pq();
-        float t = 0.f;
-        for (int64_t i = 0; i < g.pq(); ++i) t += row[i];
-        s += t;
-      }
+      for (int64_t n = 0; n < g.n; ++n) s += row_sum(gp + (n * g.k + k) * g.pq(), g.pq());
       dbp[k] += float(s);
     }
   });
@@ -52,12 +63,25 @@ constexpr int64_t kBatchedPq = 64;
 
 bool use_batched(const ConvGeometry& g) { return g.pq() < kBatchedPq && g.n > 1; }
 
-bool use_plane_matrix(const ConvGeometry& g) {
-  return plane_matrix_pays(g) && switches::kPlaneMatrix.on();
+// The four ways a convolution runs, picked once per call by its geometry and the switches, the
+// same for its forward and backward; each is an op part of conv2d_forward and conv2d_backward,
+// so replica-bench --suite ops shows under the op which way its layers went.
+enum class ConvWay { PlaneMatrix, Direct, Batched, PerSample };
+
+ConvWay conv_way(const ConvGeometry& g) {
+  if (plane_matrix_pays(g) && switches::kPlaneMatrix.on()) return ConvWay::PlaneMatrix;
+  if (cpu::direct_conv_pays(g) && switches::kDirectConv.on()) return ConvWay::Direct;
+  return use_batched(g) ? ConvWay::Batched : ConvWay::PerSample;
 }
 
-bool use_direct(const ConvGeometry& g) {
-  return cpu::direct_conv_pays(g) && switches::kDirectConv.on();
+const char* part_name(ConvWay way) {
+  switch (way) {
+    case ConvWay::PlaneMatrix: return cpu::kConvPlaneMatrixPart;
+    case ConvWay::Direct: return cpu::kConvDirectPart;
+    case ConvWay::Batched: return cpu::kConvBatchedPart;
+    case ConvWay::PerSample: return cpu::kConvPerSamplePart;
+  }
+  return "";
 }
 
 // cols[:, n*pq ...] = im2col(x_n) for every sample n.
@@ -119,17 +143,10 @@ void conv2d_backward_batched(DeviceContext& ctx, const float* x, const float* w,
   });
 }
 
-void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
-                        Tensor& y, const Conv2dParams& prm) {
-  const ConvGeometry g = conv_geometry(x, w, prm);
-  REPLICA_CHECK(y.numel() == g.n * g.k * g.pq(), "conv2d: output has the wrong size");
-  const float* xp = x.f32();
-  const float* wp = w.f32();
-  const float* bp = b.defined() ? b.f32() : nullptr;
-  float* yp = y.f32();
-  if (use_plane_matrix(g)) return cpu::plane_matrix_forward(ctx, xp, wp, bp, yp, g);
-  if (use_direct(g)) return cpu::direct_conv_forward(ctx, xp, wp, bp, yp, g);
-  if (use_batched(g)) return conv2d_forward_batched(ctx, xp, wp, bp, yp, g);
+// One GEMM per sample: W [k, crr] times its columns (or the input itself for pointwise
+// layers) [crr, pq], onto the bias.
+void conv2d_forward_per_sample(DeviceContext& ctx, const float* xp, const float* wp,
+                               const float* bp, float* yp, const ConvGeometry& g) {
   const ColumnLayout layout(g);
   cpu::parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
     Tensor cols = g.pointwise() ? Tensor() : scratch(ctx, g.crr() * g.pq());
@@ -182,6 +199,25 @@ void conv2d_backward_per_sample(DeviceContext& ctx, const float* xp, const float
   });
 }
 
+void conv2d_forward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w, const Tensor& b,
+                        Tensor& y, const Conv2dParams& prm) {
+  const ConvGeometry g = conv_geometry(x, w, prm);
+  REPLICA_CHECK(y.numel() == g.n * g.k * g.pq(), "conv2d: output has the wrong size");
+  const float* xp = x.f32();
+  const float* wp = w.f32();
+  const float* bp = b.defined() ? b.f32() : nullptr;
+  float* yp = y.f32();
+  const ConvWay way = conv_way(g);
+  op_part(ctx, part_name(way), [&] {
+    switch (way) {
+      case ConvWay::PlaneMatrix: return cpu::plane_matrix_forward(ctx, xp, wp, bp, yp, g);
+      case ConvWay::Direct: return cpu::direct_conv_forward(ctx, xp, wp, bp, yp, g);
+      case ConvWay::Batched: return conv2d_forward_batched(ctx, xp, wp, bp, yp, g);
+      case ConvWay::PerSample: return conv2d_forward_per_sample(ctx, xp, wp, bp, yp, g);
+    }
+  });
+}
+
 void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                           const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
                           const Conv2dParams& prm) {
@@ -190,14 +226,16 @@ void conv2d_backward_fp32(DeviceContext& ctx, const Tensor& x, const Tensor& w,
   const float* wp = w.f32();
   const float* gp = dy.f32();
   float* dxp = dx.defined() ? dx.f32() : nullptr;
-  if (use_plane_matrix(g))
-    cpu::plane_matrix_backward(ctx, xp, wp, gp, dxp, dw.f32(), g);
-  else if (use_direct(g))
-    cpu::direct_conv_backward(ctx, xp, wp, gp, dxp, dw.f32(), g);
-  else if (use_batched(g))
-    conv2d_backward_batched(ctx, xp, wp, gp, dxp, dw.f32(), g);
-  else
-    conv2d_backward_per_sample(ctx, xp, wp, gp, dxp, dw.f32(), g);
+  float* dwp = dw.f32();
+  const ConvWay way = conv_way(g);
+  op_part(ctx, part_name(way), [&] {
+    switch (way) {
+      case ConvWay::PlaneMatrix: return cpu::plane_matrix_backward(ctx, xp, wp, gp, dxp, dwp, g);
+      case ConvWay::Direct: return cpu::direct_conv_backward(ctx, xp, wp, gp, dxp, dwp, g);
+      case ConvWay::Batched: return conv2d_backward_batched(ctx, xp, wp, gp, dxp, dwp, g);
+      case ConvWay::PerSample: return conv2d_backward_per_sample(ctx, xp, wp, gp, dxp, dwp, g);
+    }
+  });
   conv2d_bias_grad(gp, g, db);
 }
 

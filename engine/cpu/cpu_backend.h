@@ -29,6 +29,13 @@ constexpr int64_t kGrain = 16384;
 template <class F>
 void parallel_range(int64_t n, int64_t grain, F&& f);  // f(begin, end)
 
+// The ways a convolution runs (engine/cpu/conv.cpp), as the op profile's parts of
+// conv2d_forward and conv2d_backward: replica-bench --suite ops prints them under the op.
+inline constexpr const char* kConvPlaneMatrixPart = "plane matrix";
+inline constexpr const char* kConvDirectPart = "direct convolution";
+inline constexpr const char* kConvBatchedPart = "im2col + GEMM over the batch";
+inline constexpr const char* kConvPerSamplePart = "im2col + GEMM per sample";
+
 // Argument checks the kernels share.
 inline void expect_host(const Tensor& t, const char* what) {
   REPLICA_CHECK(t.on_host(), "CPU backend: {} is in GPU memory", what);
