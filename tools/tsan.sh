@@ -2,7 +2,8 @@
 # Runs the DP tests, the loader's and the prefetcher's, and DDP's (its ranks are TSAN builds of
 # replica-train, so each rank's training, communication and heartbeat threads are checked)
 # under ThreadSanitizer.
-#   tools/tsan.sh            build into build-tsan (CPU only, RelWithDebInfo) and run
+#   tools/tsan.sh            build into build-tsan (CPU only, RelWithDebInfo, -march=native as
+#                            Release builds: the same kernels) and run
 # TBB and OpenBLAS are not instrumented; tools/tsan.supp silences what happens inside them.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -10,7 +11,7 @@ build="${REPLICA_TSAN_BUILD_DIR:-$here/build-tsan}"
 REPLICA_SKIP_BUILD=1 "$here/tools/setup.sh"
 if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREPLICA_CUDA=OFF \
-        -DREPLICA_TSAN=ON >/dev/null
+        -DREPLICA_TSAN=ON -DCMAKE_CXX_FLAGS=-march=native >/dev/null
 fi
 cmake --build "$build" -j "$(nproc)" --target test_dp_equivalence test_data test_loader \
       test_prefetch test_ddp test_ddp_faults replica-train replica-launch
