@@ -5,8 +5,9 @@
 #   REPLICA_ASAN_BUILD_DIR=dir        build somewhere else
 # The sanitizer flags go on the cmake command line (CMAKE_CXX_FLAGS and the linker flags), so
 # the build files are the ordinary ones; -march=native as in Release builds, so the kernels
-# checked are the ones that run here (the direct convolution exists only in AVX-512 builds). Any ASan, LeakSanitizer or UBSan report aborts the
-# process with a non-zero exit, which fails the test. Suppression files tools/asan.supp,
+# checked are the ones that run here (the direct convolution exists only in AVX-512 builds).
+# Any ASan, LeakSanitizer or UBSan report aborts the process with a non-zero exit, which fails
+# the test. Suppression files tools/asan.supp,
 # tools/lsan.supp and tools/ubsan.supp are used when present; none is needed today (TBB,
 # OpenBLAS and Gloo produce no reports in the unit suite).
 set -euo pipefail

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "engine/cpu/cpu_backend.h"
 #include "engine/cpu/weight_chunks.h"
@@ -102,15 +101,33 @@ struct Frame {
   }
   int64_t plane() const { return hi * wi; }
   int64_t floats() const { return c * plane() + tpad - t; }
+  // Where kernel tap (c, i, j), numbered c*r*r + i*r + j, reads a frame: output pixel t reads
+  // t + tap_offset.
+  int64_t tap_offset(int64_t tap) const {
+    return tap / (r * r) * plane() + tap / r % r * wi + tap % r;
+  }
 };
+
+// Where planes of floats lie: the floats from one plane to the next, and from one row to the
+// next.
+struct Strides {
+  int64_t plane, row;
+};
+
+// planes x rows x cols floats from src to dst, each laid out by its strides: a sample's NCHW
+// planes into a frame or out of one.
+void copy_planes(const float* src, Strides s, float* dst, Strides d, int64_t planes, int64_t rows,
+                 int64_t cols) {
+  for (int64_t c = 0; c < planes; ++c)
+    for (int64_t y = 0; y < rows; ++y)
+      std::memcpy(dst + c * d.plane + y * d.row, src + c * s.plane + y * s.row,
+                  size_t(cols) * sizeof(float));
+}
 
 // dst (f.floats()) = the c planes h x w of src, `pad` zeros on every side, zeros after.
 void pad_into(const float* src, int64_t h, int64_t w, int64_t pad, const Frame& f, float* dst) {
   std::fill(dst, dst + f.floats(), 0.f);
-  for (int64_t cc = 0; cc < f.c; ++cc)
-    for (int64_t y = 0; y < h; ++y)
-      std::memcpy(dst + cc * f.plane() + (y + pad) * f.wi + pad, src + (cc * h + y) * w,
-                  size_t(w) * sizeof(float));
+  copy_planes(src, {h * w, w}, dst + pad * f.wi + pad, {f.plane(), f.wi}, f.c, h, w);
 }
 
 // yw[rows, tpad] (rows k0.. of the output, wide) for the weights w[k][c][r][r], R rows at once.
@@ -145,16 +162,19 @@ void correlate(const Frame& f, const float* xs, const float* w, int64_t k, float
   for (; k0 < k; ++k0) correlate_rows<1>(f, xs, w, k0, yw);
 }
 
-// dw[k0.., tap0..] += sum over t of dyw[k][t] * xs[at[tap] + t], R channels by T taps at once.
+// dw[k0.., tap0..] += sum over t of dyw[k][t] * xs[t + tap_offset(tap)], R channels by T taps
+// at once.
 template <int R, int T>
-void weight_grad_block(const Frame& f, const float* xs, const float* dyw, const int64_t* at,
-                       int64_t k0, int64_t tap0, int64_t crr, float* dw) {
+void weight_grad_block(const Frame& f, const float* xs, const float* dyw, int64_t k0,
+                       int64_t tap0, int64_t crr, float* dw) {
+  const float* run[T];
+  for (int b = 0; b < T; ++b) run[b] = xs + f.tap_offset(tap0 + b);
   Vec acc[R * T] = {};
   for (int64_t t = 0; t < f.tpad; t += kLanes) {
     Vec d[R];
     for (int a = 0; a < R; ++a) d[a] = load_held(dyw + (k0 + a) * f.tpad + t);
     for (int b = 0; b < T; ++b) {
-      const Vec xv = load_held(xs + at[tap0 + b] + t);
+      const Vec xv = load_held(run[b] + t);
       for (int a = 0; a < R; ++a) acc[a * T + b] += d[a] * xv;
     }
   }
@@ -167,23 +187,21 @@ void weight_grad_block(const Frame& f, const float* xs, const float* dyw, const 
 }
 
 template <int R>
-void weight_grad_rows(const Frame& f, const float* xs, const float* dyw, const int64_t* at,
-                      int64_t k0, int64_t crr, float* dw) {
+void weight_grad_rows(const Frame& f, const float* xs, const float* dyw, int64_t k0, int64_t crr,
+                      float* dw) {
   int64_t tap = 0;
   for (; tap + kGradTaps <= crr; tap += kGradTaps)
-    weight_grad_block<R, kGradTaps>(f, xs, dyw, at, k0, tap, crr, dw);
-  for (; tap < crr; ++tap) weight_grad_block<R, 1>(f, xs, dyw, at, k0, tap, crr, dw);
+    weight_grad_block<R, kGradTaps>(f, xs, dyw, k0, tap, crr, dw);
+  for (; tap < crr; ++tap) weight_grad_block<R, 1>(f, xs, dyw, k0, tap, crr, dw);
 }
 
 // dw[k, c*r*r] += the weight gradient of one sample: xs its input frame, dyw its output gradient
-// wide (zero in the columns ox >= q and past t), at[tap] where tap (c, i, j) starts reading.
-void weight_grad(const Frame& f, const float* xs, const float* dyw, const int64_t* at,
-                 int64_t k, float* dw) {
+// wide (zero in the columns ox >= q and past t).
+void weight_grad(const Frame& f, const float* xs, const float* dyw, int64_t k, float* dw) {
   const int64_t crr = f.c * f.r * f.r;
   int64_t k0 = 0;
-  for (; k0 + kGradRows <= k; k0 += kGradRows)
-    weight_grad_rows<kGradRows>(f, xs, dyw, at, k0, crr, dw);
-  for (; k0 < k; ++k0) weight_grad_rows<1>(f, xs, dyw, at, k0, crr, dw);
+  for (; k0 + kGradRows <= k; k0 += kGradRows) weight_grad_rows<kGradRows>(f, xs, dyw, k0, crr, dw);
+  for (; k0 < k; ++k0) weight_grad_rows<1>(f, xs, dyw, k0, crr, dw);
 }
 
 // dxs[c0.., plane] += at each tap (i, j), shifted by i*wi + j, the sum over k of
@@ -204,7 +222,7 @@ void scatter_rows(const Frame& f, const float* dyw, const float* w, int64_t k, i
           for (int v = 0; v < kVecs; ++v) acc[a][v] += wv * d[v];
         }
       }
-      const int64_t shift = tap / f.r * f.wi + tap % f.r + t0;
+      const int64_t shift = f.tap_offset(tap) + t0;  // tap < r*r: in its own plane
       for (int a = 0; a < R; ++a)
         for (int v = 0; v < kVecs; ++v) {
           float* dst = dxs + (c0 + a) * f.plane() + shift + v * kLanes;
@@ -246,10 +264,6 @@ void direct_conv_forward(DeviceContext& ctx, const float* x, const float* w, con
 void direct_conv_backward(DeviceContext& ctx, const float* x, const float* w, const float* dy,
                           float* dx, float* dw, const ConvGeometry& g) {
   const Frame f(g.c, g.h + 2 * g.pad, g.w + 2 * g.pad, g.r);
-  std::vector<int64_t> at(size_t(g.crr()));
-  for (int64_t tap = 0; tap < g.crr(); ++tap)
-    at[size_t(tap)] = tap / (g.r * g.r) * f.plane() + tap / g.r % g.r * f.wi + tap % g.r;
-
   for_weight_chunks(ctx, g.n, g.k * g.crr(), dw, [&](int64_t first, int64_t last, float* pc) {
     Tensor xs = scratch(ctx, f.floats()), dyw = scratch(ctx, g.k * f.tpad);
     Tensor dxs = scratch(ctx, dx ? f.floats() : 0);
@@ -257,21 +271,14 @@ void direct_conv_backward(DeviceContext& ctx, const float* x, const float* w, co
     std::fill(dyw.f32(), dyw.f32() + g.k * f.tpad, 0.f);
     for (int64_t n = first; n < last; ++n) {
       const float* dyn = dy + n * g.k * g.pq();
-      for (int64_t kk = 0; kk < g.k; ++kk)
-        for (int64_t oy = 0; oy < g.p; ++oy)
-          std::memcpy(dyw.f32() + kk * f.tpad + oy * f.wi, dyn + (kk * g.p + oy) * g.q,
-                      size_t(g.q) * sizeof(float));
+      copy_planes(dyn, {g.pq(), g.q}, dyw.f32(), {f.tpad, f.wi}, g.k, g.p, g.q);
       pad_into(x + n * g.c * g.hw(), g.h, g.w, g.pad, f, xs.f32());
-      weight_grad(f, xs.f32(), dyw.f32(), at.data(), g.k, pc);
+      weight_grad(f, xs.f32(), dyw.f32(), g.k, pc);
       if (!dx) continue;
       std::fill(dxs.f32(), dxs.f32() + f.floats(), 0.f);
       scatter(f, dyw.f32(), w, g.k, dxs.f32());
-      float* dxn = dx + n * g.c * g.hw();
-      for (int64_t cc = 0; cc < g.c; ++cc)
-        for (int64_t iy = 0; iy < g.h; ++iy)
-          std::memcpy(dxn + (cc * g.h + iy) * g.w,
-                      dxs.f32() + cc * f.plane() + (iy + g.pad) * f.wi + g.pad,
-                      size_t(g.w) * sizeof(float));
+      copy_planes(dxs.f32() + g.pad * f.wi + g.pad, {f.plane(), f.wi}, dx + n * g.c * g.hw(),
+                  {g.hw(), g.w}, g.c, g.h, g.w);
     }
   });
 }
