@@ -309,7 +309,8 @@ TEST_CASE("the plane matrix's entries and weight gradients as GPU threads comput
                 m[at] = w[wi];
                 dw[wi] += dm[at];
               }
-    for (int64_t e = 0; e < entries; ++e) REQUIRE(plane_matrix_entry(w.data(), g, e) == m[size_t(e)]);
+    for (int64_t e = 0; e < entries; ++e)
+      REQUIRE(plane_matrix_entry(w.data(), g, e) == m[size_t(e)]);
     for (int64_t e = 0; e < int64_t(w.size()); ++e)
       REQUIRE(plane_matrix_weight_grad(dm.data(), g, e) == dw[size_t(e)]);
     ++checked;
