@@ -11,11 +11,13 @@
 // vector registers while the taps stream past. The columns ox >= q of the wide rows, and the
 // last block's tail, are computed and dropped: 22% of the work on the CNN's 24x24 planes.
 //
-// Backward runs over the same wide rows of dy (zero in the dropped columns). The input gradient
-// is the forward's adjoint: each tap adds its block of products back at the input pixels it
-// read. The weight gradient is one dot product per weight and sample between dy's rows and the
-// tap's shifted input run, its lanes added in one fixed tree; per fixed chunk of samples and
-// summed in order (engine/cpu/weight_chunks.h), so the bits do not depend on the thread count.
+// Backward runs over the same wide rows of dy (zero in the dropped columns, and around each
+// plane). The input gradient is gathered, as a forward-style correlation of dy with the kernel
+// turned round: each input pixel sums what every tap that read it sent back, in registers, with
+// no adds to memory. The weight gradient is one dot product per weight between dy's rows and
+// the tap's shifted input run, over a pass of up to 4 samples, its lanes added in one fixed
+// tree; per fixed chunk of samples and summed in order (engine/cpu/weight_chunks.h), so the
+// bits do not depend on the thread count.
 //
 // The dropped columns add exact zeros only while every value is finite: an Inf in the input or
 // the weights meets the zeros there (0 x Inf is NaN), and NaN reaches weight or input gradients
