@@ -137,9 +137,10 @@ void pad_into(const float* src, int64_t h, int64_t w, int64_t pad, const Frame& 
 }
 
 // One correlation of a kernel with wide rows, as the forward and the input gradient both run
-// it: `length` wide pixels of each output plane (out_stride floats apart), from `ins` input
-// planes (in_stride apart). Tap (i, j) reads the input at the pixel + i*row_step + j*col_step
-// and weighs it by w[o*w_out + cc*w_in + i*r + j] for output o and input plane cc.
+// it: `length` wide pixels (whole blocks of kPixelBlock) of each output plane (out_stride
+// floats apart), from `ins` input planes (in_stride apart). Tap (i, j) reads the input at the
+// pixel + i*row_step + j*col_step and weighs it by w[o*w_out + cc*w_in + i*r + j] for output o
+// and input plane cc.
 struct Correlation {
   int64_t ins, r, in_stride, row_step, col_step, w_in, w_out, length, out_stride;
 };
