@@ -9,10 +9,9 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${REPLICA_TSAN_BUILD_DIR:-$here/build-tsan}"
 REPLICA_SKIP_BUILD=1 "$here/tools/setup.sh"
-if [ ! -f "$build/build.ninja" ]; then
-  cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREPLICA_CUDA=OFF \
-        -DREPLICA_TSAN=ON -DCMAKE_CXX_FLAGS=-march=native >/dev/null
-fi
+# Configured every time, as tools/asan.sh is: a folder made with other flags gets these.
+cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREPLICA_CUDA=OFF \
+      -DREPLICA_TSAN=ON -DCMAKE_CXX_FLAGS=-march=native >/dev/null
 cmake --build "$build" -j "$(nproc)" --target test_dp_equivalence test_data test_loader \
       test_prefetch test_ddp test_ddp_faults replica-train replica-launch
 export TSAN_OPTIONS="suppressions=$here/tools/tsan.supp halt_on_error=1 second_deadlock_stack=1"
