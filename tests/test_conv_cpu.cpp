@@ -224,9 +224,9 @@ TEST_CASE("conv2d at stride 1 with few output channels (the direct convolution) 
   // block of 4 and three rows alone) and 45 taps (blocks of 4 and one alone); a 2x2 kernel on a
   // 9x11 plane, padded; padding past the kernel's reach (outputs that see only zeros); 32 output
   // channels, the most it takes; 4x4 and 7x7 kernels; a plane one output column wide (every
-  // wide row but its first pixel dropped); batches of 1 and 41 (the weight gradient's chunks of
-  // 6 and 5 samples: passes over 4 samples, then 2 or 1). Builds for CPUs without AVX-512
-  // leave every layer to im2col.
+  // wide row but its first pixel dropped); batches of 1, 13 (the weight gradient's chunks of 2
+  // samples and 1: a pass over a whole chunk) and 41 (chunks of 6 and 5: passes over 4
+  // samples, then 2 or 1). Builds for CPUs without AVX-512 leave every layer to im2col.
   if (!cpu::direct_conv_built()) {
     MESSAGE("skipped: this build is not for AVX-512, and the direct convolution is off in it");
     CHECK_FALSE(cpu::direct_conv_pays(geometry_of(Layer{2, 20, 20, 24, 24, 5, 1, 0})));
@@ -237,7 +237,7 @@ TEST_CASE("conv2d at stride 1 with few output channels (the direct convolution) 
                   Layer{2, 4, 4, 9, 11, 2, 1, 1}, Layer{2, 4, 3, 4, 5, 3, 1, 4},
                   Layer{1, 4, 32, 10, 10, 3, 1, 1}, Layer{2, 4, 5, 12, 13, 4, 1, 2},
                   Layer{2, 4, 5, 12, 12, 7, 1, 3}, Layer{2, 4, 6, 104, 3, 3, 1, 0},
-                  Layer{41, 4, 6, 10, 11, 3, 1, 1}}) {
+                  Layer{13, 4, 6, 10, 11, 3, 1, 1}, Layer{41, 4, 6, 10, 11, 3, 1, 1}}) {
     const ConvGeometry g = geometry_of(l);
     REQUIRE(cpu::direct_conv_pays(g));
     REQUIRE_FALSE(plane_matrix_pays(g));

@@ -95,9 +95,10 @@ inline Vec lane_sums(Vec* v) {
 }
 
 // A stride-1 valid correlation of c planes hi x wi (padding already in them) with an r x r
-// kernel, in the wide index: output pixel t = oy*wi + ox for t < (p-1)*wi + q, computed in
-// blocks of kPixelBlock up to `tpad`. Reads reach tpad - t floats past the last plane: the
-// buffer a frame is copied into holds them as zeros.
+// kernel, in the wide index: output pixel t = oy*wi + ox for t < (p-1)*wi + q. The forward
+// computes it in blocks of kPixelBlock up to `tpad`, the weight gradient in vectors up to
+// `dy_end` (<= tpad). Reads reach tpad - t floats past the last plane: the buffer a frame is
+// copied into holds them as zeros.
 struct Frame {
   int64_t c, hi, wi, r, p, q, t, tpad;
   Frame(int64_t c_, int64_t hi_, int64_t wi_, int64_t r_)
@@ -107,6 +108,8 @@ struct Frame {
   }
   int64_t plane() const { return hi * wi; }
   int64_t floats() const { return c * plane() + tpad - t; }
+  // Where the weight gradient's dot products stop: dy's last vector (dy is zero past t).
+  int64_t dy_end() const { return round_up(t, kLanes); }
   // Where kernel tap (c, i, j), numbered c*r*r + i*r + j, reads a frame: output pixel t reads
   // t + tap_offset.
   int64_t tap_offset(int64_t tap) const {
@@ -188,21 +191,25 @@ Correlation forward_correlation(const Frame& f) {
 // columns ox >= q) from kk*stride + lead. Zeros lie around each plane, so that the input
 // gradient's taps read zeros wherever they reach outside dy: `lead` before it (taps above the
 // first row), and after it up to the input gradient's last block, or the weight gradient's
-// (tpad).
+// last vector (Frame::dy_end), whichever is further.
 struct GradFrame {
   int64_t lead, stride;
-  int64_t first, length;  // the input gradient's wide pixels: from frame pixel `first`, `length`
+  // The input gradient's wide pixels: `length` of them (whole blocks) from frame pixel
+  // `start`, where the unpadded input's first row begins.
+  int64_t start, length;
   GradFrame(const Frame& f, int64_t h, int64_t pad)
       : lead(round_up((f.r - 1) * (f.wi + 1), kLanes)),
-        first(pad * f.wi),
+        start(pad * f.wi),
         length(round_up(h * f.wi, kPixelBlock)) {
-    stride = round_up(lead + std::max(first + length, f.tpad), kLanes);
+    stride = round_up(lead + std::max(start + length, f.dy_end()), kLanes);
   }
 };
 
 // The input gradient, gathered: frame pixel u (rows pad.. of the padded input, wide) sums
 // w[kk][c][i][j] * dy[kk] at u - i*wi - j over (kk, i, j), the pixels whose tap (i, j) read u in
-// the forward; a forward-style correlation of dy with the kernel turned round. dxw[c, length]
+// the forward; a forward-style correlation of dy with the kernel turned round: rows stepped
+// up, columns left, and the weights' two channel axes swapped (its outputs are the input
+// channels, r*r floats apart in w; its inputs the output channels, c*r*r apart). dxw[c, length]
 // from dyg (the GradFrame's buffer), with no adds to memory and every sum in one order.
 Correlation input_grad_correlation(const Frame& f, const GradFrame& d, int64_t k) {
   const int64_t rr = f.r * f.r;
@@ -229,7 +236,7 @@ template <int R, int T>
     const float* run[T];
     for (int b = 0; b < T; ++b) run[b] = xs + s * gr.x_stride + f.tap_offset(tap0 + b);
     const float* dys = dy + s * gr.dy_stride + k0 * ds;
-    for (int64_t t = 0; t < round_up(f.t, kLanes); t += kLanes) {  // dy is zero past t
+    for (int64_t t = 0; t < f.dy_end(); t += kLanes) {
       Vec d[R];
       for (int a = 0; a < R; ++a) d[a] = load_held(dys + a * ds + t);
       for (int b = 0; b < T; ++b) {
@@ -311,7 +318,7 @@ void direct_conv_backward(DeviceContext& ctx, const float* x, const float* w, co
       weight_grad(f, d, gr, xs.f32(), dyg.f32(), g.k, pc);
       if (!dx) continue;
       for (int64_t s = 0; s < gr.count; ++s) {
-        correlate(input_grad, dyg.f32() + s * dy_stride + d.lead + d.first, w, g.c, dxw.f32());
+        correlate(input_grad, dyg.f32() + s * dy_stride + d.lead + d.start, w, g.c, dxw.f32());
         copy_planes(dxw.f32() + g.pad, {d.length, f.wi}, dx + (n0 + s) * g.c * g.hw(),
                     {g.hw(), g.w}, g.c, g.h, g.w);
       }
