@@ -1,12 +1,14 @@
 // The CPU convolution: the same bits for 1, 2 and 3 threads, rows copied as runs, the tap
-// table, the plane matrix and the direct convolution equal to a convolution summed in double,
-// a backward adding onto dx the bits of a backward then an add, and which way each layer ran.
+// table and the plane matrix equal to a convolution summed in double, a backward adding onto dx
+// the bits of a backward then an add, and which way each layer ran. The direct convolution's
+// own cases: tests/test_direct_conv_cpu.cpp.
 #include <doctest/doctest.h>
 
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "conv_layer_check.h"
 #include "cpu_kernel_helpers.h"
 #include "env_guard.h"
 #include "engine/context.h"
@@ -70,100 +72,6 @@ TEST_CASE("conv2d forward/backward are bit-identical for 1, 2 and 3 threads (bat
 }
 
 
-namespace {
-
-struct Layer {
-  int64_t n, c, k, h, w;
-  int r, stride, pad;
-};
-
-// Forward, input and weight gradients against a direct convolution in double. The caching allocator's
-// blocks the column buffers will get are filled with NaN first: a column left unwritten shows.
-void check_against_direct(const Layer& l) {
-  CAPTURE(l.n);
-  CAPTURE(l.h);
-  CAPTURE(l.w);
-  CAPTURE(l.r);
-  CAPTURE(l.stride);
-  CAPTURE(l.pad);
-  const int64_t n = l.n, c = l.c, k = l.k, h = l.h, w = l.w;
-  const int64_t p = window_out(h, l.r, l.stride, l.pad);
-  const int64_t q = window_out(w, l.r, l.stride, l.pad);
-  const Shape xs = {n, c, h, w}, ws = {k, c, l.r, l.r}, ys = {n, k, p, q};
-  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
-  {
-    std::vector<Tensor> dirty;
-    for (int t = 0; t < 4; ++t) dirty.push_back(ctx.alloc({n * c * l.r * l.r * p * q}));
-    for (Tensor& t : dirty) ctx.ops().fill(ctx, t, std::numeric_limits<float>::quiet_NaN());
-  }
-  Tensor x = make(ctx, xs, 7), wt = make(ctx, ws, 8), b = make(ctx, {k}, 9);
-  Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 10), dx = ctx.alloc(xs);
-  Tensor dw = make(ctx, ws, 11), db = ctx.alloc({k});  // dw += onto what is there
-  ctx.ops().fill(ctx, db, 0.f);
-  const Conv2dParams prm{l.stride, l.pad};
-  std::vector<double> rdw(dw.f32(), dw.f32() + dw.numel());
-  ctx.run([&] {
-    ctx.ops().conv2d_forward(ctx, x, wt, b, y, prm);
-    ctx.ops().conv2d_backward(ctx, x, wt, dy, dx, dw, db, prm, InputGrad::Overwrite);
-  });
-  std::vector<double> ry(size_t(shape_numel(ys)), 0.0), rdx(size_t(shape_numel(xs)), 0.0);
-  auto at_x = [&](int64_t b_, int64_t c_, int64_t iy, int64_t ix) {
-    return size_t(((b_ * c + c_) * h + iy) * w + ix);
-  };
-  for (int64_t b_ = 0; b_ < n; ++b_)
-    for (int64_t k_ = 0; k_ < k; ++k_)
-      for (int64_t oy = 0; oy < p; ++oy)
-        for (int64_t ox = 0; ox < q; ++ox) {
-          const size_t yi = size_t(((b_ * k + k_) * p + oy) * q + ox);
-          double sum = b.f32()[k_];
-          for (int64_t c_ = 0; c_ < c; ++c_)
-            for (int64_t i = 0; i < l.r; ++i)
-              for (int64_t j = 0; j < l.r; ++j) {
-                const int64_t iy = oy * l.stride - l.pad + i;
-                const int64_t ix = ox * l.stride - l.pad + j;
-                if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
-                const size_t wi = size_t(((k_ * c + c_) * l.r + i) * l.r + j);
-                const float wv = wt.f32()[wi];
-                sum += double(wv) * x.f32()[at_x(b_, c_, iy, ix)];
-                rdx[at_x(b_, c_, iy, ix)] += double(wv) * dy.f32()[yi];
-                rdw[wi] += double(dy.f32()[yi]) * x.f32()[at_x(b_, c_, iy, ix)];
-              }
-          ry[yi] = sum;
-        }
-  for (size_t i = 0; i < ry.size(); ++i)
-    REQUIRE(y.f32()[i] == doctest::Approx(ry[i]).epsilon(1e-4));
-  for (size_t i = 0; i < rdx.size(); ++i)
-    REQUIRE(dx.f32()[i] == doctest::Approx(rdx[i]).epsilon(1e-4));
-  for (size_t i = 0; i < rdw.size(); ++i)
-    REQUIRE(dw.f32()[i] == doctest::Approx(rdw[i]).epsilon(1e-4));
-}
-
-// The layer's geometry, as the convolution works it out.
-ConvGeometry geometry_of(const Layer& l) {
-  DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
-  return conv_geometry(probe.alloc({l.n, l.c, l.h, l.w}), probe.alloc({l.k, l.c, l.r, l.r}),
-                       Conv2dParams{l.stride, l.pad});
-}
-
-// check_against_direct, then forward and backward with the same bits for 1, 2 and 3 threads.
-void check_layer(const Layer& l) {
-  check_against_direct(l);
-  const ConvGeometry g = geometry_of(l);
-  const Shape xs = {l.n, l.c, l.h, l.w}, ws = {l.k, l.c, l.r, l.r}, ys = {l.n, l.k, g.p, g.q};
-  same_for_all_thread_counts([&](DeviceContext& ctx) {
-    Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), b = make(ctx, {l.k}, 3);
-    Tensor y = ctx.alloc(ys), dy = make(ctx, ys, 4), dx = ctx.alloc(xs);
-    Tensor dw = make(ctx, ws, 5), db = make(ctx, {l.k}, 6);
-    const Conv2dParams prm{l.stride, l.pad};
-    ctx.ops().conv2d_forward(ctx, x, w, b, y, prm);
-    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw, db, prm, InputGrad::Overwrite);
-    std::vector<float> r;
-    for (const Tensor* t : {&y, &dx, &dw, &db}) append(r, *t);
-    return r;
-  });
-}
-
-}  // namespace
 
 TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct convolution") {
   // Stride-1 rows this wide go through im2col's and col2im's run loops: zero fill, contiguous
@@ -177,7 +85,7 @@ TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct 
                   Case{4, 1, 4}, Case{5, 1, 0}}) {
     const Layer l{2, 2, 3, 22, 26, cs.r, cs.stride, cs.pad};
     REQUIRE(window_out(l.w, l.r, l.stride, l.pad) >= 8);
-    check_against_direct(l);
+    check_against_double_sum(l);
   }
 }
 
@@ -196,7 +104,7 @@ TEST_CASE("conv2d on small outputs (the tap table) and pointwise layers (copies)
                     Layer{n, 4, 6, 2, 2, 1, 1, 0}, Layer{n, 4, 6, 7, 7, 1, 1, 0},
                     Layer{n, 4, 6, 12, 12, 1, 1, 0}, Layer{n, 4, 6, 7, 7, 1, 2, 0},
                     Layer{n, 8, 20, 4, 4, 3, 1, 1}, Layer{n, 8, 70, 4, 4, 3, 1, 1}})
-      check_against_direct(l);
+      check_against_double_sum(l);
   }
 }
 
@@ -215,57 +123,6 @@ TEST_CASE("conv2d on planes smaller than the kernel (the plane matrix) equals a 
     REQUIRE(plane_matrix_pays(geometry_of(l)));
     check_layer(l);
   }
-}
-
-TEST_CASE("conv2d at stride 1 with few output channels (the direct convolution) equals a "
-          "convolution summed in double, with the same bits for 1, 2 and 3 threads") {
-  // The CNN's second layer (5x5, 20 channels in and out) and a 5x5 layer of 4 inputs; 3x3 with
-  // padding on 10x10; 7 output channels (a block of 5 and two rows alone; weight gradients in a
-  // block of 4 and three rows alone) and 45 taps (blocks of 4 and one alone); a 2x2 kernel on a
-  // 9x11 plane, padded; padding past the kernel's reach (outputs that see only zeros); 32 output
-  // channels, the most it takes; 4x4 and 7x7 kernels; a plane one output column wide (every
-  // wide row but its first pixel dropped); batches of 1, 13 (the weight gradient's chunks of 2
-  // samples and 1: a pass over a whole chunk) and 41 (chunks of 6 and 5: passes over 4
-  // samples, then 2 or 1). Builds for CPUs without AVX-512 leave every layer to im2col.
-  if (!cpu::direct_conv_built()) {
-    MESSAGE("skipped: this build is not for AVX-512, and the direct convolution is off in it");
-    CHECK_FALSE(cpu::direct_conv_pays(geometry_of(Layer{2, 20, 20, 24, 24, 5, 1, 0})));
-    return;
-  }
-  for (Layer l : {Layer{3, 20, 20, 24, 24, 5, 1, 0}, Layer{2, 4, 20, 28, 28, 5, 1, 0},
-                  Layer{3, 6, 5, 10, 10, 3, 1, 1}, Layer{2, 5, 7, 10, 12, 3, 1, 1},
-                  Layer{2, 4, 4, 9, 11, 2, 1, 1}, Layer{2, 4, 3, 4, 5, 3, 1, 4},
-                  Layer{1, 4, 32, 10, 10, 3, 1, 1}, Layer{2, 4, 5, 12, 13, 4, 1, 2},
-                  Layer{2, 4, 5, 12, 12, 7, 1, 3}, Layer{2, 4, 6, 104, 3, 3, 1, 0},
-                  Layer{13, 4, 6, 10, 11, 3, 1, 1}, Layer{41, 4, 6, 10, 11, 3, 1, 1}}) {
-    const ConvGeometry g = geometry_of(l);
-    REQUIRE(cpu::direct_conv_pays(g));
-    REQUIRE_FALSE(plane_matrix_pays(g));
-    check_layer(l);
-  }
-  // Without an input gradient (a network's first layer) the weight gradient keeps its bits.
-  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
-  ctx.run([&] {
-    const Shape xs = {3, 20, 24, 24}, ws = {20, 20, 5, 5}, ys = {3, 20, 20, 20};
-    Tensor x = make(ctx, xs, 1), w = make(ctx, ws, 2), dy = make(ctx, ys, 3);
-    Tensor dx = ctx.alloc(xs), no_dx, db1 = make(ctx, {20}, 4), db2 = make(ctx, {20}, 4);
-    Tensor dw1 = make(ctx, ws, 5), dw2 = make(ctx, ws, 5);
-    ctx.ops().conv2d_backward(ctx, x, w, dy, dx, dw1, db1, Conv2dParams{1, 0},
-                              InputGrad::Overwrite);
-    ctx.ops().conv2d_backward(ctx, x, w, dy, no_dx, dw2, db2, Conv2dParams{1, 0},
-                              InputGrad::Overwrite);
-    CHECK(values(dw2) == values(dw1));
-    CHECK(values(db2) == values(db1));
-  });
-  // It leaves to im2col strided layers, 1x1 kernels, more than 32 output channels, fewer than
-  // 4 input channels (the CNN's first layer) and planes under 100 output pixels.
-  auto takes = [](Layer l) { return cpu::direct_conv_pays(geometry_of(l)); };
-  CHECK_FALSE(takes(Layer{2, 20, 20, 24, 24, 5, 2, 0}));
-  CHECK_FALSE(takes(Layer{2, 20, 20, 24, 24, 1, 1, 0}));
-  CHECK_FALSE(takes(Layer{2, 20, 33, 24, 24, 3, 1, 1}));
-  CHECK_FALSE(takes(Layer{2, 1, 20, 28, 28, 5, 1, 0}));
-  CHECK_FALSE(takes(Layer{2, 64, 32, 8, 8, 3, 1, 1}));
-  CHECK(takes(Layer{2, 4, 32, 10, 10, 3, 1, 1}));
 }
 
 TEST_CASE("the plane matrix's entries and weight gradients as GPU threads compute them, against "
