@@ -15,17 +15,14 @@
 
 namespace test {
 
+using replica::ContextOptions;
 using replica::Conv2dParams;
 using replica::ConvGeometry;
+using replica::Device;
+using replica::DeviceType;
 using replica::InputGrad;
 using replica::shape_numel;
 using replica::window_out;
-
-// A context for one CPU device of `threads` threads.
-inline DeviceContext cpu_context(int threads) {
-  return DeviceContext(replica::Device{replica::DeviceType::CPU, 0, 0},
-                       replica::ContextOptions{threads});
-}
 
 struct Layer {
   int64_t n, c, k, h, w;
@@ -46,7 +43,7 @@ inline void check_against_double_sum(const Layer& l) {
   const int64_t p = window_out(h, l.r, l.stride, l.pad);
   const int64_t q = window_out(w, l.r, l.stride, l.pad);
   const Shape xs = {n, c, h, w}, ws = {k, c, l.r, l.r}, ys = {n, k, p, q};
-  DeviceContext ctx = cpu_context(2);
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
   {
     std::vector<Tensor> dirty;
     for (int t = 0; t < 4; ++t) dirty.push_back(ctx.alloc({n * c * l.r * l.r * p * q}));
@@ -96,7 +93,7 @@ inline void check_against_double_sum(const Layer& l) {
 
 // The layer's geometry, as the convolution works it out.
 inline ConvGeometry geometry_of(const Layer& l) {
-  DeviceContext probe = cpu_context(1);
+  DeviceContext probe(Device{DeviceType::CPU, 0, 0}, ContextOptions{1});
   return replica::conv_geometry(probe.alloc({l.n, l.c, l.h, l.w}),
                                 probe.alloc({l.k, l.c, l.r, l.r}), Conv2dParams{l.stride, l.pad});
 }
@@ -118,6 +115,5 @@ inline void check_layer(const Layer& l) {
     return r;
   });
 }
-
 
 }  // namespace test

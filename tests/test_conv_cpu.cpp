@@ -4,7 +4,6 @@
 // own cases: tests/test_direct_conv_cpu.cpp.
 #include <doctest/doctest.h>
 
-#include <limits>
 #include <random>
 #include <vector>
 
@@ -70,8 +69,6 @@ TEST_CASE("conv2d forward/backward are bit-identical for 1, 2 and 3 threads (bat
     CHECK(out[size_t(ny + nx)] == doctest::Approx(dw00).epsilon(1e-4));
   }
 }
-
-
 
 TEST_CASE("conv2d on rows of 8+ output columns (copied as runs) equals a direct convolution") {
   // Stride-1 rows this wide go through im2col's and col2im's run loops: zero fill, contiguous

@@ -279,11 +279,12 @@ void weight_grad(const Frame& f, const GradFrame& d, const Group& gr, const floa
 void direct_conv_forward(DeviceContext& ctx, const float* x, const float* w, const float* b,
                          float* y, const ConvGeometry& g) {
   const Frame f(g.c, g.h + 2 * g.pad, g.w + 2 * g.pad, g.r);
+  const Correlation forward = forward_correlation(f);
   parallel_range(g.n, 1, [&](int64_t n0, int64_t n1) {
     Tensor xs = scratch(ctx, f.floats()), yw = scratch(ctx, g.k * f.tpad);
     for (int64_t n = n0; n < n1; ++n) {
       pad_into(x + n * g.c * g.hw(), g.h, g.w, g.pad, f, xs.f32());
-      correlate(forward_correlation(f), xs.f32(), w, g.k, yw.f32());
+      correlate(forward, xs.f32(), w, g.k, yw.f32());
       float* yn = y + n * g.k * g.pq();
       for (int64_t kk = 0; kk < g.k; ++kk)
         for (int64_t oy = 0; oy < g.p; ++oy) {
