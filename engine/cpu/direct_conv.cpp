@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "engine/cpu/cpu_backend.h"
+#include "engine/cpu/vec16.h"
 #include "engine/cpu/weight_chunks.h"
 #include "engine/error.h"
 
@@ -42,11 +43,7 @@ namespace {
 // Register blocks for AVX-512's 32 vector registers. Forward and input gradient: kRows
 // channels by kVecs vectors of pixels held as sums. Weight gradient: kGradRows output channels
 // by kGradTaps taps (kLanes sums, added across lanes together), one vector of pixels at a time.
-constexpr int kLanes = 16, kVecs = 4, kGradRows = 4;
-typedef int Lanes __attribute__((vector_size(kLanes * sizeof(int))));
-const Lanes kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-const Lanes kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-constexpr int kRows = 5, kGradTaps = kLanes / kGradRows;
+constexpr int kVecs = 4, kGradRows = 4, kRows = 5, kGradTaps = kLanes / kGradRows;
 constexpr int64_t kPixelBlock = int64_t(kLanes) * kVecs;
 // The weight gradient's samples a pass (Group): each block of sums then runs over 4 samples'
 // pixels before its lanes are added, so adding lanes and storing them costs a quarter as
@@ -56,17 +53,6 @@ constexpr int64_t kGroupSamples = 4;
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-// Every lane s: a broadcast. s - 0 is s for every s, so no subtraction is left; 0 + s would
-// cost an add, since 0 + -0 is +0.
-inline Vec splat(float s) { return s - Vec{}; }
 // A vector a kernel multiplies several times, loaded once: held in a register, so that the
 // compiler does not fold a load of it into each multiply-add (loads, not multiply-adds, would
 // then bound the loop).

@@ -1,5 +1,5 @@
 // CPU pooling: max pooling (the first maximum of a window wins) and adaptive average pooling.
-// Parallel over planes.
+// Parallel over planes. 2x2 windows that tile the plane (the CNN's) go 16 at a time in vectors.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -8,6 +8,7 @@
 
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
+#include "engine/cpu/max_pool_2x2.h"
 #include "engine/error.h"
 
 namespace replica {
@@ -28,12 +29,7 @@ PoolGeometry pool_geometry(const Tensor& x, const Tensor& y) {
 // An element's index within its plane (pool_geometry checks that it fits).
 using PlaneIndex = int32_t;
 
-// The rules of a window's winner, in one place: a larger value wins, a NaN wins over any number,
-// and among equals (or NaNs) the first in row-major order stays.
-// Bitwise, not short-circuit: `||` and `&&` are branches too.
-inline bool takes_over(float v, float best_v) {
-  return (v > best_v) | ((v != v) & (best_v == best_v));
-}
+using cpu::takes_over;
 
 // Keeps (v, at) if it wins. As a select, not a branch: which element wins is data-dependent, and
 // a mispredicted branch per element cost more than the compare. Where windows lie side by side
@@ -47,7 +43,7 @@ inline void keep_max(float v, int64_t at, float& best_v, PlaneIndex& best) {
 // The same, the select spelled out in bit masks, for overlapping windows and windows taken one
 // by one: there the compiler made keep_max's select a branch or a slower blend. Alternated with
 // the select on the 2-core machine: ResNet-18 3x224x224's max pool 8.9-9.9 -> 6.1-7.9 ms forward,
-// 5-10% at 28x28 and 32x32; tiling rows (the CNN's 2x2) keep keep_max, no faster with masks.
+// 5-10% at 28x28 and 32x32; tiling rows keep keep_max, no faster with masks.
 inline void keep_max_masked(float v, int64_t at, float& best_v, PlaneIndex& best) {
   const uint32_t mask = 0u - uint32_t(takes_over(v, best_v));
   uint32_t vb, bb;
@@ -75,13 +71,10 @@ PlaneIndex window_argmax(const float* plane, const PoolGeometry& g, const Pool2d
   return best;
 }
 
-// Windows that tile the plane (stride = kernel, no padding: the CNN's 2x2) are taken a row of
-// windows at a time, element (i, j) of every window in turn, loops the compiler vectorises; K is
-// the kernel when known at compile time (0: prm.kernel).
-template <int K>
-void tiled_row_winners(const float* plane, const PoolGeometry& g, int kernel, int64_t oy,
-                       float* best, PlaneIndex* at) {
-  const int k = K > 0 ? K : kernel;
+// Windows that tile the plane (stride = kernel, no padding) larger than 2x2 are taken a row of
+// windows at a time, element (i, j) of every window in turn, loops the compiler vectorises.
+void tiled_row_winners(const float* plane, const PoolGeometry& g, int k, int64_t oy, float* best,
+                       PlaneIndex* at) {
   const int64_t top = oy * k * g.w;
   for (int64_t ox = 0; ox < g.q; ++ox) {
     best[ox] = plane[top + ox * k];
@@ -97,6 +90,11 @@ void tiled_row_winners(const float* plane, const PoolGeometry& g, int kernel, in
 }
 
 bool tiles(const Pool2dParams& prm) { return prm.stride == prm.kernel && prm.padding == 0; }
+
+// 2x2 tiles go a row of windows at a time in vectors, where the build has them.
+bool tiles_2x2(const Pool2dParams& prm) {
+  return tiles(prm) && prm.kernel == 2 && cpu::max_pool_2x2_built();
+}
 
 // Overlapping or padded windows (ResNet's 3x3, stride 2, padding 1), a row at a time: windows
 // whose columns lie inside the plane take their elements in the window's row-major order, each
@@ -141,12 +139,10 @@ void overlapping_row_winners(const float* plane, const PoolGeometry& g, const Po
 // at[ox] its index in the plane (-1 then).
 void row_winners(const float* plane, const PoolGeometry& g, const Pool2dParams& prm, int64_t oy,
                  float* best, PlaneIndex* at) {
-  if (!tiles(prm)) {
-    overlapping_row_winners(plane, g, prm, oy, best, at);
-  } else if (prm.kernel == 2) {
-    tiled_row_winners<2>(plane, g, 2, oy, best, at);
+  if (tiles(prm)) {
+    tiled_row_winners(plane, g, prm.kernel, oy, best, at);
   } else {
-    tiled_row_winners<0>(plane, g, prm.kernel, oy, best, at);
+    overlapping_row_winners(plane, g, prm, oy, best, at);
   }
 }
 
@@ -158,7 +154,15 @@ int64_t planes_per_task(const PoolGeometry& g) {
   return std::max<int64_t>(1, cpu::kGrain / std::max<int64_t>(g.h * g.w, 1));
 }
 
-// Runs body(plane index, its row scratch best, at) for the planes of x, in parallel. The scratch,
+// Runs body(plane index) for the planes of g, in parallel.
+template <class Body>
+void for_each_plane(const PoolGeometry& g, Body&& body) {
+  cpu::parallel_range(g.planes, planes_per_task(g), [&](int64_t p0, int64_t p1) {
+    for (int64_t pl = p0; pl < p1; ++pl) body(pl);
+  });
+}
+
+// The same with a scratch row per plane, body(plane index, best, at), for row_winners. The scratch,
 // a row per plane, is one block from the device's caching allocator per call: no allocation per
 // task.
 template <class Body>
@@ -166,9 +170,7 @@ void for_each_plane(DeviceContext& ctx, const PoolGeometry& g, Body&& body) {
   const int64_t n = std::max<int64_t>(g.planes * g.q, 1);
   Tensor best = ctx.alloc({n});
   Tensor at = ctx.alloc({n}, DType::I32);
-  cpu::parallel_range(g.planes, planes_per_task(g), [&](int64_t p0, int64_t p1) {
-    for (int64_t pl = p0; pl < p1; ++pl) body(pl, best.f32() + pl * g.q, at.i32() + pl * g.q);
-  });
+  for_each_plane(g, [&](int64_t pl) { body(pl, best.f32() + pl * g.q, at.i32() + pl * g.q); });
 }
 
 }  // namespace
@@ -178,6 +180,15 @@ void CpuBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& 
   const PoolGeometry g = pool_geometry(x, y);
   const float* xp = x.f32();
   float* yp = y.f32();
+  if (tiles_2x2(prm)) {
+    for_each_plane(g, [&](int64_t pl) {
+      for (int64_t oy = 0; oy < g.p; ++oy) {
+        const float* top = xp + pl * g.h * g.w + 2 * oy * g.w;
+        cpu::max_pool_2x2_row(top, top + g.w, g.q, yp + (pl * g.p + oy) * g.q);
+      }
+    });
+    return;
+  }
   for_each_plane(ctx, g, [&](int64_t pl, float* best, PlaneIndex* at) {
     for (int64_t oy = 0; oy < g.p; ++oy) {
       row_winners(xp + pl * g.h * g.w, g, prm, oy, best, at);
@@ -191,6 +202,21 @@ void CpuBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& 
 void CpuBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const Tensor& y,
                                     const Tensor& dy, Tensor& dx, const Pool2dParams& prm) {
   const PoolGeometry g = pool_geometry(x, y);
+  if (tiles_2x2(prm)) {
+    for_each_plane(g, [&](int64_t pl) {
+      const float* plane = x.f32() + pl * g.h * g.w;
+      float* dplane = dx.f32() + pl * g.h * g.w;
+      for (int64_t oy = 0; oy < g.p; ++oy) {
+        const int64_t top = 2 * oy * g.w;
+        cpu::max_pool_2x2_row_grad(plane + top, plane + top + g.w,
+                                   dy.f32() + (pl * g.p + oy) * g.q, g.q, dplane + top,
+                                   dplane + top + g.w);
+        if (g.w > 2 * g.q) dplane[top + 2 * g.q] = dplane[top + g.w + 2 * g.q] = 0.f;
+      }
+      std::fill(dplane + 2 * g.p * g.w, dplane + g.h * g.w, 0.f);  // a row no window covers
+    });
+    return;
+  }
   const bool tiled = tiles(prm);
   const int k = prm.kernel;
   for_each_plane(ctx, g, [&](int64_t pl, float* best, PlaneIndex* at) {
@@ -214,18 +240,16 @@ void CpuBackend::adaptive_avgpool2d_forward(DeviceContext&, const Tensor& x, Ten
   const PoolGeometry g = pool_geometry(x, y);
   const float* xp = x.f32();
   float* yp = y.f32();
-  cpu::parallel_range(g.planes, planes_per_task(g), [&](int64_t p0, int64_t p1) {
-    for (int64_t pl = p0; pl < p1; ++pl) {
-      const float* plane = xp + pl * g.h * g.w;
-      for (int64_t oy = 0; oy < g.p; ++oy) {
-        int64_t y0 = oy * g.h / g.p, y1 = ((oy + 1) * g.h + g.p - 1) / g.p;
-        for (int64_t ox = 0; ox < g.q; ++ox) {
-          int64_t x0 = ox * g.w / g.q, x1 = ((ox + 1) * g.w + g.q - 1) / g.q;
-          float s = 0.f;
-          for (int64_t iy = y0; iy < y1; ++iy)
-            for (int64_t ix = x0; ix < x1; ++ix) s += plane[iy * g.w + ix];
-          yp[(pl * g.p + oy) * g.q + ox] = s / float((y1 - y0) * (x1 - x0));
-        }
+  for_each_plane(g, [&](int64_t pl) {
+    const float* plane = xp + pl * g.h * g.w;
+    for (int64_t oy = 0; oy < g.p; ++oy) {
+      int64_t y0 = oy * g.h / g.p, y1 = ((oy + 1) * g.h + g.p - 1) / g.p;
+      for (int64_t ox = 0; ox < g.q; ++ox) {
+        int64_t x0 = ox * g.w / g.q, x1 = ((ox + 1) * g.w + g.q - 1) / g.q;
+        float s = 0.f;
+        for (int64_t iy = y0; iy < y1; ++iy)
+          for (int64_t ix = x0; ix < x1; ++ix) s += plane[iy * g.w + ix];
+        yp[(pl * g.p + oy) * g.q + ox] = s / float((y1 - y0) * (x1 - x0));
       }
     }
   });
@@ -235,18 +259,16 @@ void CpuBackend::adaptive_avgpool2d_backward(DeviceContext&, const Tensor& dy, T
   const PoolGeometry g = pool_geometry(dx, dy);
   const float* gp = dy.f32();
   float* dxp = dx.f32();
-  cpu::parallel_range(g.planes, planes_per_task(g), [&](int64_t p0, int64_t p1) {
-    for (int64_t pl = p0; pl < p1; ++pl) {
-      float* dplane = dxp + pl * g.h * g.w;
-      std::fill(dplane, dplane + g.h * g.w, 0.f);
-      for (int64_t oy = 0; oy < g.p; ++oy) {
-        int64_t y0 = oy * g.h / g.p, y1 = ((oy + 1) * g.h + g.p - 1) / g.p;
-        for (int64_t ox = 0; ox < g.q; ++ox) {
-          int64_t x0 = ox * g.w / g.q, x1 = ((ox + 1) * g.w + g.q - 1) / g.q;
-          float share = gp[(pl * g.p + oy) * g.q + ox] / float((y1 - y0) * (x1 - x0));
-          for (int64_t iy = y0; iy < y1; ++iy)
-            for (int64_t ix = x0; ix < x1; ++ix) dplane[iy * g.w + ix] += share;
-        }
+  for_each_plane(g, [&](int64_t pl) {
+    float* dplane = dxp + pl * g.h * g.w;
+    std::fill(dplane, dplane + g.h * g.w, 0.f);
+    for (int64_t oy = 0; oy < g.p; ++oy) {
+      int64_t y0 = oy * g.h / g.p, y1 = ((oy + 1) * g.h + g.p - 1) / g.p;
+      for (int64_t ox = 0; ox < g.q; ++ox) {
+        int64_t x0 = ox * g.w / g.q, x1 = ((ox + 1) * g.w + g.q - 1) / g.q;
+        float share = gp[(pl * g.p + oy) * g.q + ox] / float((y1 - y0) * (x1 - x0));
+        for (int64_t iy = y0; iy < y1; ++iy)
+          for (int64_t ix = x0; ix < x1; ++ix) dplane[iy * g.w + ix] += share;
       }
     }
   });
