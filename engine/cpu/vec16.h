@@ -1,15 +1,15 @@
-// Vectors of 16 floats for the CPU kernels written with GCC's vector extensions (the direct
-// convolution, 2x2 max pooling): one AVX-512 register, a pair of AVX2 ones in builds without
-// AVX-512. One definition for every kernel, which also keeps a unity build's batches from
-// meeting two of them.
+// Vectors of 16 floats, one AVX-512 register, for the CPU kernels written with GCC's vector
+// extensions (the direct convolution, 2x2 max pooling). Only in builds for AVX-512 CPUs: both
+// kernels measured slower than the other paths when built for AVX2, and there a 64-byte vector
+// passed to or returned from a function has no settled ABI (GCC warns). One definition for every
+// kernel, which also keeps a unity build's batches from meeting two of them.
 #pragma once
-
-#include <cstdint>
-#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
+
+#include <cstdint>
+#include <cstring>
 
 namespace replica::cpu {
 
@@ -33,7 +33,6 @@ inline Vec load(const float* p) {
   return v;
 }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-#if defined(__AVX512F__)
 // The first n <= kLanes floats at p, zeros in the lanes after; nothing past them is read (a
 // masked load).
 inline Vec load_first(const float* p, int64_t n) {
@@ -43,10 +42,11 @@ inline Vec load_first(const float* p, int64_t n) {
 inline void store_first(float* p, int64_t n, Vec v) {
   _mm512_mask_storeu_ps(p, __mmask16((1u << n) - 1), v);
 }
-#endif
 
 // Every lane s: a broadcast. s - 0 is s for every s, so no subtraction is left; 0 + s would
 // cost an add, since 0 + -0 is +0.
 inline Vec splat(float s) { return s - Vec{}; }
 
 }  // namespace replica::cpu
+
+#endif  // __AVX512F__
