@@ -4,10 +4,10 @@
 // A row of windows is two input rows. Their even and odd columns, split apart by two shuffles,
 // are each window's four elements, one window to a lane, so the rule below runs as three
 // compare-and-selects a vector. The element-wise path took a window's elements one by one from
-// stride-2 positions, keeping a value and an index for each: 3.5x the time forward and 2.8x
-// backward on the CNN's 20x20 planes (bench/results/2026-11-29-cpu-max-pool-2x2.md). In builds
-// for AVX2, the same vectors (pairs of 8 lanes, masked ends through the stack) measured slower
-// than the element-wise path, so it stays there.
+// stride-2 positions, keeping a value and an index for each: 3.2-4.0x the time forward and
+// 2.7-2.9x backward on the CNN's 20x20 planes (bench/results/2026-11-29-cpu-max-pool-2x2.md).
+// In builds for AVX2, the same vectors (pairs of 8 lanes, the ends through the stack) measured
+// slower than the element-wise path, so those builds keep it.
 #pragma once
 #include <cstdint>
 

@@ -1,5 +1,6 @@
 // CPU pooling: max pooling (the first maximum of a window wins) and adaptive average pooling.
-// Parallel over planes. 2x2 windows that tile the plane (the CNN's) go 16 at a time in vectors.
+// Parallel over planes. 2x2 windows that tile the plane (the CNN's) go 16 at a time in vectors
+// in builds for AVX-512 (engine/cpu/max_pool_2x2.h).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -71,8 +72,9 @@ PlaneIndex window_argmax(const float* plane, const PoolGeometry& g, const Pool2d
   return best;
 }
 
-// Windows that tile the plane (stride = kernel, no padding) larger than 2x2 are taken a row of
-// windows at a time, element (i, j) of every window in turn, loops the compiler vectorises.
+// Windows that tile the plane (stride = kernel, no padding), larger than 2x2 or in builds
+// without the vector kernel, are taken a row of windows at a time, element (i, j) of every
+// window in turn, loops the compiler vectorises.
 void tiled_row_winners(const float* plane, const PoolGeometry& g, int k, int64_t oy, float* best,
                        PlaneIndex* at) {
   const int64_t top = oy * k * g.w;
