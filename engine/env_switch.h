@@ -60,11 +60,14 @@ inline constexpr EnvSwitch kCudaPlaneMatrix{"REPLICA_CUDA_PLANE_MATRIX", false};
 // CPU: stride-1 convolutions with few output channels run the direct convolution
 // (engine/cpu/direct_conv.h) instead of im2col + GEMM.
 inline constexpr EnvSwitch kDirectConv{"REPLICA_DIRECT_CONV", true};
+// CPU: max pooling over 2x2 tiles in vectors (engine/cpu/max_pool_2x2.h), not element-wise.
+inline constexpr EnvSwitch kMaxPool2x2{"REPLICA_MAX_POOL_2X2", true};
 
 inline constexpr const EnvSwitch* kAll[] = {
     &kCudnnHeuristicOrder, &kCudnnLog,          &kCudaSlicedSums, &kCudaWideIndex,
     &kPadChannels,         &kChannelsLastOnCpu, &kPrefetchOnCpu,  &kDdpCheckSync,
-    &kShmAllreduce,        &kPlaneMatrix,       &kCudaPlaneMatrix, &kDirectConv};
+    &kShmAllreduce,        &kPlaneMatrix,       &kCudaPlaneMatrix, &kDirectConv,
+    &kMaxPool2x2};
 // The variables a run reads that take a word rather than 1 or 0: a name one letter from these
 // is a typo too.
 inline constexpr const char* kChoices[] = {"REPLICA_CUDNN_API", "REPLICA_RESIDUAL_SUM"};

@@ -4,10 +4,14 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "cpu_kernel_helpers.h"
+#include "env_guard.h"
 #include "engine/context.h"
 #include "engine/ops.h"
 
@@ -47,12 +51,17 @@ TEST_CASE("maxpool2d k3 s2 p1 on 7x7: padding is -inf, overlapping windows add g
 
 
 // 2x2 tiles run 16 windows to a vector where the build has AVX-512: rows of 3 and 4 windows (one
-// part-filled vector), 16 and 32 (whole vectors only) and 21 (one whole, then 5).
+// part-filled vector), 16 and 32 (whole vectors only) and 21 (one whole, then 5). Both ways
+// (REPLICA_MAX_POOL_2X2), so the element-wise path that builds without AVX-512 take is checked
+// on every machine.
 TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows and columns left") {
   DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
   struct Case { int64_t h, w; int k; };
+  for (const char* vectors : {"1", "0"})
   for (Case cs : {Case{6, 8, 2}, Case{5, 7, 2}, Case{4, 32, 2}, Case{5, 43, 2}, Case{2, 64, 2},
                   Case{7, 8, 3}}) {
+    ScopedEnv way("REPLICA_MAX_POOL_2X2", vectors);
+    CAPTURE(vectors);
     CAPTURE(cs.k);
     CAPTURE(cs.h);
     CAPTURE(cs.w);
@@ -88,6 +97,35 @@ TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows 
     CHECK(values(dx) == want_dx);  // every element written: the winner's gradient or 0
     for (int64_t i = 0; i < dx.numel(); ++i) CHECK(!std::signbit(dx.f32()[i]));
   }
+}
+
+
+// The CNN's pool (16 samples of 20 planes of 20x20) both ways, on values with many ties, zeros
+// of both signs and NaNs: the same bits forward and backward.
+TEST_CASE("maxpool2d 2x2: the vector path gives the element-wise path's bits") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  const int64_t n = 16 * 20, h = 20, w = 20;
+  std::vector<float> xv(size_t(n * h * w)), dyv(size_t(n * h * w / 4));
+  std::mt19937 gen(7);
+  const float choices[] = {-1.f, -0.f, 0.f, 0.5f, 1.f, std::numeric_limits<float>::quiet_NaN()};
+  for (float& v : xv) v = gen() % 50 == 0 ? choices[gen() % 6] : float(int(gen() % 9) - 4);
+  for (float& v : dyv) v = gen() % 10 == 0 ? -0.f : float(int(gen() % 19) - 9) / 4.f;
+  const Tensor x = make(ctx, {16, 20, h, w}, xv), dy = make(ctx, {16, 20, h / 2, w / 2}, dyv);
+  const Pool2dParams prm{2, 2, 0};
+  std::vector<uint32_t> bits[2][2];  // [way][y, dx]
+  for (int way = 0; way < 2; ++way) {
+    ScopedEnv vectors("REPLICA_MAX_POOL_2X2", way == 0 ? "1" : "0");
+    Tensor y = ctx.alloc({16, 20, h / 2, w / 2}), dx = ctx.alloc({16, 20, h, w});
+    ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+    ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+    for (int t = 0; t < 2; ++t) {
+      const Tensor& out = t == 0 ? y : dx;
+      bits[way][t].resize(size_t(out.numel()));
+      std::memcpy(bits[way][t].data(), out.f32(), bits[way][t].size() * sizeof(float));
+    }
+  }
+  CHECK(bits[0][0] == bits[1][0]);
+  CHECK(bits[0][1] == bits[1][1]);
 }
 
 

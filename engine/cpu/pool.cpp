@@ -10,6 +10,7 @@
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
 #include "engine/cpu/max_pool_2x2.h"
+#include "engine/env_switch.h"
 #include "engine/error.h"
 
 namespace replica {
@@ -93,9 +94,11 @@ void tiled_row_winners(const float* plane, const PoolGeometry& g, int k, int64_t
 
 bool tiles(const Pool2dParams& prm) { return prm.stride == prm.kernel && prm.padding == 0; }
 
-// 2x2 tiles go a row of windows at a time in vectors, where the build has them.
+// 2x2 tiles go a row of windows at a time in vectors, where the build has them (unless
+// REPLICA_MAX_POOL_2X2=0).
 bool tiles_2x2(const Pool2dParams& prm) {
-  return tiles(prm) && prm.kernel == 2 && cpu::max_pool_2x2_built();
+  return tiles(prm) && prm.kernel == 2 && cpu::max_pool_2x2_built() &&
+         switches::kMaxPool2x2.on();
 }
 
 // Overlapping or padded windows (ResNet's 3x3, stride 2, padding 1), a row at a time: windows
