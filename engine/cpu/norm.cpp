@@ -12,16 +12,16 @@
 #include <cstring>
 
 #include "engine/context.h"
+#include "engine/cpu/channel_sums.h"
 #include "engine/cpu/cpu_backend.h"
+#include "engine/env_switch.h"
 #include "engine/error.h"
 
 namespace replica {
 
 namespace {
 
-struct NchwDims {
-  int64_t n, c, hw;
-};
+using cpu::NchwDims;
 
 // [N, C], [N, C, L] or [N, C, H, W] (the op list's contract): the positions after C as one.
 NchwDims nchw(const Tensor& x) {
@@ -31,11 +31,19 @@ NchwDims nchw(const Tensor& x) {
   return {x.dim(0), x.dim(1), rows > 0 ? x.numel() / rows : 0};
 }
 
-// f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements.
+// f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements and
+// a multiple of 8 channels (the sums' lanes; a range's sums do not depend on where it starts).
 template <class F>
 void for_channel_ranges(const NchwDims& d, F&& f) {
   const int64_t per_channel = std::max<int64_t>(d.n * d.hw, 1);
-  cpu::parallel_range(d.c, std::max<int64_t>(cpu::kGrain / per_channel, 1), f);
+  const int64_t channels = std::max<int64_t>(cpu::kGrain / per_channel, 1);
+  cpu::parallel_range(d.c, (channels + 7) / 8 * 8, f);
+}
+
+// Whether the per-channel sums run 8 channels to a vector (engine/cpu/channel_sums.h):
+// AVX-512 builds, unless REPLICA_NORM_LANES=0.
+bool sums_in_lanes(const NchwDims& d) {
+  return cpu::channel_sums_take(d) && switches::kNormLanes.on();
 }
 
 // row(c, begin, end) for every row of channels [c0, c1), sample by sample: [begin, end) are the
@@ -116,20 +124,29 @@ void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, co
   ChannelScratch sums(ctx, d.c);
   double* mean = sums.a;
   double* sq = sums.b;
+  const bool lanes = sums_in_lanes(d);
   for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
     sums.zero(c0, c1);
-    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
-      double sum = mean[c];
-      for (int64_t at = b; at < e; ++at) sum += xp[at];
-      mean[c] = sum;
-    });
+    if (lanes) {
+      cpu::channel_sum(xp, d, c0, c1, mean);
+    } else {
+      visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+        double sum = mean[c];
+        for (int64_t at = b; at < e; ++at) sum += xp[at];
+        mean[c] = sum;
+      });
+    }
     for (int64_t c = c0; c < c1; ++c) mean[c] /= m;
-    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
-      const double mu = mean[c];
-      double sum = sq[c];
-      for (int64_t at = b; at < e; ++at) sum += (xp[at] - mu) * (xp[at] - mu);
-      sq[c] = sum;
-    });
+    if (lanes) {
+      cpu::channel_sum_sq_dev(xp, d, c0, c1, mean, sq);
+    } else {
+      visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+        const double mu = mean[c];
+        double sum = sq[c];
+        for (int64_t at = b; at < e; ++at) sum += (xp[at] - mu) * (xp[at] - mu);
+        sq[c] = sum;
+      });
+    }
     // Per channel: the statistics, then y = x * scale + shift with scale and shift in float
     // (kept in the accumulators' place: scale in sq[c], shift in mean[c]).
     for (int64_t c = c0; c < c1; ++c) {
@@ -195,19 +212,24 @@ void batchnorm_backward_impl(DeviceContext& ctx, const NchwDims& d, const float*
   ChannelScratch sums(ctx, d.c);
   double* sum_dy = sums.a;
   double* sum_dy_xhat = sums.b;
+  const bool lanes = sums_in_lanes(d);
   for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
     sums.zero(c0, c1);
-    visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
-      const double mean = meanp[c], invstd = invstdp[c];
-      double s_dy = sum_dy[c], s_dy_xhat = sum_dy_xhat[c];
-      for (int64_t at = b; at < e; ++at) {
-        const float g = grad(at);
-        s_dy += g;
-        s_dy_xhat += g * (xp[at] - mean) * invstd;
-      }
-      sum_dy[c] = s_dy;
-      sum_dy_xhat[c] = s_dy_xhat;
-    });
+    if (lanes) {
+      cpu::channel_grad_sums(xp, gp, ryp, d, c0, c1, meanp, invstdp, sum_dy, sum_dy_xhat);
+    } else {
+      visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
+        const double mean = meanp[c], invstd = invstdp[c];
+        double s_dy = sum_dy[c], s_dy_xhat = sum_dy_xhat[c];
+        for (int64_t at = b; at < e; ++at) {
+          const float g = grad(at);
+          s_dy += g;
+          s_dy_xhat += g * (xp[at] - mean) * invstd;
+        }
+        sum_dy[c] = s_dy;
+        sum_dy_xhat[c] = s_dy_xhat;
+      });
+    }
     for (int64_t c = c0; c < c1; ++c) {
       dgammap[c] += float(sum_dy_xhat[c]);
       dbetap[c] += float(sum_dy[c]);
