@@ -1,5 +1,5 @@
 // CPU batch norm's per-channel sums, 8 channels to a vector on planes of up to 4 positions
-// (engine/cpu/channel_sums.h), against the element-wise loops (REPLICA_NORM_LANES=0): the same
+// (engine/cpu/norm_lanes.h), against the element-wise loops (REPLICA_NORM_LANES=0): the same
 // bits in every output of training, evaluation and backward, with a fused ReLU and a residual,
 // on channel counts that leave a part-filled group. Builds without AVX-512 run both ways
 // element-wise, and pass trivially.

@@ -12,8 +12,9 @@
 #include <cstring>
 
 #include "engine/context.h"
-#include "engine/cpu/channel_sums.h"
+#include "engine/cpu/norm_lanes.h"
 #include "engine/cpu/cpu_backend.h"
+#include "engine/cpu/norm_lanes.h"
 #include "engine/env_switch.h"
 #include "engine/error.h"
 
@@ -40,11 +41,9 @@ void for_channel_ranges(const NchwDims& d, F&& f) {
   cpu::parallel_range(d.c, (channels + 7) / 8 * 8, f);
 }
 
-// Whether the per-channel sums run 8 channels to a vector (engine/cpu/channel_sums.h):
-// AVX-512 builds, unless REPLICA_NORM_LANES=0.
-bool sums_in_lanes(const NchwDims& d) {
-  return cpu::channel_sums_take(d) && switches::kNormLanes.on();
-}
+// Whether the passes run 8 channels to a vector (engine/cpu/norm_lanes.h): planes of up to 4
+// positions in AVX-512 builds, unless REPLICA_NORM_LANES=0.
+bool in_lanes(const NchwDims& d) { return cpu::norm_lanes_take(d) && switches::kNormLanes.on(); }
 
 // row(c, begin, end) for every row of channels [c0, c1), sample by sample: [begin, end) are the
 // row's element indices in the tensor, so each channel's elements come in the order n, then
@@ -93,7 +92,8 @@ void scale_shift_rows(const NchwDims& d, int64_t c0, int64_t c1, const float* xp
 }
 
 void scale_shift(const NchwDims& d, int64_t c0, int64_t c1, const float* xp, const float* rp,
-                 float* yp, const double* scale, const double* shift, bool relu) {
+                 float* yp, const double* scale, const double* shift, bool relu, bool lanes) {
+  if (lanes) return cpu::channel_scale_shift(xp, rp, yp, d, c0, c1, scale, shift, relu);
   const auto rows = rp ? (relu ? scale_shift_rows<true, true> : scale_shift_rows<true, false>)
                        : (relu ? scale_shift_rows<false, true> : scale_shift_rows<false, false>);
   rows(d, c0, c1, xp, rp, yp, scale, shift);
@@ -124,7 +124,7 @@ void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, co
   ChannelScratch sums(ctx, d.c);
   double* mean = sums.a;
   double* sq = sums.b;
-  const bool lanes = sums_in_lanes(d);
+  const bool lanes = in_lanes(d);
   for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
     sums.zero(c0, c1);
     if (lanes) {
@@ -161,7 +161,7 @@ void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, co
       sq[c] = float(gamma.f32()[c] * invstd);
       mean[c] = float(beta.f32()[c] - mu * gamma.f32()[c] * invstd);
     }
-    scale_shift(d, c0, c1, xp, rp, yp, sq, mean, relu);
+    scale_shift(d, c0, c1, xp, rp, yp, sq, mean, relu, lanes);
   });
 }
 
@@ -176,13 +176,14 @@ void CpuBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, con
   ChannelScratch affine(ctx, d.c);
   double* scale = affine.a;
   double* shift = affine.b;
+  const bool lanes = in_lanes(d);
   for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const double invstd = 1.0 / std::sqrt(double(running_var.f32()[c]) + eps);
       scale[c] = float(gamma.f32()[c] * invstd);
       shift[c] = float(beta.f32()[c] - running_mean.f32()[c] * gamma.f32()[c] * invstd);
     }
-    scale_shift(d, c0, c1, xp, rp, yp, scale, shift, relu);
+    scale_shift(d, c0, c1, xp, rp, yp, scale, shift, relu, lanes);
   });
 }
 
@@ -212,7 +213,7 @@ void batchnorm_backward_impl(DeviceContext& ctx, const NchwDims& d, const float*
   ChannelScratch sums(ctx, d.c);
   double* sum_dy = sums.a;
   double* sum_dy_xhat = sums.b;
-  const bool lanes = sums_in_lanes(d);
+  const bool lanes = in_lanes(d);
   for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
     sums.zero(c0, c1);
     if (lanes) {
@@ -236,6 +237,10 @@ void batchnorm_backward_impl(DeviceContext& ctx, const NchwDims& d, const float*
     }
     if (!dxp) return;
     // dx = gamma*invstd/m * (m*dy - sum(dy) - xhat*sum(dy*xhat))
+    if (lanes) {
+      return cpu::channel_input_grad(xp, gp, ryp, d, c0, c1, meanp, invstdp, gammap, sum_dy,
+                                     sum_dy_xhat, dxp);
+    }
     visit_by_sample(d, c0, c1, [&](int64_t c, int64_t b, int64_t e) {
       const double mean = meanp[c], invstd = invstdp[c];
       const double k = gammap[c] * invstd / m;

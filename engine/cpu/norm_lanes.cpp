@@ -1,0 +1,299 @@
+#include "engine/cpu/norm_lanes.h"
+
+#include <algorithm>
+
+#include "engine/error.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace replica::cpu {
+
+#if defined(__AVX512F__)
+
+namespace {
+
+// On planes of more than 4 positions 8 channels' rows outgrow two vectors. Gathers (8 floats
+// from 8 planes each) took them there, and ran no faster than the element-wise loops.
+constexpr int kChannelLanes = 8;
+constexpr int64_t kMaxPositions = 4;
+
+typedef double Doubles __attribute__((vector_size(kChannelLanes * sizeof(double))));
+
+Doubles splat(double v) { return v - Doubles{}; }
+
+// 8 channels' rows of one sample: their 8 * hw floats, in two vectors.
+struct Rows {
+  __m512 lo, hi;
+};
+
+// Index vectors over the 32 floats of two vectors (a's 0-15, then b's).
+__m512i indices(int (*of)(int j, int hw), int first, int hw) {
+  alignas(64) int at[16];
+  for (int j = 0; j < 16; ++j) at[j] = of(first + j, hw);
+  return _mm512_load_si512(at);
+}
+
+// Up to 8 consecutive channels. Lanes past `count` read nothing, hold 0, and are not stored.
+// (The zero-masked forms of the extract and the conversions, every lane kept: GCC 12's plain
+// forms warn of an undefined operand.)
+struct ChannelGroup {
+  int64_t first, hw;
+  __mmask8 lanes;
+  __mmask16 lo, hi;
+  __m512i pick[kMaxPositions];  // position p of every channel: rows' floats p, p + hw, ...
+  __m512i unpick_lo, unpick_hi;  // rows' floats back from [position 0 | 1], [2 | 3]
+  __m512i spread_lo, spread_hi;  // rows' floats from one value per channel
+  ChannelGroup(int64_t c, int64_t count, int64_t hw_) : first(c), hw(hw_) {
+    lanes = __mmask8((1u << count) - 1);
+    const int64_t floats = count * hw;
+    lo = __mmask16((1u << std::min<int64_t>(floats, 16)) - 1);
+    hi = __mmask16((1u << std::max<int64_t>(floats - 16, 0)) - 1);
+    const int h = int(hw);
+    const __m512i row_start = indices([](int j, int hw) { return j < 8 ? j * hw : 0; }, 0, h);
+    for (int p = 0; p < h; ++p) pick[p] = _mm512_add_epi32(row_start, _mm512_set1_epi32(p));
+    // Float j of the rows is channel j / hw's position j % hw, lane j / hw of the position's
+    // vector, which the two vectors hold at 8 * position + lane.
+    auto unpick = [](int j, int hw) { return j % hw * 8 + j / hw; };
+    unpick_lo = indices(unpick, 0, h);
+    unpick_hi = indices(unpick, 16, h);
+    auto spread = [](int j, int hw) { return j / hw; };
+    spread_lo = indices(spread, 0, h);
+    spread_hi = indices(spread, 16, h);
+  }
+  Rows rows(const float* at) const {
+    return {_mm512_maskz_loadu_ps(lo, at), _mm512_maskz_loadu_ps(hi, at + 16)};
+  }
+  void store(float* at, const Rows& r) const {
+    _mm512_mask_storeu_ps(at, lo, r.lo);
+    _mm512_mask_storeu_ps(at + 16, hi, r.hi);
+  }
+  // Position p of the 8 channels, widened to double.
+  Doubles position(const Rows& r, int64_t p) const {
+    const __m512 picked = _mm512_permutex2var_ps(r.lo, pick[p], r.hi);
+    const __m256 low = __m256(_mm512_maskz_extractf64x4_pd(0xF, __m512d(picked), 0));
+    return Doubles(_mm512_maskz_cvtps_pd(0xFF, low));
+  }
+  // Rows from the positions' values (narrowed to float), the inverse of position().
+  Rows unpositions(const Doubles* at) const {
+    __m256 f[kMaxPositions] = {};
+    for (int64_t p = 0; p < hw; ++p) f[p] = _mm512_maskz_cvtpd_ps(0xFF, __m512d(at[p]));
+    const __m512 a = pair(f[0], f[1]), b = pair(f[2], f[3]);
+    return {_mm512_permutex2var_ps(a, unpick_lo, b), _mm512_permutex2var_ps(a, unpick_hi, b)};
+  }
+  // Rows holding each channel's value at every position.
+  Rows spread(const double* per_channel) const {
+    const __m512d v = _mm512_maskz_loadu_pd(lanes, per_channel + first);
+    const __m512 f = pair(_mm512_maskz_cvtpd_ps(0xFF, v), _mm256_setzero_ps());
+    return {_mm512_maskz_permutexvar_ps(0xFFFF, spread_lo, f),
+            _mm512_maskz_permutexvar_ps(0xFFFF, spread_hi, f)};
+  }
+  // [a | b].
+  static __m512 pair(__m256 a, __m256 b) {
+    const __m512d low = _mm512_maskz_insertf64x4(0xFF, _mm512_setzero_pd(), __m256d(a), 0);
+    return __m512(_mm512_maskz_insertf64x4(0xFF, low, __m256d(b), 1));
+  }
+  Doubles load(const double* per_channel) const {
+    return Doubles(_mm512_maskz_loadu_pd(lanes, per_channel + first));
+  }
+  Doubles load(const float* per_channel) const {
+    const __m256 v = _mm256_maskz_loadu_ps(lanes, per_channel + first);
+    return Doubles(_mm512_maskz_cvtps_pd(0xFF, v));
+  }
+  void store(double* per_channel, Doubles v) const {
+    _mm512_mask_storeu_pd(per_channel + first, lanes, __m512d(v));
+  }
+};
+
+// dy's rows, or with relu_y dy where relu_y > 0 and +0 elsewhere (NaN too).
+Rows grad_rows(const ChannelGroup& g, const float* dy, const float* relu_y, int64_t at) {
+  Rows r = g.rows(dy + at);
+  if (relu_y) {
+    const Rows ry = g.rows(relu_y + at);
+    const __m512 zero = _mm512_setzero_ps();
+    r.lo = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ry.lo, zero, _CMP_GT_OQ), r.lo);
+    r.hi = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ry.hi, zero, _CMP_GT_OQ), r.hi);
+  }
+  return r;
+}
+
+// body.begin(group), body.sample(group, at) for every sample in order, body.end(group), for the
+// groups of channels [c0, c1); `at` is the offset of the group's first row in the sample.
+template <class Body>
+void for_each_sample(const NchwDims& d, int64_t c0, int64_t c1, Body&& body) {
+  for (int64_t c = c0; c < c1; c += kChannelLanes) {
+    const ChannelGroup group(c, std::min<int64_t>(kChannelLanes, c1 - c), d.hw);
+    body.begin(group);
+    for (int64_t n = 0; n < d.n; ++n) body.sample(group, (n * d.c + c) * d.hw);
+    body.end(group);
+  }
+}
+
+}  // namespace
+
+bool norm_lanes_take(const NchwDims& d) { return d.hw >= 1 && d.hw <= kMaxPositions; }
+
+void channel_sum(const float* x, const NchwDims& d, int64_t c0, int64_t c1, double* sum) {
+  struct {
+    const float* x;
+    double* sum;
+    Doubles s;
+    void begin(const ChannelGroup&) { s = Doubles{}; }
+    void sample(const ChannelGroup& g, int64_t at) {
+      const Rows r = g.rows(x + at);
+      for (int64_t p = 0; p < g.hw; ++p) s += g.position(r, p);
+    }
+    void end(const ChannelGroup& g) { g.store(sum, s); }
+  } body{x, sum, {}};
+  for_each_sample(d, c0, c1, body);
+}
+
+void channel_sum_sq_dev(const float* x, const NchwDims& d, int64_t c0, int64_t c1,
+                        const double* mean, double* sq) {
+  struct {
+    const float* x;
+    const double* mean;
+    double* sq;
+    Doubles mu, s;
+    void begin(const ChannelGroup& g) {
+      mu = g.load(mean);
+      s = Doubles{};
+    }
+    void sample(const ChannelGroup& g, int64_t at) {
+      const Rows r = g.rows(x + at);
+      for (int64_t p = 0; p < g.hw; ++p) {
+        const Doubles dev = g.position(r, p) - mu;
+        s += dev * dev;
+      }
+    }
+    void end(const ChannelGroup& g) { g.store(sq, s); }
+  } body{x, mean, sq, {}, {}};
+  for_each_sample(d, c0, c1, body);
+}
+
+// Elementwise in float, so the rows need no permute: each channel's constants are spread
+// across its positions instead.
+void channel_scale_shift(const float* x, const float* residual, float* y, const NchwDims& d,
+                         int64_t c0, int64_t c1, const double* scale, const double* shift,
+                         bool relu) {
+  struct {
+    const float *x, *residual;
+    float* y;
+    const double *scale, *shift;
+    bool relu;
+    Rows sc, sh;
+    void begin(const ChannelGroup& g) {
+      sc = g.spread(scale);
+      sh = g.spread(shift);
+    }
+    __m512 one(__m512 v, __m512 s, __m512 t, const float* res, __mmask16 m) const {
+      v = v * s + t;
+      if (res) v = v + _mm512_maskz_loadu_ps(m, res);
+      if (relu) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), v);
+      return v;
+    }
+    void sample(const ChannelGroup& g, int64_t at) {
+      const Rows r = g.rows(x + at);
+      const float* res = residual ? residual + at : nullptr;
+      g.store(y + at, Rows{one(r.lo, sc.lo, sh.lo, res, g.lo),
+                           one(r.hi, sc.hi, sh.hi, res ? res + 16 : nullptr, g.hi)});
+    }
+    void end(const ChannelGroup&) {}
+  } body{x, residual, y, scale, shift, relu, {}, {}};
+  for_each_sample(d, c0, c1, body);
+}
+
+void channel_grad_sums(const float* x, const float* dy, const float* relu_y, const NchwDims& d,
+                       int64_t c0, int64_t c1, const float* mean, const float* invstd,
+                       double* sum_dy, double* sum_dy_xhat) {
+  struct {
+    const float *x, *dy, *relu_y;
+    const float *mean, *invstd;
+    double *sum_dy, *sum_dy_xhat;
+    Doubles mu, is, s_dy, s_dy_xhat;
+    void begin(const ChannelGroup& g) {
+      mu = g.load(mean);
+      is = g.load(invstd);
+      s_dy = s_dy_xhat = Doubles{};
+    }
+    void sample(const ChannelGroup& g, int64_t at) {
+      const Rows gr = grad_rows(g, dy, relu_y, at), xr = g.rows(x + at);
+      for (int64_t p = 0; p < g.hw; ++p) {
+        const Doubles gd = g.position(gr, p);
+        s_dy += gd;
+        s_dy_xhat += gd * (g.position(xr, p) - mu) * is;
+      }
+    }
+    void end(const ChannelGroup& g) {
+      g.store(sum_dy, s_dy);
+      g.store(sum_dy_xhat, s_dy_xhat);
+    }
+  } body{x, dy, relu_y, mean, invstd, sum_dy, sum_dy_xhat, {}, {}, {}, {}};
+  for_each_sample(d, c0, c1, body);
+}
+
+void channel_input_grad(const float* x, const float* dy, const float* relu_y, const NchwDims& d,
+                        int64_t c0, int64_t c1, const float* mean, const float* invstd,
+                        const float* gamma, const double* sum_dy, const double* sum_dy_xhat,
+                        float* dx) {
+  struct {
+    const float *x, *dy, *relu_y;
+    const float *mean, *invstd, *gamma;
+    const double *sum_dy, *sum_dy_xhat;
+    float* dx;
+    Doubles m, mu, is, k, s_dy, s_dy_xhat;
+    void begin(const ChannelGroup& g) {
+      mu = g.load(mean);
+      is = g.load(invstd);
+      k = g.load(gamma) * is / m;
+      s_dy = g.load(sum_dy);
+      s_dy_xhat = g.load(sum_dy_xhat);
+    }
+    void sample(const ChannelGroup& g, int64_t at) {
+      const Rows gr = grad_rows(g, dy, relu_y, at), xr = g.rows(x + at);
+      Doubles out[kMaxPositions];
+      for (int64_t p = 0; p < g.hw; ++p) {
+        const Doubles xhat = (g.position(xr, p) - mu) * is;
+        out[p] = k * (m * g.position(gr, p) - s_dy - xhat * s_dy_xhat);
+      }
+      g.store(dx + at, g.unpositions(out));
+    }
+    void end(const ChannelGroup&) {}
+  } body{x, dy, relu_y, mean, invstd, gamma, sum_dy, sum_dy_xhat, dx,
+         splat(double(d.n * d.hw)), {}, {}, {}, {}, {}};
+  for_each_sample(d, c0, c1, body);
+}
+
+#else  // builds without AVX-512 run the element-wise loops (norm_lanes_take)
+
+bool norm_lanes_take(const NchwDims&) { return false; }
+
+namespace {
+[[noreturn]] void not_built() {
+  throw Error("batch norm in lanes is not in builds without AVX-512");
+}
+}  // namespace
+
+void channel_sum(const float*, const NchwDims&, int64_t, int64_t, double*) { not_built(); }
+void channel_sum_sq_dev(const float*, const NchwDims&, int64_t, int64_t, const double*,
+                        double*) {
+  not_built();
+}
+void channel_scale_shift(const float*, const float*, float*, const NchwDims&, int64_t, int64_t,
+                         const double*, const double*, bool) {
+  not_built();
+}
+void channel_grad_sums(const float*, const float*, const float*, const NchwDims&, int64_t,
+                       int64_t, const float*, const float*, double*, double*) {
+  not_built();
+}
+void channel_input_grad(const float*, const float*, const float*, const NchwDims&, int64_t,
+                        int64_t, const float*, const float*, const float*, const double*,
+                        const double*, float*) {
+  not_built();
+}
+
+#endif
+
+}  // namespace replica::cpu
