@@ -62,7 +62,7 @@ inline constexpr EnvSwitch kCudaPlaneMatrix{"REPLICA_CUDA_PLANE_MATRIX", false};
 inline constexpr EnvSwitch kDirectConv{"REPLICA_DIRECT_CONV", true};
 // CPU: max pooling over 2x2 tiles in vectors (engine/cpu/max_pool_2x2.h), not element-wise.
 inline constexpr EnvSwitch kMaxPool2x2{"REPLICA_MAX_POOL_2X2", true};
-// CPU: batch norm's per-channel sums 8 channels to a vector (engine/cpu/norm_lanes.h).
+// CPU: batch norm on planes of up to 4 positions 8 channels to a vector (engine/cpu/norm_lanes.h).
 inline constexpr EnvSwitch kNormLanes{"REPLICA_NORM_LANES", true};
 
 inline constexpr const EnvSwitch* kAll[] = {

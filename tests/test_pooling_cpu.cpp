@@ -3,6 +3,7 @@
 // NaN (the first maximum wins, a NaN is the maximum); and relu_backward.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,8 +51,9 @@ TEST_CASE("maxpool2d k3 s2 p1 on 7x7: padding is -inf, overlapping windows add g
 }
 
 
-// 2x2 tiles run 16 windows to a vector where the build has AVX-512: rows of 3 and 4 windows (one
-// part-filled vector), 16 and 32 (whole vectors only) and 21 (one whole, then 5). Both ways
+// 2x2 tiles run 16 windows to a vector where the build has AVX-512: rows of 1, 3, 4 and 8
+// windows (one part-filled vector, 8 filling its first half), 16 and 32 (whole vectors only), 17
+// and 21 (one whole, then a part), and none (a plane 1 wide or 1 high). Both ways
 // (REPLICA_MAX_POOL_2X2), so the element-wise path that builds without AVX-512 take is checked
 // on every machine.
 TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows and columns left") {
@@ -59,6 +61,7 @@ TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows 
   struct Case { int64_t h, w; int k; };
   for (const char* vectors : {"1", "0"})
   for (Case cs : {Case{6, 8, 2}, Case{5, 7, 2}, Case{4, 32, 2}, Case{5, 43, 2}, Case{2, 64, 2},
+                  Case{2, 3, 2}, Case{3, 16, 2}, Case{2, 35, 2}, Case{4, 1, 2}, Case{1, 6, 2},
                   Case{7, 8, 3}}) {
     ScopedEnv way("REPLICA_MAX_POOL_2X2", vectors);
     CAPTURE(vectors);
@@ -69,10 +72,12 @@ TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows 
     std::vector<float> xv(size_t(planes * hw));
     for (size_t i = 0; i < xv.size(); ++i) xv[i] = float((i * 7) % 5);  // many ties
     xv[5] = std::numeric_limits<float>::quiet_NaN();
-    xv[xv.size() - 2 * size_t(cs.w) + 3] = std::numeric_limits<float>::quiet_NaN();  // last row
+    const int64_t last_rows = std::min<int64_t>(2, cs.h) * cs.w;  // a NaN in the last 2 rows
+    xv[xv.size() - size_t(last_rows) + size_t(std::min<int64_t>(3, cs.w - 1))] =
+        std::numeric_limits<float>::quiet_NaN();
     std::vector<float> dyv(size_t(planes * p * q)), want_y(dyv.size()), want_dx(xv.size(), 0.f);
     for (size_t i = 0; i < dyv.size(); ++i) dyv[i] = float(i + 1);
-    dyv[dyv.size() - 1] = -0.f;  // added into a zeroed plane: the winner gets +0
+    if (!dyv.empty()) dyv.back() = -0.f;  // added into a zeroed plane: the winner gets +0
     for (int64_t pl = 0; pl < planes; ++pl)
       for (int64_t oy = 0; oy < p; ++oy)
         for (int64_t ox = 0; ox < q; ++ox) {

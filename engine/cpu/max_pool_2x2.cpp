@@ -21,7 +21,7 @@ struct TileQuad {
 // The 2n floats at row (n <= kLanes pairs), split into lefts and rights; lanes past n hold zeros.
 void load_pairs(const float* row, int64_t n, Vec& left, Vec& right) {
   const Vec lo = load_first(row, std::min<int64_t>(2 * n, kLanes));
-  const Vec hi = load_first(row + kLanes, std::max<int64_t>(2 * n - kLanes, 0));
+  const Vec hi = 2 * n > kLanes ? load_first(row + kLanes, 2 * n - kLanes) : Vec{};
   left = __builtin_shuffle(lo, hi, kEven);
   right = __builtin_shuffle(lo, hi, kOdd);
 }
@@ -30,8 +30,8 @@ void load_pairs(const float* row, int64_t n, Vec& left, Vec& right) {
 void store_pairs(float* row, int64_t n, Vec left, Vec right) {
   store_first(row, std::min<int64_t>(2 * n, kLanes),
               __builtin_shuffle(left, right, kInterleaveLow));
-  store_first(row + kLanes, std::max<int64_t>(2 * n - kLanes, 0),
-              __builtin_shuffle(left, right, kInterleaveHigh));
+  if (2 * n > kLanes)
+    store_first(row + kLanes, 2 * n - kLanes, __builtin_shuffle(left, right, kInterleaveHigh));
 }
 
 TileQuad load_quad(const float* top, const float* bottom, int64_t n) {

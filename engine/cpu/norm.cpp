@@ -12,7 +12,6 @@
 #include <cstring>
 
 #include "engine/context.h"
-#include "engine/cpu/norm_lanes.h"
 #include "engine/cpu/cpu_backend.h"
 #include "engine/cpu/norm_lanes.h"
 #include "engine/env_switch.h"
@@ -32,13 +31,17 @@ NchwDims nchw(const Tensor& x) {
   return {x.dim(0), x.dim(1), rows > 0 ? x.numel() / rows : 0};
 }
 
-// f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements and
-// a multiple of 8 channels (the sums' lanes; a range's sums do not depend on where it starts).
+// f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements; in
+// lanes, whole groups of 8 channels (a range ending in a part-filled group wastes lanes).
 template <class F>
-void for_channel_ranges(const NchwDims& d, F&& f) {
+void for_channel_ranges(const NchwDims& d, bool lanes, F&& f) {
   const int64_t per_channel = std::max<int64_t>(d.n * d.hw, 1);
   const int64_t channels = std::max<int64_t>(cpu::kGrain / per_channel, 1);
-  cpu::parallel_range(d.c, (channels + 7) / 8 * 8, f);
+  if (!lanes) return cpu::parallel_range(d.c, channels, f);
+  const int64_t groups = (d.c + 7) / 8;
+  cpu::parallel_range(groups, std::max<int64_t>(channels / 8, 1), [&](int64_t g0, int64_t g1) {
+    f(8 * g0, std::min(8 * g1, d.c));
+  });
 }
 
 // Whether the passes run 8 channels to a vector (engine/cpu/norm_lanes.h): planes of up to 4
@@ -125,7 +128,7 @@ void CpuBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x, co
   double* mean = sums.a;
   double* sq = sums.b;
   const bool lanes = in_lanes(d);
-  for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
+  for_channel_ranges(d, lanes, [&](int64_t c0, int64_t c1) {
     sums.zero(c0, c1);
     if (lanes) {
       cpu::channel_sum(xp, d, c0, c1, mean);
@@ -177,7 +180,7 @@ void CpuBackend::batchnorm_forward_eval(DeviceContext& ctx, const Tensor& x, con
   double* scale = affine.a;
   double* shift = affine.b;
   const bool lanes = in_lanes(d);
-  for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
+  for_channel_ranges(d, lanes, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const double invstd = 1.0 / std::sqrt(double(running_var.f32()[c]) + eps);
       scale[c] = float(gamma.f32()[c] * invstd);
@@ -214,7 +217,7 @@ void batchnorm_backward_impl(DeviceContext& ctx, const NchwDims& d, const float*
   double* sum_dy = sums.a;
   double* sum_dy_xhat = sums.b;
   const bool lanes = in_lanes(d);
-  for_channel_ranges(d, [&](int64_t c0, int64_t c1) {
+  for_channel_ranges(d, lanes, [&](int64_t c0, int64_t c1) {
     sums.zero(c0, c1);
     if (lanes) {
       cpu::channel_grad_sums(xp, gp, ryp, d, c0, c1, meanp, invstdp, sum_dy, sum_dy_xhat);

@@ -21,7 +21,7 @@ constexpr int64_t kMaxPositions = 4;
 
 typedef double Doubles __attribute__((vector_size(kChannelLanes * sizeof(double))));
 
-Doubles splat(double v) { return v - Doubles{}; }
+Doubles every_lane(double v) { return v - Doubles{}; }
 
 // 8 channels' rows of one sample: their 8 * hw floats, in two vectors.
 struct Rows {
@@ -261,7 +261,7 @@ void channel_input_grad(const float* x, const float* dy, const float* relu_y, co
     }
     void end(const ChannelGroup&) {}
   } body{x, dy, relu_y, mean, invstd, gamma, sum_dy, sum_dy_xhat, dx,
-         splat(double(d.n * d.hw)), {}, {}, {}, {}, {}};
+         every_lane(double(d.n * d.hw)), {}, {}, {}, {}, {}};
   for_each_sample(d, c0, c1, body);
 }
 

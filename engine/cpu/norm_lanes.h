@@ -9,7 +9,9 @@
 // vectors; a permute picks one position of every channel into the lanes of a vector, where each
 // lane runs its own channel's arithmetic in the element-wise loops' order, and the outputs are
 // put back into rows by the inverse permute. So every output has the element-wise loops' bits
-// (test_norm_lanes_cpu; REPLICA_NORM_LANES=0 runs those loops).
+// (test_norm_lanes_cpu; REPLICA_NORM_LANES=0 runs those loops), given that neither fuses a
+// multiply and an add (engine/CMakeLists.txt compiles both files so), except which NaN's payload
+// an output carries where two NaNs meet: the compiler may order a sum's operands either way.
 #pragma once
 #include <cstdint>
 

@@ -216,7 +216,8 @@ void CpuBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const T
         cpu::max_pool_2x2_row_grad(plane + top, plane + top + g.w,
                                    dy.f32() + (pl * g.p + oy) * g.q, g.q, dplane + top,
                                    dplane + top + g.w);
-        if (g.w > 2 * g.q) dplane[top + 2 * g.q] = dplane[top + g.w + 2 * g.q] = 0.f;
+        std::fill(dplane + top + 2 * g.q, dplane + top + g.w, 0.f);  // columns no window covers
+        std::fill(dplane + top + g.w + 2 * g.q, dplane + top + 2 * g.w, 0.f);
       }
       std::fill(dplane + 2 * g.p * g.w, dplane + g.h * g.w, 0.f);  // a row no window covers
     });
