@@ -3,6 +3,7 @@
 #pragma once
 #include <doctest/doctest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -54,6 +55,14 @@ std::vector<float> same_for_all_thread_counts(Op op) {
 
 inline void append(std::vector<float>& out, const Tensor& t) {
   out.insert(out.end(), t.f32(), t.f32() + t.numel());
+}
+
+// t's floats as their bits, after what `out` holds: for checks that two ways agree to the bit,
+// where == would take -0 for +0 and fail on every NaN.
+inline void append_bits(std::vector<uint32_t>& out, const Tensor& t) {
+  const size_t at = out.size();
+  out.resize(at + size_t(t.numel()));
+  std::memcpy(out.data() + at, t.f32(), size_t(t.numel()) * sizeof(float));
 }
 
 }  // namespace test

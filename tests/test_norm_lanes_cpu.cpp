@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -52,11 +51,7 @@ std::vector<uint32_t> batchnorm_bits(DeviceContext& ctx, const Shape& xs, float 
     outs.insert(outs.end(), {y, mean, invstd, rm, rv, ye});
   }
   std::vector<uint32_t> bits;
-  for (const Tensor& t : outs) {
-    const size_t at = bits.size();
-    bits.resize(at + size_t(t.numel()));
-    std::memcpy(bits.data() + at, t.f32(), size_t(t.numel()) * sizeof(float));
-  }
+  for (const Tensor& t : outs) append_bits(bits, t);
   return bits;
 }
 

@@ -21,7 +21,6 @@ sanitize="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREPLICA_CUDA=OFF \
       "-DCMAKE_CXX_FLAGS=$sanitize -fno-omit-frame-pointer -march=native" \
       "-DCMAKE_EXE_LINKER_FLAGS=$sanitize" "-DCMAKE_SHARED_LINKER_FLAGS=$sanitize" >/dev/null
-# REPLICA_ASAN_TARGETS="test_conv_cpu test_layers" builds only those (with -R to run them).
 cmake --build "$build" -j "$(nproc)" ${REPLICA_ASAN_TARGETS:+--target $REPLICA_ASAN_TARGETS}
 
 supp() { [ -f "$here/tools/$1" ] && echo ":suppressions=$here/tools/$1" || true; }

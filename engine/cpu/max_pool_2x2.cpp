@@ -20,18 +20,16 @@ struct TileQuad {
 
 // The 2n floats at row (n <= kLanes pairs), split into lefts and rights; lanes past n hold zeros.
 void load_pairs(const float* row, int64_t n, Vec& left, Vec& right) {
-  const Vec lo = load_first(row, std::min<int64_t>(2 * n, kLanes));
-  const Vec hi = 2 * n > kLanes ? load_first(row + kLanes, 2 * n - kLanes) : Vec{};
-  left = __builtin_shuffle(lo, hi, kEven);
-  right = __builtin_shuffle(lo, hi, kOdd);
+  const VecPair v = load_floats(row, 2 * n);
+  left = __builtin_shuffle(v.lo, v.hi, kEven);
+  right = __builtin_shuffle(v.lo, v.hi, kOdd);
 }
 
 // n <= kLanes pairs (left[l], right[l]) to the 2n floats at row.
 void store_pairs(float* row, int64_t n, Vec left, Vec right) {
-  store_first(row, std::min<int64_t>(2 * n, kLanes),
-              __builtin_shuffle(left, right, kInterleaveLow));
-  if (2 * n > kLanes)
-    store_first(row + kLanes, 2 * n - kLanes, __builtin_shuffle(left, right, kInterleaveHigh));
+  store_floats(row, 2 * n,
+               {__builtin_shuffle(left, right, kInterleaveLow),
+                __builtin_shuffle(left, right, kInterleaveHigh)});
 }
 
 TileQuad load_quad(const float* top, const float* bottom, int64_t n) {

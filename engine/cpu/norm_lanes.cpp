@@ -2,11 +2,8 @@
 
 #include <algorithm>
 
+#include "engine/cpu/vec16.h"
 #include "engine/error.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace replica::cpu {
 
@@ -24,9 +21,18 @@ typedef double Doubles __attribute__((vector_size(kChannelLanes * sizeof(double)
 Doubles every_lane(double v) { return v - Doubles{}; }
 
 // 8 channels' rows of one sample: their 8 * hw floats, in two vectors.
-struct Rows {
-  __m512 lo, hi;
-};
+using Rows = VecPair;
+
+// v where test > 0, +0 elsewhere (NaN too): relu_forward's rule, and relu_backward's mask.
+Vec where_positive(Vec test, Vec v) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(test, _mm512_setzero_ps(), _CMP_GT_OQ), v);
+}
+
+// [a | b].
+Vec join(__m256 a, __m256 b) {
+  const __m512d low = _mm512_maskz_insertf64x4(0xFF, _mm512_setzero_pd(), __m256d(a), 0);
+  return __m512(_mm512_maskz_insertf64x4(0xFF, low, __m256d(b), 1));
+}
 
 // Index vectors over the 32 floats of two vectors (a's 0-15, then b's).
 __m512i indices(int (*of)(int j, int hw), int first, int hw) {
@@ -35,43 +41,39 @@ __m512i indices(int (*of)(int j, int hw), int first, int hw) {
   return _mm512_load_si512(at);
 }
 
+// The permutes between 8 channels' rows and their positions, for one plane size (hw <= 4).
+struct PositionTables {
+  __m512i pick[kMaxPositions];  // position p of every channel: rows' floats p, p + hw, ...
+  __m512i unpick_lo, unpick_hi;  // rows' floats back from [position 0 | 1], [2 | 3]
+  __m512i spread_lo, spread_hi;  // rows' floats from one value per channel
+  explicit PositionTables(int hw) {
+    const __m512i row_start = indices([](int j, int hw) { return j < 8 ? j * hw : 0; }, 0, hw);
+    for (int p = 0; p < hw; ++p) pick[p] = _mm512_add_epi32(row_start, _mm512_set1_epi32(p));
+    // Float j of the rows is channel j / hw's position j % hw, lane j / hw of the position's
+    // vector, which the two vectors hold at 8 * position + lane.
+    auto unpick = [](int j, int hw) { return j % hw * 8 + j / hw; };
+    unpick_lo = indices(unpick, 0, hw);
+    unpick_hi = indices(unpick, 16, hw);
+    auto spread = [](int j, int hw) { return j / hw; };
+    spread_lo = indices(spread, 0, hw);
+    spread_hi = indices(spread, 16, hw);
+  }
+};
+
 // Up to 8 consecutive channels. Lanes past `count` read nothing, hold 0, and are not stored.
 // (The zero-masked forms of the extract and the conversions, every lane kept: GCC 12's plain
 // forms warn of an undefined operand.)
 struct ChannelGroup {
-  int64_t first, hw;
+  const PositionTables& tables;
+  int64_t first, hw, floats;  // floats: the rows' 8 * hw, fewer in a part-filled group
   __mmask8 lanes;
-  __mmask16 lo, hi;
-  __m512i pick[kMaxPositions];  // position p of every channel: rows' floats p, p + hw, ...
-  __m512i unpick_lo, unpick_hi;  // rows' floats back from [position 0 | 1], [2 | 3]
-  __m512i spread_lo, spread_hi;  // rows' floats from one value per channel
-  ChannelGroup(int64_t c, int64_t count, int64_t hw_) : first(c), hw(hw_) {
-    lanes = __mmask8((1u << count) - 1);
-    const int64_t floats = count * hw;
-    lo = __mmask16((1u << std::min<int64_t>(floats, 16)) - 1);
-    hi = __mmask16((1u << std::max<int64_t>(floats - 16, 0)) - 1);
-    const int h = int(hw);
-    const __m512i row_start = indices([](int j, int hw) { return j < 8 ? j * hw : 0; }, 0, h);
-    for (int p = 0; p < h; ++p) pick[p] = _mm512_add_epi32(row_start, _mm512_set1_epi32(p));
-    // Float j of the rows is channel j / hw's position j % hw, lane j / hw of the position's
-    // vector, which the two vectors hold at 8 * position + lane.
-    auto unpick = [](int j, int hw) { return j % hw * 8 + j / hw; };
-    unpick_lo = indices(unpick, 0, h);
-    unpick_hi = indices(unpick, 16, h);
-    auto spread = [](int j, int hw) { return j / hw; };
-    spread_lo = indices(spread, 0, h);
-    spread_hi = indices(spread, 16, h);
-  }
-  Rows rows(const float* at) const {
-    return {_mm512_maskz_loadu_ps(lo, at), _mm512_maskz_loadu_ps(hi, at + 16)};
-  }
-  void store(float* at, const Rows& r) const {
-    _mm512_mask_storeu_ps(at, lo, r.lo);
-    _mm512_mask_storeu_ps(at + 16, hi, r.hi);
-  }
+  ChannelGroup(const PositionTables& t, int64_t c, int64_t count, int64_t hw_)
+      : tables(t), first(c), hw(hw_), floats(count * hw_), lanes(__mmask8((1u << count) - 1)) {}
+  Rows rows(const float* at) const { return load_floats(at, floats); }
+  void store(float* at, const Rows& r) const { store_floats(at, floats, r); }
   // Position p of the 8 channels, widened to double.
   Doubles position(const Rows& r, int64_t p) const {
-    const __m512 picked = _mm512_permutex2var_ps(r.lo, pick[p], r.hi);
+    const __m512 picked = _mm512_permutex2var_ps(r.lo, tables.pick[p], r.hi);
     const __m256 low = __m256(_mm512_maskz_extractf64x4_pd(0xF, __m512d(picked), 0));
     return Doubles(_mm512_maskz_cvtps_pd(0xFF, low));
   }
@@ -79,20 +81,16 @@ struct ChannelGroup {
   Rows unpositions(const Doubles* at) const {
     __m256 f[kMaxPositions] = {};
     for (int64_t p = 0; p < hw; ++p) f[p] = _mm512_maskz_cvtpd_ps(0xFF, __m512d(at[p]));
-    const __m512 a = pair(f[0], f[1]), b = pair(f[2], f[3]);
-    return {_mm512_permutex2var_ps(a, unpick_lo, b), _mm512_permutex2var_ps(a, unpick_hi, b)};
+    const Vec a = join(f[0], f[1]), b = join(f[2], f[3]);
+    return {_mm512_permutex2var_ps(a, tables.unpick_lo, b),
+            _mm512_permutex2var_ps(a, tables.unpick_hi, b)};
   }
   // Rows holding each channel's value at every position.
   Rows spread(const double* per_channel) const {
     const __m512d v = _mm512_maskz_loadu_pd(lanes, per_channel + first);
-    const __m512 f = pair(_mm512_maskz_cvtpd_ps(0xFF, v), _mm256_setzero_ps());
-    return {_mm512_maskz_permutexvar_ps(0xFFFF, spread_lo, f),
-            _mm512_maskz_permutexvar_ps(0xFFFF, spread_hi, f)};
-  }
-  // [a | b].
-  static __m512 pair(__m256 a, __m256 b) {
-    const __m512d low = _mm512_maskz_insertf64x4(0xFF, _mm512_setzero_pd(), __m256d(a), 0);
-    return __m512(_mm512_maskz_insertf64x4(0xFF, low, __m256d(b), 1));
+    const Vec f = join(_mm512_maskz_cvtpd_ps(0xFF, v), _mm256_setzero_ps());
+    return {_mm512_maskz_permutexvar_ps(0xFFFF, tables.spread_lo, f),
+            _mm512_maskz_permutexvar_ps(0xFFFF, tables.spread_hi, f)};
   }
   Doubles load(const double* per_channel) const {
     return Doubles(_mm512_maskz_loadu_pd(lanes, per_channel + first));
@@ -106,14 +104,12 @@ struct ChannelGroup {
   }
 };
 
-// dy's rows, or with relu_y dy where relu_y > 0 and +0 elsewhere (NaN too).
+// dy's rows, or with relu_y dy where relu_y > 0 and +0 elsewhere.
 Rows grad_rows(const ChannelGroup& g, const float* dy, const float* relu_y, int64_t at) {
   Rows r = g.rows(dy + at);
   if (relu_y) {
     const Rows ry = g.rows(relu_y + at);
-    const __m512 zero = _mm512_setzero_ps();
-    r.lo = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ry.lo, zero, _CMP_GT_OQ), r.lo);
-    r.hi = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ry.hi, zero, _CMP_GT_OQ), r.hi);
+    r = {where_positive(ry.lo, r.lo), where_positive(ry.hi, r.hi)};
   }
   return r;
 }
@@ -122,8 +118,9 @@ Rows grad_rows(const ChannelGroup& g, const float* dy, const float* relu_y, int6
 // groups of channels [c0, c1); `at` is the offset of the group's first row in the sample.
 template <class Body>
 void for_each_sample(const NchwDims& d, int64_t c0, int64_t c1, Body&& body) {
+  const PositionTables tables(int(d.hw));
   for (int64_t c = c0; c < c1; c += kChannelLanes) {
-    const ChannelGroup group(c, std::min<int64_t>(kChannelLanes, c1 - c), d.hw);
+    const ChannelGroup group(tables, c, std::min<int64_t>(kChannelLanes, c1 - c), d.hw);
     body.begin(group);
     for (int64_t n = 0; n < d.n; ++n) body.sample(group, (n * d.c + c) * d.hw);
     body.end(group);
@@ -187,17 +184,15 @@ void channel_scale_shift(const float* x, const float* residual, float* y, const 
       sc = g.spread(scale);
       sh = g.spread(shift);
     }
-    __m512 one(__m512 v, __m512 s, __m512 t, const float* res, __mmask16 m) const {
-      v = v * s + t;
-      if (res) v = v + _mm512_maskz_loadu_ps(m, res);
-      if (relu) v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), v);
-      return v;
-    }
     void sample(const ChannelGroup& g, int64_t at) {
       const Rows r = g.rows(x + at);
-      const float* res = residual ? residual + at : nullptr;
-      g.store(y + at, Rows{one(r.lo, sc.lo, sh.lo, res, g.lo),
-                           one(r.hi, sc.hi, sh.hi, res ? res + 16 : nullptr, g.hi)});
+      Rows v = {r.lo * sc.lo + sh.lo, r.hi * sc.hi + sh.hi};
+      if (residual) {
+        const Rows res = g.rows(residual + at);
+        v = {v.lo + res.lo, v.hi + res.hi};
+      }
+      if (relu) v = {where_positive(v.lo, v.lo), where_positive(v.hi, v.hi)};
+      g.store(y + at, v);
     }
     void end(const ChannelGroup&) {}
   } body{x, residual, y, scale, shift, relu, {}, {}};

@@ -1,8 +1,9 @@
 // Vectors of 16 floats, one AVX-512 register, for the CPU kernels written with GCC's vector
-// extensions (the direct convolution, 2x2 max pooling). Only in builds for AVX-512 CPUs: both
-// kernels measured slower than the other paths when built for AVX2, and there a 64-byte vector
-// passed to or returned from a function has no settled ABI (GCC warns). One definition for every
-// kernel, which also keeps a unity build's batches from meeting two of them.
+// extensions and AVX-512's masks (the direct convolution, 2x2 max pooling, batch norm's lanes).
+// Only in builds for AVX-512 CPUs: the first two measured slower than the other paths when built
+// for AVX2, the masks are AVX-512's, and there a 64-byte vector passed to or returned from a
+// function has no settled ABI (GCC warns). One definition for every kernel, which also keeps a
+// unity build's batches from meeting two of them.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -41,6 +42,23 @@ inline Vec load_first(const float* p, int64_t n) {
 // v's first n <= kLanes lanes to p; nothing past them is written.
 inline void store_first(float* p, int64_t n, Vec v) {
   _mm512_mask_storeu_ps(p, __mmask16((1u << n) - 1), v);
+}
+
+// Up to 2 * kLanes floats in two vectors: a row of 16 windows' pairs (2x2 max pooling), or 8
+// channels' rows of up to 4 positions (batch norm's lanes).
+struct VecPair {
+  Vec lo, hi;
+};
+// The first k <= 2 * kLanes floats at p, zeros after; nothing past them is read, and no pointer
+// is formed past p's first kLanes where k does not reach them.
+inline VecPair load_floats(const float* p, int64_t k) {
+  return {load_first(p, k < kLanes ? k : kLanes), k > kLanes ? load_first(p + kLanes, k - kLanes)
+                                                             : Vec{}};
+}
+// v's first k <= 2 * kLanes floats to p; nothing past them is written.
+inline void store_floats(float* p, int64_t k, const VecPair& v) {
+  store_first(p, k < kLanes ? k : kLanes, v.lo);
+  if (k > kLanes) store_first(p + kLanes, k - kLanes, v.hi);
 }
 
 // Every lane s: a broadcast. s - 0 is s for every s, so no subtraction is left; 0 + s would
