@@ -15,6 +15,7 @@
 #include "parallel/comm/process_group.h"
 #include "parallel/comm/shm_allreduce.h"
 #include "parallel/rendezvous/store.h"
+#include "thread_ranks.h"
 
 using namespace replica;
 
@@ -41,7 +42,8 @@ Outcome sum_on_ranks(int ranks, int64_t numel, Address address) {
     threads.emplace_back([&, r] {
       try {
         DeviceContext ctx(Device{DeviceType::CPU, r, 0});
-        GroupOptions o{CommBackend::Gloo, r, ranks, client(server), address(r),
+        std::shared_ptr<Store> store = client(server);
+        GroupOptions o{CommBackend::Gloo, r, ranks, store, address(r),
                        std::chrono::milliseconds(30000)};
         auto pg = make_process_group(o, ctx);
         if (r == 0) out.described = pg->describe();
@@ -51,7 +53,7 @@ Outcome sum_on_ranks(int ranks, int64_t numel, Address address) {
         pg->allreduce_sum(ctx, bucket, /*slot=*/0);
         pg->allreduce_sum(ctx, bucket, /*slot=*/0);
         pg->allreduce_sum(ctx, once);
-        pg->barrier();
+        test::finish_together(*store, ranks);
         out.bucket[size_t(r)].assign(bucket.f32(), bucket.f32() + numel);
         out.once[size_t(r)].assign(once.f32(), once.f32() + numel);
       } catch (const std::exception& e) {
