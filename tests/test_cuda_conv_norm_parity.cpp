@@ -166,6 +166,9 @@ TEST_CASE("cuda parity: conv2d on planes smaller than the kernel, through the pl
 
 namespace {
 
+// engine/cuda/cuda_backend.h's kNormOneBlockPart.
+constexpr const char* kOneBlockPart = "batch norm, a block per channel";
+
 // relu: with the ReLU fused (forward's output and backward's mask).
 // unaligned: x, y, dy and dx (and the residual) start one float into their GPU allocations.
 // residual: forward adds a residual before the ReLU (a residual block's last BatchNorm, whose
@@ -212,13 +215,28 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool 
                              dbeta.g);
   }
   expect_close(r, dx, 1e-3, 1e-4, tag + " dx");
-  // The same inputs again give the same bits on the GPU (sums in a fixed order).
+  // The same inputs again give the same bits on the GPU (sums in a fixed order). Planes of up
+  // to 4096 values a channel take a block per channel, which is an op part of each call; rows
+  // (HW = 1) and larger planes the sliced passes.
+  int64_t hw = 1;
+  for (size_t i = 2; i < shape.size(); ++i) hw *= shape[i];
+  const bool one_block = hw > 1 && shape[0] * hw <= 4096;
+  auto one_block_calls = [&](const OpProfile& p) {
+    int64_t calls = 0;
+    for (const auto& [op, parts] : p.parts())
+      if (parts.count(kOneBlockPart)) calls += parts.at(kOneBlockPart).calls;
+    return calls;
+  };
   Pair y2 = make_random(r, shape, 43), dx2 = make_random(r, shape, 44);
   Pair sm2 = make_random(r, {C}, 45), si2 = make_random(r, {C}, 46);
   Tensor none;
+  OpProfile profile;
+  r.gpu.set_op_profile(&profile);
   r.g().batchnorm_forward_train(r.gpu, x.g, gamma.g, beta.g, none, none, momentum, eps, y2.g,
                                 sm2.g, si2.g, res.g, relu);
   r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, mask_g, dx2.g, none, none);
+  r.gpu.set_op_profile(nullptr);
+  CHECK_MESSAGE(one_block_calls(profile) == (one_block ? 2 : 0), tag, " a block per channel");
   CHECK(gpu_values(r, y2.g) == gpu_values(r, y.g));
   CHECK(gpu_values(r, dx2.g) == gpu_values(r, dx.g));
   // Where the shape takes a block per channel (norm_block.cu), the sliced passes
@@ -231,10 +249,14 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool 
     const test::ScopedEnv sliced("REPLICA_CUDA_SLICED_SUMS", "1");
     Pair y3 = make_random(r, shape, 43), dx3 = make_random(r, shape, 44);
     Pair sm3 = make_random(r, {C}, 45), si3 = make_random(r, {C}, 46);
+    OpProfile sliced_profile;
+    r.gpu.set_op_profile(&sliced_profile);
     r.g().batchnorm_forward_train(r.gpu, x.g, gamma.g, beta.g, none, none, momentum, eps, y3.g,
                                   sm3.g, si3.g, res.g, relu);
     r.g().batchnorm_backward(r.gpu, x.g, gamma.g, sm.g, si.g, dy.g, mask_g, dx3.g, dg3.g,
                              db3.g);
+    r.gpu.set_op_profile(nullptr);
+    CHECK_MESSAGE(one_block_calls(sliced_profile) == 0, tag, " sliced: no block per channel");
     CHECK_MESSAGE(gpu_values(r, y3.g) == gpu_values(r, y2.g), tag, " sliced y");
     CHECK_MESSAGE(gpu_values(r, sm3.g) == gpu_values(r, sm2.g), tag, " sliced save_mean");
     CHECK_MESSAGE(gpu_values(r, si3.g) == gpu_values(r, si2.g), tag, " sliced save_invstd");

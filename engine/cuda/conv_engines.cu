@@ -180,7 +180,7 @@ Candidates candidates_of(const BackendDesc& graph, const ConvGraphSpec& spec,
     c.configs.push_back(std::move(d));
   std::vector<Notes> notes;
   for (const BackendDesc& d : c.configs) notes.push_back(notes_of(d));
-  static const bool heuristic_order = switches::kCudnnHeuristicOrder.on();
+  const bool heuristic_order = switches::kCudnnHeuristicOrder.on();  // once per plan built
   for (const size_t first : {size_t(0), c.listed_a}) {
     const size_t last = first == 0 ? c.listed_a : c.configs.size();
     for (const bool compiled : {false, true})
@@ -201,8 +201,7 @@ Candidates candidates_of(const BackendDesc& graph, const ConvGraphSpec& spec,
 
 // REPLICA_CUDNN_LOG=1: one line per plan built (or not), on stderr.
 void log_choice(const ConvGraphSpec& spec, const Candidates& c, const std::string& chosen) {
-  static const bool on = switches::kCudnnLog.on();
-  if (!on) return;
+  if (!switches::kCudnnLog.on()) return;
   std::string refused;
   for (const auto& [why, count] : c.refused)
     refused += fmt::format("{}{} {}", refused.empty() ? "" : ", ", count, why);

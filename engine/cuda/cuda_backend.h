@@ -141,6 +141,9 @@ inline constexpr const char* kPaddingPart = "operand copies (channels padded to 
 // The plane matrix's own kernels: M written from the weights, its gradient folded onto them
 // (conv_plane_matrix.cu); its GEMMs are the linear layer's.
 inline constexpr const char* kPlaneMatrixPart = "plane matrix (built, folded)";
+// BatchNorm's block per channel (norm_block.cu), where a channel's values are one slice: so a
+// profile, and the parity test, show which way a shape took.
+inline constexpr const char* kNormOneBlockPart = "batch norm, a block per channel";
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
 template <class T>

@@ -23,6 +23,7 @@
 // rounded, so BatchNorm moves half the bytes; statistics and parameters stay F32. Or
 // channels_last (engine/tensor.h): the same passes over [N*H*W, C] rows (bn_dims).
 #include "engine/cuda/norm_channel.h"
+#include "engine/op_profile.h"
 
 namespace replica {
 
@@ -221,9 +222,11 @@ void CudaBackend::batchnorm_forward_train(DeviceContext& ctx, const Tensor& x,
     using T = decltype(tag);
     const T* xp = elements<T>(x);
     if (cuda::one_block_channels(d, S)) {
-      cuda::bn_forward_one_block<T>(d, xp, elements<T>(y), elements<T>(residual), relu,
-                                    elements<float>(gamma), elements<float>(beta), momentum, eps,
-                                    out, stream);
+      op_part(ctx, cuda::kNormOneBlockPart, [&] {
+        cuda::bn_forward_one_block<T>(d, xp, elements<T>(y), elements<T>(residual), relu,
+                                      elements<float>(gamma), elements<float>(beta), momentum,
+                                      eps, out, stream);
+      });
       return;
     }
     BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
@@ -293,9 +296,11 @@ void CudaBackend::batchnorm_backward(DeviceContext& ctx, const Tensor& x, const 
     const T *xp = elements<T>(x), *dyp = elements<T>(dy), *mask = elements<T>(relu_y);
     T* dxp = elements<T>(dx);
     if (cuda::one_block_channels(d, S)) {
-      cuda::bn_backward_one_block<T>(d, xp, dyp, mask, elements<float>(gamma), mean, is,
-                                     elements<float>(dgamma), elements<float>(dbeta), dxp,
-                                     stream);
+      op_part(ctx, cuda::kNormOneBlockPart, [&] {
+        cuda::bn_backward_one_block<T>(d, xp, dyp, mask, elements<float>(gamma), mean, is,
+                                       elements<float>(dgamma), elements<float>(dbeta), dxp,
+                                       stream);
+      });
       return;
     }
     BnScratch w(scratch(ctx, BnScratch::floats(d.c, S)), d.c, S);
