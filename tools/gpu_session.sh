@@ -21,7 +21,9 @@ step tests 150 $G ctest --test-dir $B -L gpu -E test_cuda_ddp --output-on-failur
 step vs-r101 60 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101"
 step vs-r50 90 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50"
 
-# Changes built since the last GPU run, each against its switch in the same call.
+# Changes built since the last GPU run, each against its switch in the same call. The heuristic
+# order compiles engines at run time (about a second per plan): its cuDNN log says which were
+# compiled, should the step run out of time.
 D="$B/bin/replica-bench --suite dp --device-counts 1 --devices cuda:0"
 T="--warmup 3 --steps 20 --repeat 3"
 R50="$D --model resnet50 --input-shape 3x224x224 --batch-per-device 256 --precision bf16"
@@ -35,6 +37,6 @@ step r101-cl 30 $G $R101 $T --memory-format channels_last
 step vs-r101-graphs 50 $V --case resnet101:1x28x28:256 --precisions fp32 --cuda-graphs --out "$R/vs-r101-graphs"
 step ncu 60 $G ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
   --csv --log-file "$R/ncu.csv" $R50 --memory-format channels_last --warmup 1 --steps 2 --repeat 1
-step vs-r101-order 50 env REPLICA_CUDNN_HEURISTIC_ORDER=1 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101-order"
+step vs-r101-order 50 env REPLICA_CUDNN_HEURISTIC_ORDER=1 REPLICA_CUDNN_LOG=1 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101-order"
 step ddp 60 $G ctest --test-dir $B -R test_cuda_ddp --output-on-failure
 gpu_steps_pack
