@@ -22,6 +22,7 @@ void Optimizer::load_state(DeviceContext& ctx, int64_t numel, int64_t steps,
                   name, src->numel(), dst.numel());
     REPLICA_CHECK(src->dtype() == dst.dtype(), "optimizer state '{}' is {}, expected {}", name,
                   dtype_name(src->dtype()), dtype_name(dst.dtype()));
+    check_loaded(name, *src);
     ctx.ops().copy(ctx, dst, *src);
   }
   ctx.synchronize();
@@ -70,6 +71,16 @@ void Adam::allocate_state(DeviceContext& ctx, int64_t numel) {
 void Adam::apply_step(DeviceContext& ctx, Tensor& params, const Tensor& grads) {
   REPLICA_CHECK(scalars_.defined(), "adam: apply_step before prepare_step");
   ctx.ops().adam_step(ctx, params, grads, m_, v_, c_, scalars_);
+}
+
+// The second moment is a running mean of squares: a negative value is a corrupt file, and its
+// square root in the step would be NaN.
+void Adam::check_loaded(const std::string& name, const Tensor& host) const {
+  if (name != "exp_avg_sq") return;
+  const float* v = host.f32();
+  for (int64_t i = 0; i < host.numel(); ++i)
+    REPLICA_CHECK(v[i] >= 0.f, "optimizer state 'exp_avg_sq' holds {} at element {}: a mean of "
+                  "squares is never negative", v[i], i);
 }
 
 std::vector<std::pair<std::string, Tensor>> Adam::state() {

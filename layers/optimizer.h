@@ -39,6 +39,8 @@ class Optimizer {
 
  protected:
   virtual void allocate_state(DeviceContext& ctx, int64_t numel) = 0;
+  // Throws if a loaded state tensor (host memory) holds values this optimizer never writes.
+  virtual void check_loaded(const std::string& name, const Tensor& host) const {}
   // The numbers of the step about to be taken (steps_ = the steps taken before it).
   virtual StepScalars next_scalars() const = 0;
   int64_t steps_ = 0;
@@ -74,6 +76,7 @@ class Adam : public Optimizer {
 
  protected:
   void allocate_state(DeviceContext& ctx, int64_t numel) override;
+  void check_loaded(const std::string& name, const Tensor& host) const override;
   StepScalars next_scalars() const override { return adam_step_scalars(c_, steps_ + 1); }
 
  private:

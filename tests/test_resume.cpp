@@ -6,6 +6,9 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "checkpoint_helpers.h"
 #include "cli_helpers.h"
@@ -180,6 +183,77 @@ TEST_CASE("resume refuses a checkpoint of another model or batch size") {
                          " --quiet --max-steps 3 --batch-size 32 --resume --checkpoint " +
                          tmp.str("ck"),
                      "checkpoint");
+}
+
+// A position whose fields are each a count but do not fit together: resumed, an epoch past the
+// end trained nothing and exited 0, an optimizer step count off the loop's went on with Adam's
+// bias correction of another step. And a second moment below zero, which Adam never writes.
+TEST_CASE("resume refuses a position that does not add up, and a negative second moment") {
+  test::TempDir tmp;
+  test::write_mnist_dir(tmp.path / "data", 128, 32);  // 4 steps an epoch at batch 32
+  const std::string ck = tmp.str("ck/checkpoint.safetensors");
+  REQUIRE(run(kTrain + " --data " + tmp.str("data") + " --quiet --no-eval --max-steps 2 "
+              "--batch-size 32 --checkpoint " + tmp.str("ck"))
+              .exit_code == 0);
+  const std::string resume = "--data " + tmp.str("data") +
+                             " --quiet --no-eval --epochs 3 --batch-size 32 --resume "
+                             "--checkpoint " + tmp.str("ck");
+  const Checkpoint good = load_checkpoint(ck);
+  REQUIRE(good.metadata.at("step") == "2");
+  struct Case {
+    std::map<std::string, std::string> fields;
+    std::string error;
+  };
+  const std::vector<Case> cases = {
+      {{{"epoch", "99999999999"}},
+       "its position does not add up: epoch 99999999999 (0-based), batch 2 of it and step 2, "
+       "with 4 batches an epoch"},
+      {{{"epoch", "3"}, {"batch_in_epoch", "0"}, {"step", "5"}}, "does not add up: epoch 3"},
+      {{{"step", "3"}}, "does not add up: epoch 0 (0-based), batch 2 of it and step 3"},
+      {{{"batch_in_epoch", "99999999"}},
+       "it stopped after batch 99999999 of an epoch, and this run's epochs have 4 batches"},
+      {{{"optimizer_steps", "1000"}}, "the optimizer took 1000 steps, the loop 2"}};
+  for (const Case& c : cases) {
+    Checkpoint bad = good;
+    for (const auto& [key, value] : c.fields) bad.metadata[key] = value;
+    save_checkpoint(ck, bad);
+    expect_train_error(resume, c.error);
+  }
+  Checkpoint negative = good;
+  for (auto& [name, t] : negative.tensors)
+    if (name == "optim.exp_avg_sq") {
+      Tensor copy = Tensor::empty(host_allocator(), t.shape(), DType::F32);
+      for (int64_t i = 0; i < t.numel(); ++i) copy.f32()[i] = t.f32()[i];
+      copy.f32()[7] = -1.f;
+      t = copy;
+    }
+  save_checkpoint(ck, negative);
+  expect_train_error(resume, "'exp_avg_sq' holds -1 at element 7");
+  // A position that adds up is taken: the start of the second epoch, its 4 steps taken.
+  Checkpoint moved = good;
+  for (const auto& [key, value] : std::map<std::string, std::string>{
+           {"epoch", "1"}, {"batch_in_epoch", "0"}, {"step", "4"}, {"optimizer_steps", "4"}})
+    moved.metadata[key] = value;
+  save_checkpoint(ck, moved);
+  auto r = run(kTrain + " " + resume);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(load_checkpoint(ck).metadata.at("step") == "12");
+}
+
+// Weights can turn NaN while the loss stays finite (a ReLU makes NaN 0): the run stops before
+// it writes a checkpoint or a model that --resume would refuse, and the files it had stay.
+TEST_CASE("a diverged run writes no checkpoint or model of NaN weights") {
+  test::TempDir tmp;
+  const std::string args = "--synthetic --synthetic-size 128 --batch-size 32 --epochs 5 "
+                           "--optimizer sgd --devices cpu --deterministic --quiet "
+                           "--checkpoint " + tmp.str("ck") + " --save-model " + tmp.str("m.st");
+  REQUIRE(run(kTrain + " " + args + " --max-steps 4 --lr 0.01").exit_code == 0);
+  const auto before = test::fs::last_write_time(tmp.path / "ck" / "checkpoint.safetensors");
+  expect_train_error(args + " --max-steps 20 --lr 1e30",
+                     "training diverged: tensor 'model.conv1.weight' holds -nan at element 0 "
+                     "(lower --lr?); " + tmp.str("ck/checkpoint.safetensors") + " not written");
+  CHECK(test::fs::last_write_time(tmp.path / "ck" / "checkpoint.safetensors") == before);
+  CHECK(load_checkpoint(tmp.str("m.st")).tensors.size() > 0);
 }
 
 // The checkpoint records the precision its steps were trained in. Master weights and optimizer

@@ -95,26 +95,59 @@ void check_same_run(const Checkpoint& c, const std::string& path, TrainEngine& e
                         path, it->second, run.data);
 }
 
-// Weights and optimizer state alike: a NaN resumed would surface steps later as "training
-// diverged", blaming the learning rate.
-void check_finite(const Checkpoint& c, const std::string& path) {
+// The first NaN or infinity in the checkpoint's float tensors, weights and optimizer state
+// alike, as "tensor 'NAME' holds nan at element I"; empty if there is none.
+std::string first_non_finite(const Checkpoint& c) {
   for (const auto& [name, t] : c.tensors) {
     if (t.dtype() != DType::F32) continue;
     const float* v = t.f32();
     for (int64_t i = 0; i < t.numel(); ++i)
-      REPLICA_USAGE_CHECK(std::isfinite(v[i]),
-                          "{}: tensor '{}' holds {} at element {}: the checkpoint cannot be "
-                          "resumed",
-                          path, name, v[i], i);
+      if (!std::isfinite(v[i]))
+        return fmt::format("tensor '{}' holds {} at element {}", name, v[i], i);
   }
+  return "";
 }
 
-// The loop position, read before anything is restored: a corrupt field changes nothing.
-RunPosition read_position(const Checkpoint& c, const std::string& path) {
+// Loading: a NaN resumed would surface steps later as "training diverged", blaming the learning
+// rate.
+void check_finite(const Checkpoint& c, const std::string& path) {
+  const std::string bad = first_non_finite(c);
+  REPLICA_USAGE_CHECK(bad.empty(), "{}: {}: the checkpoint cannot be resumed", path, bad);
+}
+
+// Saving: weights can go NaN while the loss stays finite (a ReLU turns NaN into 0), so the loss
+// check does not see every divergence; a file of NaNs would be refused on --resume, and would
+// replace the last good one. The run stops instead, the files as they were.
+void check_finite_before_saving(const Checkpoint& c, const std::string& path) {
+  const std::string bad = first_non_finite(c);
+  REPLICA_USAGE_CHECK(bad.empty(), "training diverged: {} (lower --lr?); {} not written", bad,
+                      path);
+}
+
+// The loop position, read before anything is restored: a corrupt field changes nothing. Each
+// field is checked alone and against the others: the step count is the batches before the
+// position, the position lies inside an epoch, and the optimizer took one step per batch.
+RunPosition read_position(const Checkpoint& c, const std::string& path, const RunIdentity& run) {
   RunPosition pos;
   pos.epoch = int64_t(meta_count(c, "epoch", path));
   pos.batch_in_epoch = int64_t(meta_count(c, "batch_in_epoch", path));
   pos.global_step = int64_t(meta_count(c, "step", path));
+  const int64_t per = run.batches_per_epoch;
+  REPLICA_USAGE_CHECK(pos.batch_in_epoch < per,
+                      "{}: corrupt checkpoint: it stopped after batch {} of an epoch, and this "
+                      "run's epochs have {} batches",
+                      path, pos.batch_in_epoch, per);
+  // epoch * per + batch_in_epoch without overflowing: an epoch past the step count is wrong too.
+  const bool adds_up = pos.epoch <= pos.global_step / per &&
+                       pos.epoch * per + pos.batch_in_epoch == pos.global_step;
+  REPLICA_USAGE_CHECK(adds_up,
+                      "{}: corrupt checkpoint: its position does not add up: epoch {} (0-based), "
+                      "batch {} of it and step {}, with {} batches an epoch",
+                      path, pos.epoch, pos.batch_in_epoch, pos.global_step, per);
+  const uint64_t optimizer_steps = meta_count(c, "optimizer_steps", path);
+  REPLICA_USAGE_CHECK(optimizer_steps == uint64_t(pos.global_step),
+                      "{}: corrupt checkpoint: the optimizer took {} steps, the loop {}", path,
+                      optimizer_steps, pos.global_step);
   if (c.metadata.count("best_epoch")) {  // absent: no epoch evaluated (or an older checkpoint)
     pos.best_epoch = int64_t(meta_count(c, "best_epoch", path, 1));
     pos.best_accuracy = meta_number(c, "best_accuracy", path, 0.0, 1.0, "a number in [0, 1]");
@@ -157,6 +190,7 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
   if (pos.best_epoch > 0)
     c.metadata.insert({{"best_accuracy", fmt::format("{}", pos.best_accuracy)},
                        {"best_epoch", std::to_string(pos.best_epoch)}});
+  check_finite_before_saving(c, checkpoint_path(dir));
   save_checkpoint(checkpoint_path(dir), c);
 }
 
@@ -164,6 +198,7 @@ void save_model_weights(const std::string& path, TrainEngine& engine) {
   // state_dict names: no prefixes, no optimizer state.
   Checkpoint c =
       model_snapshot(engine, "replica-model-v1", "", "", [](DeviceContext&, Checkpoint&) {});
+  check_finite_before_saving(c, path);
   save_checkpoint(path, c);
 }
 
@@ -174,8 +209,7 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
   const Checkpoint c = load_checkpoint(path);
   check_same_run(c, path, engine, run);
   check_finite(c, path);
-  const RunPosition pos = read_position(c, path);
-  const int64_t optimizer_steps = int64_t(meta_count(c, "optimizer_steps", path));
+  const RunPosition pos = read_position(c, path, run);
   std::vector<std::pair<std::string, Tensor>> optim_state;
   for (const auto& [name, t] : c.tensors)
     if (name.rfind("optim.", 0) == 0) optim_state.emplace_back(name.substr(6), t);
@@ -194,7 +228,7 @@ RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine
     for (Param* p : model.params()) restore("model." + p->name, p->value);
     for (Buffer* b : model.buffers()) restore("buffer." + b->name, b->value);
     try {
-      engine.optimizer().load_state(ctx, model.num_params(), optimizer_steps, optim_state);
+      engine.optimizer().load_state(ctx, model.num_params(), pos.global_step, optim_state);
     } catch (const Error& e) {
       throw UsageError(fmt::format("{}: {}", path, e.what()));
     }

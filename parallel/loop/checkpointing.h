@@ -29,6 +29,9 @@ struct RunIdentity {
   uint64_t seed = 0;
   int64_t batch_size = 0;
   std::string data;  // "synthetic, 512 samples", "60000 samples, drop_last", ...
+  // Batches in one of this run's epochs (not saved: it follows from the above): the saved
+  // position must fall inside an epoch, and its step count must be the batches before it.
+  int64_t batches_per_epoch = 0;
 };
 
 // Writes atomically (never a half-written file). Tensors: "model.<param>", "buffer.<name>",
@@ -39,7 +42,9 @@ void save_training_checkpoint(const std::string& dir, TrainEngine& engine, const
 
 // Restores into the engine (then engine.state_loaded()) and returns the position. Errors if the
 // checkpoint belongs to another model, optimizer, seed, batch size or data (checkpoints written
-// before the data was recorded are taken on trust).
+// before the data was recorded are taken on trust), or if its position does not add up (a step
+// count that is not the batches before it, the optimizer's steps another count): resumed, such
+// a position trained nothing, or Adam's bias correction went on from the wrong step.
 RunPosition load_training_checkpoint(const std::string& dir, TrainEngine& engine,
                                      const RunIdentity& run);
 

@@ -219,7 +219,8 @@ void TrainLoop::write_checkpoint() {
 RunIdentity TrainLoop::run_identity() const {
   return {c_.engine.seed, c_.batch_size,
           fmt::format("{}{} samples{}", c_.synthetic ? "synthetic, " : "", train_->size(),
-                      c_.drop_last ? ", drop_last" : "")};
+                      c_.drop_last ? ", drop_last" : ""),
+          per_epoch_};
 }
 
 int64_t TrainLoop::train_batches(int64_t epoch, int64_t first, const Mark& start, Mark& steady) {
