@@ -274,6 +274,12 @@ int run(int argc, char** argv) {
 
   if (auto code = parse_cli(app, argc, argv)) return *code;
   if (t.list_devices) {
+    // It prints what this machine has and exits: any other flag would be ignored.
+    for (const CLI::Option* o : app.get_options())
+      REPLICA_USAGE_CHECK(o->get_name() == "--list-devices" || o->count() == 0,
+                          "--list-devices prints the devices found and exits: it takes no other "
+                          "flag (got {})",
+                          o->get_name());
     for (const auto& line : describe_devices()) std::printf("%s\n", line.c_str());
     return 0;
   }

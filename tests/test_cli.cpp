@@ -31,6 +31,11 @@ TEST_CASE("help and device listing succeed") {
   auto list = run(kTrain + " --list-devices");
   CHECK(list.exit_code == 0);
   CHECK(list.output.find("cpu") != std::string::npos);
+  // It prints and exits: a flag beside it would be ignored, so it is refused.
+  expect_train_error("--list-devices --epochs 0",
+                     "--list-devices prints the devices found and exits: it takes no other flag "
+                     "(got --epochs)");
+  expect_train_error("--print-config --list-devices", "it takes no other flag (got --print-config)");
 }
 
 TEST_CASE("bad flags and values are one-line errors") {

@@ -109,7 +109,21 @@ TEST_CASE("--print-config refuses what a run refuses, with the run's line") {
            {"--synthetic --optimizer sgd --nesterov", "nesterov needs a momentum > 0"},
            {"--synthetic --optimizer lamb", "unknown optimizer 'lamb' (sgd, adam)"},
            {"--synthetic --optimizer lamb --momentum 0.9", "unknown optimizer 'lamb'"},
-           {"--synthetic --optimizer adam --momentum 0.9", "are SGD's"}}) {
+           {"--synthetic --optimizer adam --momentum 0.9", "are SGD's"},
+           // The model's layout, the micro-batches and the init method's syntax: said by the
+           // model, the engine and the rendezvous before, once minutes of a run had gone by.
+           {"--synthetic --num-classes 99999999999",
+            "a classifier of 99999999999 classes: at most 1048576"},
+           {"--synthetic --input-shape 1x2x2",
+            "the model's layers shrink its input below one pixel"},
+           {"--synthetic --mode ddp --devices cpu*2 --accumulate 64",
+            "--accumulate 64: each rank's batch of 16 samples splits into at most 16"},
+           {"--synthetic --mode ddp --devices cpu*2 --init-method foo://",
+            "unknown init method 'foo://'"},
+           {"--synthetic --mode ddp --devices cpu*2 --init-method tcp://host",
+            "init method 'tcp://host': expected tcp://HOST:PORT"},
+           {"--synthetic --mode ddp --devices cpu*2 --init-method tcp://127.0.0.1:99999",
+            "master port 99999 is out of range (1-65535)"}}) {
     test::expect_train_error(args + " --print-config", said);
     test::expect_train_error(args + " --max-steps 1 --quiet", said);
   }

@@ -140,14 +140,24 @@ void validate(const TrainConfig& c) {
   // What the devices or the ranks would refuse later is said here too, so that --print-config
   // refuses what the run refuses.
   check_cudnn_benchmark(c.engine.cudnn_benchmark, c.engine.deterministic, devices);
-  if (c.synthetic)
+  // Synthetic data gives the model's input and classes now (a data set's come when it is read):
+  // the model is laid out, its weights not yet allocated, so that a shape its layers shrink
+  // below a pixel, or too many classes, is refused here.
+  if (c.synthetic) {
     REPLICA_USAGE_CHECK(c.engine.num_classes >= 2,
                         "--num-classes must be at least 2 (a classifier's), got {}",
                         c.engine.num_classes);
+    make_model(c.engine.model, c.engine.input_shape, c.engine.num_classes);
+  }
+  if (c.mode != "ddp") return;
+  parse_init_method(c.init_method);
   // The ranks: by hand, those this process would start; under a launcher its own numbers
-  // (the ranks check them when they meet).
-  if (c.mode == "ddp" && c.batch_per_device == 0 && !started_as_rank())
-    check_global_batch(c.batch_size, self_launched_ranks(c));
+  // (the ranks check them when they meet, and the batch per rank with them).
+  if (started_as_rank()) return;
+  const int ranks = self_launched_ranks(c);
+  if (c.batch_per_device == 0) check_global_batch(c.batch_size, ranks);
+  check_accumulate(c.accumulate, c.batch_per_device > 0 ? c.batch_per_device
+                                                        : c.batch_size / ranks);
 }
 
 bool started_as_rank() {
@@ -166,6 +176,13 @@ void check_global_batch(int64_t batch_size, int64_t ranks) {
   REPLICA_USAGE_CHECK(batch_size % ranks == 0,
                       "--batch-size {} is the global batch: it must divide by the {} ranks",
                       batch_size, ranks);
+}
+
+void check_accumulate(int64_t accumulate, int64_t per_rank) {
+  REPLICA_USAGE_CHECK(accumulate <= per_rank,
+                      "--accumulate {}: each rank's batch of {} samples splits into at most {} "
+                      "micro-batches",
+                      accumulate, per_rank, per_rank);
 }
 
 std::vector<Device> resolve_devices(const TrainConfig& c, std::string* spec_out) {

@@ -58,13 +58,7 @@ std::unique_ptr<TrainEngine> make_engine(TrainConfig& c, const std::vector<Devic
   if (c.batch_per_device > 0)
     c.batch_size = global_batch(c.batch_per_device, rv.world_size, "ranks");
   check_global_batch(c.batch_size, rv.world_size);
-  // torch.chunk's sizes: a batch of B splits into at most B micro-batches, so a larger
-  // --accumulate would run fewer than it says (and the metrics would record the flag's).
-  const int64_t per_rank = c.batch_size / rv.world_size;
-  REPLICA_USAGE_CHECK(c.accumulate <= per_rank,
-                      "--accumulate {}: each rank's batch of {} samples splits into at most {} "
-                      "micro-batches",
-                      c.accumulate, per_rank, per_rank);
+  check_accumulate(c.accumulate, c.batch_size / rv.world_size);
   const bool own_gpu = devices[0].is_cuda() && cuda_device_count() >= rv.local_world_size;
   const CommBackend backend =
       parse_comm_backend(c.backend != "auto" ? c.backend : own_gpu ? "nccl" : "gloo");

@@ -85,5 +85,9 @@ bool started_as_rank();
 int self_launched_ranks(const TrainConfig& config);
 // The global --batch-size is split evenly over the ranks.
 void check_global_batch(int64_t batch_size, int64_t ranks);
+// A rank's batch of `per_rank` samples splits into --accumulate micro-batches as torch.chunk
+// splits it: into at most per_rank, so a larger --accumulate would run fewer than it says (and
+// the metrics would record the flag's).
+void check_accumulate(int64_t accumulate, int64_t per_rank);
 
 }  // namespace replica

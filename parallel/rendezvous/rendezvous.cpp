@@ -156,13 +156,42 @@ std::string unbracketed(std::string host) {
   return host;
 }
 
+}  // namespace
+
+InitMethod parse_init_method(const std::string& method) {
+  InitMethod m;
+  if (method == "env://") return m;
+  if (method.rfind("tcp://", 0) == 0) {
+    const std::string rest = method.substr(6);
+    const size_t colon = rest.rfind(':');
+    REPLICA_USAGE_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
+                        "init method '{}': expected tcp://HOST:PORT", method);
+    m.kind = InitMethod::Tcp;
+    m.host = unbracketed(rest.substr(0, colon));
+    m.port = parse_int("tcp:// port", rest.substr(colon + 1));
+    REPLICA_USAGE_CHECK(m.port <= 65535, "master port {} is out of range (1-65535)", m.port);
+    return m;
+  }
+  if (method.rfind("file://", 0) == 0) {
+    REPLICA_USAGE_CHECK(method.size() > 7, "init method '{}': expected file://DIR", method);
+    m.kind = InitMethod::File;
+    m.dir = method.substr(7);
+    return m;
+  }
+  throw UsageError(fmt::format(
+      "unknown init method '{}': expected env://, tcp://HOST:PORT or file://DIR", method));
+}
+
+namespace {
+
 // Connects r to the store every rank uses: a directory for file://, else rank 0's TCP server at
 // the address env:// (MASTER_ADDR/MASTER_PORT) or tcp://HOST:PORT names. Sets r.store and
 // r.address (the address peers reach r at).
 void connect_store(const std::string& method, Rendezvous& r, milliseconds timeout) {
-  std::string host;
-  int port = 0;
-  if (method == "env://") {
+  const InitMethod m = parse_init_method(method);
+  std::string host = m.host;
+  int port = m.port;
+  if (m.kind == InitMethod::Env) {
     const char* a = env("MASTER_ADDR");
     const char* p = env("MASTER_PORT");
     REPLICA_USAGE_CHECK((a && p) || r.world_size == 1,
@@ -170,16 +199,8 @@ void connect_store(const std::string& method, Rendezvous& r, milliseconds timeou
                         "and a free port): start the ranks with replica-launch, or set both");
     host = unbracketed(a ? a : "127.0.0.1");
     port = p ? parse_int("MASTER_PORT", p) : 0;  // one process: any free port
-  } else if (method.rfind("tcp://", 0) == 0) {
-    std::string rest = method.substr(6);
-    size_t colon = rest.rfind(':');
-    REPLICA_USAGE_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
-                        "init method '{}': expected tcp://HOST:PORT", method);
-    host = unbracketed(rest.substr(0, colon));
-    port = parse_int("tcp:// port", rest.substr(colon + 1));
-  } else if (method.rfind("file://", 0) == 0) {
-    REPLICA_USAGE_CHECK(method.size() > 7, "init method '{}': expected file://DIR", method);
-    r.store = std::make_shared<FileStore>(method.substr(7), timeout);
+  } else if (m.kind == InitMethod::File) {
+    r.store = std::make_shared<FileStore>(m.dir, timeout);
     // No server to route to: toward MASTER_ADDR if set; on one node, loopback; across nodes
     // (a shared directory), the host name (GLOO_SOCKET_IFNAME names an interface instead).
     if (const char* a = env("MASTER_ADDR")) {
@@ -191,9 +212,6 @@ void connect_store(const std::string& method, Rendezvous& r, milliseconds timeou
     }
     if (r.address.empty()) r.address = "127.0.0.1";
     return;
-  } else {
-    throw UsageError(fmt::format(
-        "unknown init method '{}': expected env://, tcp://HOST:PORT or file://DIR", method));
   }
   REPLICA_USAGE_CHECK(port <= 65535 && (port > 0 || r.world_size == 1),
                       "master port {} is out of range (1-65535)", port);

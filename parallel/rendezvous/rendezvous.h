@@ -44,6 +44,18 @@ Rendezvous rendezvous_env_ranks();
 // sent). Empty when `host` does not resolve or no route leads there.
 std::string local_address_toward(const std::string& host);
 
+// An --init-method's text, its syntax checked (UsageError): env:// (the address and port come
+// from MASTER_ADDR and MASTER_PORT when the ranks meet), tcp://HOST:PORT (a port up to 65535;
+// 0 only for one process) or file://DIR. What rendezvous() connects by, and what a program
+// checks before it starts any rank.
+struct InitMethod {
+  enum Kind { Env, Tcp, File } kind = Env;
+  std::string host;  // tcp://: brackets of an IPv6 address removed
+  int port = 0;      // tcp://
+  std::string dir;   // file://
+};
+InitMethod parse_init_method(const std::string& method);
+
 // Connects every rank to one store (rank 0 hosts the TCP server) and joins: each rank counts
 // itself in, then all wait until world_size ranks have joined. A timeout names the missing
 // ranks; a rank that joins twice (or a reused file:// directory) is an error.
