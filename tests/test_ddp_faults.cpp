@@ -97,6 +97,21 @@ TEST_CASE("a global batch that does not divide by the ranks: one clear error, pr
   }
 }
 
+// Gloo's own failure for an interface that is not there is an assertion's text that does not
+// name the variable.
+TEST_CASE("GLOO_SOCKET_IFNAME naming no interface: one line naming the variable") {
+  if (!replica::gloo_available()) return;
+  auto r = run("env GLOO_SOCKET_IFNAME=no-such-if0 " + kTrain +
+                   " --synthetic --mode ddp --devices cpu*2 --max-steps 1 --no-eval --quiet",
+               120);
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  const std::string line =
+      "GLOO_SOCKET_IFNAME=no-such-if0: this machine has no network interface of that name";
+  CHECK(contains(r.output, line));
+  CHECK(r.output.find(line) == r.output.rfind(line));  // once
+}
+
 TEST_CASE("a rendezvous with a missing rank times out with an error naming it") {
   if (!replica::gloo_available()) return;
   test::TempDir tmp;

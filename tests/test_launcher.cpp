@@ -311,6 +311,10 @@ TEST_CASE("replica-launch: help, bad flags and missing programs") {
   test::TempDir tmp;
   std::ofstream(tmp.str("data.txt")) << "not a program\n";
   chmod(tmp.str("data.txt").c_str(), 0644);
+  // A script whose interpreter is missing: exec says "No such file or directory" of a file that
+  // is there.
+  std::ofstream(tmp.str("script.sh")) << "#!/no/such/interpreter -e\necho hi\n";
+  chmod(tmp.str("script.sh").c_str(), 0755);
   struct Bad {
     std::string args, message;
   };
@@ -326,6 +330,8 @@ TEST_CASE("replica-launch: help, bad flags and missing programs") {
            {"-- no-such-program-replica", "program 'no-such-program-replica' not found in PATH"},
            {"-- " + tmp.str("data.txt"), "is not an executable file"},
            {"-- " + tmp.str(), "is not an executable file"},  // a directory
+           {"--nproc-per-node 2 -- " + tmp.str("script.sh"),
+            "its interpreter '/no/such/interpreter' (its #! line) was not found"},
        }) {
     CAPTURE(b.args);
     r = test::run(kLaunch + " " + b.args);

@@ -15,6 +15,8 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <net/if.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
@@ -68,6 +70,11 @@ class GlooGroup final : public ProcessGroup {
     try {
       gloo::transport::tcp::attr attr;
       const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
+      // Named here: Gloo's own failure is an assertion's text that does not name the variable.
+      REPLICA_USAGE_CHECK(!iface || !*iface || if_nametoindex(iface) != 0,
+                          "GLOO_SOCKET_IFNAME={}: this machine has no network interface of that "
+                          "name (`ip -br link` lists them)",
+                          iface);
       if (iface && *iface) attr.iface = iface;
       else attr.hostname = o.address;
       device_ = gloo::transport::tcp::CreateDevice(attr);

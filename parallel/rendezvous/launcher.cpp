@@ -16,6 +16,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 
 #include "engine/error.h"
 #include "parallel/rendezvous/launcher_signals.h"
@@ -59,6 +60,23 @@ std::vector<std::string> child_environment(
 void signal_groups(const std::vector<Child>& children, int sig, bool running_only) {
   for (const auto& c : children)
     if (c.pid > 0 && (c.running || !running_only)) kill(-c.pid, sig);
+}
+
+// Why exec of `program` failed, in a line. The program was found before it was started, so "No
+// such file or directory" means its script's interpreter (the #! line) is missing: named.
+std::string exec_failure(const std::string& program, int err) {
+  if (err == ENOENT) {
+    std::ifstream in(program);
+    std::string first;
+    if (std::getline(in, first) && first.rfind("#!", 0) == 0) {
+      const size_t start = std::min(first.find_first_not_of(" \t", 2), first.size());
+      const std::string interpreter =
+          first.substr(start, first.find_first_of(" \t", start) - start);
+      return fmt::format("cannot run '{}': its interpreter '{}' (its #! line) was not found",
+                         program, interpreter);
+    }
+  }
+  return fmt::format("cannot run '{}': {}", program, std::strerror(err));
 }
 
 // Forks and execs one rank in its own process group and adds it to `children`; the exec error
@@ -118,7 +136,7 @@ void start_rank(const LaunchOptions& o, const std::string& program, int local, p
   if (got == sizeof exec_err) {
     signal_groups(children, SIGKILL, false);
     for (auto& k : children) waitpid(k.pid, nullptr, 0);
-    throw UsageError(fmt::format("cannot run '{}': {}", program, std::strerror(exec_err)));
+    throw UsageError(exec_failure(program, exec_err));
   }
 }
 
