@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -134,6 +135,28 @@ void check_output_dir(const std::string& flag, const std::string& path) {
                       dir.string());
   REPLICA_USAGE_CHECK(access(dir.c_str(), W_OK) == 0, "{} '{}': cannot write into '{}'", flag,
                       path, dir.string());
+}
+
+std::string make_temporary_directory(const std::string& prefix, const std::string& for_what) {
+  // TMPDIR alone, as POSIX and mktemp(1) read it. std::filesystem::temp_directory_path() said
+  // only "temp_directory_path: No such file or directory", naming neither the variable nor
+  // the directory.
+  const char* tmpdir = std::getenv("TMPDIR");
+  const bool from_env = tmpdir != nullptr && *tmpdir != '\0';
+  const std::string base = from_env ? tmpdir : "/tmp";
+  const std::string where = from_env ? "TMPDIR=" + base : base;
+  auto cannot = [&](const std::string& why) {
+    return Error(fmt::format("cannot make a temporary directory {}: {}", for_what, why));
+  };
+  struct stat st {};
+  if (::stat(base.c_str(), &st) != 0)
+    throw cannot(errno == ENOENT ? where + " does not exist"
+                                 : fmt::format("{}: {}", where, std::strerror(errno)));
+  if (!S_ISDIR(st.st_mode)) throw cannot(where + " is not a directory");
+  std::string path = base + (base.back() == '/' ? "" : "/") + prefix + "XXXXXX";
+  if (mkdtemp(path.data()) == nullptr)
+    throw cannot(fmt::format("{}: {}", where, std::strerror(errno)));
+  return path;
 }
 
 namespace {

@@ -36,6 +36,12 @@ void check_weights_file(const std::string& flag, const std::string& path);
 // `path` is a writable directory, or can be created: its nearest existing ancestor is one.
 void check_output_dir(const std::string& flag, const std::string& path);
 
+// A new directory "<prefix>XXXXXX" (mkdtemp) under $TMPDIR, else /tmp, for files a program
+// writes and removes itself. Error when it cannot be made, saying what it was `for_what` and why
+// in one line ("cannot make a temporary directory for the runs' logs: TMPDIR=/nonexistent does
+// not exist").
+std::string make_temporary_directory(const std::string& prefix, const std::string& for_what);
+
 // A path given with its flag, for messages ("--save-model 'm.safetensors'").
 struct FlagPath {
   std::string flag, path;

@@ -24,6 +24,7 @@
 #include "cli/program.h"
 
 #include "engine/error.h"
+#include "engine/output_files.h"
 #include "parallel/loop/trainer.h"
 #include "parallel/rendezvous/launcher.h"
 
@@ -246,12 +247,17 @@ int run(int argc, char** argv) {
   REPLICA_USAGE_CHECK(fs::exists(train), "replica-train not found next to this program ({})",
                       train);
   std::string dir = "dp-vs-ddp";
-  if (!keep_logs) {
-    std::string tmpl = (fs::temp_directory_path() / "replica-dp-vs-ddp-XXXXXX").string();
-    REPLICA_CHECK(mkdtemp(tmpl.data()) != nullptr, "cannot create a temporary directory");
-    dir = tmpl;
+  if (keep_logs) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec)
+      throw Error(fmt::format("cannot make ./{} for the runs' logs (--keep-logs): {}", dir,
+                              fs::exists(fs::symlink_status(dir)) && !fs::is_directory(dir)
+                                  ? "a file of that name is in the way"
+                                  : ec.message()));
+  } else {
+    dir = make_temporary_directory("replica-dp-vs-ddp-", "for the runs' logs");
   }
-  fs::create_directories(dir);
   struct RemoveUnlessKept {  // also when a run fails: its error is in the message
     std::string dir;
     bool keep;

@@ -1,7 +1,7 @@
 // engine/output_files: a set of outputs committed as one (replica-bench --report's directory)
 // holds the old set or the new one after commit(), never some of each; and an output named by
-// one of the process's descriptors is written through it. (replica-train's outputs as a user
-// meets them: test_outputs.cpp.)
+// one of the process's descriptors is written through it; a temporary directory that cannot be
+// made says why in one line. (replica-train's outputs as a user meets them: test_outputs.cpp.)
 #include <doctest/doctest.h>
 
 #include <fcntl.h>
@@ -10,8 +10,11 @@
 
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cli_helpers.h"
+#include "env_guard.h"
 #include "engine/error.h"
 #include "engine/output_files.h"
 #include "engine/staged_directory.h"
@@ -170,4 +173,27 @@ TEST_CASE("an output named by an open descriptor is written through it, after wh
   const std::string closed = "descriptor " + std::to_string(fd) + " is not open";
   CHECK_THROWS_WITH_AS(check_output_file("--trace", name), doctest::Contains(closed.c_str()),
                        UsageError);
+}
+
+TEST_CASE("a temporary directory is made under TMPDIR, or one line says why it cannot be") {
+  test::TempDir tmp;
+  const std::string base = tmp.path.string();
+  {
+    test::ScopedEnv tmpdir("TMPDIR", base);
+    const fs::path made = make_temporary_directory("replica-test-", "for the test");
+    CHECK(fs::is_directory(made));
+    CHECK(made.parent_path() == tmp.path);
+    CHECK(made.filename().string().rfind("replica-test-", 0) == 0);
+  }
+  test::put_bytes(tmp.str("file"), {1});
+  // std::filesystem::temp_directory_path() said "temp_directory_path: No such file or
+  // directory" for both, naming neither the variable nor the directory.
+  for (const auto& [dir, why] : std::vector<std::pair<std::string, std::string>>{
+           {base + "/none", "TMPDIR=" + base + "/none does not exist"},
+           {base + "/file", "TMPDIR=" + base + "/file is not a directory"}}) {
+    test::ScopedEnv tmpdir("TMPDIR", dir);
+    const std::string said = "cannot make a temporary directory for the test: " + why;
+    CHECK(test::error_of([] { make_temporary_directory("replica-test-", "for the test"); }) ==
+          said);
+  }
 }

@@ -241,3 +241,20 @@ TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are 
   CHECK(value.output.find("--steps") != std::string::npos);
   CHECK(value.output.find("unknown flag") == std::string::npos);
 }
+
+TEST_CASE("replica-dp-vs-ddp: a log directory it cannot make is one line naming it and why") {
+  test::TempDir tmp;
+  const std::string none = tmp.str("none");
+  auto r = run("env TMPDIR=" + none + " " + test::bin("replica-dp-vs-ddp") + " --steps 2", 60);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output == "replica-dp-vs-ddp: error: cannot make a temporary directory for the runs' "
+                    "logs: TMPDIR=" + none + " does not exist\n");
+  // --keep-logs keeps them in ./dp-vs-ddp/, where a file of that name is in the way here.
+  test::put_bytes(tmp.str("dp-vs-ddp"), {1});
+  r = run("sh -c 'cd " + tmp.str() + " && " + test::bin("replica-dp-vs-ddp") +
+              " --steps 2 --keep-logs'",
+          60);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output == "replica-dp-vs-ddp: error: cannot make ./dp-vs-ddp for the runs' logs "
+                    "(--keep-logs): a file of that name is in the way\n");
+}

@@ -18,6 +18,7 @@
 #include <fmt/ranges.h>
 
 #include "engine/error.h"
+#include "engine/output_files.h"
 #include "parallel/rendezvous/launcher.h"
 #include "tools/bench/suites.h"
 
@@ -40,12 +41,8 @@ std::string error_lines(const std::string& log_path) {
 
 }  // namespace
 
-ScratchDir::ScratchDir() {
-  std::string tmpl =
-      (std::filesystem::temp_directory_path() / "replica-bench-XXXXXX").string();
-  REPLICA_CHECK(mkdtemp(tmpl.data()) != nullptr, "mkdtemp: {}", std::strerror(errno));
-  path = tmpl;
-}
+ScratchDir::ScratchDir()
+    : path(make_temporary_directory("replica-bench-", "for the ranks' results")) {}
 
 ScratchDir::~ScratchDir() {
   std::error_code ec;
