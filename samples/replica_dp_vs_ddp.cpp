@@ -5,7 +5,8 @@
 // each device's peak memory.
 //   replica-dp-vs-ddp                                 CNN, Fashion-MNIST, 400 steps, all devices
 //   replica-dp-vs-ddp --devices cpu*4 --steps 200 -- --model resnet18 --batch-size 64
-// Flags after -- go to both replica-train runs unchanged.
+// Flags after -- go to both replica-train runs unchanged; those that would make the runs clash
+// (an output, --resume) are refused (check_runs_apart).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -27,6 +28,7 @@
 #include "engine/output_files.h"
 #include "parallel/loop/trainer.h"
 #include "parallel/rendezvous/launcher.h"
+#include "samples/train_presets.h"
 
 using namespace replica;
 namespace fs = std::filesystem;
@@ -103,6 +105,40 @@ nlohmann::json run_train(const std::string& program, std::vector<std::string> ar
     throw Error(fmt::format("replica-train {} exited 0 but wrote no metrics to {}",
                             args[0] + " " + args[1], metrics));
   }
+}
+
+// The two runs go one after the other with the same flags, so a file that one writes the other
+// writes too: the DDP run's --checkpoint, --save-model, --save-best or --trace replaced the DP
+// run's, and with --resume the DDP run went on from the checkpoint the DP run had just written
+// and trained nothing. Every flag that makes the runs clash so is refused, a preset that sets
+// an output as well (seed's --save-model, imagenet's --checkpoint and --save-best), rather
+// than only the outputs typed, or each run given a file of its own: the comparison is this
+// program's output, and a run's files are replica-train's, written under the names the user
+// chose (replica-train --mode dp, then --mode ddp, with the same flags). `value` is what
+// follows the flag.
+void check_runs_apart(const std::string& flag, const std::string& value) {
+  for (const char* output : {"--checkpoint", "--save-model", "--save-best", "--trace"})
+    REPLICA_USAGE_CHECK(flag != output,
+                        "{} would be written by both runs, the DDP run's over the DP run's: for "
+                        "a run's files, run replica-train --mode dp or --mode ddp with the same "
+                        "flags",
+                        flag);
+  REPLICA_USAGE_CHECK(flag != "--resume",
+                      "--resume would resume both runs from one checkpoint, the DDP run from the "
+                      "one the DP run has just written (training nothing): run replica-train "
+                      "--mode dp or --mode ddp to resume");
+  if (flag != "--preset" || value.empty()) return;  // no value: replica-train's check says so
+  TrainConfig recipe;
+  apply_preset(value, recipe);
+  const std::pair<const char*, std::string> outputs[] = {{"--checkpoint", recipe.checkpoint_dir},
+                                                         {"--save-model", recipe.save_model},
+                                                         {"--save-best", recipe.save_best}};
+  for (const auto& [output, path] : outputs)
+    REPLICA_USAGE_CHECK(path.empty(),
+                        "--preset {} sets {} {}, which both runs would write, the DDP run's "
+                        "over the DP run's: give the recipe's other flags without --preset "
+                        "(replica-train --preset {} --print-config lists them)",
+                        value, output, path, value);
 }
 
 // Milliseconds per step of the named phases. DP records device phases on every device's
@@ -227,10 +263,11 @@ int run(int argc, char** argv) {
   if (!extra.empty() && extra.front() == "--") extra.erase(extra.begin());
   REPLICA_USAGE_CHECK(extra.empty() || extra.front().rfind("--", 0) == 0,
                       "unexpected argument '{}' (replica-train flags go after --)", extra.front());
-  // Flags this program sets for both runs, and flags that would make a run print instead of
-  // train: each is refused by name rather than met as a failed run.
-  for (const auto& a : extra) {
-    const std::string flag = a.substr(0, a.find('='));
+  // Flags this program sets for both runs, flags that would make a run print instead of train,
+  // and flags that would make the two runs clash: each is refused by name rather than met as a
+  // failed run or a wrong table.
+  for (size_t i = 0; i < extra.size(); ++i) {
+    const std::string flag = extra[i].substr(0, extra[i].find('='));
     if (flag == "--max-steps")
       throw UsageError("--max-steps is set by replica-dp-vs-ddp itself: give --steps N before --");
     for (const char* own : {"--mode", "--metrics-json"})
@@ -240,6 +277,10 @@ int run(int argc, char** argv) {
                           "{} makes replica-train print instead of train: run replica-train {} "
                           "itself",
                           flag, flag);
+    const bool joined = flag != extra[i];  // "--flag=value"
+    check_runs_apart(flag, joined                  ? extra[i].substr(flag.size() + 1)
+                           : i + 1 < extra.size() ? extra[i + 1]
+                                                  : "");
   }
   REPLICA_USAGE_CHECK(steps >= 1, "--steps must be at least 1, got {}", steps);
 

@@ -197,9 +197,11 @@ TEST_CASE("--mode dp and --mode ddp on 2 CPU devices, same seed: accuracies with
 }
 
 TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are one line") {
-  // A flag of one mode goes to that mode's run only (replica-train refuses it in the other).
+  // A flag of one mode goes to that mode's run only (replica-train refuses it in the other); a
+  // preset that writes no file is the runs' recipe.
   auto r = run(test::bin("replica-dp-vs-ddp") +
-                   " --devices cpu*2 --steps 20 -- --synthetic --synthetic-size 640 --no-eval"
+                   " --devices cpu*2 --steps 20 -- --preset cnn-sgd --synthetic"
+                   " --synthetic-size 640 --no-eval"
                    " --reduce tree --timeout=60 --backend gloo",
                300);
   INFO(r.output);
@@ -221,7 +223,16 @@ TEST_CASE("replica-dp-vs-ddp prints both strategies side by side; bad flags are 
            {" -- --list-devices", "--list-devices makes replica-train print instead of train"},
            {" -- --max-steps 3", "give --steps N before --"},
            {" -- --metrics-json=m.json", "--metrics-json is set by"},
-           {" -- --help", "--help makes replica-train print"}}) {
+           {" -- --help", "--help makes replica-train print"},
+           // Both runs would write the same file, the DDP run's over the DP run's, or the DDP
+           // run would resume from the checkpoint the DP run had written and train nothing.
+           {" -- --checkpoint ck --resume", "--checkpoint would be written by both runs"},
+           {" -- --resume", "--resume would resume both runs from one checkpoint"},
+           {" -- --save-model m.safetensors", "--save-model would be written by both runs"},
+           {" -- --save-best=b.safetensors", "--save-best would be written by both runs"},
+           {" -- --trace t.json", "--trace would be written by both runs"},
+           {" -- --preset seed", "--preset seed sets --save-model resnet101.safetensors"},
+           {" -- --preset=imagenet --data d", "--preset imagenet sets --checkpoint checkpoint"}}) {
     CAPTURE(bad);
     test::expect_clean_error("replica-dp-vs-ddp", bad, said);
   }
