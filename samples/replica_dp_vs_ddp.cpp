@@ -141,17 +141,68 @@ void check_runs_apart(const std::string& flag, const std::string& value) {
                         value, output, path, value);
 }
 
-// Milliseconds per step of the named phases. DP records device phases on every device's
-// track and sums them; `per_device` divides those by the device count, so a DP figure reads
-// like DDP's (rank 0's own device).
-double phase(const nlohmann::json& m, std::initializer_list<const char*> names,
-             bool per_device = false) {
-  double ms = 0;
-  for (const char* n : names)
-    if (m["phase_ms_per_step"].contains(n)) ms += m["phase_ms_per_step"][n].get<double>();
-  if (per_device && m["mode"] == "dp") ms /= double(std::max<size_t>(1, m["devices"].size()));
-  return ms;
-}
+// One run's metrics (replica-train's --metrics-json) as the table reads them. A figure the
+// metrics lack is an Error naming the run and the figure: a run that trained no step writes
+// null for its loss, which the table met with nlohmann's "type must be number, but is null".
+struct RunMetrics {
+  std::string name;  // "DP" or "DDP"
+  nlohmann::json m;
+
+  Error missing(const std::string& key) const {
+    return Error(fmt::format("the {} run (replica-train --mode {}) reported no {}, so the runs "
+                             "cannot be compared",
+                             name, name == "DP" ? "dp" : "ddp", key));
+  }
+  const nlohmann::json& field(const std::string& key) const {
+    const auto it = m.find(key);
+    if (it == m.end() || it->is_null()) throw missing(key);
+    return *it;
+  }
+  double number(const std::string& key) const {
+    const nlohmann::json& v = field(key);
+    if (!v.is_number()) throw missing(key);
+    return v.get<double>();
+  }
+  std::string text(const std::string& key) const {
+    const nlohmann::json& v = field(key);
+    if (!v.is_string()) throw missing(key);
+    return v.get<std::string>();
+  }
+  // A figure per device (rank): at least one, each a number.
+  std::vector<double> per_device(const std::string& key) const {
+    const nlohmann::json& v = field(key);
+    if (!v.is_array() || v.empty()) throw missing(key);
+    std::vector<double> out;
+    for (const auto& x : v) {
+      if (!x.is_number()) throw missing(key);
+      out.push_back(x.get<double>());
+    }
+    return out;
+  }
+  bool boolean(const std::string& key) const {
+    const nlohmann::json& v = field(key);
+    if (!v.is_boolean()) throw missing(key);
+    return v.get<bool>();
+  }
+  bool evaluated() const { return m.contains("test_accuracy"); }  // not with --no-eval
+
+  // Milliseconds per step of the named phases; a phase the run does not have counts 0. DP
+  // records device phases on every device's track and sums them; `per_device` divides those by
+  // the device count, so a DP figure reads like DDP's (rank 0's own device).
+  double phase(std::initializer_list<const char*> names, bool per_device = false) const {
+    const nlohmann::json& phases = field("phase_ms_per_step");
+    if (!phases.is_object()) throw missing("phase_ms_per_step");
+    double ms = 0;
+    for (const char* n : names) {
+      if (!phases.contains(n)) continue;
+      if (!phases[n].is_number()) throw missing(fmt::format("phase_ms_per_step.{}", n));
+      ms += phases[n].get<double>();
+    }
+    if (per_device && text("mode") == "dp")
+      ms /= double(std::max<size_t>(1, field("devices").size()));
+    return ms;
+  }
+};
 
 // `args` without the flags (and their values) that `mode` does not read (mode_flags()).
 std::vector<std::string> for_mode(const std::vector<std::string>& args, const std::string& mode) {
@@ -170,63 +221,63 @@ std::vector<std::string> for_mode(const std::vector<std::string>& args, const st
 }
 
 // The two runs side by side: throughput, accuracy, where each step's time went, what was
-// sent and the memory it took, then what the difference means.
-void print_comparison(const nlohmann::json& dp, const nlohmann::json& ddp, int64_t steps) {
-  auto row = [](const std::string& what, const std::string& a, const std::string& b,
-                const std::string& note = "") {
-    std::printf("%-30s %14s %14s  %s\n", what.c_str(), a.c_str(), b.c_str(), note.c_str());
+// sent and the memory it took, then what the difference means. Formatted whole before any of it
+// is printed, so a figure missing from either run is one line, not half a table.
+std::string comparison(const RunMetrics& dp, const RunMetrics& ddp, int64_t steps) {
+  std::string out;
+  auto row = [&](const std::string& what, const std::string& a, const std::string& b,
+                 const std::string& note = "") {
+    out += fmt::format("{:<30} {:>14} {:>14}  {}\n", what, a, b, note);
   };
   auto f = [](const char* spec, double v) { return fmt::format(fmt::runtime(spec), v); };
-  auto acc = [](const nlohmann::json& j) {
-    return j.contains("test_accuracy") ? fmt::format("{:.4f}", j["test_accuracy"].get<double>())
-                                       : std::string("-");
+  auto acc = [](const RunMetrics& r) {
+    return r.evaluated() ? fmt::format("{:.4f}", r.number("test_accuracy")) : std::string("-");
   };
   // Peak memory of device / rank 0, and the largest of the others.
-  auto mem = [](const nlohmann::json& j, bool first) {
-    const auto& p = j["peak_memory_bytes"];
-    if (first) return fmt::format("{:.1f} MB", p[0].get<double>() / 1e6);
+  auto mem = [](const RunMetrics& r, bool first) {
+    const std::vector<double> p = r.per_device("peak_memory_bytes");
+    if (first) return fmt::format("{:.1f} MB", p[0] / 1e6);
     if (p.size() < 2) return std::string("-");
-    double mx = 0;
-    for (size_t i = 1; i < p.size(); ++i) mx = std::max(mx, p[i].get<double>());
-    return fmt::format("{:.1f} MB", mx / 1e6);
+    return fmt::format("{:.1f} MB", *std::max_element(p.begin() + 1, p.end()) / 1e6);
   };
-  const double sps_dp = dp["samples_per_sec"], sps_ddp = ddp["samples_per_sec"];
-  const int ranks = ddp["world_size"].get<int>();
-  std::printf("\n%s, global batch %lld, %lld steps, seed 0; DP on %s, DDP on %d rank%s\n",
-              dp["model"].get<std::string>().c_str(), (long long)dp["batch_size"].get<int64_t>(),
-              (long long)steps, dp["device_spec"].get<std::string>().c_str(), ranks,
-              ranks == 1 ? "" : "s");
+  const double sps_dp = dp.number("samples_per_sec"), sps_ddp = ddp.number("samples_per_sec");
+  const int ranks = int(ddp.number("world_size"));
+  out += fmt::format("\n{}, global batch {}, {} steps, seed 0; DP on {}, DDP on {} rank{}\n",
+                     dp.text("model"), int64_t(dp.number("batch_size")), steps,
+                     dp.text("device_spec"), ranks, ranks == 1 ? "" : "s");
   row("", "DP", "DDP");
   row("samples/s", f("{:.0f}", sps_dp), f("{:.0f}", sps_ddp),
       fmt::format("DDP/DP = {:.2f}x", sps_ddp / sps_dp));
   row("test accuracy", acc(dp), acc(ddp));
-  row("final training loss", f("{:.4f}", dp["final_loss"]), f("{:.4f}", ddp["final_loss"]));
-  row("forward, ms/step", f("{:.2f}", phase(dp, {"forward"}, true)),
-      f("{:.2f}", phase(ddp, {"forward"})), "per device (DDP: rank 0's)");
-  row("backward, ms/step", f("{:.2f}", phase(dp, {"backward"}, true)),
-      f("{:.2f}", phase(ddp, {"backward"})), "per device");
-  row("gradient sync, ms/step", f("{:.2f}", phase(dp, {"reduce"})),
-      f("{:.2f}", phase(ddp, {"allreduce"})),
+  row("final training loss", f("{:.4f}", dp.number("final_loss")),
+      f("{:.4f}", ddp.number("final_loss")));
+  row("forward, ms/step", f("{:.2f}", dp.phase({"forward"}, true)),
+      f("{:.2f}", ddp.phase({"forward"})), "per device (DDP: rank 0's)");
+  row("backward, ms/step", f("{:.2f}", dp.phase({"backward"}, true)),
+      f("{:.2f}", ddp.phase({"backward"})), "per device");
+  row("gradient sync, ms/step", f("{:.2f}", dp.phase({"reduce"})),
+      f("{:.2f}", ddp.phase({"allreduce"})),
       "communication thread, overlaps backward: DP reduce, DDP all-reduce");
-  row("waiting for it after backward", f("{:.2f}", phase(dp, {"wait_reduce"})),
-      f("{:.2f}", phase(ddp, {"wait_allreduce"})));
-  row("scatter/gather/broadcast", f("{:.2f}", phase(dp, {"prefetch", "scatter", "gather_loss",
-                                                         "scatter_grad", "broadcast"}, true)),
-      f("{:.2f}", phase(ddp, {"prefetch", "h2d", "batch_gather", "broadcast_buffers"})),
+  row("waiting for it after backward", f("{:.2f}", dp.phase({"wait_reduce"})),
+      f("{:.2f}", ddp.phase({"wait_allreduce"})));
+  row("scatter/gather/broadcast",
+      f("{:.2f}", dp.phase({"prefetch", "scatter", "gather_loss", "scatter_grad", "broadcast"},
+                           true)),
+      f("{:.2f}", ddp.phase({"prefetch", "h2d", "batch_gather", "broadcast_buffers"})),
       "DP funnels through device 0");
-  row("optimizer step, ms/step", f("{:.2f}", phase(dp, {"step"})), f("{:.2f}", phase(ddp, {"step"})),
+  row("optimizer step, ms/step", f("{:.2f}", dp.phase({"step"})), f("{:.2f}", ddp.phase({"step"})),
       "DP: device 0 only; DDP: every rank");
-  row("wall time per step, ms", f("{:.2f}", 1e3 * dp["batch_size"].get<double>() / sps_dp),
-      f("{:.2f}", 1e3 * ddp["batch_size"].get<double>() / sps_ddp));
-  row("gradient bytes per step", f("{:.0f}", dp["comm_bytes_per_step"].get<double>()),
-      f("{:.0f}", ddp["comm_bytes_per_step"].get<double>()),
+  row("wall time per step, ms", f("{:.2f}", 1e3 * dp.number("batch_size") / sps_dp),
+      f("{:.2f}", 1e3 * ddp.number("batch_size") / sps_ddp));
+  row("gradient bytes per step", f("{:.0f}", dp.number("comm_bytes_per_step")),
+      f("{:.0f}", ddp.number("comm_bytes_per_step")),
       "DP: into device 0, (N-1) x S; DDP: each rank's all-reduce, S");
   row("peak memory, device 0", mem(dp, true), mem(ddp, true));
   row("peak memory, other devices", mem(dp, false), mem(ddp, false),
       "max over devices (ranks) 1..N-1");
-  const bool both_evaluated = dp.contains("test_accuracy") && ddp.contains("test_accuracy");
+  const bool both_evaluated = dp.evaluated() && ddp.evaluated();
   std::string same;
-  if (dp.value("has_batchnorm", false))
+  if (dp.boolean("has_batchnorm"))
     same = fmt::format(
         "Same model, data, seed and global batch, but BatchNorm normalises each device's share: "
         "DP's contiguous chunks of the batch, DDP's interleaved sampler shares (as in PyTorch), "
@@ -238,10 +289,11 @@ void print_comparison(const nlohmann::json& dp, const nlohmann::json& ddp, int64
                        acc(dp), acc(ddp));
   else
     same = "Same model, data, seed and global batch (no evaluation: --no-eval).";
-  std::printf("\n%s\n%s\n", same.c_str(),
-              sps_ddp > sps_dp * 1.02   ? "DDP is faster here."
-              : sps_dp > sps_ddp * 1.02 ? "DP is faster here."
-                                        : "DP and DDP are within 2% of each other here.");
+  out += fmt::format("\n{}\n{}\n", same,
+                     sps_ddp > sps_dp * 1.02   ? "DDP is faster here."
+                     : sps_dp > sps_ddp * 1.02 ? "DP is faster here."
+                                               : "DP and DDP are within 2% of each other here.");
+  return out;
 }
 
 int run(int argc, char** argv) {
@@ -318,15 +370,16 @@ int run(int argc, char** argv) {
     runs.push_back(for_mode(args, mode));  // --reduce to DP, --backend/--timeout/... to DDP
     check_train_flags(train, runs.back(), dir + "/" + mode + ".log");
   }
-  std::vector<nlohmann::json> m;
+  std::vector<RunMetrics> m;
   for (const auto& args : runs) {
     std::printf("running replica-train --mode %s ...\n", args[1].c_str());
     std::fflush(stdout);
-    m.push_back(run_train(train, args, dir + "/" + args[1] + ".log",
-                          dir + "/" + args[1] + ".json"));
+    m.push_back({args[1] == "dp" ? "DP" : "DDP",
+                 run_train(train, args, dir + "/" + args[1] + ".log",
+                           dir + "/" + args[1] + ".json")});
   }
 
-  print_comparison(m[0], m[1], steps);
+  std::fputs(comparison(m[0], m[1], steps).c_str(), stdout);
   return 0;
 }
 

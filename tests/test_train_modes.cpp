@@ -269,3 +269,33 @@ TEST_CASE("replica-dp-vs-ddp: a log directory it cannot make is one line naming 
   CHECK(r.output == "replica-dp-vs-ddp: error: cannot make ./dp-vs-ddp for the runs' logs "
                     "(--keep-logs): a file of that name is in the way\n");
 }
+
+TEST_CASE("replica-dp-vs-ddp: a run whose metrics lack a figure is one line naming both") {
+  // replica-train, but the DDP run's metrics say null for its loss, as a run that trained no
+  // step wrote it; replica-dp-vs-ddp runs the replica-train beside it.
+  test::TempDir tmp;
+  const std::string program = tmp.str("replica-dp-vs-ddp");
+  std::filesystem::copy_file(test::bin("replica-dp-vs-ddp"), program);
+  {
+    std::ofstream train(tmp.str("replica-train"));
+    train << "#!/bin/sh\n"
+          << kTrain << " \"$@\" || exit\n"
+          << "mode= metrics=\n"
+          << "while [ $# -gt 0 ]; do\n"
+          << "  case $1 in --mode) mode=$2 ;; --metrics-json) metrics=$2 ;; esac\n"
+          << "  shift\n"
+          << "done\n"
+          << "if [ \"$mode\" = ddp ] && [ -n \"$metrics\" ]; then\n"
+          << "  sed -i 's/\"final_loss\": .*,$/\"final_loss\": null,/' \"$metrics\"\n"
+          << "fi\n";
+  }
+  std::filesystem::permissions(tmp.str("replica-train"), std::filesystem::perms::owner_all);
+  auto r = run(program + " --devices cpu*2 --steps 2 -- --synthetic --synthetic-size 64 --no-eval",
+               120);
+  CHECK(r.exit_code == 1);
+  // The runs' lines, then the error, and no part of the table ("type must be number, but is
+  // null" came after half of it).
+  CHECK(r.output == "running replica-train --mode dp ...\nrunning replica-train --mode ddp ...\n"
+                    "replica-dp-vs-ddp: error: the DDP run (replica-train --mode ddp) reported "
+                    "no final_loss, so the runs cannot be compared\n");
+}
