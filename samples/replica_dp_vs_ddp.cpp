@@ -223,7 +223,23 @@ std::vector<std::string> for_mode(const std::vector<std::string>& args, const st
 // The two runs side by side: throughput, accuracy, where each step's time went, what was
 // sent and the memory it took, then what the difference means. Formatted whole before any of it
 // is printed, so a figure missing from either run is one line, not half a table.
-std::string comparison(const RunMetrics& dp, const RunMetrics& ddp, int64_t steps) {
+// The steps the runs took, as the table's header says them: the runs end with their epochs
+// (replica-train's --epochs, 1 unless given) when those come before --steps, and the header
+// said "99999999999 steps" of a run that took one epoch's 1,875.
+std::string steps_run(const RunMetrics& dp, const RunMetrics& ddp, int64_t asked) {
+  const auto taken_dp = int64_t(dp.number("steps")), taken_ddp = int64_t(ddp.number("steps"));
+  std::string said = taken_dp == taken_ddp
+                         ? fmt::format("{} steps", taken_dp)
+                         : fmt::format("{} steps (DP), {} (DDP)", taken_dp, taken_ddp);
+  if (std::max(taken_dp, taken_ddp) < asked) {
+    const auto epochs = int64_t(dp.number("epochs"));
+    said += fmt::format(" (all of {} epoch{}, fewer than --steps {}: -- --epochs N trains more)",
+                        epochs, epochs == 1 ? "" : "s", asked);
+  }
+  return said;
+}
+
+std::string comparison(const RunMetrics& dp, const RunMetrics& ddp, int64_t asked_steps) {
   std::string out;
   auto row = [&](const std::string& what, const std::string& a, const std::string& b,
                  const std::string& note = "") {
@@ -242,9 +258,10 @@ std::string comparison(const RunMetrics& dp, const RunMetrics& ddp, int64_t step
   };
   const double sps_dp = dp.number("samples_per_sec"), sps_ddp = ddp.number("samples_per_sec");
   const int ranks = int(ddp.number("world_size"));
-  out += fmt::format("\n{}, global batch {}, {} steps, seed 0; DP on {}, DDP on {} rank{}\n",
-                     dp.text("model"), int64_t(dp.number("batch_size")), steps,
-                     dp.text("device_spec"), ranks, ranks == 1 ? "" : "s");
+  out += fmt::format("\n{}, global batch {}, {}, seed 0; DP on {}, DDP on {} rank{}\n",
+                     dp.text("model"), int64_t(dp.number("batch_size")),
+                     steps_run(dp, ddp, asked_steps), dp.text("device_spec"), ranks,
+                     ranks == 1 ? "" : "s");
   row("", "DP", "DDP");
   row("samples/s", f("{:.0f}", sps_dp), f("{:.0f}", sps_ddp),
       fmt::format("DDP/DP = {:.2f}x", sps_ddp / sps_dp));
@@ -307,7 +324,9 @@ int run(int argc, char** argv) {
       "replica-dp-vs-ddp"};
   app.set_help_flag("-h,--help", "Print this help and exit");
   app.add_option("--devices", devices, "device string for both runs (default: replica-train's)");
-  app.add_option("--steps", steps, "optimizer steps per run")->capture_default_str();
+  app.add_option("--steps", steps,
+                 "optimizer steps per run (fewer where its epochs end first: -- --epochs N)")
+      ->capture_default_str();
   app.add_flag("--keep-logs", keep_logs, "keep both runs' output and metrics in ./dp-vs-ddp/");
   app.allow_extras();
   if (auto code = parse_cli(app, argc, argv)) return *code;

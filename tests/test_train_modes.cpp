@@ -299,3 +299,17 @@ TEST_CASE("replica-dp-vs-ddp: a run whose metrics lack a figure is one line nami
                     "replica-dp-vs-ddp: error: the DDP run (replica-train --mode ddp) reported "
                     "no final_loss, so the runs cannot be compared\n");
 }
+
+TEST_CASE("replica-dp-vs-ddp: the header says the steps the runs took, and why they are fewer") {
+  // 64 samples in batches of 32: an epoch is 2 steps, and replica-train's runs end with their
+  // epochs (1 unless given) when those come first (the header said "99999999999 steps").
+  const std::string runs = test::bin("replica-dp-vs-ddp") + " --devices cpu*2 --steps ";
+  const std::string flags = " -- --synthetic --synthetic-size 64 --no-eval";
+  auto r = run(runs + "99999999999" + flags, 120);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(test::contains(r.output, "cnn, global batch 32, 2 steps (all of 1 epoch, fewer than "
+                                 "--steps 99999999999: -- --epochs N trains more), seed 0;"));
+  r = run(runs + "3" + flags + " --epochs 2", 120);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  CHECK(test::contains(r.output, "cnn, global batch 32, 3 steps, seed 0;"));
+}
