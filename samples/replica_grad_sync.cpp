@@ -48,7 +48,9 @@ int run(int argc, char** argv) {
   int image = 224;
   CLI::App app{"replica-grad-sync: per-rank losses differ, all-reduced gradients agree"};
   app.add_option("--model", model, "model")->capture_default_str();
-  app.add_option("--batch-per-rank", per_rank, "images per process")->capture_default_str();
+  app.add_option("--batch-per-rank", per_rank,
+                 "images per process (at most its share of --dataset-size)")
+      ->capture_default_str();
   app.add_option("--image-size", image, "random images are 3 x S x S")->capture_default_str();
   app.add_option("--num-classes", classes, "classes")->capture_default_str();
   app.add_option("--dataset-size", size, "random images in the data set")->capture_default_str();
@@ -58,6 +60,22 @@ int run(int argc, char** argv) {
                       "batch, image size (>= 32), classes (>= 2) and dataset size must be positive");
   REPLICA_USAGE_CHECK(seed >= 0, "--seed must be >= 0, got {}", seed);
   check_model_name(model);  // before the rendezvous: every rank says it alike, none half-connected
+  // A rank's batch is drawn from its DistributedSampler share of the data set, known from the
+  // launcher's environment before the rendezvous: a larger batch is refused here, alike on
+  // every rank and before anything is allocated, where it was cut to the share without a word.
+  const Rendezvous ranks = rendezvous_env_ranks();
+  SamplerOptions so;
+  so.dataset_size = size;
+  so.num_replicas = ranks.world_size;
+  so.rank = ranks.rank;
+  so.seed = uint64_t(seed);
+  DistributedSampler sampler(so);
+  REPLICA_USAGE_CHECK(per_rank <= sampler.num_samples(),
+                      "--batch-per-rank {}: a rank draws its batch from its share of the "
+                      "--dataset-size {} images, {} with {} rank{}; give at most {}, or a larger "
+                      "--dataset-size",
+                      per_rank, size, sampler.num_samples(), ranks.world_size,
+                      ranks.world_size == 1 ? "" : "s", sampler.num_samples());
   Rendezvous rv = rendezvous();
   EngineOptions o;
   o.model = model;
@@ -69,14 +87,8 @@ int run(int argc, char** argv) {
   o.threads_per_device = std::max(1, cpu_cores() / std::max(1, rv.local_world_size));
 
   auto data = make_synthetic(size, o.input_shape, int(classes), uint64_t(seed));
-  SamplerOptions so;
-  so.dataset_size = size;
-  so.num_replicas = rv.world_size;
-  so.rank = rv.rank;
-  so.seed = uint64_t(seed);
-  DistributedSampler sampler(so);
   std::vector<int64_t> idx = sampler.indices();
-  idx.resize(size_t(std::min<int64_t>(per_rank, int64_t(idx.size()))));
+  idx.resize(size_t(per_rank));  // the first per_rank of the share
   const Batch batch = read_batch(*data, idx, host_allocator());
 
   // The same batch on a lone replica (a group of one): the gradient before any all-reduce.

@@ -224,6 +224,16 @@ TEST_CASE("grad-sync experiment: losses differ per rank, the all-reduced gradien
   CHECK_MESSAGE(r.exit_code == 0, r.output);
   CHECK(r.output.find("rank 1: loss ") != std::string::npos);
   CHECK(r.output.find("fc2.weight.grad[0][0]: local ") != std::string::npos);
+  // A rank's batch is drawn from its share of the data set (3 of 6 images with 2 ranks): one
+  // past it is refused before anything is allocated, not cut to the share without a word.
+  const std::string small = " --model cnn --image-size 32 --dataset-size 6 --batch-per-rank ";
+  r = run(launch(2) + test::bin("replica-grad-sync") + small + "3", 120);
+  CHECK_MESSAGE(r.exit_code == 0, r.output);
+  r = run(launch(2) + test::bin("replica-grad-sync") + small + "4", 120);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output == "replica-grad-sync: error: --batch-per-rank 4: a rank draws its batch from "
+                    "its share of the --dataset-size 6 images, 3 with 2 ranks; give at most 3, "
+                    "or a larger --dataset-size [every rank]\n");
   // A per-rank batch too small for BatchNorm is the user's to change: one line, no source line.
   r = run(launch(2) + test::bin("replica-grad-sync") + " --batch-per-rank 1 --image-size 32", 120);
   CHECK(r.exit_code != 0);
