@@ -165,6 +165,16 @@ TEST_CASE("replica-bench: bad input is one line and a non-zero exit") {
   expect_clean_error("--suite dp --threads-per-device 99999", "--threads-per-device 99999");
   expect_clean_error("--suite single --threads 1048576", "below a million");
   expect_clean_error("--suite dp --seed -1", "--seed must be >= 0");
+  // Each typed value is held to its bound: -1 and 0 also stood for "not given", and passed so.
+  expect_clean_error("--suite ops --devices cpu --steps -1", "--steps must be at least 1, got -1");
+  expect_clean_error("--suite dp --steps -1", "--steps must be at least 1, got -1");
+  expect_clean_error("--suite ops --devices cpu --warmup -1",
+                     "--warmup must be at least 0, got -1");
+  expect_clean_error("--suite loader --repeat -1", "--repeat must be at least 1, got -1");
+  expect_clean_error("--suite dp --threads-per-device 0",
+                     "--threads-per-device must be at least 1, got 0");
+  expect_clean_error("--suite dp --trace-dir " + tmp.str("t") + " --trace-steps 0",
+                     "--trace-steps must be at least 1, got 0");
   expect_clean_error("--report " + tmp.str("r") + " --from-results " + kFixture + " --compare " +
                          tmp.str(""),
                      "is a directory; give a file of JSON-lines rows");

@@ -222,15 +222,17 @@ int run_suite(const CLI::App& app, BenchOptions& o, int argc, char** argv) {
                             o.trace_dir.empty(),
                         "--suite {} takes --json only (no --report, --csv, --trace-dir)", s.name);
     check_flags_apply(app, o);
-    if (o.warmup == -1) o.warmup = s.warmup;  // -1: not given; other values reach the checks
-    if (o.steps == -1) o.steps = s.steps;
-    if (o.repeat == -1) o.repeat = s.repeat;
+    o.warmup = o.warmup.value_or(s.warmup);
+    o.steps = o.steps.value_or(s.steps);
+    o.repeat = o.repeat.value_or(s.repeat);
     return s.run(o);
   }
   check_flags_apply(app, o);
-  if (single && o.warmup == -1) o.warmup = 5;  // dp/ddp: chosen from a measured step time
-  if (single && o.steps == -1) o.steps = 50;
-  if (o.repeat == -1) o.repeat = single ? 1 : 3;
+  if (single) {  // dp/ddp: chosen from a measured step time
+    o.warmup = o.warmup.value_or(5);
+    o.steps = o.steps.value_or(50);
+  }
+  o.repeat = o.repeat.value_or(single ? 1 : 3);
   if (!o.worker.empty()) return run_worker(o);
   return single ? run_single_suite(o) : run_parallel_suites(o);
 }

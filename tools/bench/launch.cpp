@@ -57,7 +57,6 @@ std::vector<std::string> worker_arguments(const SuiteOptions& o) {
       "--warmup", std::to_string(o.run.warmup),
       "--steps", std::to_string(o.run.steps),
       "--repeat", std::to_string(o.run.repeat),
-      "--trace-steps", std::to_string(o.run.trace_steps),
       "--seed", std::to_string(o.run.seed),
       "--threads-per-device", std::to_string(o.run.threads_per_device),
       "--precision", precision_name(o.run.precision),
@@ -66,6 +65,9 @@ std::vector<std::string> worker_arguments(const SuiteOptions& o) {
       "--backend", o.backend,
       "--timeout", fmt::format("{}", o.timeout_s)};
   if (o.run.cudnn_benchmark) args.push_back("--cudnn-benchmark");
+  // A window traced in this configuration only (--trace-steps 0 is no number a user may give).
+  if (o.run.trace_steps > 0)
+    args.insert(args.end(), {"--trace-steps", std::to_string(o.run.trace_steps)});
   return args;
 }
 

@@ -20,15 +20,17 @@ void validate_common(const BenchOptions& o) {
   check_model_name(o.model);
   REPLICA_USAGE_CHECK(o.batch >= 1, "--batch (--batch-per-device) must be at least 1, got {}",
                       o.batch);
-  // -1: not given, chosen later from a measured step time (dp/ddp).
-  REPLICA_USAGE_CHECK(o.steps >= 1 || o.steps == -1, "--steps must be at least 1, got {}", o.steps);
-  REPLICA_USAGE_CHECK(o.warmup >= 0 || o.warmup == -1, "--warmup must be >= 0, got {}", o.warmup);
-  REPLICA_USAGE_CHECK(o.repeat >= 1, "--repeat must be at least 1, got {}", o.repeat);
+  REPLICA_USAGE_CHECK(!o.steps || *o.steps >= 1, "--steps must be at least 1, got {}", *o.steps);
+  REPLICA_USAGE_CHECK(!o.warmup || *o.warmup >= 0, "--warmup must be at least 0, got {}",
+                      *o.warmup);
+  REPLICA_USAGE_CHECK(!o.repeat || *o.repeat >= 1, "--repeat must be at least 1, got {}",
+                      *o.repeat);
   REPLICA_USAGE_CHECK(o.seed >= 0, "--seed must be >= 0, got {}", o.seed);
-  REPLICA_USAGE_CHECK(o.trace_steps >= 0, "--trace-steps must be >= 0, got {}", o.trace_steps);
-  REPLICA_USAGE_CHECK(o.threads_per_device >= 0, "--threads-per-device must be >= 1, got {}",
-                      o.threads_per_device);
-  if (o.threads_per_device > 0) check_cpu_threads("--threads-per-device", o.threads_per_device);
+  REPLICA_USAGE_CHECK(!o.trace_steps || *o.trace_steps >= 1,
+                      "--trace-steps must be at least 1, got {}", *o.trace_steps);
+  REPLICA_USAGE_CHECK(!o.threads_per_device || *o.threads_per_device >= 1,
+                      "--threads-per-device must be at least 1, got {}", *o.threads_per_device);
+  if (o.threads_per_device) check_cpu_threads("--threads-per-device", *o.threads_per_device);
   timeout_from_seconds(o.timeout_s, "--timeout");
   REPLICA_USAGE_CHECK(o.reduce == "root" || o.reduce == "tree",
                       "unknown --reduce '{}' (root, tree)", o.reduce);

@@ -1,7 +1,8 @@
 // replica-bench's command line, parsed (tools/replica_bench.cpp) and then resolved against the
-// machine: unset values (-1 / empty) get the defaults of the chosen suite.
+// machine: values not given (std::nullopt, empty) get the defaults of the chosen suite.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,10 +20,13 @@ struct BenchOptions {
   std::string threads;           // single, loader: comma list of thread counts
   std::string devices;           // dp/ddp: the largest device set (cpu*N, cuda, cuda:0*N)
   std::string device_counts;     // dp/ddp: comma list (default 1, 2, 4, ..., N)
-  int threads_per_device = 0;    // dp/ddp CPU: 0 = cores / largest count
-  int64_t warmup = -1, steps = -1;
-  int repeat = -1;
-  int64_t trace_steps = 0;       // steps in the traced window (with --trace-dir: 5)
+  // Not given: std::nullopt, never a number a user can type, so every typed value is checked
+  // (-1 and 0 stood for "not given" and passed as it). run_suite() fills warmup, steps and
+  // repeat for single, loader and ops; dp/ddp choose warmup and steps from a measured step time.
+  std::optional<int> threads_per_device;  // dp/ddp CPU: cores / largest count; ops: every core
+  std::optional<int64_t> warmup, steps;
+  std::optional<int> repeat;
+  std::optional<int64_t> trace_steps;  // steps in each traced window (with --trace-dir: 5)
   double sgemm_seconds = 1.0;
   int64_t seed = 0;  // >= 0 (checked): the unsigned seed of weights and data
   std::string reduce = "root";

@@ -67,10 +67,10 @@ SuiteOptions resolve(const BenchOptions& o) {
   s.run.model = o.model;
   s.run.input_shape = resolve_input_shape(o);
   s.run.batch_per_device = o.batch;
-  s.run.warmup = o.warmup;
-  s.run.steps = o.steps;
-  s.run.repeat = o.repeat;
-  s.run.trace_steps = o.trace_steps;
+  // Not given: measure() chooses them from a measured step time.
+  if (o.warmup) s.run.warmup = *o.warmup;
+  if (o.steps) s.run.steps = *o.steps;
+  s.run.repeat = o.repeat.value();
   s.run.seed = o.seed;
   s.run.precision = resolve_precision(o.precision, s.devices);
   s.run.cudnn_benchmark = o.cudnn_benchmark;
@@ -79,9 +79,8 @@ SuiteOptions resolve(const BenchOptions& o) {
   if (o.cuda_graphs)
     check_cuda_graphs({s.devices.begin(), s.devices.begin() + largest},
                       o.suite == "dp" ? "dp" : "ddp");
-  s.run.threads_per_device = o.threads_per_device > 0
-                                 ? o.threads_per_device
-                                 : (s.devices[0].is_cuda() ? 1 : std::max(1, cpu_cores() / largest));
+  s.run.threads_per_device = o.threads_per_device.value_or(
+      s.devices[0].is_cuda() ? 1 : std::max(1, cpu_cores() / largest));
   if (s.devices[0].is_cpu() && largest * s.run.threads_per_device > cpu_cores())
     std::fprintf(stderr,
                  "replica-bench: note: %d devices x %d threads is more than the %d cores here: "
@@ -91,6 +90,9 @@ SuiteOptions resolve(const BenchOptions& o) {
   s.backend = o.backend;
   s.timeout_s = o.timeout_s;
   s.trace_dir = !o.report_dir.empty() ? o.report_dir : o.trace_dir;
+  // The traced window's steps, 5 where traces are written; a rank worker writes none, and traces
+  // the steps its launcher passes (worker_arguments), if any.
+  s.run.trace_steps = o.trace_steps.value_or(s.trace_dir.empty() ? 0 : 5);
   s.self_exe = current_executable();
   return s;
 }
@@ -162,12 +164,12 @@ Measured measure(const BenchOptions& o) {
   m.env["device_spec"] = s.device_spec;
   s.env = m.env;
   const ModelFacts facts = model_facts(s.run.model, s.run.input_shape);
-  if (s.run.steps < 0 || s.run.warmup < 0) {
+  if (!o.steps || !o.warmup) {
     // Windows of about 5 s and 1 s of warm-up at one device's step rate: stable medians for
     // small models, bounded time for big ones.
     const double t = probe_step_seconds(s.devices[0], s.run);
-    if (s.run.steps < 0) s.run.steps = std::clamp<int64_t>(std::llround(5.0 / t), 3, 100);
-    if (s.run.warmup < 0) s.run.warmup = std::clamp<int64_t>(std::llround(1.0 / t), 2, 10);
+    s.run.steps = o.steps.value_or(std::clamp<int64_t>(std::llround(5.0 / t), 3, 100));
+    s.run.warmup = o.warmup.value_or(std::clamp<int64_t>(std::llround(1.0 / t), 2, 10));
   }
   std::printf("replica-bench: %s on %s (counts %s), %s %s, %lld per device, %d thread%s per "
               "device; %d rounds of %lld warm-up + %lld timed steps per configuration\n",

@@ -25,7 +25,7 @@ void run_suites(const SuiteOptions& o, const std::vector<std::string>& suites,
         RunOptions run = o.run;
         run.repeat = 1;
         const bool last = round + 1 == rounds;
-        run.trace_steps = last && tracing ? (o.run.trace_steps > 0 ? o.run.trace_steps : 5) : 0;
+        run.trace_steps = last && tracing ? o.run.trace_steps : 0;
         std::vector<Measurement> ms;
         try {
           ms = suite == "dp" ? measure_dp(o, n, run) : measure_ddp(o, n, run);

@@ -66,7 +66,7 @@ int run_loader_suite(const BenchOptions& o) {
   if (!o.threads.empty()) threads = parse_positive_list(o.threads, ',', "--threads");
   else if (cores > 1) threads.push_back(cores);
   for (int64_t t : threads) check_cpu_threads("--threads", t);
-  const int64_t warmup = o.warmup, batches = o.steps;
+  const int64_t warmup = o.warmup.value(), batches = o.steps.value();
   std::unique_ptr<Dataset> data;
   if (!o.data.empty()) {
     REPLICA_USAGE_CHECK(is_image_folder(o.data),
@@ -92,7 +92,7 @@ int run_loader_suite(const BenchOptions& o) {
   double base = 0;
   for (int64_t t : threads) {
     std::vector<double> runs;
-    for (int r = 0; r < o.repeat; ++r)
+    for (int r = 0; r < o.repeat.value(); ++r)
       runs.push_back(loader_rate(*data, o.batch, warmup, batches, int(t), o.seed));
     const double sps = median(runs);
     if (t == threads.front()) base = sps;

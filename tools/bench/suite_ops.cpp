@@ -46,12 +46,13 @@ OpList slowest_first(const Map& stats) {
 // into `profile`; returns the two ms/step.
 std::pair<double, double> time_window(Stepper& stepper, DeviceContext& ctx, OpProfile& profile,
                                       const BenchOptions& o) {
-  stepper.seconds(std::max<int64_t>(o.warmup, 1));
-  const double real_ms = stepper.seconds(o.steps) * 1e3 / double(o.steps);
+  const int64_t steps = o.steps.value();
+  stepper.seconds(std::max<int64_t>(o.warmup.value(), 1));
+  const double real_ms = stepper.seconds(steps) * 1e3 / double(steps);
   ctx.set_op_profile(&profile);
   double profiled_ms = 0;
   try {
-    profiled_ms = stepper.seconds(o.steps) * 1e3 / double(o.steps);
+    profiled_ms = stepper.seconds(steps) * 1e3 / double(steps);
   } catch (...) {
     ctx.set_op_profile(nullptr);  // `profile` goes before the engine
     throw;
@@ -98,7 +99,7 @@ int run_ops_suite(const BenchOptions& o) {
   run.input_shape = resolve_input_shape(o);
   run.batch_per_device = o.batch;
   run.seed = o.seed;
-  run.threads_per_device = o.threads_per_device;  // CPU: 0 = every core
+  run.threads_per_device = o.threads_per_device.value_or(0);  // CPU: 0 = every core
   run.precision = resolve_precision(o.precision, {device});
   run.cudnn_benchmark = o.cudnn_benchmark;
   run.channels_last = resolve_channels_last(o.memory_format, run.precision, {device});
@@ -116,7 +117,7 @@ int run_ops_suite(const BenchOptions& o) {
   std::printf("replica-bench: suite ops, %s on %s (%s%s), %s, batch %lld, %lld steps\n",
               o.model.c_str(), device.str().c_str(), precision_name(run.precision),
               run.channels_last ? ", channels_last" : "", shape.c_str(), (long long)o.batch,
-              (long long)o.steps);
+              (long long)o.steps.value());
   const nlohmann::json variables = tuning_variables();
   announce_variables(variables);
   int width = 28;  // by shape, as wide as the widest key
@@ -132,12 +133,12 @@ int run_ops_suite(const BenchOptions& o) {
   std::vector<nlohmann::json> rows;
   for (const auto& [key, s] : ops) {
     nlohmann::json row = run_fields;
-    row.update(print_op(key, s, parts, total_s, double(o.steps), width));
+    row.update(print_op(key, s, parts, total_s, double(o.steps.value()), width));
     rows.push_back(std::move(row));
   }
   std::printf("ops %.3f ms of a profiled step of %.3f ms; an ordinary step takes %.3f ms (the "
               "difference: overlap and a synchronisation per op%s)\n",
-              total_s * 1e3 / double(o.steps), profiled_ms, real_ms,
+              total_s * 1e3 / double(o.steps.value()), profiled_ms, real_ms,
               o.by_shape ? ", and formatting the shapes" : "");
   std::printf("GB/s: the bytes of an op's tensors, each once, over its time: a floor on the "
               "memory it moved (held against the device's bandwidth for the memory-bound ops)\n");

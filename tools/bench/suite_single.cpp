@@ -90,6 +90,8 @@ double sgemm_gflops(const GemmShape& g, int threads, double seconds) {
 // The single-device suite: one CPU engine per thread count.
 void suite_single(const BenchOptions& o, const Shape& shape, const std::vector<int64_t>& threads,
                   std::vector<Result>& results) {
+  const int64_t warmup = o.warmup.value(), steps = o.steps.value();
+  const int repeat = o.repeat.value();
   const Preloaded pre = preload_batches(shape, o.batch, o.seed, 4);  // CPU: host memory
   const std::vector<Batch>& batches = pre.batches;
   const Device device{DeviceType::CPU, 0, 0};
@@ -102,14 +104,14 @@ void suite_single(const BenchOptions& o, const Shape& shape, const std::vector<i
     eo.threads_per_device = int(t);
     auto engine = make_single_device_engine(device, eo);
     size_t next = 0;
-    for (int64_t s = 0; s < o.warmup; ++s) engine->train_step(batches[next++ % batches.size()]);
+    for (int64_t s = 0; s < warmup; ++s) engine->train_step(batches[next++ % batches.size()]);
     engine->synchronize();
     std::vector<double> seconds, cpu_share;
     float loss = 0;
-    for (int r = 0; r < o.repeat; ++r) {
+    for (int r = 0; r < repeat; ++r) {
       const double cpu0 = process_cpu_seconds();
       const auto t0 = Clock::now();
-      for (int64_t s = 0; s < o.steps; ++s) engine->train_step(batches[next++ % batches.size()]);
+      for (int64_t s = 0; s < steps; ++s) engine->train_step(batches[next++ % batches.size()]);
       engine->synchronize();
       seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
       // Below 1: the threads did not get their cores (other load on the machine).
@@ -118,7 +120,7 @@ void suite_single(const BenchOptions& o, const Shape& shape, const std::vector<i
       REPLICA_CHECK(std::isfinite(loss), "loss is {} after {} steps", loss, next);
     }
     std::vector<double> sps;
-    for (double s : seconds) sps.push_back(double(o.steps * o.batch) / s);
+    for (double s : seconds) sps.push_back(double(steps * o.batch) / s);
     const double med = median(sps);
     const double macs = engine->forward_macs_per_sample();
     nlohmann::json j = {
@@ -129,9 +131,9 @@ void suite_single(const BenchOptions& o, const Shape& shape, const std::vector<i
         {"device", device.str()},
         {"threads", engine->primary().threads()},
         {"batch", o.batch},
-        {"warmup_steps", o.warmup},
-        {"timed_steps", o.steps},
-        {"repeats", o.repeat},
+        {"warmup_steps", warmup},
+        {"timed_steps", steps},
+        {"repeats", repeat},
         {"data", preloaded_data_name({device})},
         {"samples_per_sec", med},
         {"samples_per_sec_runs", sps},
@@ -156,7 +158,8 @@ std::map<int64_t, std::vector<double>> sgemm_ceiling(const BenchOptions& o,
     std::string line = fmt::format("  {} thread{}:", t, t == 1 ? " " : "s");
     for (const auto& g : kGemmShapes) {
       std::vector<double> runs;
-      for (int r = 0; r < o.repeat; ++r) runs.push_back(sgemm_gflops(g, int(t), o.sgemm_seconds));
+      for (int r = 0; r < o.repeat.value(); ++r)
+        runs.push_back(sgemm_gflops(g, int(t), o.sgemm_seconds));
       ceiling[t].push_back(median(runs));
       line += fmt::format("  {} {:7.1f} GFLOP/s", g.name(), ceiling[t].back());
     }
@@ -210,7 +213,7 @@ int run_single_suite(const BenchOptions& o) {
   announce_variables(variables);
   std::printf("sgemm ceiling (OpenBLAS, %s, one thread per call; t threads call it concurrently "
               "in one task_arena; median of %d x %.1f s):\n",
-              blas_kernels().c_str(), o.repeat, o.sgemm_seconds);
+              blas_kernels().c_str(), o.repeat.value(), o.sgemm_seconds);
   std::map<int64_t, std::vector<double>> ceiling = sgemm_ceiling(o, threads);
 
   // 2. The suite.
@@ -256,8 +259,8 @@ int run_single_suite(const BenchOptions& o) {
       "speedup: vs 1 thread, this run. cpu: CPU time / (wall x threads) while timed; well below\n"
       "100%% means other load took the cores. Batches: synthetic, preloaded (loader not timed);\n"
       "median of %d window%s of %lld steps after %lld warmup steps.\n",
-      kGemmShapes[0].name().c_str(), o.repeat, o.repeat == 1 ? "" : "s", (long long)o.steps,
-      (long long)o.warmup);
+      kGemmShapes[0].name().c_str(), o.repeat.value(), o.repeat == 1 ? "" : "s",
+      (long long)o.steps.value(), (long long)o.warmup.value());
   return 0;
 }
 
