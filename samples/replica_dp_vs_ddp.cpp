@@ -220,9 +220,6 @@ std::vector<std::string> for_mode(const std::vector<std::string>& args, const st
   return out;
 }
 
-// The two runs side by side: throughput, accuracy, where each step's time went, what was
-// sent and the memory it took, then what the difference means. Formatted whole before any of it
-// is printed, so a figure missing from either run is one line, not half a table.
 // The steps the runs took, as the table's header says them: the runs end with their epochs
 // (replica-train's --epochs, 1 unless given) when those come before --steps, and the header
 // said "99999999999 steps" of a run that took one epoch's 1,875.
@@ -239,6 +236,9 @@ std::string steps_run(const RunMetrics& dp, const RunMetrics& ddp, int64_t asked
   return said;
 }
 
+// The two runs side by side: throughput, accuracy, where each step's time went, what was
+// sent and the memory it took, then what the difference means. Formatted whole before any of it
+// is printed, so a figure missing from either run is one line, not half a table.
 std::string comparison(const RunMetrics& dp, const RunMetrics& ddp, int64_t asked_steps) {
   std::string out;
   auto row = [&](const std::string& what, const std::string& a, const std::string& b,
