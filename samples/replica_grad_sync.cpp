@@ -69,6 +69,7 @@ int run(int argc, char** argv) {
   so.num_replicas = ranks.world_size;
   so.rank = ranks.rank;
   so.seed = uint64_t(seed);
+  so.local_ranks = ranks.local_world_size;
   DistributedSampler sampler(so);
   REPLICA_USAGE_CHECK(per_rank <= sampler.num_samples(),
                       "--batch-per-rank {}: a rank draws its batch from its share of the "

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_helpers.h"
+#include "engine/allocator.h"
 #include "engine/data/dataset.h"
 #include "engine/error.h"
 #include "parallel/loop/distributed_sampler.h"
@@ -166,6 +167,20 @@ TEST_CASE("bad options are UsageErrors") {
   // or the OOM killer in the first epoch.
   CHECK(test::contains(test::error_of([] { make(int64_t(1) << 50, 2, 0); }),
                        "its shuffled order takes"));
+  // Every rank on the machine holds its own order: one that fits alone, times 4 ranks, does
+  // not (each of two ranks once found room for its own, and the OOM killer ended one).
+  size_t room = 0;
+  host_can_hold(size_t(1) << 30, &room);  // (it reads the room for blocks of 256 MiB or more)
+  if (room == 0) {
+    MESSAGE("SKIPPED: this machine does not say how much memory is available");
+    return;
+  }
+  SamplerOptions o;
+  o.dataset_size = int64_t(room / 48);  // one rank's order and share: a third of the room
+  CHECK_NOTHROW(DistributedSampler{o});
+  o.local_ranks = 4;
+  CHECK(test::contains(test::error_of([&] { DistributedSampler{o}; }),
+                       "GiB in the 4 ranks on this machine and"));
 }
 
 TEST_CASE("the seed article's experiment: 2 ranks, batch 4") {

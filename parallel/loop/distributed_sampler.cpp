@@ -28,15 +28,19 @@ DistributedSampler::DistributedSampler(SamplerOptions o) : opt_(o) {
     num_samples_ = n / r + (n % r != 0 ? 1 : 0);
   total_size_ = num_samples_ * r;
   // The epoch's order is made whole, as PyTorch's randperm makes it: 8 bytes per index, the
-  // global order and this rank's share. A size the machine cannot hold is said now, not met
-  // as std::bad_alloc or the OOM killer once the first epoch starts.
-  const double need = 8.0 * (double(total_size_) + double(num_samples_));
+  // global order and this rank's share, in every rank on this machine. A size the machine
+  // cannot hold is said now, not met as std::bad_alloc or the OOM killer once the first epoch
+  // starts (each of two ranks once found room for its own order, and the OOM killer came).
+  const int local = std::max(o.local_ranks, 1);
+  const double need = 8.0 * (double(total_size_) + double(num_samples_)) * local;
   size_t room = 0;
   // (capped at 10^18 bytes, beyond any machine, so that the count fits a size_t)
   REPLICA_USAGE_CHECK(host_can_hold(size_t(std::min(need, 1e18)), &room),
-                      "a data set of {} samples: its shuffled order takes {:.1f} GiB and {:.1f} "
-                      "GiB is available",
-                      n, need / (1 << 30), double(room) / (1 << 30));
+                      "a data set of {} samples: its shuffled order takes {:.1f} GiB{} and "
+                      "{:.1f} GiB is available",
+                      n, need / (1 << 30),
+                      local > 1 ? fmt::format(" in the {} ranks on this machine", local) : "",
+                      double(room) / (1 << 30));
 }
 
 std::vector<int64_t> DistributedSampler::global_indices() const {

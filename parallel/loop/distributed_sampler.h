@@ -44,6 +44,9 @@ struct SamplerOptions {
   uint64_t seed = 0;       // must be the same on every rank
   bool drop_last = false;  // the SAMPLER's drop_last: truncate instead of pad when N % R != 0.
                            // Not the DataLoader's drop_last (which drops partial batches).
+  // The ranks on this machine (LOCAL_WORLD_SIZE), each holding an order of its own: the check
+  // that the orders fit in memory counts them all.
+  int local_ranks = 1;
 };
 
 class DistributedSampler {

@@ -11,6 +11,7 @@
 #include "engine/trace.h"
 #include "parallel/comm/rank_agreement.h"
 #include "parallel/loop/run_summary.h"
+#include "parallel/rendezvous/rendezvous.h"
 
 namespace replica {
 
@@ -56,8 +57,9 @@ TrainLoop::TrainLoop(const TrainConfig& config) : c_(config), lr_schedule_(c_.lr
 
   // Which training samples this process reads: the DistributedSampler's share (DDP). With one
   // process the share is the whole epoch order, epoch_order(n, seed, epoch, shuffle).
-  sampler_ = std::make_unique<DistributedSampler>(SamplerOptions{
-      train_->size(), world_, engine_->rank(), c_.shuffle, c_.engine.seed, c_.drop_last});
+  sampler_ = std::make_unique<DistributedSampler>(
+      SamplerOptions{train_->size(), world_, engine_->rank(), c_.shuffle, c_.engine.seed,
+                     c_.drop_last, world_ > 1 ? rendezvous_env_ranks().local_world_size : 1});
   // An engine that copies batches a step ahead (TrainEngine::prefetch) holds one batch more:
   // a buffer more keeps the loader two batches ahead of it.
   look_ahead_ = engine_->prefetches() && !resident_;
