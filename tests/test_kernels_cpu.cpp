@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_kernel_helpers.h"
@@ -200,6 +201,48 @@ TEST_CASE("batchnorm with a fused ReLU is batchnorm then relu, bit for bit") {
   }
 }
 
+
+// A NaN reaching a ReLU stays NaN, as PyTorch's ReLU keeps it (negatives and -0 become +0), in
+// relu_forward and in the ReLU fused into batch norm, on planes the lanes take (2x2) and planes
+// the loops take (3x3): a NaN made 0 hid a diverged run, its loss finite while its weights were
+// NaN. The channel holding a NaN is NaN whole after the normalisation.
+TEST_CASE("a ReLU keeps NaN, alone and fused into batch norm") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2});
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  Tensor x = make(ctx, {5}, std::vector<float>{nan, -1.f, -0.f, 2.f, 0.f}), y = ctx.alloc({5});
+  ctx.ops().relu_forward(ctx, x, y);
+  const std::vector<float> yv = values(y);
+  CHECK(std::isnan(yv[0]));
+  CHECK(yv[1] == 0.f);
+  CHECK_FALSE(std::signbit(yv[2]));
+  CHECK(yv[3] == 2.f);
+  for (const Shape& xs : {Shape{3, 9, 2, 2}, Shape{3, 9, 3, 3}}) {
+    CAPTURE(shape_str(xs));
+    std::vector<float> xv = random_values(shape_numel(xs), 21);
+    xv[size_t(xs[2] * xs[3]) * 4 + 1] = nan;  // sample 0, channel 4
+    Tensor xb = make(ctx, xs, xv), gamma = make(ctx, {9}, 22), beta = make(ctx, {9}, 23);
+    Tensor rm = make(ctx, {9}, 24), rv = make(ctx, {9}, std::vector<float>(9, 1.f));
+    Tensor yb = ctx.alloc(xs), mean = ctx.alloc({9}), invstd = ctx.alloc({9});
+    ctx.ops().batchnorm_forward_train(ctx, xb, gamma, beta, rm, rv, 0.1f, 1e-5f, yb, mean,
+                                      invstd, Tensor(), true);
+    const std::vector<float> out = values(yb);
+    const int64_t hw = xs[2] * xs[3];
+    int nans = 0, zeros = 0;
+    for (int64_t n = 0; n < xs[0]; ++n)
+      for (int64_t c = 0; c < 9; ++c)
+        for (int64_t i = 0; i < hw; ++i) {
+          const float v = out[size_t((n * 9 + c) * hw + i)];
+          if (c == 4) {
+            nans += std::isnan(v);
+          } else {
+            zeros += v == 0.f;
+            CHECK_FALSE(std::isnan(v));
+          }
+        }
+    CHECK(nans == xs[0] * hw);
+    CHECK(zeros > 0);  // elsewhere the ReLU still cuts negatives off
+  }
+}
 
 TEST_CASE("adam_step and sgd_step are bit-identical for 1, 2 and 3 threads") {
   const int64_t n = 100003;  // several grains of 16384, the last one partial

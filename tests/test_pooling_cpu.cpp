@@ -1,6 +1,6 @@
 // CPU max pooling against a direct reference: padding as -inf, overlapping windows whose
 // gradients add up in window order, windows that tile the plane with rows left over, ties and
-// NaN (the first maximum wins, a NaN is the maximum); and relu_backward.
+// NaN (the first maximum wins, a NaN is the maximum); and relu_backward at NaN.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -189,9 +189,10 @@ TEST_CASE("maxpool2d ties and NaN: the first maximum wins, a NaN is the maximum;
   ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, Pool2dParams{2, 2, 0});
   CHECK(values(dx) == std::vector<float>{0, 10, 20, 0, 0, 0, 0, 0});
 
-  // The gradient passes where the output is positive only (not at 0, not at NaN).
+  // The gradient passes where the output is not <= 0: not at 0, and at NaN (PyTorch's
+  // threshold_backward).
   Tensor out = make(ctx, {6}, std::vector<float>{2, 0, -1, 0.5f, nan, 3});
   Tensor g = make(ctx, {6}, std::vector<float>{-4, 5, 6, 7, 8, -9}), d = make(ctx, {6}, 1);
   ctx.ops().relu_backward(ctx, out, g, d);
-  CHECK(values(d) == std::vector<float>{-4, 0, 0, 7, 0, -9});
+  CHECK(values(d) == std::vector<float>{-4, 0, 0, 7, 8, -9});
 }

@@ -130,7 +130,7 @@ struct ChannelScratch {
 };
 
 // y = x * scale[c] + shift[c] over channels [c0, c1), in float (scale and shift hold floats);
-// with a residual rp, y + rp as add has it; with relu, y = max(that, 0) as relu_forward has it;
+// with a residual rp, y + rp as add has it; with relu, relu_forward's rule on that;
 // all in the same pass. The cases are template arguments, so no loop tests them per element.
 template <bool kResidual, bool kRelu>
 void scale_shift_rows(const NchwDims& d, int64_t c0, int64_t c1, const float* xp,
@@ -140,7 +140,7 @@ void scale_shift_rows(const NchwDims& d, int64_t c0, int64_t c1, const float* xp
     for (int64_t at = b; at < e; ++at) {
       float v = xp[at] * sc + sh;
       if constexpr (kResidual) v = v + rp[at];
-      if constexpr (kRelu) v = v > 0.f ? v : 0.f;
+      if constexpr (kRelu) v = !(v <= 0.f) ? v : 0.f;  // NaN kept, as relu_forward
       yp[at] = v;
     }
   });
@@ -249,15 +249,15 @@ void batchnorm_backward_impl(DeviceContext& ctx, const NchwDims& d, const float*
                              const float* invstdp, const float* gammap, float* dxp,
                              float* dgammap, float* dbetap) {
   const int64_t m = d.n * d.hw;
-  // The gradient reaching the BatchNorm: dy, or dy where the fused ReLU's output is > 0, else
-  // +0 (relu_backward's rule). The sums in double in a fixed order keep these loops scalar, and
-  // there `out > 0 ? dy : 0` became a branch, mispredicted on half the elements (7x slower):
+  // The gradient reaching the BatchNorm: dy, or dy where the fused ReLU's output is not <= 0
+  // (NaN too), else +0 (relu_backward's rule). The sums in double in a fixed order kept these
+  // loops scalar, and there `out > 0 ? dy : 0` became a branch, mispredicted on half the elements (7x slower):
   // the bits of dy are masked instead.
   auto grad = [gp, ryp](int64_t at) {
     if (!Relu) return gp[at];
     uint32_t bits;
     std::memcpy(&bits, gp + at, sizeof bits);
-    bits &= 0u - uint32_t(ryp[at] > 0.f);
+    bits &= 0u - uint32_t(!(ryp[at] <= 0.f));
     float g;
     std::memcpy(&g, &bits, sizeof g);
     return g;

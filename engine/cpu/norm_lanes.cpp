@@ -23,9 +23,10 @@ Doubles every_lane(double v) { return v - Doubles{}; }
 // 8 channels' rows of one sample: their 8 * hw floats, in two vectors.
 using Rows = VecPair;
 
-// v where test > 0, +0 elsewhere (NaN too): relu_forward's rule, and relu_backward's mask.
-Vec where_positive(Vec test, Vec v) {
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(test, _mm512_setzero_ps(), _CMP_GT_OQ), v);
+// v where test is not <= 0 (NaN included), +0 elsewhere: relu_forward's rule, and
+// relu_backward's mask (elementwise.cpp).
+Vec relu_keep(Vec test, Vec v) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(test, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
 }
 
 // [a | b].
@@ -104,12 +105,12 @@ struct ChannelGroup {
   }
 };
 
-// dy's rows, or with relu_y dy where relu_y > 0 and +0 elsewhere.
+// dy's rows, or with relu_y dy where relu_y is not <= 0 and +0 elsewhere.
 Rows grad_rows(const ChannelGroup& g, const float* dy, const float* relu_y, int64_t at) {
   Rows r = g.rows(dy + at);
   if (relu_y) {
     const Rows ry = g.rows(relu_y + at);
-    r = {where_positive(ry.lo, r.lo), where_positive(ry.hi, r.hi)};
+    r = {relu_keep(ry.lo, r.lo), relu_keep(ry.hi, r.hi)};
   }
   return r;
 }
@@ -191,7 +192,7 @@ void channel_scale_shift(const float* x, const float* residual, float* y, const 
         const Rows res = g.rows(residual + at);
         v = {v.lo + res.lo, v.hi + res.hi};
       }
-      if (relu) v = {where_positive(v.lo, v.lo), where_positive(v.hi, v.hi)};
+      if (relu) v = {relu_keep(v.lo, v.lo), relu_keep(v.hi, v.hi)};
       g.store(y + at, v);
     }
     void end(const ChannelGroup&) {}

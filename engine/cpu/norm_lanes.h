@@ -39,7 +39,8 @@ void channel_scale_shift(const float* x, const float* residual, float* y, const 
                          bool relu);
 
 // sum_dy[c] = the sum of g and sum_dy_xhat[c] that of g * (x - mean[c]) * invstd[c], where g is
-// dy, or with relu_y (non-null) dy where relu_y > 0 and +0 elsewhere (relu_backward's rule).
+// dy, or with relu_y (non-null) dy where relu_y is not <= 0 (NaN too) and +0 elsewhere
+// (relu_backward's rule).
 void channel_grad_sums(const float* x, const float* dy, const float* relu_y, const NchwDims& d,
                        int64_t c0, int64_t c1, const float* mean, const float* invstd,
                        double* sum_dy, double* sum_dy_xhat);
