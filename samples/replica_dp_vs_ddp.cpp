@@ -28,6 +28,7 @@
 #include "engine/output_files.h"
 #include "parallel/loop/trainer.h"
 #include "parallel/rendezvous/launcher.h"
+#include "samples/dp_vs_ddp_table.h"
 #include "samples/train_presets.h"
 
 using namespace replica;
@@ -141,69 +142,6 @@ void check_runs_apart(const std::string& flag, const std::string& value) {
                         value, output, path, value);
 }
 
-// One run's metrics (replica-train's --metrics-json) as the table reads them. A figure the
-// metrics lack is an Error naming the run and the figure: a run that trained no step writes
-// null for its loss, which the table met with nlohmann's "type must be number, but is null".
-struct RunMetrics {
-  std::string name;  // "DP" or "DDP"
-  nlohmann::json m;
-
-  Error missing(const std::string& key) const {
-    return Error(fmt::format("the {} run (replica-train --mode {}) reported no {}, so the runs "
-                             "cannot be compared",
-                             name, name == "DP" ? "dp" : "ddp", key));
-  }
-  const nlohmann::json& field(const std::string& key) const {
-    const auto it = m.find(key);
-    if (it == m.end() || it->is_null()) throw missing(key);
-    return *it;
-  }
-  double number(const std::string& key) const {
-    const nlohmann::json& v = field(key);
-    if (!v.is_number()) throw missing(key);
-    return v.get<double>();
-  }
-  std::string text(const std::string& key) const {
-    const nlohmann::json& v = field(key);
-    if (!v.is_string()) throw missing(key);
-    return v.get<std::string>();
-  }
-  // A figure per device (rank): at least one, each a number.
-  std::vector<double> per_device(const std::string& key) const {
-    const nlohmann::json& v = field(key);
-    if (!v.is_array() || v.empty()) throw missing(key);
-    std::vector<double> out;
-    for (const auto& x : v) {
-      if (!x.is_number()) throw missing(key);
-      out.push_back(x.get<double>());
-    }
-    return out;
-  }
-  bool boolean(const std::string& key) const {
-    const nlohmann::json& v = field(key);
-    if (!v.is_boolean()) throw missing(key);
-    return v.get<bool>();
-  }
-  bool evaluated() const { return m.contains("test_accuracy"); }  // not with --no-eval
-
-  // Milliseconds per step of the named phases; a phase the run does not have counts 0. DP
-  // records device phases on every device's track and sums them; `per_device` divides those by
-  // the device count, so a DP figure reads like DDP's (rank 0's own device).
-  double phase(std::initializer_list<const char*> names, bool per_device = false) const {
-    const nlohmann::json& phases = field("phase_ms_per_step");
-    if (!phases.is_object()) throw missing("phase_ms_per_step");
-    double ms = 0;
-    for (const char* n : names) {
-      if (!phases.contains(n)) continue;
-      if (!phases[n].is_number()) throw missing(fmt::format("phase_ms_per_step.{}", n));
-      ms += phases[n].get<double>();
-    }
-    if (per_device && text("mode") == "dp")
-      ms /= double(std::max<size_t>(1, field("devices").size()));
-    return ms;
-  }
-};
-
 // `args` without the flags (and their values) that `mode` does not read (mode_flags()).
 std::vector<std::string> for_mode(const std::vector<std::string>& args, const std::string& mode) {
   std::vector<std::string> out;
@@ -217,99 +155,6 @@ std::vector<std::string> for_mode(const std::vector<std::string>& args, const st
       ++i;  // "--flag value": the value goes too
     }
   }
-  return out;
-}
-
-// The steps the runs took, as the table's header says them: the runs end with their epochs
-// (replica-train's --epochs, 1 unless given) when those come before --steps, and the header
-// said "99999999999 steps" of a run that took one epoch's 1,875.
-std::string steps_run(const RunMetrics& dp, const RunMetrics& ddp, int64_t asked) {
-  const auto taken_dp = int64_t(dp.number("steps")), taken_ddp = int64_t(ddp.number("steps"));
-  std::string said = taken_dp == taken_ddp
-                         ? fmt::format("{} steps", taken_dp)
-                         : fmt::format("{} steps (DP), {} (DDP)", taken_dp, taken_ddp);
-  if (std::max(taken_dp, taken_ddp) < asked) {
-    const auto epochs = int64_t(dp.number("epochs"));
-    said += fmt::format(" (all of {} epoch{}, fewer than --steps {}: -- --epochs N trains more)",
-                        epochs, epochs == 1 ? "" : "s", asked);
-  }
-  return said;
-}
-
-// The two runs side by side: throughput, accuracy, where each step's time went, what was
-// sent and the memory it took, then what the difference means. Formatted whole before any of it
-// is printed, so a figure missing from either run is one line, not half a table.
-std::string comparison(const RunMetrics& dp, const RunMetrics& ddp, int64_t asked_steps) {
-  std::string out;
-  auto row = [&](const std::string& what, const std::string& a, const std::string& b,
-                 const std::string& note = "") {
-    out += fmt::format("{:<30} {:>14} {:>14}  {}\n", what, a, b, note);
-  };
-  auto f = [](const char* spec, double v) { return fmt::format(fmt::runtime(spec), v); };
-  auto acc = [](const RunMetrics& r) {
-    return r.evaluated() ? fmt::format("{:.4f}", r.number("test_accuracy")) : std::string("-");
-  };
-  // Peak memory of device / rank 0, and the largest of the others.
-  auto mem = [](const RunMetrics& r, bool first) {
-    const std::vector<double> p = r.per_device("peak_memory_bytes");
-    if (first) return fmt::format("{:.1f} MB", p[0] / 1e6);
-    if (p.size() < 2) return std::string("-");
-    return fmt::format("{:.1f} MB", *std::max_element(p.begin() + 1, p.end()) / 1e6);
-  };
-  const double sps_dp = dp.number("samples_per_sec"), sps_ddp = ddp.number("samples_per_sec");
-  const int ranks = int(ddp.number("world_size"));
-  out += fmt::format("\n{}, global batch {}, {}, seed 0; DP on {}, DDP on {} rank{}\n",
-                     dp.text("model"), int64_t(dp.number("batch_size")),
-                     steps_run(dp, ddp, asked_steps), dp.text("device_spec"), ranks,
-                     ranks == 1 ? "" : "s");
-  row("", "DP", "DDP");
-  row("samples/s", f("{:.0f}", sps_dp), f("{:.0f}", sps_ddp),
-      fmt::format("DDP/DP = {:.2f}x", sps_ddp / sps_dp));
-  row("test accuracy", acc(dp), acc(ddp));
-  row("final training loss", f("{:.4f}", dp.number("final_loss")),
-      f("{:.4f}", ddp.number("final_loss")));
-  row("forward, ms/step", f("{:.2f}", dp.phase({"forward"}, true)),
-      f("{:.2f}", ddp.phase({"forward"})), "per device (DDP: rank 0's)");
-  row("backward, ms/step", f("{:.2f}", dp.phase({"backward"}, true)),
-      f("{:.2f}", ddp.phase({"backward"})), "per device");
-  row("gradient sync, ms/step", f("{:.2f}", dp.phase({"reduce"})),
-      f("{:.2f}", ddp.phase({"allreduce"})),
-      "communication thread, overlaps backward: DP reduce, DDP all-reduce");
-  row("waiting for it after backward", f("{:.2f}", dp.phase({"wait_reduce"})),
-      f("{:.2f}", ddp.phase({"wait_allreduce"})));
-  row("scatter/gather/broadcast",
-      f("{:.2f}", dp.phase({"prefetch", "scatter", "gather_loss", "scatter_grad", "broadcast"},
-                           true)),
-      f("{:.2f}", ddp.phase({"prefetch", "h2d", "batch_gather", "broadcast_buffers"})),
-      "DP funnels through device 0");
-  row("optimizer step, ms/step", f("{:.2f}", dp.phase({"step"})), f("{:.2f}", ddp.phase({"step"})),
-      "DP: device 0 only; DDP: every rank");
-  row("wall time per step, ms", f("{:.2f}", 1e3 * dp.number("batch_size") / sps_dp),
-      f("{:.2f}", 1e3 * ddp.number("batch_size") / sps_ddp));
-  row("gradient bytes per step", f("{:.0f}", dp.number("comm_bytes_per_step")),
-      f("{:.0f}", ddp.number("comm_bytes_per_step")),
-      "DP: into device 0, (N-1) x S; DDP: each rank's all-reduce, S");
-  row("peak memory, device 0", mem(dp, true), mem(ddp, true));
-  row("peak memory, other devices", mem(dp, false), mem(ddp, false),
-      "max over devices (ranks) 1..N-1");
-  const bool both_evaluated = dp.evaluated() && ddp.evaluated();
-  std::string same;
-  if (dp.boolean("has_batchnorm"))
-    same = fmt::format(
-        "Same model, data, seed and global batch, but BatchNorm normalises each device's share: "
-        "DP's contiguous chunks of the batch, DDP's interleaved sampler shares (as in PyTorch), "
-        "so the runs differ by more than rounding{}.",
-        both_evaluated ? fmt::format(" (accuracies {} vs {})", acc(dp), acc(ddp)) : "");
-  else if (both_evaluated)
-    same = fmt::format("Same model, data, seed and global batch: the accuracies differ only by "
-                       "rounding ({} vs {}).",
-                       acc(dp), acc(ddp));
-  else
-    same = "Same model, data, seed and global batch (no evaluation: --no-eval).";
-  out += fmt::format("\n{}\n{}\n", same,
-                     sps_ddp > sps_dp * 1.02   ? "DDP is faster here."
-                     : sps_dp > sps_ddp * 1.02 ? "DP is faster here."
-                                               : "DP and DDP are within 2% of each other here.");
   return out;
 }
 
