@@ -118,6 +118,14 @@ inline int64_t gather_row_numel(const Tensor& dst, const Tensor& table, const Te
 
 std::unique_ptr<Backend> make_cpu_backend();  // the CUDA one: cudart::make_backend()
 
+// The ReLU of every backend, PyTorch's: a value passes unless it is <= 0, so a NaN passes
+// (clamp_min keeps it), and so does the gradient where the output is NaN (threshold_backward).
+// A NaN made 0 hid a diverged run: its weights went NaN while its loss stayed finite. Negatives
+// and -0 become +0. Batch norm's fused ReLU and its mask keep the same rule (the CPU's lanes in
+// vectors: engine/cpu/norm_lanes.cpp).
+REPLICA_HOST_DEVICE bool relu_passes(float v) { return !(v <= 0.f); }
+REPLICA_HOST_DEVICE float relu_value(float v) { return relu_passes(v) ? v : 0.f; }
+
 // The dropout hash shared by every backend: uniform in [0, 1) from (seed, index).
 REPLICA_HOST_DEVICE float dropout_uniform(uint64_t seed, uint64_t index) {
   uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);

@@ -27,6 +27,27 @@ using test::expect_train_error;
 using test::run;
 using namespace replica;
 
+namespace {
+
+// `c` with element i of its tensor `name` set to v, in a fresh tensor: copies of a Checkpoint
+// share their tensors' storage, and `c` stays as it was.
+Checkpoint with_element(const Checkpoint& c, const std::string& name, int64_t i, float v) {
+  Checkpoint out = c;
+  bool found = false;
+  for (auto& [n, t] : out.tensors)
+    if (n == name) {
+      Tensor copy = Tensor::empty(host_allocator(), t.shape(), DType::F32);
+      for (int64_t j = 0; j < t.numel(); ++j) copy.f32()[j] = t.f32()[j];
+      copy.f32()[i] = v;
+      t = copy;
+      found = true;
+    }
+  REQUIRE(found);
+  return out;
+}
+
+}  // namespace
+
 TEST_CASE("a run resumed from its checkpoint continues bit-identically") {
   test::TempDir tmp;
   test::write_mnist_dir(tmp.path / "data", 320, 64);
@@ -154,29 +175,15 @@ TEST_CASE("resume refuses a checkpoint of another model or batch size") {
   expect_train_error(resume, "tensor 'model.fc2.bias' is I32, expected F32");
   // A NaN in the weights (a diverged run's checkpoint) is named, not resumed into a run that
   // later blames the learning rate.
-  Checkpoint poisoned = good;
-  for (auto& [name, t] : poisoned.tensors)
-    if (name == "model.fc2.bias") {
-      Tensor copy = Tensor::empty(host_allocator(), t.shape(), DType::F32);
-      for (int64_t i = 0; i < t.numel(); ++i) copy.f32()[i] = t.f32()[i];
-      copy.f32()[3] = std::nanf("");
-      t = copy;
-    }
-  save_checkpoint(ck, poisoned);
+  save_checkpoint(ck, with_element(good, "model.fc2.bias", 3, std::nanf("")));
   expect_train_error(resume, "tensor 'model.fc2.bias' holds nan at element 3");
   // And the optimizer's state: resumed, it made the weights NaN a step later.
-  Checkpoint poisoned_state = good;
   std::string state_name;
-  for (auto& [name, t] : poisoned_state.tensors)
-    if (name.rfind("optim.", 0) == 0 && t.dtype() == DType::F32 && state_name.empty()) {
-      Tensor copy = Tensor::empty(host_allocator(), t.shape(), DType::F32);
-      for (int64_t i = 0; i < t.numel(); ++i) copy.f32()[i] = t.f32()[i];
-      copy.f32()[0] = std::numeric_limits<float>::infinity();
-      t = copy;
+  for (const auto& [name, t] : good.tensors)
+    if (name.rfind("optim.", 0) == 0 && t.dtype() == DType::F32 && state_name.empty())
       state_name = name;
-    }
   REQUIRE_FALSE(state_name.empty());
-  save_checkpoint(ck, poisoned_state);
+  save_checkpoint(ck, with_element(good, state_name, 0, std::numeric_limits<float>::infinity()));
   expect_train_error(resume, "tensor '" + state_name + "' holds inf at element 0");
   // A corrupt checkpoint is an error, not a crash.
   test::fs::resize_file(tmp.path / "ck" / "checkpoint.safetensors", 100);
@@ -220,15 +227,7 @@ TEST_CASE("resume refuses a position that does not add up, and a negative second
     save_checkpoint(ck, bad);
     expect_train_error(resume, c.error);
   }
-  Checkpoint negative = good;
-  for (auto& [name, t] : negative.tensors)
-    if (name == "optim.exp_avg_sq") {
-      Tensor copy = Tensor::empty(host_allocator(), t.shape(), DType::F32);
-      for (int64_t i = 0; i < t.numel(); ++i) copy.f32()[i] = t.f32()[i];
-      copy.f32()[7] = -1.f;
-      t = copy;
-    }
-  save_checkpoint(ck, negative);
+  save_checkpoint(ck, with_element(good, "optim.exp_avg_sq", 7, -1.f));
   expect_train_error(resume, "'exp_avg_sq' holds -1 at element 7");
   // A position that adds up is taken: the start of the second epoch, its 4 steps taken.
   Checkpoint moved = good;

@@ -115,16 +115,13 @@ void CpuBackend::scale(DeviceContext&, Tensor& t, float alpha) {
   });
 }
 
-// A ReLU keeps what is not <= 0: positives, and NaN, as PyTorch's does (clamp_min); its gradient
-// passes where the output is not <= 0, NaN too (PyTorch's threshold_backward). A NaN made 0 here
-// hid a diverged run: weights went NaN while the loss stayed finite. The ReLUs fused into batch
-// norm (norm.cpp, norm_lanes.cpp) and the CUDA kernels keep the same rule.
+// relu_value and relu_passes: the ReLU's rule on every backend (engine/ops.h).
 void CpuBackend::relu_forward(DeviceContext&, const Tensor& x, Tensor& y) {
   cpu::expect_same_numel(x, y, "relu");
   const float* a = x.f32();
   float* o = y.f32();
   cpu::parallel_range(x.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) o[i] = !(a[i] <= 0.f) ? a[i] : 0.f;
+    for (int64_t i = b; i < e; ++i) o[i] = relu_value(a[i]);
   });
 }
 
@@ -139,7 +136,7 @@ void CpuBackend::relu_backward(DeviceContext&, const Tensor& y, const Tensor& dy
   cpu::parallel_range(y.numel(), cpu::kGrain, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const float gi = g[i];
-      d[i] = !(out[i] <= 0.f) ? gi : 0.f;
+      d[i] = relu_passes(out[i]) ? gi : 0.f;
     }
   });
 }

@@ -140,7 +140,7 @@ void scale_shift_rows(const NchwDims& d, int64_t c0, int64_t c1, const float* xp
     for (int64_t at = b; at < e; ++at) {
       float v = xp[at] * sc + sh;
       if constexpr (kResidual) v = v + rp[at];
-      if constexpr (kRelu) v = !(v <= 0.f) ? v : 0.f;  // NaN kept, as relu_forward
+      if constexpr (kRelu) v = relu_value(v);
       yp[at] = v;
     }
   });
@@ -257,7 +257,7 @@ void batchnorm_backward_impl(DeviceContext& ctx, const NchwDims& d, const float*
     if (!Relu) return gp[at];
     uint32_t bits;
     std::memcpy(&bits, gp + at, sizeof bits);
-    bits &= 0u - uint32_t(!(ryp[at] <= 0.f));
+    bits &= 0u - uint32_t(relu_passes(ryp[at]));
     float g;
     std::memcpy(&g, &bits, sizeof g);
     return g;

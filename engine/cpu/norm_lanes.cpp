@@ -23,8 +23,8 @@ Doubles every_lane(double v) { return v - Doubles{}; }
 // 8 channels' rows of one sample: their 8 * hw floats, in two vectors.
 using Rows = VecPair;
 
-// v where test is not <= 0 (NaN included), +0 elsewhere: relu_forward's rule, and
-// relu_backward's mask (elementwise.cpp).
+// v where test passes a ReLU (not <= 0, NaN included), +0 elsewhere: relu_passes and
+// relu_value (engine/ops.h) on 16 lanes.
 Vec relu_keep(Vec test, Vec v) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(test, _mm512_setzero_ps(), _CMP_NLE_UQ), v);
 }

@@ -257,11 +257,11 @@ void with_channel_index(const ChannelDims& d, std::initializer_list<const void*>
     run(ChannelIndex<WideDivmod>{WideDivmod(d.hw), WideDivmod(d.c), uint64_t(d.numel())});
 }
 
-// The gradient reaching a BatchNorm: dy, or with a fused ReLU dy where its output is not <= 0
-// (NaN too: the CPU's relu_backward rule, PyTorch's threshold_backward).
+// The gradient reaching a BatchNorm: dy, or with a fused ReLU dy where its output passes
+// (relu_passes, engine/ops.h).
 // Callers load both values unconditionally, so neither load waits on the other.
 __device__ __forceinline__ float masked_grad(float dy, float relu_y, bool masked) {
-  return masked && relu_y <= 0.f ? 0.f : dy;
+  return masked && !relu_passes(relu_y) ? 0.f : dy;
 }
 
 // Adds one value (x, and g its gradient for GradMoments) to a thread's sums a and b, as
@@ -331,7 +331,7 @@ __device__ __forceinline__ float affine_value(float v, float a, float b, bool re
                                               bool relu) {
   float o = v * a + b;
   if (residual) o = o + r;
-  return relu ? (!(o <= 0.f) ? o : 0.f) : o;  // NaN kept, as PyTorch's ReLU
+  return relu ? relu_value(o) : o;
 }
 
 }  // namespace cuda

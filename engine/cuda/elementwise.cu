@@ -55,11 +55,11 @@ struct Scaled {
 };
 struct Relu {
   static constexpr bool kBinary = false;
-  __device__ float operator()(float v, float) const { return !(v <= 0.f) ? v : 0.f; }
+  __device__ float operator()(float v, float) const { return relu_value(v); }
 };
 struct ReluGrad {  // a: the ReLU's output, b: the gradient reaching it
   static constexpr bool kBinary = true;
-  __device__ float operator()(float y, float dy) const { return !(y <= 0.f) ? dy : 0.f; }
+  __device__ float operator()(float y, float dy) const { return relu_passes(y) ? dy : 0.f; }
 };
 struct Times {
   static constexpr bool kBinary = true;

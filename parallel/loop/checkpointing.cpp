@@ -115,9 +115,9 @@ void check_finite(const Checkpoint& c, const std::string& path) {
   REPLICA_USAGE_CHECK(bad.empty(), "{}: {}: the checkpoint cannot be resumed", path, bad);
 }
 
-// Saving: weights can go NaN while the loss stays finite (a ReLU turns NaN into 0), so the loss
-// check does not see every divergence; a file of NaNs would be refused on --resume, and would
-// replace the last good one. The run stops instead, the files as they were.
+// Saving: a file of NaNs would be refused on --resume, and would replace the last good one. The
+// loss check stops a diverging run at its step (the ReLUs keep NaN); this is the guard behind
+// it, for weights that go NaN where no loss shows it. The run stops, the files as they were.
 void check_finite_before_saving(const Checkpoint& c, const std::string& path) {
   const std::string bad = first_non_finite(c);
   REPLICA_USAGE_CHECK(bad.empty(), "training diverged: {} (lower --lr?); {} not written", bad,
