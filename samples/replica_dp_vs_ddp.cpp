@@ -158,6 +158,42 @@ std::vector<std::string> for_mode(const std::vector<std::string>& args, const st
   return out;
 }
 
+// The flags after --: those this program sets for both runs, those that would make a run print
+// instead of train, and those that would make the two runs clash are each refused by name
+// rather than met as a failed run or a wrong table.
+void check_extra_flags(const std::vector<std::string>& extra) {
+  for (size_t i = 0; i < extra.size(); ++i) {
+    const std::string flag = extra[i].substr(0, extra[i].find('='));
+    if (flag == "--max-steps")
+      throw UsageError("--max-steps is set by replica-dp-vs-ddp itself: give --steps N before --");
+    for (const char* own : {"--mode", "--metrics-json"})
+      REPLICA_USAGE_CHECK(flag != own, "{} is set by replica-dp-vs-ddp itself", flag);
+    for (const char* prints : {"--print-config", "--list-devices", "--help", "-h"})
+      REPLICA_USAGE_CHECK(flag != prints,
+                          "{} makes replica-train print instead of train: run replica-train {} "
+                          "itself",
+                          flag, flag);
+    const bool joined = flag != extra[i];  // "--flag=value"
+    check_runs_apart(flag, joined                  ? extra[i].substr(flag.size() + 1)
+                           : i + 1 < extra.size() ? extra[i + 1]
+                                                  : "");
+  }
+}
+
+// Where the runs' logs and metrics go: ./dp-vs-ddp/ to keep, else a temporary folder.
+std::string logs_directory(bool keep_logs) {
+  const std::string dir = "dp-vs-ddp";
+  if (!keep_logs) return make_temporary_directory("replica-dp-vs-ddp-", "for the runs' logs");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw Error(fmt::format("cannot make ./{} for the runs' logs (--keep-logs): {}", dir,
+                            fs::exists(fs::symlink_status(dir)) && !fs::is_directory(dir)
+                                ? "a file of that name is in the way"
+                                : ec.message()));
+  return dir;
+}
+
 int run(int argc, char** argv) {
   std::string devices;
   int64_t steps = 400;
@@ -179,42 +215,13 @@ int run(int argc, char** argv) {
   if (!extra.empty() && extra.front() == "--") extra.erase(extra.begin());
   REPLICA_USAGE_CHECK(extra.empty() || extra.front().rfind("--", 0) == 0,
                       "unexpected argument '{}' (replica-train flags go after --)", extra.front());
-  // Flags this program sets for both runs, flags that would make a run print instead of train,
-  // and flags that would make the two runs clash: each is refused by name rather than met as a
-  // failed run or a wrong table.
-  for (size_t i = 0; i < extra.size(); ++i) {
-    const std::string flag = extra[i].substr(0, extra[i].find('='));
-    if (flag == "--max-steps")
-      throw UsageError("--max-steps is set by replica-dp-vs-ddp itself: give --steps N before --");
-    for (const char* own : {"--mode", "--metrics-json"})
-      REPLICA_USAGE_CHECK(flag != own, "{} is set by replica-dp-vs-ddp itself", flag);
-    for (const char* prints : {"--print-config", "--list-devices", "--help", "-h"})
-      REPLICA_USAGE_CHECK(flag != prints,
-                          "{} makes replica-train print instead of train: run replica-train {} "
-                          "itself",
-                          flag, flag);
-    const bool joined = flag != extra[i];  // "--flag=value"
-    check_runs_apart(flag, joined                  ? extra[i].substr(flag.size() + 1)
-                           : i + 1 < extra.size() ? extra[i + 1]
-                                                  : "");
-  }
+  check_extra_flags(extra);
   REPLICA_USAGE_CHECK(steps >= 1, "--steps must be at least 1, got {}", steps);
 
   const std::string train = (fs::path(current_executable()).parent_path() / "replica-train").string();
   REPLICA_USAGE_CHECK(fs::exists(train), "replica-train not found next to this program ({})",
                       train);
-  std::string dir = "dp-vs-ddp";
-  if (keep_logs) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec)
-      throw Error(fmt::format("cannot make ./{} for the runs' logs (--keep-logs): {}", dir,
-                              fs::exists(fs::symlink_status(dir)) && !fs::is_directory(dir)
-                                  ? "a file of that name is in the way"
-                                  : ec.message()));
-  } else {
-    dir = make_temporary_directory("replica-dp-vs-ddp-", "for the runs' logs");
-  }
+  const std::string dir = logs_directory(keep_logs);
   struct RemoveUnlessKept {  // also when a run fails: its error is in the message
     std::string dir;
     bool keep;

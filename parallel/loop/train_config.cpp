@@ -71,7 +71,10 @@ const std::vector<ModeFlag>& mode_flags() {
   return flags;
 }
 
-void validate(const TrainConfig& c) {
+namespace {
+
+// The job's sizes and its data.
+void check_job(const TrainConfig& c) {
   check_model_name(c.engine.model);  // here, before any rank or device is started
   REPLICA_USAGE_CHECK(c.batch_size >= 1, "--batch-size must be at least 1, got {}", c.batch_size);
   REPLICA_USAGE_CHECK(c.batch_per_device >= 0, "--batch-per-device must be at least 1, got {}",
@@ -83,6 +86,10 @@ void validate(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.synthetic || !c.data_dir.empty(), "give --data DIR or --synthetic");
   REPLICA_USAGE_CHECK(c.synthetic_size >= 1, "--synthetic-size must be at least 1");
   parse_data_placement(c.data_placement);  // validates the name
+}
+
+// What the run writes: each place must be writable now, and no two the same.
+void check_outputs(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(!c.resume || !c.checkpoint_dir.empty(), "--resume needs --checkpoint DIR");
   // What the run writes at its end must be writable now, not after hours of training.
   check_output_dir("--checkpoint", c.checkpoint_dir);
@@ -102,6 +109,10 @@ void validate(const TrainConfig& c) {
         c.checkpoint_dir.empty() ? "" : checkpoint_path(c.checkpoint_dir)}},
       {{"--data", c.synthetic ? "" : c.data_dir,
         [&](const std::string& f) { return data_dir_reads(c.data_dir, f); }}});
+}
+
+// The strategy, its communication and its optimizer.
+void check_strategy(const TrainConfig& c) {
   REPLICA_USAGE_CHECK(c.engine.threads_per_device >= 0, "--threads-per-device must be >= 1");
   if (c.engine.threads_per_device > 0)
     check_cpu_threads("--threads-per-device", c.engine.threads_per_device);
@@ -131,6 +142,14 @@ void validate(const TrainConfig& c) {
   parse_reduce_strategy(c.reduce);  // validates the name
   REPLICA_USAGE_CHECK(c.bucket_cap_mb > 0 && c.bucket_cap_mb <= 4096,
                       "--bucket-cap-mb must be in (0, 4096], got {}", c.bucket_cap_mb);
+}
+
+}  // namespace
+
+void validate(const TrainConfig& c) {
+  check_job(c);
+  check_outputs(c);
+  check_strategy(c);
   const std::vector<Device> devices = resolve_devices(c);
   resolve_channels_last(c.memory_format, resolve_precision(c.precision, devices), devices);
   if (c.engine.cuda_graphs) check_cuda_graphs(devices, c.mode);
