@@ -60,8 +60,10 @@ inline constexpr EnvSwitch kCudaPlaneMatrix{"REPLICA_CUDA_PLANE_MATRIX", false};
 // CPU: stride-1 convolutions with few output channels run the direct convolution
 // (engine/cpu/direct_conv.h) instead of im2col + GEMM.
 inline constexpr EnvSwitch kDirectConv{"REPLICA_DIRECT_CONV", true};
-// CPU: max pooling over 2x2 tiles in vectors (engine/cpu/max_pool_2x2.h), not element-wise.
+// CPU: max pooling over 2x2 tiles and over 3x3 windows at stride 2 in vectors
+// (engine/cpu/max_pool_rows.h), not element-wise.
 inline constexpr EnvSwitch kMaxPool2x2{"REPLICA_MAX_POOL_2X2", true};
+inline constexpr EnvSwitch kMaxPool3x3{"REPLICA_MAX_POOL_3X3", true};
 // CPU: batch norm on planes of up to 4 positions 8 channels to a vector (engine/cpu/norm_lanes.h).
 inline constexpr EnvSwitch kNormLanes{"REPLICA_NORM_LANES", true};
 
@@ -69,7 +71,7 @@ inline constexpr const EnvSwitch* kAll[] = {
     &kCudnnHeuristicOrder, &kCudnnLog,          &kCudaSlicedSums, &kCudaWideIndex,
     &kPadChannels,         &kChannelsLastOnCpu, &kPrefetchOnCpu,  &kDdpCheckSync,
     &kShmAllreduce,        &kPlaneMatrix,       &kCudaPlaneMatrix, &kDirectConv,
-    &kMaxPool2x2,          &kNormLanes};
+    &kMaxPool2x2,          &kMaxPool3x3,        &kNormLanes};
 // The variables a run reads that take a word rather than 1 or 0: a name one letter from these
 // is a typo too.
 inline constexpr const char* kChoices[] = {"REPLICA_CUDNN_API", "REPLICA_RESIDUAL_SUM"};

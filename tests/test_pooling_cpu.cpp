@@ -130,13 +130,58 @@ TEST_CASE("maxpool2d 2x2: the vector path gives the element-wise path's bits") {
 }
 
 
+// ResNet's pool (3x3, stride 2, padding 1) both ways on planes whose rows hold 1 to 34 windows
+// (a part-filled vector, whole ones, whole ones and a part), odd and even sizes (the right
+// column in the padding or not), planes 1 and 2 high: values with many ties, zeros of both
+// signs, -inf and NaNs, and a plane all -inf (the first element of each window wins). The same
+// bits forward and backward.
+TEST_CASE("maxpool2d 3x3 stride 2: the vector path gives the element-wise path's bits") {
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
+  const Pool2dParams prm{3, 2, 1};
+  const float inf = std::numeric_limits<float>::infinity();
+  const float choices[] = {-1.f, -0.f, 0.f, 1.f, -inf, std::numeric_limits<float>::quiet_NaN()};
+  std::mt19937 gen(11);
+  for (int64_t h : {1, 2, 5, 14})
+    for (int64_t w : {1, 2, 3, 14, 15, 31, 32, 33, 34, 66, 67}) {
+      CAPTURE(h);
+      CAPTURE(w);
+      const int64_t planes = 4, hw = h * w;
+      const int64_t p = window_out(h, 3, 2, 1), q = window_out(w, 3, 2, 1);
+      std::vector<float> xv(size_t(planes * hw)), dyv(size_t(planes * p * q));
+      for (float& v : xv) v = gen() % 8 == 0 ? choices[gen() % 6] : float(int(gen() % 5) - 2);
+      std::fill(xv.begin(), xv.begin() + hw, -inf);
+      for (float& v : dyv) v = gen() % 10 == 0 ? -0.f : float(int(gen() % 19) - 9) / 4.f;
+      dyv[0] = 1.5f;
+      const Tensor x = make(ctx, {planes, 1, h, w}, xv), dy = make(ctx, {planes, 1, p, q}, dyv);
+      std::vector<uint32_t> bits[2][2];  // [way][y, dx]
+      for (int way = 0; way < 2; ++way) {
+        ScopedEnv vectors("REPLICA_MAX_POOL_3X3", way == 0 ? "1" : "0");
+        Tensor y = make(ctx, {planes, 1, p, q}, 5), dx = make(ctx, {planes, 1, h, w}, 9);
+        ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+        ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+        append_bits(bits[way][0], y);
+        append_bits(bits[way][1], dx);
+      }
+      CHECK(bits[0][0] == bits[1][0]);
+      CHECK(bits[0][1] == bits[1][1]);
+      // The all -inf plane: each window's winner is its first element in the plane, so the
+      // plane's first element has window (0, 0)'s gradient alone.
+      CHECK(bits[0][1][0] == 0x3FC00000u);  // 1.5f
+    }
+}
+
+
 // Overlapping and padded windows on planes wide enough for windows inside the plane, cut by its
 // left and right edges, and by its top and bottom: against a direct reference, ties and a NaN
 // included; gradients of overlapping windows add up, in window order.
+// k3 s2 p1 both ways (REPLICA_MAX_POOL_3X3): in vectors where the build has AVX-512, and
+// element-wise as builds without it take.
 TEST_CASE("maxpool2d overlapping windows (k3 s2 p1, k3 s1 p1, k2 s1, k4 s3 p2) match a reference") {
   DeviceContext ctx(Device{DeviceType::CPU, 0, 0});
-  const Pool2dParams cases[] = {{3, 2, 1}, {3, 1, 1}, {2, 1, 0}, {4, 3, 2}};
+  const Pool2dParams cases[] = {{3, 2, 1}, {3, 2, 1}, {3, 1, 1}, {2, 1, 0}, {4, 3, 2}};
   for (const Pool2dParams& prm : cases) {
+    ScopedEnv vectors("REPLICA_MAX_POOL_3X3", &prm == &cases[0] ? "1" : "0");
+    CAPTURE(&prm - cases);
     CAPTURE(prm.kernel);
     CAPTURE(prm.stride);
     const int64_t planes = 2, h = 9, w = 23, hw = h * w;

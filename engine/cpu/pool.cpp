@@ -1,6 +1,7 @@
 // CPU pooling: max pooling (the first maximum of a window wins) and adaptive average pooling.
-// Parallel over planes. 2x2 windows that tile the plane (the CNN's) go 16 at a time in vectors
-// in builds for AVX-512 (engine/cpu/max_pool_2x2.h).
+// Parallel over planes. 2x2 windows that tile the plane (the CNN's) and 3x3 windows at stride 2
+// with padding 1 (a ResNet's) go 16 at a time in vectors in builds for AVX-512
+// (engine/cpu/max_pool_rows.h).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -9,7 +10,7 @@
 
 #include "engine/context.h"
 #include "engine/cpu/cpu_backend.h"
-#include "engine/cpu/max_pool_2x2.h"
+#include "engine/cpu/max_pool_rows.h"
 #include "engine/env_switch.h"
 #include "engine/error.h"
 
@@ -97,8 +98,15 @@ bool tiles(const Pool2dParams& prm) { return prm.stride == prm.kernel && prm.pad
 // 2x2 tiles go a row of windows at a time in vectors, where the build has them (unless
 // REPLICA_MAX_POOL_2X2=0).
 bool tiles_2x2(const Pool2dParams& prm) {
-  return tiles(prm) && prm.kernel == 2 && cpu::max_pool_2x2_built() &&
+  return tiles(prm) && prm.kernel == 2 && cpu::max_pool_rows_built() &&
          switches::kMaxPool2x2.on();
+}
+
+// ResNet's windows (3x3, stride 2, padding 1) go a row of windows at a time in vectors, where
+// the build has them (unless REPLICA_MAX_POOL_3X3=0).
+bool windows_3x3_s2(const Pool2dParams& prm) {
+  return prm.kernel == 3 && prm.stride == 2 && prm.padding == 1 && cpu::max_pool_rows_built() &&
+         switches::kMaxPool3x3.on();
 }
 
 // Overlapping or padded windows (ResNet's 3x3, stride 2, padding 1), a row at a time: windows
@@ -141,10 +149,12 @@ void overlapping_row_winners(const float* plane, const PoolGeometry& g, const Po
 }
 
 // The winners of every window of output row oy: best[ox] its value (-inf when all padding) and
-// at[ox] its index in the plane (-1 then).
-void row_winners(const float* plane, const PoolGeometry& g, const Pool2dParams& prm, int64_t oy,
-                 float* best, PlaneIndex* at) {
-  if (tiles(prm)) {
+// at[ox] its index in the plane (-1 then). vector_3x3: windows_3x3_s2(prm), asked once a call.
+void row_winners(const float* plane, const PoolGeometry& g, const Pool2dParams& prm,
+                 bool vector_3x3, int64_t oy, float* best, PlaneIndex* at) {
+  if (vector_3x3) {
+    cpu::max_pool_3x3_s2_row(plane, g.h, g.w, oy, g.q, best, at);
+  } else if (tiles(prm)) {
     tiled_row_winners(plane, g, prm.kernel, oy, best, at);
   } else {
     overlapping_row_winners(plane, g, prm, oy, best, at);
@@ -194,9 +204,10 @@ void CpuBackend::maxpool2d_forward(DeviceContext& ctx, const Tensor& x, Tensor& 
     });
     return;
   }
+  const bool vector_3x3 = windows_3x3_s2(prm);
   for_each_plane(ctx, g, [&](int64_t pl, float* best, PlaneIndex* at) {
     for (int64_t oy = 0; oy < g.p; ++oy) {
-      row_winners(xp + pl * g.h * g.w, g, prm, oy, best, at);
+      row_winners(xp + pl * g.h * g.w, g, prm, vector_3x3, oy, best, at);
       std::copy(best, best + g.q, yp + (pl * g.p + oy) * g.q);
     }
   });
@@ -223,7 +234,7 @@ void CpuBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const T
     });
     return;
   }
-  const bool tiled = tiles(prm);
+  const bool tiled = tiles(prm), vector_3x3 = windows_3x3_s2(prm);
   const int k = prm.kernel;
   for_each_plane(ctx, g, [&](int64_t pl, float* best, PlaneIndex* at) {
     const float* plane = x.f32() + pl * g.h * g.w;
@@ -234,7 +245,7 @@ void CpuBackend::maxpool2d_backward(DeviceContext& ctx, const Tensor& x, const T
     const int64_t rows_owned = tiled ? g.p * k : 0;
     std::fill(dplane + rows_owned * g.w, dplane + g.h * g.w, 0.f);
     for (int64_t oy = 0; oy < g.p; ++oy, grad += g.q) {
-      row_winners(plane, g, prm, oy, best, at);
+      row_winners(plane, g, prm, vector_3x3, oy, best, at);
       if (tiled) std::fill(dplane + oy * k * g.w, dplane + (oy + 1) * k * g.w, 0.f);
       for (int64_t ox = 0; ox < g.q; ++ox)
         if (at[ox] >= 0) dplane[at[ox]] += grad[ox];

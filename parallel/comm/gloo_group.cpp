@@ -15,8 +15,6 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 
-#include <net/if.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
@@ -69,12 +67,8 @@ class GlooGroup final : public ProcessGroup {
     const int rank = o.rank, size = o.size;
     try {
       gloo::transport::tcp::attr attr;
+      check_gloo_interface();
       const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
-      // Named here: Gloo's own failure is an assertion's text that does not name the variable.
-      REPLICA_USAGE_CHECK(!iface || !*iface || if_nametoindex(iface) != 0,
-                          "GLOO_SOCKET_IFNAME={}: this machine has no network interface of that "
-                          "name (`ip -br link` lists them)",
-                          iface);
       if (iface && *iface) attr.iface = iface;
       else attr.hostname = o.address;
       device_ = gloo::transport::tcp::CreateDevice(attr);

@@ -1,7 +1,10 @@
 // The process group's shared parts: the group of one, the factory, failure reports.
 #include "parallel/comm/process_group.h"
 
+#include <net/if.h>
+
 #include <atomic>
+#include <cstdlib>
 #include <thread>
 
 #include "engine/error.h"
@@ -79,6 +82,14 @@ void ProcessGroup::fail(const std::string& what, const std::string& detail) cons
 std::string nccl_problem() {
   std::string why;
   return nccl_plugin(&why) ? "" : why;
+}
+
+void check_gloo_interface() {
+  const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
+  REPLICA_USAGE_CHECK(!iface || !*iface || if_nametoindex(iface) != 0,
+                      "GLOO_SOCKET_IFNAME={}: this machine has no network interface of that "
+                      "name (`ip -br link` lists them)",
+                      iface);
 }
 
 void check_nccl_usable(const Device& device) {

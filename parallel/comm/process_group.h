@@ -112,6 +112,11 @@ std::unique_ptr<ProcessGroup> make_gloo_group(const GroupOptions& options,
                                               std::unique_ptr<PeerMonitor> monitor);
 
 bool gloo_available();
+// UsageError where GLOO_SOCKET_IFNAME names no interface of this machine. Gloo's own failure is
+// an assertion's text that does not name the variable; and checked before the ranks meet (the
+// run's validation), every rank refuses alike, where one that failed in the group first could
+// stop the rank that holds the store before the others reached the same error.
+void check_gloo_interface();
 // Empty when NCCL can be used here, else why not (one line).
 std::string nccl_problem();
 inline bool nccl_available() { return nccl_problem().empty(); }
