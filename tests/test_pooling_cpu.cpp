@@ -104,6 +104,26 @@ TEST_CASE("maxpool2d windows that tile the plane (k = s, no padding), some rows 
 }
 
 
+// The bits of a pool's output and input gradient, [0] by the vector path, [1] element-wise as
+// builds without AVX-512 take it (vector_switch off). Both start from garbage: every element
+// must be written.
+struct BothWays {
+  std::vector<uint32_t> y[2], dx[2];
+};
+BothWays pool_both_ways(DeviceContext& ctx, const char* vector_switch, const Tensor& x,
+                        const Tensor& dy, const Pool2dParams& prm) {
+  BothWays bits;
+  for (int way = 0; way < 2; ++way) {
+    ScopedEnv vectors(vector_switch, way == 0 ? "1" : "0");
+    Tensor y = make(ctx, dy.shape(), 5), dx = make(ctx, x.shape(), 9);
+    ctx.ops().maxpool2d_forward(ctx, x, y, prm);
+    ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
+    append_bits(bits.y[way], y);
+    append_bits(bits.dx[way], dx);
+  }
+  return bits;
+}
+
 // The CNN's pool (16 samples of 20 planes of 20x20) both ways, on values with many ties, zeros
 // of both signs and NaNs: the same bits forward and backward.
 TEST_CASE("maxpool2d 2x2: the vector path gives the element-wise path's bits") {
@@ -115,18 +135,9 @@ TEST_CASE("maxpool2d 2x2: the vector path gives the element-wise path's bits") {
   for (float& v : xv) v = gen() % 50 == 0 ? choices[gen() % 6] : float(int(gen() % 9) - 4);
   for (float& v : dyv) v = gen() % 10 == 0 ? -0.f : float(int(gen() % 19) - 9) / 4.f;
   const Tensor x = make(ctx, {16, 20, h, w}, xv), dy = make(ctx, {16, 20, h / 2, w / 2}, dyv);
-  const Pool2dParams prm{2, 2, 0};
-  std::vector<uint32_t> bits[2][2];  // [way][y, dx]
-  for (int way = 0; way < 2; ++way) {
-    ScopedEnv vectors("REPLICA_MAX_POOL_2X2", way == 0 ? "1" : "0");
-    Tensor y = ctx.alloc({16, 20, h / 2, w / 2}), dx = ctx.alloc({16, 20, h, w});
-    ctx.ops().maxpool2d_forward(ctx, x, y, prm);
-    ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
-    append_bits(bits[way][0], y);
-    append_bits(bits[way][1], dx);
-  }
-  CHECK(bits[0][0] == bits[1][0]);
-  CHECK(bits[0][1] == bits[1][1]);
+  const BothWays bits = pool_both_ways(ctx, "REPLICA_MAX_POOL_2X2", x, dy, Pool2dParams{2, 2, 0});
+  CHECK(bits.y[0] == bits.y[1]);
+  CHECK(bits.dx[0] == bits.dx[1]);
 }
 
 
@@ -153,20 +164,12 @@ TEST_CASE("maxpool2d 3x3 stride 2: the vector path gives the element-wise path's
       for (float& v : dyv) v = gen() % 10 == 0 ? -0.f : float(int(gen() % 19) - 9) / 4.f;
       dyv[0] = 1.5f;
       const Tensor x = make(ctx, {planes, 1, h, w}, xv), dy = make(ctx, {planes, 1, p, q}, dyv);
-      std::vector<uint32_t> bits[2][2];  // [way][y, dx]
-      for (int way = 0; way < 2; ++way) {
-        ScopedEnv vectors("REPLICA_MAX_POOL_3X3", way == 0 ? "1" : "0");
-        Tensor y = make(ctx, {planes, 1, p, q}, 5), dx = make(ctx, {planes, 1, h, w}, 9);
-        ctx.ops().maxpool2d_forward(ctx, x, y, prm);
-        ctx.ops().maxpool2d_backward(ctx, x, y, dy, dx, prm);
-        append_bits(bits[way][0], y);
-        append_bits(bits[way][1], dx);
-      }
-      CHECK(bits[0][0] == bits[1][0]);
-      CHECK(bits[0][1] == bits[1][1]);
+      const BothWays bits = pool_both_ways(ctx, "REPLICA_MAX_POOL_3X3", x, dy, prm);
+      CHECK(bits.y[0] == bits.y[1]);
+      CHECK(bits.dx[0] == bits.dx[1]);
       // The all -inf plane: each window's winner is its first element in the plane, so the
       // plane's first element has window (0, 0)'s gradient alone.
-      CHECK(bits[0][1][0] == 0x3FC00000u);  // 1.5f
+      CHECK(bits.dx[0][0] == 0x3FC00000u);  // 1.5f
     }
 }
 
