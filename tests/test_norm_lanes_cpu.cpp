@@ -60,7 +60,9 @@ std::vector<uint32_t> batchnorm_bits(DeviceContext& ctx, const Shape& xs, float 
 TEST_CASE("batchnorm in lanes gives the element-wise loops' bits") {
   // Positions 1 to 4 (the lanes) and 6 and 15 (element-wise both ways); 8 channels and more,
   // and fewer, so that a group of 8 is part-filled; 200 channels of 64 samples make several
-  // ranges; 2 samples of values about 1e4 from 0 leave an input gradient that cancels.
+  // ranges; 203 channels make blocks of 8 groups (norm_lanes.cpp) and a last one part-filled,
+  // its last group too, and 1,030 channels of 8 samples a range of 16 whole blocks and one of a
+  // group; 2 samples of values about 1e4 from 0 leave an input gradient that cancels.
   struct Case {
     Shape xs;
     float x_scale;
@@ -68,6 +70,7 @@ TEST_CASE("batchnorm in lanes gives the element-wise loops' bits") {
   const Case cases[] = {{{7, 11, 1, 1}, 1}, {{5, 13, 1, 2}, 1}, {{6, 17, 1, 3}, 1},
                         {{9, 20, 2, 2}, 1}, {{3, 8, 2, 2}, 1},  {{4, 5, 2, 2}, 1},
                         {{3, 9, 2, 3}, 1},  {{4, 9, 3, 5}, 1},  {{64, 200, 2, 2}, 1},
+                        {{16, 203, 2, 2}, 1}, {{8, 1030, 1, 1}, 1},
                         {{2, 37, 1, 1}, 3e4f}, {{2, 29, 1, 2}, 3e4f}, {{2, 21, 1, 3}, 3e4f},
                         {{2, 19, 2, 2}, 3e4f}};
   for (const auto& [xs, x_scale] : cases) {

@@ -33,11 +33,19 @@ NchwDims nchw(const Tensor& x) {
 }
 
 // f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements; in
-// lanes, whole groups of 8 channels (a range ending in a part-filled group wastes lanes).
+// lanes, whole groups of 8 channels (a range ending in a part-filled group wastes lanes). On rows
+// of up to kShortRow positions a range is an eighth of the channels at least: the passes visit
+// a range's rows sample by sample, and a range's rows of one sample lie side by side. At
+// kGrain's share, 2 channels of 2x2 planes at batch 256 (32 bytes) or 4 of 4x4 (256 bytes), each
+// sample's few rows were a load a channel stride away that the prefetchers did not follow.
+// Longer rows timed no faster so (7x7 planes) or slower (56x56: fewer ranges to balance).
+constexpr int64_t kShortRow = 16;
+
 template <class F>
 void for_channel_ranges(const NchwDims& d, bool lanes, F&& f) {
   const int64_t per_channel = std::max<int64_t>(d.n * d.hw, 1);
-  const int64_t channels = std::max<int64_t>(cpu::kGrain / per_channel, 1);
+  int64_t channels = std::max<int64_t>(cpu::kGrain / per_channel, 1);
+  if (d.hw <= kShortRow) channels = std::max(channels, d.c / 8);
   if (!lanes) return cpu::parallel_range(d.c, channels, f);
   const int64_t groups = (d.c + 7) / 8;
   cpu::parallel_range(groups, std::max<int64_t>(channels / 8, 1), [&](int64_t g0, int64_t g1) {

@@ -115,16 +115,32 @@ Rows grad_rows(const ChannelGroup& g, const float* dy, const float* relu_y, int6
   return r;
 }
 
-// body.begin(group), body.sample(group, at) for every sample in order, body.end(group), for the
-// groups of channels [c0, c1); `at` is the offset of the group's first row in the sample.
+// Channel groups a pass holds at once. Their rows of a sample lie side by side (8 groups of 2x2
+// planes: 1 KB), so a pass reads a block of the tensor in address order. A group at a time, its
+// samples' rows lay a channel stride apart (16 KB at 1024 channels), one load each that the
+// prefetchers do not follow, each a wait on memory. 8 timed faster than 4, 16, 32 and 64
+// (bench/results/2026-11-29-cpu-batch-norm-short-rows.md).
+constexpr int64_t kBlockGroups = 8;
+
+// body.begin(i, group), body.sample(i, group, at) for every sample in order, body.end(i, group),
+// for the groups of channels [c0, c1), kBlockGroups at a time: i is the group's place in its
+// block (its state's), `at` the offset of its first row in the sample. Each group still meets
+// the samples in order, so its sums take the same adds in the same order.
 template <class Body>
 void for_each_sample(const NchwDims& d, int64_t c0, int64_t c1, Body&& body) {
   const PositionTables tables(int(d.hw));
-  for (int64_t c = c0; c < c1; c += kChannelLanes) {
-    const ChannelGroup group(tables, c, std::min<int64_t>(kChannelLanes, c1 - c), d.hw);
-    body.begin(group);
-    for (int64_t n = 0; n < d.n; ++n) body.sample(group, (n * d.c + c) * d.hw);
-    body.end(group);
+  for (int64_t b0 = c0; b0 < c1; b0 += kBlockGroups * kChannelLanes) {
+    const int64_t b1 = std::min(c1, b0 + kBlockGroups * kChannelLanes);
+    const int64_t groups = (b1 - b0 + kChannelLanes - 1) / kChannelLanes;
+    auto group = [&](int64_t i) {
+      const int64_t c = b0 + i * kChannelLanes;
+      return ChannelGroup(tables, c, std::min<int64_t>(kChannelLanes, b1 - c), d.hw);
+    };
+    for (int64_t i = 0; i < groups; ++i) body.begin(i, group(i));
+    for (int64_t n = 0; n < d.n; ++n)
+      for (int64_t i = 0; i < groups; ++i)
+        body.sample(i, group(i), (n * d.c + b0 + i * kChannelLanes) * d.hw);
+    for (int64_t i = 0; i < groups; ++i) body.end(i, group(i));
   }
 }
 
@@ -136,13 +152,13 @@ void channel_sum(const float* x, const NchwDims& d, int64_t c0, int64_t c1, doub
   struct {
     const float* x;
     double* sum;
-    Doubles s;
-    void begin(const ChannelGroup&) { s = Doubles{}; }
-    void sample(const ChannelGroup& g, int64_t at) {
+    Doubles s[kBlockGroups];
+    void begin(int64_t i, const ChannelGroup&) { s[i] = Doubles{}; }
+    void sample(int64_t i, const ChannelGroup& g, int64_t at) {
       const Rows r = g.rows(x + at);
-      for (int64_t p = 0; p < g.hw; ++p) s += g.position(r, p);
+      for (int64_t p = 0; p < g.hw; ++p) s[i] += g.position(r, p);
     }
-    void end(const ChannelGroup& g) { g.store(sum, s); }
+    void end(int64_t i, const ChannelGroup& g) { g.store(sum, s[i]); }
   } body{x, sum, {}};
   for_each_sample(d, c0, c1, body);
 }
@@ -153,19 +169,19 @@ void channel_sum_sq_dev(const float* x, const NchwDims& d, int64_t c0, int64_t c
     const float* x;
     const double* mean;
     double* sq;
-    Doubles mu, s;
-    void begin(const ChannelGroup& g) {
-      mu = g.load(mean);
-      s = Doubles{};
+    Doubles mu[kBlockGroups], s[kBlockGroups];
+    void begin(int64_t i, const ChannelGroup& g) {
+      mu[i] = g.load(mean);
+      s[i] = Doubles{};
     }
-    void sample(const ChannelGroup& g, int64_t at) {
+    void sample(int64_t i, const ChannelGroup& g, int64_t at) {
       const Rows r = g.rows(x + at);
       for (int64_t p = 0; p < g.hw; ++p) {
-        const Doubles dev = g.position(r, p) - mu;
-        s += dev * dev;
+        const Doubles dev = g.position(r, p) - mu[i];
+        s[i] += dev * dev;
       }
     }
-    void end(const ChannelGroup& g) { g.store(sq, s); }
+    void end(int64_t i, const ChannelGroup& g) { g.store(sq, s[i]); }
   } body{x, mean, sq, {}, {}};
   for_each_sample(d, c0, c1, body);
 }
@@ -180,14 +196,14 @@ void channel_scale_shift(const float* x, const float* residual, float* y, const 
     float* y;
     const double *scale, *shift;
     bool relu;
-    Rows sc, sh;
-    void begin(const ChannelGroup& g) {
-      sc = g.spread(scale);
-      sh = g.spread(shift);
+    Rows sc[kBlockGroups], sh[kBlockGroups];
+    void begin(int64_t i, const ChannelGroup& g) {
+      sc[i] = g.spread(scale);
+      sh[i] = g.spread(shift);
     }
-    void sample(const ChannelGroup& g, int64_t at) {
+    void sample(int64_t i, const ChannelGroup& g, int64_t at) {
       const Rows r = g.rows(x + at);
-      Rows v = {r.lo * sc.lo + sh.lo, r.hi * sc.hi + sh.hi};
+      Rows v = {r.lo * sc[i].lo + sh[i].lo, r.hi * sc[i].hi + sh[i].hi};
       if (residual) {
         const Rows res = g.rows(residual + at);
         v = {v.lo + res.lo, v.hi + res.hi};
@@ -195,7 +211,7 @@ void channel_scale_shift(const float* x, const float* residual, float* y, const 
       if (relu) v = {relu_keep(v.lo, v.lo), relu_keep(v.hi, v.hi)};
       g.store(y + at, v);
     }
-    void end(const ChannelGroup&) {}
+    void end(int64_t, const ChannelGroup&) {}
   } body{x, residual, y, scale, shift, relu, {}, {}};
   for_each_sample(d, c0, c1, body);
 }
@@ -207,23 +223,23 @@ void channel_grad_sums(const float* x, const float* dy, const float* relu_y, con
     const float *x, *dy, *relu_y;
     const float *mean, *invstd;
     double *sum_dy, *sum_dy_xhat;
-    Doubles mu, is, s_dy, s_dy_xhat;
-    void begin(const ChannelGroup& g) {
-      mu = g.load(mean);
-      is = g.load(invstd);
-      s_dy = s_dy_xhat = Doubles{};
+    Doubles mu[kBlockGroups], is[kBlockGroups], s_dy[kBlockGroups], s_dy_xhat[kBlockGroups];
+    void begin(int64_t i, const ChannelGroup& g) {
+      mu[i] = g.load(mean);
+      is[i] = g.load(invstd);
+      s_dy[i] = s_dy_xhat[i] = Doubles{};
     }
-    void sample(const ChannelGroup& g, int64_t at) {
+    void sample(int64_t i, const ChannelGroup& g, int64_t at) {
       const Rows gr = grad_rows(g, dy, relu_y, at), xr = g.rows(x + at);
       for (int64_t p = 0; p < g.hw; ++p) {
         const Doubles gd = g.position(gr, p);
-        s_dy += gd;
-        s_dy_xhat += gd * (g.position(xr, p) - mu) * is;
+        s_dy[i] += gd;
+        s_dy_xhat[i] += gd * (g.position(xr, p) - mu[i]) * is[i];
       }
     }
-    void end(const ChannelGroup& g) {
-      g.store(sum_dy, s_dy);
-      g.store(sum_dy_xhat, s_dy_xhat);
+    void end(int64_t i, const ChannelGroup& g) {
+      g.store(sum_dy, s_dy[i]);
+      g.store(sum_dy_xhat, s_dy_xhat[i]);
     }
   } body{x, dy, relu_y, mean, invstd, sum_dy, sum_dy_xhat, {}, {}, {}, {}};
   for_each_sample(d, c0, c1, body);
@@ -238,24 +254,25 @@ void channel_input_grad(const float* x, const float* dy, const float* relu_y, co
     const float *mean, *invstd, *gamma;
     const double *sum_dy, *sum_dy_xhat;
     float* dx;
-    Doubles m, mu, is, k, s_dy, s_dy_xhat;
-    void begin(const ChannelGroup& g) {
-      mu = g.load(mean);
-      is = g.load(invstd);
-      k = g.load(gamma) * is / m;
-      s_dy = g.load(sum_dy);
-      s_dy_xhat = g.load(sum_dy_xhat);
+    Doubles m, mu[kBlockGroups], is[kBlockGroups], k[kBlockGroups], s_dy[kBlockGroups],
+        s_dy_xhat[kBlockGroups];
+    void begin(int64_t i, const ChannelGroup& g) {
+      mu[i] = g.load(mean);
+      is[i] = g.load(invstd);
+      k[i] = g.load(gamma) * is[i] / m;
+      s_dy[i] = g.load(sum_dy);
+      s_dy_xhat[i] = g.load(sum_dy_xhat);
     }
-    void sample(const ChannelGroup& g, int64_t at) {
+    void sample(int64_t i, const ChannelGroup& g, int64_t at) {
       const Rows gr = grad_rows(g, dy, relu_y, at), xr = g.rows(x + at);
       Doubles out[kMaxPositions];
       for (int64_t p = 0; p < g.hw; ++p) {
-        const Doubles xhat = (g.position(xr, p) - mu) * is;
-        out[p] = k * (m * g.position(gr, p) - s_dy - xhat * s_dy_xhat);
+        const Doubles xhat = (g.position(xr, p) - mu[i]) * is[i];
+        out[p] = k[i] * (m * g.position(gr, p) - s_dy[i] - xhat * s_dy_xhat[i]);
       }
       g.store(dx + at, g.unpositions(out));
     }
-    void end(const ChannelGroup&) {}
+    void end(int64_t, const ChannelGroup&) {}
   } body{x, dy, relu_y, mean, invstd, gamma, sum_dy, sum_dy_xhat, dx,
          every_lane(double(d.n * d.hw)), {}, {}, {}, {}, {}};
   for_each_sample(d, c0, c1, body);
