@@ -14,6 +14,7 @@
 
 #include "engine/data/dataset.h"
 #include "engine/error.h"
+#include "parallel/comm/process_group.h"
 #include "parallel/engines/ddp_engine.h"
 #include "parallel/loop/distributed_sampler.h"
 #include "parallel/rendezvous/rendezvous.h"
@@ -60,6 +61,7 @@ int run(int argc, char** argv) {
                       "batch, image size (>= 32), classes (>= 2) and dataset size must be positive");
   REPLICA_USAGE_CHECK(seed >= 0, "--seed must be >= 0, got {}", seed);
   check_model_name(model);  // before the rendezvous: every rank says it alike, none half-connected
+  check_gloo_interface();
   // A rank's batch is drawn from its DistributedSampler share of the data set, known from the
   // launcher's environment before the rendezvous: a larger batch is refused here, alike on
   // every rank and before anything is allocated, where it was cut to the share without a word.

@@ -11,7 +11,8 @@
 //   are the middle and right elements, and the odd columns moved up one lane the left ones.
 //   Columns and rows in the padding take no part, as in the element-wise path.
 // In builds for AVX2, the 2x2 vectors (pairs of 8 lanes, the ends through the stack) measured
-// slower than the element-wise path, so those builds keep it, for both pools.
+// slower than the element-wise path, so those builds keep it, for the 3x3 windows too (not
+// timed there: AVX2 has no 16-lane masks for a row's ends either).
 #pragma once
 #include <cstdint>
 

@@ -117,7 +117,7 @@ Rows grad_rows(const ChannelGroup& g, const float* dy, const float* relu_y, int6
 
 // Channel groups a pass holds at once. Their rows of a sample lie side by side (8 groups of 2x2
 // planes: 1 KB), so a pass reads a block of the tensor in address order. A group at a time, its
-// samples' rows lay a channel stride apart (16 KB at 1024 channels), one load each that the
+// samples' rows lie a channel stride apart (16 KB at 1024 channels), one load each that the
 // prefetchers do not follow, each a wait on memory. 8 timed faster than 4, 16, 32 and 64
 // (bench/results/2026-11-29-cpu-batch-norm-short-rows.md).
 constexpr int64_t kBlockGroups = 8;
