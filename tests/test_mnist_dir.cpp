@@ -132,6 +132,20 @@ TEST_CASE("mnist: directory and file errors") {
   write_split(wide, "t10k", 3, 2, 2, false);  // the other split, present and fine
   write_split(wide, "train", 40, 2, 2, false, 26);
   CHECK(open_mnist(wide.path.string(), true)->num_classes() == 26);
+  // One corrupt label (255 among 0..9) is refused with its sample, where it made 256 classes;
+  // a split too small to hold every class is not judged (5 samples up to 25).
+  std::vector<uint8_t> labels(300);
+  for (size_t i = 0; i < labels.size(); ++i) labels[i] = uint8_t(i % 10);
+  labels[123] = 255;
+  write_idx(wide.file("train-images-idx3-ubyte"), {300, 2, 2}, pattern(1200), false);
+  write_idx(wide.file("train-labels-idx1-ubyte"), {300}, labels, false);
+  CHECK(error_of([&] { open_mnist(wide.path.string(), true); }) ==
+        wide.file("train-labels-idx1-ubyte") +
+            ": label 255 (sample 123) makes 256 classes, and 245 of them have no sample among "
+            "the 300 (the other labels run 0..9): a corrupt labels file?");
+  write_idx(wide.file("train-images-idx3-ubyte"), {5, 2, 2}, pattern(20), false);
+  write_idx(wide.file("train-labels-idx1-ubyte"), {5}, {0, 3, 20, 7, 25}, false);
+  CHECK(open_mnist(wide.path.string(), true)->num_classes() == 26);
 
   // A bad normalisation.
   TempDir ok;

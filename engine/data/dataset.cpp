@@ -4,6 +4,7 @@
 #include <dirent.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -226,6 +227,32 @@ std::vector<std::string> mnist_files(const std::string& dir) {
   return files;
 }
 
+namespace {
+
+// The classes are the largest label + 1 (EMNIST's letters run 1..26). One corrupt byte of a
+// labels file (255 among 0..9) made a model of 256 outputs and trained it without a word: where
+// the split has samples enough for every class and most classes have none, the largest label is
+// refused, with the sample that has it.
+void check_label_range(const std::string& path, const std::vector<uint8_t>& labels) {
+  std::array<int64_t, 256> count{};
+  for (uint8_t l : labels) ++count[l];
+  int top = 255;
+  while (top > 0 && count[size_t(top)] == 0) --top;
+  const int64_t classes = top + 1;
+  const int64_t present = std::count_if(count.begin(), count.begin() + classes,
+                                        [](int64_t c) { return c > 0; });
+  if (classes <= 10 || int64_t(labels.size()) < classes || 2 * present > classes) return;
+  int next = top - 1;
+  while (next > 0 && count[size_t(next)] == 0) --next;
+  const auto at = std::find(labels.begin(), labels.end(), uint8_t(top)) - labels.begin();
+  throw Error(fmt::format("{}: label {} (sample {}) makes {} classes, and {} of them have no "
+                          "sample among the {} (the other labels run 0..{}): a corrupt labels "
+                          "file?",
+                          path, top, at, classes, classes - present, labels.size(), next));
+}
+
+}  // namespace
+
 std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float mean, float stddev) {
   require_mnist_files(dir, {train ? "train" : "t10k"});
   REPLICA_USAGE_CHECK(stddev > 0.0f && std::isfinite(stddev) && std::isfinite(mean),
@@ -254,6 +281,7 @@ std::unique_ptr<Dataset> open_mnist(const std::string& dir, bool train, float me
   if (images.dims[1] == 0 || images.dims[2] == 0)
     throw Error(fmt::format("{}: images of {}x{} pixels", img_path, images.dims[1],
                             images.dims[2]));
+  check_label_range(lbl_path, labels.data);
   std::string name = base_name(dir) + (train ? " train" : " test");
   return std::make_unique<MnistDataset>(name, std::move(images), std::move(labels), mean, stddev);
 }
