@@ -7,6 +7,7 @@
 //   replica-dp-vs-ddp --devices cpu*4 --steps 200 -- --model resnet18 --batch-size 64
 // Flags after -- go to both replica-train runs unchanged; those that would make the runs clash
 // (an output, --resume) are refused (check_runs_apart).
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +38,34 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// A stop signal (SIGINT, SIGTERM, SIGHUP) ends the comparison between runs, not the process at
+// once: the run in progress stops, and the temporary folder of the runs' logs is removed as on
+// any other way out (it stayed behind). A Ctrl-C reaches the run too (it is in the terminal's
+// process group); a signal sent to this process alone is passed on to the run.
+volatile sig_atomic_t g_stop_signal = 0;
+volatile pid_t g_run_pid = 0;
+
+void on_stop_signal(int sig, siginfo_t* info, void*) {
+  if (g_stop_signal == 0) g_stop_signal = sig;
+  const bool sent_by_a_process = info != nullptr && info->si_code <= 0;  // kill(), not a terminal
+  if (sent_by_a_process && g_run_pid > 0) kill(g_run_pid, sig);
+}
+
+struct StopSignals {
+  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
+  struct sigaction old[3];
+  StopSignals() {
+    struct sigaction sa {};
+    sa.sa_sigaction = on_stop_signal;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &sa, &old[i]);
+  }
+  ~StopSignals() {
+    for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &old[i], nullptr);
+  }
+};
+
 // Runs `program args` with its output in `log`; returns its exit status and what it printed.
 std::pair<int, std::string> run_child(const std::string& program,
                                       const std::vector<std::string>& args,
@@ -47,6 +77,7 @@ std::pair<int, std::string> run_child(const std::string& program,
   argv.push_back(nullptr);
   pid_t pid = fork();
   REPLICA_CHECK(pid >= 0, "fork failed");
+  g_run_pid = pid;
   if (pid == 0) {
     FILE* out = std::freopen(log.c_str(), "w", stdout);
     if (out) dup2(fileno(stdout), STDERR_FILENO);
@@ -55,6 +86,7 @@ std::pair<int, std::string> run_child(const std::string& program,
   }
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+  g_run_pid = 0;
   std::ifstream in(log);
   std::string text((std::istreambuf_iterator<char>(in)), {});
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), text};
@@ -72,6 +104,7 @@ void check_train_flags(const std::string& program, std::vector<std::string> args
                        const std::string& log) {
   args.push_back("--print-config");
   const auto [code, text] = run_child(program, args, log);
+  if (g_stop_signal != 0) return;  // run_both says so
   if (code == 2) {  // its one-line usage error, said as this program's
     std::string line = last_line(text);
     const std::string own = "replica-train: error: ";
@@ -91,11 +124,13 @@ void check_train_flags(const std::string& program, std::vector<std::string> args
                 last_line(text));
 }
 
-// Runs replica-train with `args`; its own output goes to `log`. Returns its metrics.
-nlohmann::json run_train(const std::string& program, std::vector<std::string> args,
-                         const std::string& log, const std::string& metrics) {
+// Runs replica-train with `args`; its own output goes to `log`. Returns its metrics, or nothing
+// when a stop signal ended it.
+std::optional<nlohmann::json> run_train(const std::string& program, std::vector<std::string> args,
+                                        const std::string& log, const std::string& metrics) {
   args.insert(args.end(), {"--metrics-json", metrics});
   const auto [code, text] = run_child(program, args, log);
+  if (g_stop_signal != 0) return std::nullopt;
   if (code != 0)
     throw Error(fmt::format("replica-train {} failed: {}", args[0] + " " + args[1],
                             last_line(text)));
@@ -180,6 +215,27 @@ void check_extra_flags(const std::vector<std::string>& extra) {
   }
 }
 
+// The runs' flags checked, then the runs, one after the other, their output in dir; nothing when
+// a stop signal ended one.
+std::optional<std::vector<RunMetrics>> run_both(const std::string& train,
+                                                const std::vector<std::vector<std::string>>& runs,
+                                                const std::string& dir) {
+  for (const auto& args : runs) {
+    check_train_flags(train, args, dir + "/" + args[1] + ".log");
+    if (g_stop_signal != 0) return std::nullopt;
+  }
+  std::vector<RunMetrics> m;
+  for (const auto& args : runs) {
+    std::printf("running replica-train --mode %s ...\n", args[1].c_str());
+    std::fflush(stdout);
+    const auto metrics = run_train(train, args, dir + "/" + args[1] + ".log",
+                                   dir + "/" + args[1] + ".json");
+    if (!metrics) return std::nullopt;
+    m.push_back({args[1] == "dp" ? "DP" : "DDP", *metrics});
+  }
+  return m;
+}
+
 // Where the runs' logs and metrics go: ./dp-vs-ddp/ to keep, else a temporary folder.
 std::string logs_directory(bool keep_logs) {
   const std::string dir = "dp-vs-ddp";
@@ -221,6 +277,7 @@ int run(int argc, char** argv) {
   const std::string train = (fs::path(current_executable()).parent_path() / "replica-train").string();
   REPLICA_USAGE_CHECK(fs::exists(train), "replica-train not found next to this program ({})",
                       train);
+  const StopSignals stop_signals;  // from here the runs' logs have a folder to remove
   const std::string dir = logs_directory(keep_logs);
   struct RemoveUnlessKept {  // also when a run fails: its error is in the message
     std::string dir;
@@ -239,18 +296,15 @@ int run(int argc, char** argv) {
     std::vector<std::string> args = {"--mode", mode};
     args.insert(args.end(), common.begin(), common.end());
     runs.push_back(for_mode(args, mode));  // --reduce to DP, --backend/--timeout/... to DDP
-    check_train_flags(train, runs.back(), dir + "/" + mode + ".log");
   }
-  std::vector<RunMetrics> m;
-  for (const auto& args : runs) {
-    std::printf("running replica-train --mode %s ...\n", args[1].c_str());
-    std::fflush(stdout);
-    m.push_back({args[1] == "dp" ? "DP" : "DDP",
-                 run_train(train, args, dir + "/" + args[1] + ".log",
-                           dir + "/" + args[1] + ".json")});
+  const std::optional<std::vector<RunMetrics>> m = run_both(train, runs, dir);
+  if (!m) {
+    const int sig = g_stop_signal;
+    std::fprintf(stderr, "replica-dp-vs-ddp: stopped by %s: the runs were not compared\n",
+                 sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP");
+    return 128 + sig;
   }
-
-  std::fputs(comparison(m[0], m[1], steps).c_str(), stdout);
+  std::fputs(comparison((*m)[0], (*m)[1], steps).c_str(), stdout);
   return 0;
 }
 

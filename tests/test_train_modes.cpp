@@ -313,3 +313,19 @@ TEST_CASE("replica-dp-vs-ddp: the header says the steps the runs took, and why t
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
   CHECK(test::contains(r.output, "cnn, global batch 32, 3 steps, seed 0;"));
 }
+
+TEST_CASE("replica-dp-vs-ddp: a stop signal ends the run in progress and removes the logs") {
+  // SIGTERM to replica-dp-vs-ddp alone (a Ctrl-C reaches its run as well): passed on to the run,
+  // one line, 128 + the signal, and the temporary folder of the runs' logs removed (it stayed).
+  test::TempDir tmp;
+  const std::string command = "env TMPDIR=" + tmp.str() + " " + test::bin("replica-dp-vs-ddp") +
+                              " --devices cpu*2 --steps 100000 -- --synthetic --epochs 1000 "
+                              "--no-eval";
+  auto r = run("sh -c '" + command + " & pid=$!; sleep 3; kill -TERM $pid; wait $pid; " +
+                   "echo exit $?'",
+               120);
+  INFO(r.output);
+  CHECK(test::contains(r.output, "replica-dp-vs-ddp: stopped by SIGTERM: the runs were not "
+                                 "compared\nexit 143\n"));
+  CHECK(std::filesystem::is_empty(tmp.path));
+}
