@@ -328,4 +328,6 @@ TEST_CASE("replica-dp-vs-ddp: a stop signal ends the run in progress and removes
   CHECK(test::contains(r.output, "replica-dp-vs-ddp: stopped by SIGTERM: the runs were not "
                                  "compared\nexit 143\n"));
   CHECK(std::filesystem::is_empty(tmp.path));
+  // Without the mend the run went on alone (for 1,000 epochs): not past this test.
+  run("pkill -f " + tmp.str() + "/replica-dp-vs-ddp-", 10);
 }
