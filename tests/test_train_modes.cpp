@@ -329,5 +329,5 @@ TEST_CASE("replica-dp-vs-ddp: a stop signal ends the run in progress and removes
                                  "compared\nexit 143\n"));
   CHECK(std::filesystem::is_empty(tmp.path));
   // Without the mend the run went on alone (for 1,000 epochs): not past this test.
-  run("pkill -f " + tmp.str() + "/replica-dp-vs-ddp-", 10);
+  run("pkill -A -f " + tmp.str("replica-dp-vs-ddp-"), 10);
 }
