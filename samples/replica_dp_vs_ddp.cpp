@@ -41,32 +41,44 @@ namespace {
 // A stop signal (SIGINT, SIGTERM, SIGHUP) ends the comparison between runs, not the process at
 // once: the run in progress stops, and the temporary folder of the runs' logs is removed as on
 // any other way out (it stayed behind). A Ctrl-C reaches the run too (it is in the terminal's
-// process group); a signal sent to this process alone is passed on to the run.
+// process group); a signal sent to this process alone is passed on to the run. A signal the
+// program was started with ignored (nohup's SIGHUP) stays ignored, here and in the runs.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+struct sigaction g_found[3];  // the dispositions the program started with, for the runs
 volatile sig_atomic_t g_stop_signal = 0;
 volatile pid_t g_run_pid = 0;
 
 void on_stop_signal(int sig, siginfo_t* info, void*) {
+  const int saved_errno = errno;
   if (g_stop_signal == 0) g_stop_signal = sig;
   const bool sent_by_a_process = info != nullptr && info->si_code <= 0;  // kill(), not a terminal
   if (sent_by_a_process && g_run_pid > 0) kill(g_run_pid, sig);
+  errno = saved_errno;
 }
 
 struct StopSignals {
-  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
-  struct sigaction old[3];
   StopSignals() {
     struct sigaction sa {};
     sa.sa_sigaction = on_stop_signal;
     sa.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &sa, &old[i]);
+    for (int i = 0; i < 3; ++i) {
+      sigaction(kStopSignals[i], nullptr, &g_found[i]);
+      if (g_found[i].sa_handler != SIG_IGN) sigaction(kStopSignals[i], &sa, nullptr);
+    }
   }
-  ~StopSignals() {
-    for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &old[i], nullptr);
+  ~StopSignals() { restore(); }
+  // Async-signal-safe: also in a run's process between fork() and exec().
+  static void restore() {
+    for (int i = 0; i < 3; ++i) sigaction(kStopSignals[i], &g_found[i], nullptr);
   }
 };
 
 // Runs `program args` with its output in `log`; returns its exit status and what it printed.
+// The stop signals are held back while the run is started, so that one arriving then is either
+// seen before the fork (no run is started) or passed on to a run that has its pid known and the
+// dispositions the program started with (before, the run's process could take it in this
+// program's handler, before exec, and lose it).
 std::pair<int, std::string> run_child(const std::string& program,
                                       const std::vector<std::string>& args,
                                       const std::string& log) {
@@ -75,18 +87,33 @@ std::pair<int, std::string> run_child(const std::string& program,
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());
   argv.push_back(nullptr);
-  pid_t pid = fork();
-  REPLICA_CHECK(pid >= 0, "fork failed");
-  g_run_pid = pid;
+  sigset_t stops, before;
+  sigemptyset(&stops);
+  for (int sig : kStopSignals) sigaddset(&stops, sig);
+  sigprocmask(SIG_BLOCK, &stops, &before);
+  if (g_stop_signal != 0) {
+    sigprocmask(SIG_SETMASK, &before, nullptr);
+    return {128 + g_stop_signal, ""};
+  }
+  const pid_t pid = fork();
   if (pid == 0) {
+    StopSignals::restore();
+    sigprocmask(SIG_SETMASK, &before, nullptr);
     FILE* out = std::freopen(log.c_str(), "w", stdout);
     if (out) dup2(fileno(stdout), STDERR_FILENO);
     execv(program.c_str(), argv.data());
     _exit(127);
   }
+  if (pid > 0) g_run_pid = pid;
+  sigprocmask(SIG_SETMASK, &before, nullptr);
+  REPLICA_CHECK(pid > 0, "fork failed");
+  // The pid is forgotten before the run is reaped: a signal after that must not be passed on
+  // to another process that has been given the same pid.
+  siginfo_t ended{};
+  while (waitid(P_PID, id_t(pid), &ended, WEXITED | WNOWAIT) < 0 && errno == EINTR) {}
+  g_run_pid = 0;
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
-  g_run_pid = 0;
   std::ifstream in(log);
   std::string text((std::istreambuf_iterator<char>(in)), {});
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), text};

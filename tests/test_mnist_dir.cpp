@@ -143,6 +143,10 @@ TEST_CASE("mnist: directory and file errors") {
         wide.file("train-labels-idx1-ubyte") +
             ": label 255 (sample 123) makes 256 classes, and 245 of them have no sample among "
             "the 300 (the other labels run 0..9): a corrupt labels file?");
+  write_idx(wide.file("train-labels-idx1-ubyte"), {300}, std::vector<uint8_t>(300, 200), false);
+  CHECK(contains(error_of([&] { open_mnist(wide.path.string(), true); }),
+                 ": label 200 (sample 0) makes 201 classes, and 200 of them have no sample among "
+                 "the 300 (no other label): a corrupt labels file?"));
   write_idx(wide.file("train-images-idx3-ubyte"), {5, 2, 2}, pattern(20), false);
   write_idx(wide.file("train-labels-idx1-ubyte"), {5}, {0, 3, 20, 7, 25}, false);
   CHECK(open_mnist(wide.path.string(), true)->num_classes() == 26);

@@ -34,8 +34,9 @@ NchwDims nchw(const Tensor& x) {
 
 // f(c0, c1) for ranges of channels in parallel, each range holding about kGrain elements; in
 // lanes, whole groups of 8 channels (a range ending in a part-filled group wastes lanes). On rows
-// of up to kShortRow positions a range is an eighth of the channels at least: the passes visit
-// a range's rows sample by sample, and a range's rows of one sample lie side by side. At
+// of up to kShortRow positions the grain is an eighth of the channels at least (the ranges are
+// the grain or up to half of it: 1,024 channels of 2x2 planes make 8 ranges of 128): the passes
+// visit a range's rows sample by sample, and a range's rows of one sample lie side by side. At
 // kGrain's share, 2 channels of 2x2 planes at batch 256 (32 bytes) or 4 of 4x4 (256 bytes), each
 // sample's few rows were a load a channel stride away that the prefetchers did not follow.
 // Longer rows timed no faster so (7x7 planes) or slower (56x56: fewer ranges to balance).

@@ -242,13 +242,14 @@ void check_label_range(const std::string& path, const std::vector<uint8_t>& labe
   const int64_t present = std::count_if(count.begin(), count.begin() + classes,
                                         [](int64_t c) { return c > 0; });
   if (classes <= 10 || int64_t(labels.size()) < classes || 2 * present > classes) return;
-  int next = top - 1;
+  int next = top - 1;  // the largest of the other labels
   while (next > 0 && count[size_t(next)] == 0) --next;
   const auto at = std::find(labels.begin(), labels.end(), uint8_t(top)) - labels.begin();
+  const std::string others =
+      present > 1 ? fmt::format("the other labels run 0..{}", next) : "no other label";
   throw Error(fmt::format("{}: label {} (sample {}) makes {} classes, and {} of them have no "
-                          "sample among the {} (the other labels run 0..{}): a corrupt labels "
-                          "file?",
-                          path, top, at, classes, classes - present, labels.size(), next));
+                          "sample among the {} ({}): a corrupt labels file?",
+                          path, top, at, classes, classes - present, labels.size(), others));
 }
 
 }  // namespace

@@ -156,8 +156,8 @@ void validate(const TrainConfig& c) {
   // Before any rank starts: found by the ranks once they meet, the same error could reach the
   // launcher as a peer's lost connection instead.
   if (c.mode == "ddp" && c.backend == "nccl") check_nccl_usable(devices.at(0));
-  if (c.mode == "ddp" && (c.backend == "gloo" || (c.backend == "auto" && devices[0].is_cpu())))
-    check_gloo_interface();
+  // auto takes Gloo on CPU devices and where ranks share a GPU (known once they meet).
+  if (c.mode == "ddp" && c.backend != "nccl") check_gloo_interface();
   // What the devices or the ranks would refuse later is said here too, so that --print-config
   // refuses what the run refuses.
   check_cudnn_benchmark(c.engine.cudnn_benchmark, c.engine.deterministic, devices);
