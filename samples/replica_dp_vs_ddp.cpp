@@ -119,6 +119,11 @@ std::pair<int, std::string> run_child(const std::string& program,
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), text};
 }
 
+// "replica-train --mode dp": which run `args` start, for messages.
+std::string run_name(const std::vector<std::string>& args) {
+  return "replica-train " + args[0] + " " + args[1];
+}
+
 std::string last_line(const std::string& text) {
   std::string last = text.substr(text.find_last_of('\n', text.size() - 2) + 1);
   while (!last.empty() && last.back() == '\n') last.pop_back();
@@ -147,8 +152,7 @@ void check_train_flags(const std::string& program, std::vector<std::string> args
     }
     throw UsageError("for replica-train: " + line);
   }
-  REPLICA_CHECK(code == 0, "replica-train {} --print-config failed: {}", args[0] + " " + args[1],
-                last_line(text));
+  REPLICA_CHECK(code == 0, "{} --print-config failed: {}", run_name(args), last_line(text));
 }
 
 // Runs replica-train with `args`; its own output goes to `log`. Returns its metrics, or nothing
@@ -159,14 +163,12 @@ std::optional<nlohmann::json> run_train(const std::string& program, std::vector<
   const auto [code, text] = run_child(program, args, log);
   if (g_stop_signal != 0) return std::nullopt;
   if (code != 0)
-    throw Error(fmt::format("replica-train {} failed: {}", args[0] + " " + args[1],
-                            last_line(text)));
+    throw Error(fmt::format("{} failed: {}", run_name(args), last_line(text)));
   std::ifstream m(metrics);
   try {
     return nlohmann::json::parse(m);
   } catch (const nlohmann::json::exception&) {
-    throw Error(fmt::format("replica-train {} exited 0 but wrote no metrics to {}",
-                            args[0] + " " + args[1], metrics));
+    throw Error(fmt::format("{} exited 0 but wrote no metrics to {}", run_name(args), metrics));
   }
 }
 
@@ -253,7 +255,7 @@ std::optional<std::vector<RunMetrics>> run_both(const std::string& train,
   }
   std::vector<RunMetrics> m;
   for (const auto& args : runs) {
-    std::printf("running replica-train --mode %s ...\n", args[1].c_str());
+    std::printf("running %s ...\n", run_name(args).c_str());
     std::fflush(stdout);
     const auto metrics = run_train(train, args, dir + "/" + args[1] + ".log",
                                    dir + "/" + args[1] + ".json");

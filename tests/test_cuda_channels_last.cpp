@@ -14,6 +14,7 @@
 #include "device_tensors.h"
 #include "dp_reference.h"
 #include "engine/context.h"
+#include "engine/cuda/op_parts.h"
 #include "engine/error.h"
 #include "engine/op_profile.h"
 #include "engine/ops.h"
@@ -310,9 +311,9 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
           CAPTURE(op);
           const auto it = parts.find(op);
           const bool timed =
-              it != parts.end() && it->second.count("operand copies (channels padded to 8)");
+              it != parts.end() && it->second.count(replica::cuda::kPaddingPart);
           CHECK(timed == pads);
-          if (timed) CHECK(it->second.at("operand copies (channels padded to 8)").calls == calls);
+          if (timed) CHECK(it->second.at(replica::cuda::kPaddingPart).calls == calls);
         }
         return std::vector<std::vector<float>>{get(ctx, y), get(ctx, dx), get(ctx, dw),
                                                get(ctx, db), get(ctx, sum)};

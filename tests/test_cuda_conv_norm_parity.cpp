@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda_parity_rig.h"
+#include "engine/cuda/op_parts.h"
 #include "engine/op_profile.h"
 #include "env_guard.h"
 #include "gpu_skip.h"
@@ -159,15 +160,12 @@ TEST_CASE("cuda parity: conv2d on planes smaller than the kernel, through the pl
                         InputGrad::Overwrite);
   r.gpu.set_op_profile(nullptr);
   auto parts = profile.parts();
-  const std::string part = "plane matrix (built, folded)";
+  const std::string part = replica::cuda::kPlaneMatrixPart;
   CHECK(parts["conv2d_forward"][part].calls == 1);
   CHECK(parts["conv2d_backward"][part].calls == 2);
 }
 
 namespace {
-
-// engine/cuda/cuda_backend.h's kNormOneBlockPart.
-constexpr const char* kOneBlockPart = "batch norm, a block per channel";
 
 // relu: with the ReLU fused (forward's output and backward's mask).
 // unaligned: x, y, dy and dx (and the residual) start one float into their GPU allocations.
@@ -222,9 +220,10 @@ void batchnorm_case(const Shape& shape, bool relu, bool unaligned = false, bool 
   for (size_t i = 2; i < shape.size(); ++i) hw *= shape[i];
   const bool one_block = hw > 1 && shape[0] * hw <= 4096;
   auto one_block_calls = [&](const OpProfile& p) {
+    const std::string part = replica::cuda::kNormOneBlockPart;
     int64_t calls = 0;
     for (const auto& [op, parts] : p.parts())
-      if (parts.count(kOneBlockPart)) calls += parts.at(kOneBlockPart).calls;
+      if (parts.count(part)) calls += parts.at(part).calls;
     return calls;
   };
   Pair y2 = make_random(r, shape, 43), dx2 = make_random(r, shape, 44);

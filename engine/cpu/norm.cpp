@@ -260,8 +260,8 @@ void batchnorm_backward_impl(DeviceContext& ctx, const NchwDims& d, const float*
   const int64_t m = d.n * d.hw;
   // The gradient reaching the BatchNorm: dy, or dy where the fused ReLU's output is not <= 0
   // (NaN too), else +0 (relu_backward's rule). The sums in double in a fixed order kept these
-  // loops scalar, and there `out > 0 ? dy : 0` became a branch, mispredicted on half the elements (7x slower):
-  // the bits of dy are masked instead.
+  // loops scalar, and there `out > 0 ? dy : 0` became a branch, mispredicted on half the
+  // elements (7x slower): the bits of dy are masked instead.
   auto grad = [gp, ryp](int64_t at) {
     if (!Relu) return gp[at];
     uint32_t bits;

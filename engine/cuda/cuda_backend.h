@@ -16,6 +16,7 @@
 
 #include "engine/cuda/conv_graph.h"
 #include "engine/cuda/cuda_check.h"
+#include "engine/cuda/op_parts.h"
 #include "engine/ops.h"
 
 // The body of a grid-stride loop over [0, n) in a kernel launched with cuda::grid_for(n) blocks.
@@ -132,18 +133,6 @@ void convert_async(const In* src, Out* dst, int64_t n, cudaStream_t stream);
 void copy_relayout(Tensor& dst, const Tensor& src, cudaStream_t stream);
 // An NCHW copy of the channels_last tensor t, from ctx's allocator, on its stream.
 Tensor nchw_copy(DeviceContext& ctx, const Tensor& t);
-
-// What an op profile calls a convolution's staging (OpProfile's parts): operands rounded to
-// bf16 and/or laid out NHWC, results brought back; and a first layer's operands padded with
-// zero channels to 8 and its gradients brought back without them (conv_padded.cu).
-inline constexpr const char* kCopiesPart = "operand copies (bf16, layout)";
-inline constexpr const char* kPaddingPart = "operand copies (channels padded to 8)";
-// The plane matrix's own kernels: M written from the weights, its gradient folded onto them
-// (conv_plane_matrix.cu); its GEMMs are the linear layer's.
-inline constexpr const char* kPlaneMatrixPart = "plane matrix (built, folded)";
-// BatchNorm's block per channel (norm_block.cu), where a channel's values are one slice: so a
-// profile, and the parity test, show which way a shape took.
-inline constexpr const char* kNormOneBlockPart = "batch norm, a block per channel";
 
 // p[0, n) = v on `stream` (a kernel launch; n > 0): float, int32_t or uint16_t (BF16's bits).
 template <class T>
