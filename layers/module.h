@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/context.h"
@@ -67,6 +68,11 @@ class Module {
   virtual void set_needs_input_grad(bool needed) { needs_input_grad_ = needed; }
   virtual void set_training(bool training);
   bool training() const { return training_; }
+  // The children in registration order, with their names: for walking a model stage by stage
+  // (tests/test_cuda_channels_last.cpp compares each stage's output between two layouts).
+  const std::vector<std::pair<std::string, std::unique_ptr<Module>>>& children() const {
+    return children_;
+  }
   // Multiply-adds of the last forward, this module and its children (for FLOP reports).
   virtual double last_forward_macs() const;
 

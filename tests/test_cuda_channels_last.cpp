@@ -3,11 +3,13 @@
 // convolutions read and write them where they are; ResNets trained with them follow NCHW within
 // rounding noise. tests/test_channels_last.cpp proves the layers' plumbing on CPU devices.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <cmath>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -20,6 +22,7 @@
 #include "engine/ops.h"
 #include "env_guard.h"
 #include "gpu_skip.h"
+#include "layers/model.h"
 #include "parallel/engines/train_engine.h"
 #include "seeded_values.h"
 
@@ -274,6 +277,7 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
   const Few few[] = {{{2, 3, 8, 8}, {8, 3, 3, 3}, {1, 0}},
                      {{3, 1, 9, 9}, {16, 1, 3, 3}, {2, 1}},
                      {{2, 12, 8, 8}, {20, 12, 3, 3}, {1, 1}}};
+  const test::ScopedEnv padded("REPLICA_PAD_CHANNELS", "1");  // off by default
   for (const Precision precision : {Precision::Fp32, Precision::Bf16}) {
     if (precision == Precision::Bf16 && !have_bf16()) continue;
     CAPTURE(precision_name(precision));
@@ -326,6 +330,85 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
         CHECK(test::relative_l2(a[k], b[k]) < tol);
       }
     }
+  }
+}
+
+namespace {
+
+// One model in two contexts (NCHW and channels_last) walked stage by stage: each module's output
+// in both, its relative L2 distance printed, Sequentials entered child by child, and a block's
+// Sequential children (a residual block's body, its shortcut) entered on the block's input. So a
+// wrong layout or kernel is named where it first shows, not only in the loss.
+struct LayoutWalk {
+  DeviceContext &a, &b;
+  std::vector<std::string> lines;
+  double worst = 0;
+  std::string first_off;  // the first leaf past the tolerance
+  double tol;
+
+  static std::string child_name(const std::string& name, const Module& m, size_t k) {
+    const std::string& own = m.children()[k].first;
+    return name + "." + (own.empty() ? "body" : own);  // a residual block's body is unnamed
+  }
+
+  std::pair<Tensor, Tensor> run(Module& ma, Module& mb, const Tensor& xa, const Tensor& xb,
+                                const std::string& name) {
+    if (ma.type() == "Sequential") {
+      Tensor ya = xa, yb = xb;
+      for (size_t k = 0; k < ma.children().size(); ++k)
+        std::tie(ya, yb) = run(*ma.children()[k].second, *mb.children()[k].second, ya, yb,
+                               child_name(name, ma, k));
+      return {ya, yb};
+    }
+    for (size_t k = 0; k < ma.children().size(); ++k)
+      if (ma.children()[k].second->type() == "Sequential")
+        run(*ma.children()[k].second, *mb.children()[k].second, xa, xb, child_name(name, ma, k));
+    Tensor ya = ma.forward(a, xa), yb = mb.forward(b, xb);
+    const double d = test::relative_l2(get(a, ya), get(b, yb));
+    lines.push_back(fmt::format("{} {} {}: {:.3g}{}", name, ma.type(), shape_str(ya.shape()), d,
+                                yb.channels_last() ? " (NHWC)" : ""));
+    if (ma.children().empty() && d > tol && first_off.empty()) first_off = name;
+    worst = std::max(worst, d);
+    return {ya, yb};
+  }
+};
+
+}  // namespace
+
+// ResNet-50's forward on 3x32x32 (the stem padded to 8 channels or not, BatchNorms of 64 to
+// 2048 channels over planes of 16x16 down to 1x1, the NHWC max pool, bottlenecks): every stage's
+// output in channels_last against NCHW, both on the GPU, from the weights and the batch of the
+// training case below (seed 11, batch seed 6), whose loss differed with the padded stem on an
+// H200 (2026-11-29): if the forward is where, this names the stage.
+TEST_CASE("each stage of a ResNet's forward in channels_last gives NCHW's output") {
+  if (!test::have_gpu()) return;
+  struct Case {
+    Precision precision;
+    bool pad;  // REPLICA_PAD_CHANNELS
+  };
+  for (const Case& c : {Case{Precision::Fp32, true}, Case{Precision::Bf16, true},
+                        Case{Precision::Bf16, false}}) {
+    if (c.precision == Precision::Bf16 && !have_bf16()) continue;
+    test::ScopedEnv pad("REPLICA_PAD_CHANNELS", c.pad ? "1" : "0");
+    const std::string what = fmt::format("resnet50 {}, padded stem {}",
+                                         precision_name(c.precision), c.pad ? "on" : "off");
+    CAPTURE(what);
+    DeviceContext nchw(kGpu, options(c.precision, false)), nhwc(kGpu, options(c.precision, true));
+    const Shape xs{16, 3, 32, 32};
+    auto ma = make_model("resnet50", {3, 32, 32}, 10), mb = make_model("resnet50", {3, 32, 32}, 10);
+    const EngineOptions o = test::sgd_options("resnet50", {3, 32, 32});
+    ma->materialize(nchw, o.seed);
+    mb->materialize(nhwc, o.seed);
+    const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
+    const std::vector<float> xv(batch.images.f32(), batch.images.f32() + batch.images.numel());
+    // fp32: rounding grows to about 1e-4 by the logits (cuDNN's NHWC and NCHW kernels differ)
+    LayoutWalk walk{nchw, nhwc, {}, 0, {}, c.precision == Precision::Bf16 ? 3e-2 : 1e-3};
+    walk.run(ma->root(), mb->root(), put(nchw, xs, xv), put(nhwc, xs, xv), "resnet50");
+    std::string all;
+    for (const std::string& l : walk.lines) all += l + "\n";
+    MESSAGE(what << ": each stage's relative L2, channels_last against NCHW\n" << all);
+    CHECK_MESSAGE(walk.first_off.empty(), "first stage past " << walk.tol << ": "
+                                                               << walk.first_off);
   }
 }
 
