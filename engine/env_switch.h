@@ -44,7 +44,10 @@ inline constexpr EnvSwitch kCudnnLog{"REPLICA_CUDNN_LOG", false};  // a line per
 inline constexpr EnvSwitch kCudaSlicedSums{"REPLICA_CUDA_SLICED_SUMS", false};
 inline constexpr EnvSwitch kCudaWideIndex{"REPLICA_CUDA_WIDE_INDEX", false};
 // cuDNN NHWC convolutions of fewer than 8 channels (the stem's 3) run on operands padded to 8.
-inline constexpr EnvSwitch kPadChannels{"REPLICA_PAD_CHANNELS", true};
+// Off by default: on an H200 (2026-11-29) it made ResNet-50 bf16 1.29x faster, but a ResNet-50
+// step trained with it gave a loss 5.7% from NCHW's, where every other stage agreed
+// (bench/results/2026-11-29-h200.md). On again once that is explained.
+inline constexpr EnvSwitch kPadChannels{"REPLICA_PAD_CHANNELS", false};
 // What only GPUs do, forced on CPU devices to test it there: NHWC operands, staged batches.
 inline constexpr EnvSwitch kChannelsLastOnCpu{"REPLICA_CHANNELS_LAST_ON_CPU", false};
 inline constexpr EnvSwitch kPrefetchOnCpu{"REPLICA_PREFETCH_ON_CPU", false};
@@ -53,10 +56,10 @@ inline constexpr EnvSwitch kDdpCheckSync{"REPLICA_DDP_CHECK_SYNC", false};
 // Gloo groups whose ranks share a machine all-reduce through shared memory (0: Gloo's TCP).
 inline constexpr EnvSwitch kShmAllreduce{"REPLICA_SHM_ALLREDUCE", true};
 // Convolutions on planes smaller than their kernel multiply the plane matrix
-// (engine/conv_geometry.h) instead of im2col's columns (CPU) or cuDNN's kernels (CUDA: off
-// until it has been timed against cuDNN on a GPU).
+// (engine/conv_geometry.h) instead of im2col's columns (CPU) or cuDNN's kernels (CUDA: the
+// seed recipe's fp32 step 1.55x on an H200, 2026-11-29).
 inline constexpr EnvSwitch kPlaneMatrix{"REPLICA_PLANE_MATRIX", true};
-inline constexpr EnvSwitch kCudaPlaneMatrix{"REPLICA_CUDA_PLANE_MATRIX", false};
+inline constexpr EnvSwitch kCudaPlaneMatrix{"REPLICA_CUDA_PLANE_MATRIX", true};
 // CPU: stride-1 convolutions with few output channels run the direct convolution
 // (engine/cpu/direct_conv.h) instead of im2col + GEMM.
 inline constexpr EnvSwitch kDirectConv{"REPLICA_DIRECT_CONV", true};

@@ -16,8 +16,8 @@
 // other shapes stay NCHW, where every shape has run. An NHWC convolution's output is a
 // channels_last tensor (engine/tensor.h), written where it is, and so is its input where the
 // layer before wrote one: only NCHW operands are copied into NHWC.
-// With REPLICA_CUDA_PLANE_MATRIX=1, fp32 and tf32 convolutions on planes smaller than their
-// kernel skip cuDNN for one GEMM with their plane matrix (conv_plane_matrix.cu).
+// fp32 and tf32 convolutions on planes smaller than their kernel skip cuDNN for one GEMM with
+// their plane matrix (conv_plane_matrix.cu; REPLICA_CUDA_PLANE_MATRIX=0 turns it off).
 // With ctx.deterministic() only algorithms that cuDNN reports as deterministic are used. Bias
 // forward/backward are own kernels (the bias gradient is a fixed-order per-channel reduction,
 // so it is deterministic in every mode).

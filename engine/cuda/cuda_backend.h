@@ -262,7 +262,7 @@ class CudaBackend final : public Backend {
                               const Tensor& dy, Tensor& dx, Tensor& dw, Tensor& db,
                               const Conv2dParams& p, InputGrad dx_mode);
   // A convolution on planes smaller than its kernel, as one GEMM over the batch with its plane
-  // matrix (engine/conv_geometry.h), where REPLICA_CUDA_PLANE_MATRIX=1 and every operand is
+  // matrix (engine/conv_geometry.h), unless REPLICA_CUDA_PLANE_MATRIX=0, where every operand is
   // NCHW (conv_plane_matrix.cu): false, having done nothing, for any other.
   bool plane_matrix_conv2d_forward(DeviceContext& ctx, const Tensor& x, const Tensor& w,
                                    const Tensor& b, Tensor& y, const Conv2dParams& p);
