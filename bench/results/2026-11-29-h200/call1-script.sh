@@ -1,0 +1,42 @@
+#!/bin/bash
+# What the next session with a GPU machine runs, in one `run` call (the device tool's budget is a
+# few minutes, so it is one prepared script): the GPU suites, issue 12's open rows against
+# PyTorch in the same call, and each change built since the last GPU run timed on and off.
+#
+#   here:  REPLICA_SKIP_BUILD=1 tools/setup.sh && ../shared/gpu/pack.sh     (builds .gpu/)
+#   there: run with carry [".gpu"], timeout_s 560:  BUDGET=540 bash tools/gpu_session.sh
+#   then:  give_back; python3 tools/ncu_step.py <files_at>/s1/ncu.csv
+#
+# Each step runs under its own limit and what is left of BUDGET (tools/gpu_steps.sh), so a call
+# that runs out of time still brings back $OUT/s1.tgz with what ran and a summary of what did not.
+BUDGET=${BUDGET:-540}
+source tools/gpu_steps.sh s1
+B=/tmp/replica-gpu/build
+G="bash .gpu/gpu.sh run"
+V="$G python3 tools/replica_vs_pytorch.py --bin $B/bin"
+$G true  # unpacks .gpu/ before the first timed step
+git log -1 --format=%H > "$R/commit.txt" 2>/dev/null || echo "no git here" > "$R/commit.txt"
+
+step tests 150 $G ctest --test-dir $B -L gpu -E test_cuda_ddp --output-on-failure
+step vs-r101 60 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101"
+step vs-r50 90 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50"
+
+# Changes built since the last GPU run, each against its switch in the same call. The heuristic
+# order compiles engines at run time (about a second per plan): its cuDNN log says which were
+# compiled, should the step run out of time.
+D="$B/bin/replica-bench --suite dp --device-counts 1 --devices cuda:0"
+T="--warmup 3 --steps 20 --repeat 3"
+R50="$D --model resnet50 --input-shape 3x224x224 --batch-per-device 256 --precision bf16"
+R101="$D --model resnet101 --input-shape 1x28x28 --batch-per-device 256 --precision fp32"
+step r50-pad 35 $G $R50 $T
+step r50-nopad 35 env REPLICA_PAD_CHANNELS=0 $G $R50 $T
+step r101-block 30 $G $R101 $T
+step r101-plane 30 env REPLICA_CUDA_PLANE_MATRIX=1 $G $R101 $T
+step r101-sliced 30 env REPLICA_CUDA_SLICED_SUMS=1 $G $R101 $T
+step r101-cl 30 $G $R101 $T --memory-format channels_last
+step vs-r101-graphs 50 $V --case resnet101:1x28x28:256 --precisions fp32 --cuda-graphs --out "$R/vs-r101-graphs"
+step ncu 60 $G ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+  --csv --log-file "$R/ncu.csv" $R50 --memory-format channels_last --warmup 1 --steps 2 --repeat 1
+step vs-r101-order 50 env REPLICA_CUDNN_HEURISTIC_ORDER=1 REPLICA_CUDNN_LOG=1 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101-order"
+step ddp 60 $G ctest --test-dir $B -R test_cuda_ddp --output-on-failure
+gpu_steps_pack
