@@ -43,9 +43,11 @@ inline constexpr EnvSwitch kCudnnLog{"REPLICA_CUDNN_LOG", false};  // a line per
 // CUDA: per-channel sums in slices (the one-block passes off), and 64-bit indexing forced.
 inline constexpr EnvSwitch kCudaSlicedSums{"REPLICA_CUDA_SLICED_SUMS", false};
 inline constexpr EnvSwitch kCudaWideIndex{"REPLICA_CUDA_WIDE_INDEX", false};
-// cuDNN NHWC convolutions of fewer than 8 channels (the stem's 3) run on operands padded to 8
-// (ResNet-50 bf16 at batch 256 1.29x on an H200, 2026-11-29).
-inline constexpr EnvSwitch kPadChannels{"REPLICA_PAD_CHANNELS", true};
+// cuDNN NHWC convolutions of fewer than 8 channels (the stem's 3) run on operands padded to 8.
+// Off by default: on an H200 (2026-11-29) it made ResNet-50 bf16 1.29x faster, but one training
+// step of ResNet-50 bf16 with it gave a loss 5.7% from NCHW's, not yet explained
+// (bench/results/2026-11-29-h200.md). On again once test_cuda_layout_walk says where.
+inline constexpr EnvSwitch kPadChannels{"REPLICA_PAD_CHANNELS", false};
 // What only GPUs do, forced on CPU devices to test it there: NHWC operands, staged batches.
 inline constexpr EnvSwitch kChannelsLastOnCpu{"REPLICA_CHANNELS_LAST_ON_CPU", false};
 inline constexpr EnvSwitch kPrefetchOnCpu{"REPLICA_PREFETCH_ON_CPU", false};
@@ -55,7 +57,7 @@ inline constexpr EnvSwitch kDdpCheckSync{"REPLICA_DDP_CHECK_SYNC", false};
 inline constexpr EnvSwitch kShmAllreduce{"REPLICA_SHM_ALLREDUCE", true};
 // Convolutions on planes smaller than their kernel multiply the plane matrix
 // (engine/conv_geometry.h) instead of im2col's columns (CPU) or cuDNN's kernels (CUDA: the
-// seed recipe's fp32 step 1.55x on an H200, 2026-11-29).
+// seed recipe's fp32 step 1.53x on an H200, 2026-11-29).
 inline constexpr EnvSwitch kPlaneMatrix{"REPLICA_PLANE_MATRIX", true};
 inline constexpr EnvSwitch kCudaPlaneMatrix{"REPLICA_CUDA_PLANE_MATRIX", true};
 // CPU: stride-1 convolutions with few output channels run the direct convolution

@@ -118,12 +118,12 @@ TEST_CASE("layers keep the layout: a convolution's NHWC output flows on; Flatten
   odd.materialize(ctx, 4);
   const Tensor x = counting(ctx, {2, 8, 5, 5});
   CHECK(wide.forward(ctx, x).channels_last());  // 8 -> 16 channels: NHWC
-  // 3 in (padded to 8 on a GPU): NHWC too; 12 out, which cuDNN's NHWC kernels refuse: NCHW
-  CHECK(stem.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());
+  // 3 in, unpadded (the default): NCHW; 12 out, which cuDNN's NHWC kernels refuse: NCHW
+  CHECK_FALSE(stem.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());
   CHECK_FALSE(odd.forward(ctx, x).channels_last());
   {
-    const test::ScopedEnv unpadded("REPLICA_PAD_CHANNELS", "0");  // 3 in, unpadded: NCHW
-    CHECK_FALSE(stem.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());
+    const test::ScopedEnv padded("REPLICA_PAD_CHANNELS", "1");  // 3 in, padded to 8 on a GPU
+    CHECK(stem.forward(ctx, counting(ctx, {2, 3, 5, 5})).channels_last());
     CHECK(wide.forward(ctx, x).channels_last());
   }
 

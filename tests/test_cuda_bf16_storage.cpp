@@ -294,11 +294,11 @@ TEST_CASE("ResNet-18 in bf16: the GPU's SGD step is the CPU's, within rounding n
   EngineOptions o = test::sgd_options("resnet18", {1, 28, 28});
   o.precision = Precision::Bf16;
   auto cpu = make_single_device_engine(kCpu, o);
-  const auto noisy = [&o] { return make_single_device_engine(kCpu, o); };
+  auto noisy = make_single_device_engine(kCpu, o);
   auto gpu = make_single_device_engine(kGpu, o);
   const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
   const test::NoiseDrift d =
-      test::step_against_noise(*cpu, *gpu, noisy, batch, 1.f / 512, "resnet18 bf16, CPU vs GPU");
+      test::step_against_noise(*cpu, *gpu, *noisy, batch, 1.f / 512, "resnet18 bf16, CPU vs GPU");
   CHECK(d.drift < 5 * d.noise_drift);
 }
 

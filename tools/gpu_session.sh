@@ -20,14 +20,15 @@ git log -1 --format=%H > "$R/commit.txt" 2>/dev/null || echo "no git here" > "$R
 step tests 150 $G ctest --test-dir $B -L gpu -E test_cuda_ddp --output-on-failure
 step ddp 150 $G ctest --test-dir $B -R test_cuda_ddp --output-on-failure
 
-# The padded stem's checks with their figures printed: ResNet-50's forward stage by stage, and
-# one training step against NCHW with its loss held to three draws of input noise (its loss was
-# 2.533 against NCHW's 2.397 on 2026-11-29, one draw of noise moving it by 0.036).
-CL="$B/bin/test_cuda_channels_last"
-step walk 40 $G $CL -tc="each stage*" -s
-step trained 30 $G $CL -tc="ResNets trained*" -s
+# The padded stem (REPLICA_PAD_CHANNELS=1, off by default since 2026-11-29): ResNet-50 bf16 1.29x
+# faster with it, but one training step's loss was 2.533 against NCHW's 2.397. The stage-by-stage
+# walk (the training case's weights and batch among its cases) and that step, figures printed.
+step walk 40 $G $B/bin/test_cuda_layout_walk -s
+step trained-pad 30 env REPLICA_PAD_CHANNELS=1 $G $B/bin/test_cuda_channels_last -tc="ResNets trained*" -s
 step vs-r50 90 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50"
-step vs-r101 60 $V --case resnet101:1x28x28:256 --precisions fp32,tf32 --out "$R/vs-r101"
+step vs-r50-pad 90 env REPLICA_PAD_CHANNELS=1 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50-pad"
+step vs-r101 60 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101"
+step vs-r101-tf32 60 $V --case resnet101:1x28x28:256 --precisions tf32 --out "$R/vs-r101-tf32"
 
 # Switches against the defaults, each in the same call.
 D="$B/bin/replica-bench --suite dp --device-counts 1 --devices cuda:0"
@@ -35,7 +36,7 @@ T="--warmup 3 --steps 20 --repeat 3"
 R50="$D --model resnet50 --input-shape 3x224x224 --batch-per-device 256 --precision bf16"
 R101="$D --model resnet101 --input-shape 1x28x28 --batch-per-device 256 --precision fp32"
 step r50 35 $G $R50 $T
-step r50-nopad 35 env REPLICA_PAD_CHANNELS=0 $G $R50 $T
+step r50-pad 35 env REPLICA_PAD_CHANNELS=1 $G $R50 $T
 step r101 30 $G $R101 $T
 step r101-noplane 30 env REPLICA_CUDA_PLANE_MATRIX=0 $G $R101 $T
 step ncu 60 $G ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \

@@ -27,12 +27,13 @@ OPS_RUNS = [("fp32", "nchw", "legacy"), ("fp32", "nchw"), ("tf32", "nchw", "lega
 # First: ResNet-50 bf16 at batch 256, 0.49x PyTorch on an H200 (2026-11-27) with its
 # convolutions 74% of the step; their parts say how much of that is the NHWC/bf16 copies that
 # stage each convolution's operands, and how much cuDNN.
-# Where a run names environment variables, it times a switch that turns one change off, in the
-# same call: REPLICA_PAD_CHANNELS=0 the stem's channels padded to 8 (engine/cuda/conv_padded.cu),
-# REPLICA_CUDA_SLICED_SUMS=1 BatchNorm's one-block passes (engine/cuda/norm_block.cu).
+# Where a run names environment variables, it times a switch in the same call:
+# REPLICA_PAD_CHANNELS=1 the stem's channels padded to 8 (engine/cuda/conv_padded.cu; off by
+# default until its training step's loss agrees with NCHW's), REPLICA_CUDA_SLICED_SUMS=1
+# BatchNorm's one-block passes off (engine/cuda/norm_block.cu).
 OPS_GPU_CASES = [("resnet50", "3x224x224", 256,
                   [("bf16", "channels_last"),
-                   ("bf16", "channels_last", {"REPLICA_PAD_CHANNELS": "0"})]),
+                   ("bf16", "channels_last", {"REPLICA_PAD_CHANNELS": "1"})]),
                  ("resnet50", "3x224x224", 64, OPS_RUNS),
                  ("cnn", "1x28x28", 32, [("fp32", "nchw"), ("tf32", "nchw")]),
                  ("cnn", "1x28x28", 256, [("fp32", "nchw"), ("tf32", "nchw")]),

@@ -6,13 +6,13 @@
 // implicit-GEMM convolution multiplies 9 taps per output pixel and 5 of them fall on padding,
 // and three on 1x1 planes (8 of 9 on padding). Here a kernel writes M from the weights, the
 // products are the linear layer's cuBLAS calls on the NCHW tensors seen as [n, c*h*w] (fp32,
-// tf32 as the handle's math mode says), and a second
-// kernel folds M's gradient back onto the taps. On an H200 (2026-11-29) the seed recipe's fp32
-// step ran 1.55x faster than on cuDNN's kernels (11,600 against 7,500 samples/s). fp32 and tf32
-// only: in bf16 the weight gradient would be rounded per
-// entry of M before the fold rather than once per weight as cuDNN's and the CPU's are, and a dx
-// added onto would need the staged add; bf16 runs channels_last, where cuDNN's tensor-core
-// kernels take these layers anyway. NHWC operands keep cuDNN (a sample is then not M's row).
+// tf32 as the handle's math mode says), and a second kernel folds M's gradient back onto the
+// taps. On an H200 (2026-11-29) the seed recipe's fp32 step ran 1.53x faster than on cuDNN's
+// kernels (11,530 against 7,512 samples/s). fp32 and tf32 only: in bf16 the weight gradient
+// would be rounded per entry of M before the fold rather than once per weight as cuDNN's and
+// the CPU's are, and a dx added onto would need the staged add; bf16 runs channels_last, where
+// cuDNN's tensor-core kernels take these layers anyway. NHWC operands keep cuDNN (a sample is
+// then not M's row).
 #include <optional>
 
 #include "engine/conv_geometry.h"
