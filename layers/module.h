@@ -69,7 +69,7 @@ class Module {
   virtual void set_training(bool training);
   bool training() const { return training_; }
   // The children in registration order, with their names: for walking a model stage by stage
-  // (tests/test_cuda_channels_last.cpp compares each stage's output between two layouts).
+  // (tests/test_cuda_layout_walk.cpp compares each stage's output between two layouts).
   const std::vector<std::pair<std::string, std::unique_ptr<Module>>>& children() const {
     return children_;
   }

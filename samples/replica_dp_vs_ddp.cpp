@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <utility>
@@ -44,7 +45,8 @@ namespace {
 // process group); a signal sent to this process alone is passed on to the run. A signal the
 // program was started with ignored (nohup's SIGHUP) stays ignored, here and in the runs.
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
-struct sigaction g_found[3];  // the dispositions the program started with, for the runs
+constexpr size_t kStops = std::size(kStopSignals);
+struct sigaction g_found[kStops];  // the dispositions the program started with, for the runs
 volatile sig_atomic_t g_stop_signal = 0;
 volatile pid_t g_run_pid = 0;
 
@@ -62,7 +64,7 @@ struct StopSignals {
     sa.sa_sigaction = on_stop_signal;
     sa.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    for (int i = 0; i < 3; ++i) {
+    for (size_t i = 0; i < kStops; ++i) {
       sigaction(kStopSignals[i], nullptr, &g_found[i]);
       if (g_found[i].sa_handler != SIG_IGN) sigaction(kStopSignals[i], &sa, nullptr);
     }
@@ -70,7 +72,7 @@ struct StopSignals {
   ~StopSignals() { restore(); }
   // Async-signal-safe: also in a run's process between fork() and exec().
   static void restore() {
-    for (int i = 0; i < 3; ++i) sigaction(kStopSignals[i], &g_found[i], nullptr);
+    for (size_t i = 0; i < kStops; ++i) sigaction(kStopSignals[i], &g_found[i], nullptr);
   }
 };
 
@@ -328,10 +330,9 @@ int run(int argc, char** argv) {
   }
   const std::optional<std::vector<RunMetrics>> m = run_both(train, runs, dir);
   if (!m) {
-    const int sig = g_stop_signal;
     std::fprintf(stderr, "replica-dp-vs-ddp: stopped by %s: the runs were not compared\n",
-                 sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP");
-    return 128 + sig;
+                 signal_name(g_stop_signal).c_str());
+    return 128 + g_stop_signal;
   }
   std::fputs(comparison((*m)[0], (*m)[1], steps).c_str(), stdout);
   return 0;

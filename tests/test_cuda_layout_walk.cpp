@@ -92,11 +92,12 @@ void walk_resnet50(const Case& c) {
   auto ma = make_model("resnet50", {3, 32, 32}, 10), mb = make_model("resnet50", {3, 32, 32}, 10);
   ma->materialize(nchw, c.seed);
   mb->materialize(nhwc, c.seed);
-  std::vector<float> xv = test::normal_values(shape_numel(xs), 12);
-  if (c.training_batch) {
+  const auto input = [&] {
+    if (!c.training_batch) return test::normal_values(shape_numel(xs), 12);
     const Batch batch = test::make_batches({3, 32, 32}, 16, 1, 6).at(0);
-    xv.assign(batch.images.f32(), batch.images.f32() + batch.images.numel());
-  }
+    return std::vector<float>(batch.images.f32(), batch.images.f32() + batch.images.numel());
+  };
+  const std::vector<float> xv = input();
   // Two kernels' outputs of one bf16 convolution differ by an ulp (2^-8 relative) where their
   // sums round apart; a value read from the wrong place differs by O(1). fp32's rounding grows
   // to about 1e-4 by the logits.

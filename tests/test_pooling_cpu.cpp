@@ -140,7 +140,6 @@ TEST_CASE("maxpool2d 2x2: the vector path gives the element-wise path's bits") {
   CHECK(bits.dx[0] == bits.dx[1]);
 }
 
-
 // ResNet's pool (3x3, stride 2, padding 1) both ways on planes whose rows hold 1 to 34 windows
 // (a part-filled vector, whole ones, whole ones and a part), odd and even sizes (the right
 // column in the padding or not), planes 1 and 2 high: values with many ties, zeros of both

@@ -34,11 +34,6 @@ struct Child {
   bool running = false;
 };
 
-std::string signal_name(int sig) {
-  const char* abbrev = sigabbrev_np(sig);
-  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
-}
-
 std::vector<std::string> child_environment(
     const std::vector<std::pair<std::string, std::string>>& set) {
   // (REPLICA_ERROR_DIR is in `set`: it replaces an outer launcher's.)
@@ -320,6 +315,11 @@ int report_outcome(const LaunchOptions& o, const std::vector<Child>& children, c
 }
 
 }  // namespace
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
 
 int launch_ranks(const LaunchOptions& o) {
   REPLICA_USAGE_CHECK(!o.command.empty(), "no program to run");

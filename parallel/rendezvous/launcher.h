@@ -41,4 +41,7 @@ int pick_free_port();
 // The path of the running executable (/proc/self/exe).
 std::string current_executable();
 
+// "SIGTERM" for SIGTERM: how the launcher and replica-dp-vs-ddp name a signal in a message.
+std::string signal_name(int sig);
+
 }  // namespace replica
