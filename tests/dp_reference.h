@@ -12,9 +12,11 @@
 #include <vector>
 
 #include "engine/allocator.h"
+#include "engine/context.h"
 #include "engine/data/dataset.h"
 #include "engine/data/loader.h"
 #include "layers/loss.h"
+#include "layers/model.h"
 #include "parallel/engines/scatter.h"
 #include "parallel/engines/train_engine.h"
 
@@ -218,6 +220,32 @@ inline Batch perturbed(const Batch& b, float rel, uint32_t seed) {
   for (int64_t i = 0; i < b.images.numel(); ++i)
     p.images.f32()[i] = b.images.f32()[i] * (1.f + u(rng));
   return p;
+}
+
+// Sets the weight of each residual block's last BatchNorm (the one before the sum with the
+// shortcut) to `gamma` in e's model on its one device, as torchvision's zero_init_residual does
+// with 0. From the default init a ResNet-50's SGD step is chaotic: on the CPU, noise of 2^-16 on
+// the input pixels moves its update by 9% (relative L2) and noise of 2^-9 by 90-140%, and one
+// bf16 ulp at 14 of the stem's outputs moves its loss by 2.7%. With 0.1 the same noise moves the
+// update by 0.1-1.2% and 20%, and those ulps the loss by 0.04% (bench/results/2026-11-30-cpu.md):
+// two steps compared then differ by what their arithmetic does. Every layer still has a gradient
+// (with 0 the blocks' bodies get none).
+inline void damp_residual_branches(TrainEngine& e, float gamma) {
+  const std::string& model = e.model().spec().name;
+  const std::string last =
+      model == "resnet18" || model == "resnet34" ? ".bn2.weight" : ".bn3.weight";  // basic blocks
+  DeviceContext& ctx = e.primary();
+  int damped = 0;
+  for (Param* p : e.model().params()) {
+    const std::string& n = p->name;
+    if (n.rfind("layer", 0) != 0 || n.size() <= last.size() ||
+        n.compare(n.size() - last.size(), last.size(), last) != 0)
+      continue;
+    ctx.ops().fill(ctx, p->value, gamma);
+    ++damped;
+  }
+  REQUIRE(damped > 0);  // a ResNet
+  e.state_loaded();
 }
 
 // One SGD step of `ref`, `other` and `noisy` (ref's set-up) from the same parameters on `batch`,

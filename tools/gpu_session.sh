@@ -17,16 +17,19 @@ V="$G python3 tools/replica_vs_pytorch.py --bin $B/bin"
 $G true  # unpacks .gpu/ before the first timed step
 git log -1 --format=%H > "$R/commit.txt" 2>/dev/null || echo "no git here" > "$R/commit.txt"
 
+# First what decides issue 12's last row. The padded stem (REPLICA_PAD_CHANNELS=1, off by default
+# since 2026-11-29): ResNet-50 bf16 1.29x faster with it, but one training step's loss was 2.533
+# against NCHW's 2.397, in a step since shown chaotic from the default init (the test now damps
+# the residual branches: tests/dp_reference.h). The stage-by-stage walk (the training case's
+# weights and batch among its cases) and that step with the padding, figures printed. If the
+# walk's stem is within rounding, and the step and the stem's geometry case (in `tests`) pass,
+# the padding goes back on by default (engine/env_switch.h) and ResNet-50 bf16 is vs-r50-pad.
+step walk 40 $G $B/bin/test_cuda_layout_walk -s
+step trained-pad 30 env REPLICA_PAD_CHANNELS=1 $G $B/bin/test_cuda_channels_last -s
+step vs-r50-pad 90 env REPLICA_PAD_CHANNELS=1 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50-pad"
+step vs-r50 90 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50"
 step tests 150 $G ctest --test-dir $B -L gpu -E test_cuda_ddp --output-on-failure
 step ddp 150 $G ctest --test-dir $B -R test_cuda_ddp --output-on-failure
-
-# The padded stem (REPLICA_PAD_CHANNELS=1, off by default since 2026-11-29): ResNet-50 bf16 1.29x
-# faster with it, but one training step's loss was 2.533 against NCHW's 2.397. The stage-by-stage
-# walk (the training case's weights and batch among its cases) and that step, figures printed.
-step walk 40 $G $B/bin/test_cuda_layout_walk -s
-step trained-pad 30 env REPLICA_PAD_CHANNELS=1 $G $B/bin/test_cuda_channels_last -tc="ResNets trained*" -s
-step vs-r50 90 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50"
-step vs-r50-pad 90 env REPLICA_PAD_CHANNELS=1 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50-pad"
 step vs-r101 60 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101"
 step vs-r101-tf32 60 $V --case resnet101:1x28x28:256 --precisions tf32 --out "$R/vs-r101-tf32"
 
