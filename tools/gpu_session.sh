@@ -4,6 +4,7 @@
 # PyTorch in the same call, and each change built since the last GPU run timed on and off.
 #
 #   here:  REPLICA_SKIP_BUILD=1 tools/setup.sh && ../shared/gpu/pack.sh     (builds .gpu/)
+#          tools/gpu_pack_commit.sh d9253e9                   (DP before the redesign, .gpu/)
 #   there: run with carry [".gpu"], timeout_s 560:  BUDGET=540 bash tools/gpu_session.sh
 #   then:  give_back; python3 tools/ncu_step.py <files_at>/s1/ncu.csv
 #
@@ -30,6 +31,21 @@ step vs-r50-pad 90 env REPLICA_PAD_CHANNELS=1 $V --case resnet50:3x224x224:256 -
 step vs-r50 90 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50"
 step tests 150 $G ctest --test-dir $B -L gpu -E test_cuda_ddp --output-on-failure
 step ddp 150 $G ctest --test-dir $B -R test_cuda_ddp --output-on-failure
+
+# Issue 11: DP's samples/s against d9253e9, where the communication-layer redesign started: the
+# CNN at 64 per device on 1, 2 and 4 logical devices of the GPU, the two builds alternated twice
+# in this call (.gpu/commit-d9253e9.tar.xz, made here by tools/gpu_pack_commit.sh d9253e9).
+OLD=/tmp/replica-d9253e9/build/bin/replica-bench
+DPC="--suite dp --model cnn --devices cuda:0*4 --device-counts 1,2,4 --batch-per-device 64"
+DPC="$DPC --warmup 20 --steps 300 --repeat 1"
+if [ -f .gpu/commit-d9253e9.tar.xz ] && tar -xJf .gpu/commit-d9253e9.tar.xz -C /; then
+  for round in 1 2; do
+    step dp-old-$round 25 $G $OLD $DPC --json "$R/dp-old.jsonl"
+    step dp-new-$round 25 $G $B/bin/replica-bench $DPC --json "$R/dp-new.jsonl"
+  done
+else
+  echo "NOT RUN dp-old/dp-new (no .gpu/commit-d9253e9.tar.xz)" | tee -a "$R/summary.txt"
+fi
 step vs-r101 60 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101"
 step vs-r101-tf32 60 $V --case resnet101:1x28x28:256 --precisions tf32 --out "$R/vs-r101-tf32"
 
