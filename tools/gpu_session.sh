@@ -43,6 +43,23 @@ if [ -f .gpu/commit-d9253e9.tar.xz ] && tar -xJf .gpu/commit-d9253e9.tar.xz -C /
     step dp-old-$round 25 $G $OLD $DPC --json "$R/dp-old.jsonl"
     step dp-new-$round 25 $G $B/bin/replica-bench $DPC --json "$R/dp-new.jsonl"
   done
+  python3 - "$R" <<'PY' | tee -a "$R/summary.txt"
+import json, statistics, sys
+runs = {}
+for build in ("old", "new"):
+    try:
+        for line in open(f"{sys.argv[1]}/dp-{build}.jsonl"):
+            r = json.loads(line)
+            runs.setdefault((r["devices"], build), []).append(r["samples_per_sec"])
+    except OSError:
+        pass
+for n in sorted({d for d, _ in runs}):
+    old, new = runs.get((n, "old")), runs.get((n, "new"))
+    if old and new:
+        o, w = statistics.median(old), statistics.median(new)
+        print(f"dp cnn 64/device on {n} logical devices: d9253e9 {o:,.0f}, now {w:,.0f} samples/s"
+              f" ({w / o:.2f}x; runs {[round(x) for x in old]} / {[round(x) for x in new]})")
+PY
 else
   echo "NOT RUN dp-old/dp-new (no .gpu/commit-d9253e9.tar.xz)" | tee -a "$R/summary.txt"
 fi
