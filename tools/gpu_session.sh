@@ -1,7 +1,7 @@
 #!/bin/bash
 # What the next session with a GPU machine runs, in one `run` call (the device tool's budget is a
-# few minutes, so it is one prepared script): the GPU suites, issue 12's open rows against
-# PyTorch in the same call, and each change built since the last GPU run timed on and off.
+# few minutes, so it is one prepared script): what settles the padded stem, the GPU suites,
+# issue 12's rows against PyTorch and issue 11's DP rows against d9253e9, each in the same call.
 #
 #   here:  REPLICA_SKIP_BUILD=1 tools/setup.sh && ../shared/gpu/pack.sh     (builds .gpu/)
 #          tools/gpu_pack_commit.sh d9253e9                   (DP before the redesign, .gpu/)
@@ -66,15 +66,14 @@ fi
 step vs-r101 60 $V --case resnet101:1x28x28:256 --precisions fp32 --out "$R/vs-r101"
 step vs-r101-tf32 60 $V --case resnet101:1x28x28:256 --precisions tf32 --out "$R/vs-r101-tf32"
 
-# Switches against the defaults, each in the same call.
+# The padded stem against the default, three rounds in the same call, then one padded bf16
+# ResNet-50 step kernel by kernel (what is left once the stem is NHWC).
 D="$B/bin/replica-bench --suite dp --device-counts 1 --devices cuda:0"
 T="--warmup 3 --steps 20 --repeat 3"
 R50="$D --model resnet50 --input-shape 3x224x224 --batch-per-device 256 --precision bf16"
-R101="$D --model resnet101 --input-shape 1x28x28 --batch-per-device 256 --precision fp32"
 step r50 35 $G $R50 $T
 step r50-pad 35 env REPLICA_PAD_CHANNELS=1 $G $R50 $T
-step r101 30 $G $R101 $T
-step r101-noplane 30 env REPLICA_CUDA_PLANE_MATRIX=0 $G $R101 $T
-step ncu 60 $G ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
-  --csv --log-file "$R/ncu.csv" $R50 --memory-format channels_last --warmup 1 --steps 2 --repeat 1
+step ncu 60 env REPLICA_PAD_CHANNELS=1 $G ncu --clock-control none --cache-control none \
+  --metrics gpu__time_duration.sum --csv --log-file "$R/ncu.csv" $R50 \
+  --memory-format channels_last --warmup 1 --steps 2 --repeat 1
 gpu_steps_pack
