@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -227,23 +228,26 @@ inline Batch perturbed(const Batch& b, float rel, uint32_t seed) {
 // zero_init_residual does it with 0. From the default init a ResNet-50's SGD step is chaotic: on
 // the CPU, noise of 2^-16 on the input pixels moves its update by 9% (relative L2) and noise of
 // 2^-9 by 90-140%, and one bf16 ulp at 14 of the stem's outputs moves its loss by 2.7%. With 0.1
-// the same noise moves the update by 0.1-1.2% and 20%, and those ulps the loss by 0.04%
+// the same noise moves the update by 0.1-1.2% and 8-22%, and those ulps the loss by 0.04%
 // (bench/results/2026-11-30-cpu.md): two steps compared then differ by what their arithmetic does.
 // Every layer still has a gradient (with 0 the blocks' bodies get none).
 inline void damp_residual_branches(Model& model, DeviceContext& ctx, float gamma) {
   const std::string& name = model.spec().name;
   const std::string last =
       name == "resnet18" || name == "resnet34" ? ".bn2.weight" : ".bn3.weight";  // basic blocks
-  int damped = 0;
+  std::set<std::string> blocks;  // "layer1.0", ...: one weight each
+  size_t damped = 0;
   for (Param* p : model.params()) {
     const std::string& n = p->name;
-    if (n.rfind("layer", 0) != 0 || n.size() <= last.size() ||
-        n.compare(n.size() - last.size(), last.size(), last) != 0)
+    if (n.rfind("layer", 0) != 0) continue;
+    blocks.insert(n.substr(0, n.find('.', n.find('.') + 1)));
+    if (n.size() <= last.size() || n.compare(n.size() - last.size(), last.size(), last) != 0)
       continue;
     ctx.ops().fill(ctx, p->value, gamma);
     ++damped;
   }
-  REQUIRE(damped > 0);  // a ResNet
+  REQUIRE(!blocks.empty());  // a ResNet
+  REQUIRE(damped == blocks.size());
 }
 inline void damp_residual_branches(TrainEngine& e, float gamma) {
   damp_residual_branches(e.model(), e.primary(), gamma);

@@ -290,9 +290,10 @@ TEST_CASE("ops on BF16 tensors on the kernels' 64-bit index path: the CPU's numb
 // what one rounding's worth of noise on the input pixels (2^-9) does on the CPU in bf16: within
 // 5x of that. A wrong kernel or a layer left out changes the update by O(1), far beyond. The
 // residual branches start damped (test::damp_residual_branches): from the default init that
-// noise moved the update by 0.41 (H200, 2026-11-27), and 5x of it, more than two unrelated
-// updates differ (1.41), could not fail. Damped, on the CPU, the noise moves it by 0.14-0.15 and
-// summing the last stage's convolutions in another order (REPLICA_PLANE_MATRIX=0) by 0.003
+// noise moved the update by 0.41 (H200, 2026-11-27), and 5x of it is more than two unrelated
+// updates differ by (1.41): only a NaN or a far larger update failed it. Damped, on the CPU, the
+// noise moves it by 0.14-0.15, summing the last two stages' convolutions in another order
+// (REPLICA_PLANE_MATRIX=0) by 0.003, and rounding every operand (bf16 against fp32) by 0.14
 // (bench/results/2026-11-30-cpu.md).
 TEST_CASE("ResNet-18 in bf16: the GPU's SGD step is the CPU's, within rounding noise") {
   if (!have_bf16()) return;

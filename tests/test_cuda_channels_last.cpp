@@ -334,11 +334,13 @@ TEST_CASE("convolutions read and write channels_last tensors where they are: NCH
 // One SGD step of a ResNet with channels_last activations against the same step in NCHW, both
 // on the GPU: the convolutions' algorithms differ between layouts, so the update is held to
 // what rounding-sized noise on the input does (as tests/test_cuda_precision.cpp's TF32 case):
-// within 5x of it. A tensor read in the wrong layout changes the update by O(1). The residual
+// within 2x of it. A tensor read in the wrong layout changes the update by O(1). The residual
 // branches start damped (damp_residual_branches: each block's last BatchNorm weight 0.1): from
 // the default init ResNet-50's step is chaotic, its update moved 133% by the noise and its loss
 // by percents for an ulp anywhere, so that NHWC's step matched NCHW's only where every bit did.
 // On 2026-11-29 (H200) the padded stem's other order of sums gave a loss of 2.533 against 2.397.
+// Damped, on the CPU, the noise moves the update by 0.00045 (ResNet-18 fp32), 0.14 (ResNet-18
+// bf16) and 0.21 (ResNet-50 bf16), and the stem in another order the logits by 0.017.
 TEST_CASE("ResNets trained with channels_last activations on the GPU follow NCHW") {
   if (!test::have_gpu()) return;
   struct Case {
@@ -365,6 +367,6 @@ TEST_CASE("ResNets trained with channels_last activations on the GPU follow NCHW
     const test::NoiseDrift d = test::step_against_noise(
         *nchw, *nhwc, *noisy, batch, c.noise,
         c.model + " " + precision_name(c.precision) + ", NCHW vs channels_last");
-    CHECK(d.drift <= 5 * d.noise_drift);
+    CHECK(d.drift <= 2 * d.noise_drift);
   }
 }

@@ -77,6 +77,7 @@ struct Case {
   bool training_batch;  // the training case's batch (test_cuda_channels_last), else N(0, 1)
   size_t checked;       // leaves held to the tolerance
   float block_gamma = 1;  // each residual block's last BatchNorm weight (damp_residual_branches)
+  double tol = 0;         // the largest distance a checked leaf may have; 0: the precision's
 };
 
 void walk_resnet50(const Case& c) {
@@ -107,7 +108,8 @@ void walk_resnet50(const Case& c) {
   // Two kernels' outputs of one bf16 convolution differ by an ulp (2^-8 relative) where their
   // sums round apart; a value read from the wrong place differs by O(1). fp32's rounding grows
   // to about 1e-4 by the logits.
-  LayoutWalk walk{nchw, nhwc, c.precision == Precision::Bf16 ? 3e-2 : 1e-3, c.checked};
+  const double tol = c.tol > 0 ? c.tol : c.precision == Precision::Bf16 ? 3e-2 : 1e-3;
+  LayoutWalk walk{nchw, nhwc, tol, c.checked};
   walk.run(ma->root(), mb->root(), test::put(nchw, xs, xv), test::put(nhwc, xs, xv),
            "resnet50");
   std::string all;
@@ -138,13 +140,15 @@ TEST_CASE("each stage of a ResNet's forward in channels_last gives NCHW's output
 // the padded stem was 2.533 against NCHW's 2.397 on an H200 (2026-11-29). From the default init
 // that model's loss moves by percents for an ulp anywhere (bench/results/2026-11-30-cpu.md), so
 // there only the stem's own output is held to rounding, and every later stage is printed, to
-// say whether the difference starts in the stem or grows from rounding after it. With the
-// residual branches damped (as the training case now starts) rounding stays rounding: every
-// stage is held to it.
+// say whether the difference starts in the stem or grows from rounding after it. On the CPU,
+// the stem summed in another order grew from 1.5e-5 to 0.39 by the logits. With the residual
+// branches damped (as the training case now starts) it grew to 0.017 (2026-11-30-cpu/
+// stem-orders-by-stage.cpp): every stage is held to 0.1 there, where a value read from the
+// wrong place is O(1).
 TEST_CASE("the padded stem's output on the training case's weights and batch is NCHW's") {
   if (!test::have_gpu() || !test::have_tensor_cores("bf16 cases")) return;
   constexpr size_t kAll = std::numeric_limits<size_t>::max();
   const uint64_t seed = test::sgd_options("resnet50", {3, 32, 32}).seed;  // the training case's
   walk_resnet50(Case{Precision::Bf16, true, seed, true, 1});
-  walk_resnet50(Case{Precision::Bf16, true, seed, true, kAll, 0.1f});
+  walk_resnet50(Case{Precision::Bf16, true, seed, true, kAll, 0.1f, 0.1});
 }

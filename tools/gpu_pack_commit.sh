@@ -9,10 +9,10 @@
 #                             bash .gpu/gpu.sh run /tmp/replica-COMMIT/build/bin/TARGET ...
 #
 # Built as pack.sh builds (Release, -march=x86-64-v3, sm_90) in /tmp/replica-COMMIT/, from
-# `git archive` of the commit. The program links its own libraries statically in the commits
-# this serves (d9253e9 on); the Debian libraries it needs come from pack.sh's libs/, which
-# .gpu/gpu.sh puts on LD_LIBRARY_PATH. A commit whose build makes shared libraries of its own is
-# refused rather than packed without them.
+# `git archive` of the commit. d9253e9's program links replica's libraries statically; the
+# Debian libraries it needs come from pack.sh's libs/, which .gpu/gpu.sh puts on
+# LD_LIBRARY_PATH. Later commits build replica's libraries shared: such a program is refused
+# rather than packed without them.
 set -euo pipefail
 commit=${1:?usage: tools/gpu_pack_commit.sh COMMIT [TARGET]}
 target=${2:-replica-bench}
@@ -27,7 +27,8 @@ if [ ! -f "$W/build/build.ninja" ]; then
         -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
 fi
 cmake --build "$W/build" -j"$(nproc)" --target "$target"
-if ldd "$W/build/bin/$target" | grep -q 'libreplica'; then
+deps=$(ldd "$W/build/bin/$target")
+if grep -q 'libreplica' <<<"$deps"; then
   echo "gpu_pack_commit: $short's $target loads replica's own shared libraries; not packed" >&2
   exit 1
 fi

@@ -6,7 +6,7 @@
 #   here:  REPLICA_SKIP_BUILD=1 tools/setup.sh && ../shared/gpu/pack.sh     (builds .gpu/)
 #          tools/gpu_pack_commit.sh d9253e9                   (DP before the redesign, .gpu/)
 #   there: run with carry [".gpu"], timeout_s 560:  BUDGET=540 bash tools/gpu_session.sh
-#   then:  give_back; python3 tools/ncu_step.py <files_at>/s1/ncu.csv
+#   then:  give_back; tar -xzf <files_at>/s1.tgz; python3 tools/ncu_step.py s1/ncu.csv
 #
 # Each step runs under its own limit and what is left of BUDGET (tools/gpu_steps.sh), so a call
 # that runs out of time still brings back $OUT/s1.tgz with what ran and a summary of what did not.
@@ -29,19 +29,19 @@ step walk 40 $G $B/bin/test_cuda_layout_walk -s
 step trained-pad 30 env REPLICA_PAD_CHANNELS=1 $G $B/bin/test_cuda_channels_last -s
 step vs-r50-pad 90 env REPLICA_PAD_CHANNELS=1 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50-pad"
 step vs-r50 90 $V --case resnet50:3x224x224:256 --precisions bf16 --out "$R/vs-r50"
-step tests 150 $G ctest --test-dir $B -L gpu -E test_cuda_ddp --output-on-failure
+step tests 150 $G ctest --test-dir $B -L gpu -E 'test_cuda_ddp|test_cuda_layout_walk' --output-on-failure
 step ddp 150 $G ctest --test-dir $B -R test_cuda_ddp --output-on-failure
 
 # Issue 11: DP's samples/s against d9253e9, where the communication-layer redesign started: the
-# CNN at 64 per device on 1, 2 and 4 logical devices of the GPU, the two builds alternated twice
-# in this call (.gpu/commit-d9253e9.tar.xz, made here by tools/gpu_pack_commit.sh d9253e9).
+# CNN at 64 per device on 1, 2 and 4 logical devices of the GPU, the two builds alternated three
+# times in this call (.gpu/commit-d9253e9.tar.xz, made here by tools/gpu_pack_commit.sh d9253e9).
 OLD=/tmp/replica-d9253e9/build/bin/replica-bench
-DPC="--suite dp --model cnn --devices cuda:0*4 --device-counts 1,2,4 --batch-per-device 64"
-DPC="$DPC --warmup 20 --steps 300 --repeat 1"
+DPC=(--suite dp --model cnn --devices 'cuda:0*4' --device-counts 1,2,4 --batch-per-device 64
+     --warmup 20 --steps 300 --repeat 1)
 if [ -f .gpu/commit-d9253e9.tar.xz ] && tar -xJf .gpu/commit-d9253e9.tar.xz -C /; then
-  for round in 1 2; do
-    step dp-old-$round 25 $G $OLD $DPC --json "$R/dp-old.jsonl"
-    step dp-new-$round 25 $G $B/bin/replica-bench $DPC --json "$R/dp-new.jsonl"
+  for round in 1 2 3; do
+    step dp-old-$round 25 $G $OLD "${DPC[@]}" --json "$R/dp-old.jsonl"
+    step dp-new-$round 25 $G $B/bin/replica-bench "${DPC[@]}" --json "$R/dp-new.jsonl"
   done
   python3 - "$R" <<'PY' | tee -a "$R/summary.txt"
 import json, statistics, sys

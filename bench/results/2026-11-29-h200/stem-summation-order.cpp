@@ -5,7 +5,6 @@
 // rest of the forward's loss moves from that alone. Built as loss-sensitivity.cpp beside it says.
 #include <doctest/doctest.h>
 #include <cstdio>
-#include <cstdlib>
 #include "dp_reference.h"
 #include "engine/context.h"
 #include "engine/ops.h"
@@ -14,13 +13,10 @@
 #include "parallel/engines/train_engine.h"
 using namespace replica;
 TEST_CASE("the stem's summation order") {
-  EngineOptions o = test::sgd_options("resnet50", {3, 32, 32});
-  o.precision = Precision::Bf16;
-  auto engine = make_single_device_engine(Device{DeviceType::CPU, 0, 0}, o);
-  // GAMMA=g: each residual block's last BatchNorm weight g (bench/results/2026-11-30-cpu.md)
-  if (const char* g = std::getenv("GAMMA")) test::damp_residual_branches(*engine, std::atof(g));
-  DeviceContext& ctx = engine->primary();
-  Model* m = &engine->model();
+  DeviceContext ctx(Device{DeviceType::CPU, 0, 0}, ContextOptions{2, true, Precision::Bf16});
+  const EngineOptions o = test::sgd_options("resnet50", {3, 32, 32});
+  auto m = make_model("resnet50", {3, 32, 32}, 10);
+  m->materialize(ctx, o.seed);
   const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
   Module& root = m->root();
   REQUIRE(m->params()[0]->name == "conv1.weight");

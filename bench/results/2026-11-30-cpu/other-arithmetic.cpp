@@ -1,7 +1,7 @@
 // Two differences that are not bugs, each beside the input noise a GPU test holds it to, from the
 // default init and with the residual branches damped (tests/dp_reference.h,
 // damp_residual_branches, 0.1): one SGD step's update drift (relative L2 against the reference's).
-// - another order of sums: the last stage's convolutions through im2col's columns instead of the
+// - another order of sums: the last two stages' convolutions through im2col's columns instead of the
 //   plane matrix (REPLICA_PLANE_MATRIX=0), bf16, against bf16 input noise of 2^-9 (the shape of
 //   test_cuda_bf16_storage's GPU-against-CPU step, where the GPU sums in other orders);
 // - rounding of every operand: bf16 against fp32, against fp32 input noise of 2^-9 (the shape of
@@ -50,7 +50,7 @@ TEST_CASE("another order of sums, and rounding every operand, against input nois
         const test::ScopedEnv im2col("REPLICA_PLANE_MATRIX", "0");
         reordered->train_step(batch);
       }
-      std::printf("  bf16, the last stage summed through im2col: %.3g; bf16 noise:%s\n",
+      std::printf("  bf16, the last two stages summed through im2col: %.3g; bf16 noise:%s\n",
                   test::update_drift(*bf16, *reordered, before),
                   noise_drifts(*bf16, before, Precision::Bf16).c_str());
       auto fp32 = make(Precision::Fp32);
