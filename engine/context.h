@@ -133,7 +133,7 @@ class DeviceContext {
   // the shapes cuDNN's tensor-core kernels take, or where a first layer's 1-7 channels are
   // padded to 8 for them (engine/cuda/conv_padded.cu). A ResNet's stem then hands its output on
   // NHWC: its BatchNorm and max-pool read it there, and neither pass has a transpose.
-  // The padding is off by default (engine/env_switch.h says why): REPLICA_PAD_CHANNELS=1 in the
+  // The padding is off by default (conv_padded.cu says why): REPLICA_PAD_CHANNELS=1 in the
   // environment turns it on; without it those few channels stay unpadded and the layer NCHW.
   bool nhwc_convolution(int64_t C, int64_t K) const {
     return options_.channels_last && K % 8 == 0 && (C % 8 == 0 || (C < 8 && pads_channels()));

@@ -231,25 +231,33 @@ inline Batch perturbed(const Batch& b, float rel, uint32_t seed) {
 // the same noise moves the update by 0.1-1.2% and 8-22%, and those ulps the loss by 0.04%
 // (bench/results/2026-11-30-cpu.md): two steps compared then differ by what their arithmetic does.
 // Every layer still has a gradient (with 0 the blocks' bodies get none).
-inline void damp_residual_branches(Model& model, DeviceContext& ctx, float gamma) {
-  const std::string& name = model.spec().name;
-  const std::string last =
-      name == "resnet18" || name == "resnet34" ? ".bn2.weight" : ".bn3.weight";  // basic blocks
-  std::set<std::string> blocks;  // "layer1.0", ...: one weight each
-  size_t damped = 0;
-  for (Param* p : model.params()) {
-    const std::string& n = p->name;
-    if (n.rfind("layer", 0) != 0) continue;
-    blocks.insert(n.substr(0, n.find('.', n.find('.') + 1)));
-    if (n.size() <= last.size() || n.compare(n.size() - last.size(), last.size(), last) != 0)
-      continue;
-    ctx.ops().fill(ctx, p->value, gamma);
-    ++damped;
-  }
-  REQUIRE(!blocks.empty());  // a ResNet
-  REQUIRE(damped == blocks.size());
+inline constexpr float kDampedBlockGamma = 0.1f;
+
+// The qualified names of the last BatchNorm weights of the residual blocks under `m` (at
+// `path`). A block registers its body, unnamed, then that BatchNorm (layers/resnet.h): it is
+// the child after an unnamed one. Parameter names skip the unnamed level, as collect() does.
+inline void last_block_bn_weights(const Module& m, const std::string& path,
+                                  std::set<std::string>& out) {
+  const auto& children = m.children();
+  if (children.size() > 1 && children[0].first.empty())
+    out.insert(path + "." + children[1].first + ".weight");
+  for (const auto& [name, child] : children)
+    if (!name.empty()) last_block_bn_weights(*child, path.empty() ? name : path + "." + name, out);
 }
-inline void damp_residual_branches(TrainEngine& e, float gamma) {
+
+inline void damp_residual_branches(Model& model, DeviceContext& ctx, float gamma) {
+  std::set<std::string> weights;
+  last_block_bn_weights(model.root(), "", weights);
+  REQUIRE(!weights.empty());  // a ResNet
+  size_t damped = 0;
+  for (Param* p : model.params())
+    if (weights.count(p->name)) {
+      ctx.ops().fill(ctx, p->value, gamma);
+      ++damped;
+    }
+  REQUIRE(damped == weights.size());
+}
+inline void damp_residual_branches(TrainEngine& e, float gamma = kDampedBlockGamma) {
   damp_residual_branches(e.model(), e.primary(), gamma);
   e.state_loaded();
 }

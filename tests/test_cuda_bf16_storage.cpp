@@ -302,7 +302,7 @@ TEST_CASE("ResNet-18 in bf16: the GPU's SGD step is the CPU's, within rounding n
   auto cpu = make_single_device_engine(kCpu, o);
   auto noisy = make_single_device_engine(kCpu, o);
   auto gpu = make_single_device_engine(kGpu, o);
-  for (TrainEngine* e : {cpu.get(), noisy.get(), gpu.get()}) test::damp_residual_branches(*e, 0.1f);
+  for (TrainEngine* e : {cpu.get(), noisy.get(), gpu.get()}) test::damp_residual_branches(*e);
   const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
   const test::NoiseDrift d =
       test::step_against_noise(*cpu, *gpu, *noisy, batch, 1.f / 512, "resnet18 bf16, CPU vs GPU");

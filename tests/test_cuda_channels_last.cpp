@@ -362,7 +362,7 @@ TEST_CASE("ResNets trained with channels_last activations on the GPU follow NCHW
     o.channels_last = true;
     auto nhwc = make_single_device_engine(kGpu, o);
     for (TrainEngine* e : {nchw.get(), noisy.get(), nhwc.get()})
-      test::damp_residual_branches(*e, 0.1f);
+      test::damp_residual_branches(*e);
     const Batch batch = test::make_batches(o.input_shape, 16, 1, 6).at(0);
     const test::NoiseDrift d = test::step_against_noise(
         *nchw, *nhwc, *noisy, batch, c.noise,

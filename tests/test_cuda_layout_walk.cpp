@@ -150,5 +150,5 @@ TEST_CASE("the padded stem's output on the training case's weights and batch is 
   constexpr size_t kAll = std::numeric_limits<size_t>::max();
   const uint64_t seed = test::sgd_options("resnet50", {3, 32, 32}).seed;  // the training case's
   walk_resnet50(Case{Precision::Bf16, true, seed, true, 1});
-  walk_resnet50(Case{Precision::Bf16, true, seed, true, kAll, 0.1f, 0.1});
+  walk_resnet50(Case{Precision::Bf16, true, seed, true, kAll, test::kDampedBlockGamma, 0.1});
 }
